@@ -1,0 +1,250 @@
+"""Configuration: defaults < TOML file < PREFETCHD_* environment < explicit arguments.
+
+Sizes accept integers (bytes) or strings with IEC or SI units ("2GiB", "512MiB",
+"1.5GB"); watermarks also accept fractions of the device budget (0.9). A bad
+value raises ConfigError naming the key and where the value came from.
+"""
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, fields
+
+from .errors import PrefetchdError
+
+ENV_PREFIX = "PREFETCHD_"
+
+_UNITS = {"": 1, "b": 1,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+          "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+class ConfigError(PrefetchdError, ValueError):
+    """A configuration value that cannot be used; the message names the key."""
+
+
+def parse_size(value, key="size"):
+    """Bytes from an int or a string like '2GiB'. Fractions are not sizes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size, got a boolean")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{key}: size must be >= 0, got {value}")
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 1:
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _UNITS:
+            n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            if n == int(n):
+                return int(n)
+        raise ConfigError(f"{key}: cannot read {value!r} as a size (examples: 1048576, '512MiB', '2GiB')")
+    raise ConfigError(f"{key}: expected a size, got {type(value).__name__} {value!r}")
+
+
+def parse_fraction_or_size(value, budget, key):
+    """A watermark: a float fraction 0 < f <= 1 of `budget` ("0.9", 0.9), or a size ("900MiB", 943718400)."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return parse_size(value, key)
+    if isinstance(value, float):
+        if not 0 < value <= 1:
+            raise ConfigError(f"{key}: a fraction of the budget must be in (0, 1], got {value}")
+        return int(budget * value)
+    return parse_size(value, key)
+
+
+def _parse_bool(value, key):
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{key}: expected true/false, got {value!r}")
+
+
+def _parse_int(value, key, minimum=None):
+    try:
+        n = int(value)
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+    if minimum is not None and n < minimum:
+        raise ConfigError(f"{key}: must be >= {minimum}, got {n}")
+    return n
+
+
+def _parse_port(value, key):
+    if value in (None, "", "none", "off"):
+        return None
+    return _parse_int(value, key, minimum=0)
+
+
+def _parse_seconds(value, key):
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected seconds, got {value!r}") from None
+    if seconds < 0:
+        raise ConfigError(f"{key}: must be >= 0, got {seconds}")
+    return seconds
+
+
+def _choice(*allowed):
+    def parse(value, key):
+        if value not in allowed:
+            raise ConfigError(f"{key}: must be one of {', '.join(allowed)}; got {value!r}")
+        return value
+    return parse
+
+
+def _optional_str(value, key):
+    if value in (None, ""):
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a Daemon needs. Build with `Config.load(...)`; fields are final."""
+
+    device_budget: int = 1 << 30          # bytes of the device tier prefetchd may reserve
+    high_watermark: int = 0               # reservations never exceed this (0 -> 95% of budget)
+    low_watermark: int = 0                # eviction stops here (0 -> 85% of the high watermark)
+    host_budget: int = 4 << 30            # bytes of pinned/aligned host staging
+    store_dir: str | None = None          # remote tier directory (None -> a private temp dir)
+    backend: str = "cpu"
+    copy_streams: int = 2
+    io_engine: str = "auto"
+    direct_io: bool = True
+    io_block_size: int = 8 << 20
+    io_queue_depth: int = 4
+    io_threads: int = 2
+    fsync: bool = True
+    verify_reads: bool = True
+    lookahead: int = 2
+    policy: str = "belady"
+    auto_fetch: bool = False
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
+    endpoint: str | None = None
+    name: str = "default"
+    shutdown_timeout: float = 10.0
+
+    @classmethod
+    def load(cls, path=None, env=None, **overrides):
+        """Merge defaults < TOML file (`path` or $PREFETCHD_CONFIG) < env < overrides."""
+        env = os.environ if env is None else env
+        raw, origin = {}, {}
+        path = path or env.get(ENV_PREFIX + "CONFIG")
+        if path:
+            try:
+                with open(path, "rb") as f:
+                    doc = tomllib.load(f)
+            except OSError as e:
+                raise ConfigError(f"config file {path}: {e.strerror}") from None
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"config file {path}: {e}") from None
+            doc = doc.get("prefetchd", doc)
+            for key, value in doc.items():
+                raw[key], origin[key] = value, f"file {path}"
+        for key in cls.keys():
+            name = ENV_PREFIX + key.upper()
+            if name in env:
+                raw[key], origin[key] = env[name], f"env {name}"
+        for key, value in overrides.items():
+            if value is not None:
+                raw[key], origin[key] = value, "argument"
+        return cls.from_dict(raw, origin)
+
+    @classmethod
+    def keys(cls):
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_dict(cls, raw, origin=None):
+        origin = origin or {}
+        unknown = sorted(set(raw) - set(cls.keys()))
+        if unknown:
+            where = origin.get(unknown[0], "argument")
+            raise ConfigError(f"{unknown[0]}: unknown setting (from {where}); known: {', '.join(cls.keys())}")
+        values = {}
+        for key, value in raw.items():
+            parse = _PARSERS[key]
+            try:
+                values[key] = parse(value, key)
+            except ConfigError as e:
+                where = origin.get(key)
+                raise ConfigError(f"{e} (from {where})" if where else str(e)) from None
+        budget = values.get("device_budget", cls.device_budget)
+        for key in ("high_watermark", "low_watermark"):
+            if key in values:
+                try:
+                    values[key] = parse_fraction_or_size(values[key], budget, key)
+                except ConfigError as e:
+                    where = origin.get(key)
+                    raise ConfigError(f"{e} (from {where})" if where else str(e)) from None
+        return cls(**values)
+
+    def __post_init__(self):
+        if self.device_budget <= 0:
+            raise ConfigError(f"device_budget: must be > 0, got {self.device_budget}")
+        high = self.high_watermark or int(self.device_budget * 0.95)
+        low = self.low_watermark or int(high * 0.85)
+        if high > self.device_budget:
+            raise ConfigError(f"high_watermark: {high} bytes exceeds device_budget {self.device_budget}")
+        if low > high:
+            raise ConfigError(f"low_watermark: {low} bytes is above high_watermark {high}")
+        object.__setattr__(self, "high_watermark", high)
+        object.__setattr__(self, "low_watermark", low)
+
+    def replace(self, **changes):
+        return Config.from_dict({**self.as_dict(), **changes})
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+
+_PARSERS = {}
+
+
+def _keep_watermark(value, key):
+    # Watermarks are resolved against the (possibly overridden) budget in from_dict.
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a fraction or a size, got a boolean")
+    return value
+
+
+_PARSERS.update({
+    "device_budget": parse_size,
+    "high_watermark": _keep_watermark,
+    "low_watermark": _keep_watermark,
+    "host_budget": parse_size,
+    "store_dir": _optional_str,
+    "backend": _choice("cpu", "ascend"),
+    "copy_streams": lambda v, k: _parse_int(v, k, minimum=1),
+    "io_engine": _choice("auto", "aio", "threads", "buffered"),
+    "direct_io": _parse_bool,
+    "io_block_size": parse_size,
+    "io_queue_depth": lambda v, k: _parse_int(v, k, minimum=1),
+    "io_threads": lambda v, k: _parse_int(v, k, minimum=1),
+    "fsync": _parse_bool,
+    "verify_reads": _parse_bool,
+    "lookahead": lambda v, k: _parse_int(v, k, minimum=0),
+    "policy": _choice("lru", "belady"),
+    "auto_fetch": _parse_bool,
+    "metrics_port": _parse_port,
+    "metrics_addr": _optional_str,
+    "endpoint": _optional_str,
+    "name": lambda v, k: _optional_str(v, k) or "default",
+    "shutdown_timeout": lambda v, k: _parse_seconds(v, k),
+})
