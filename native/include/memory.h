@@ -1,0 +1,107 @@
+// Device-tier Arena, host-tier HostPool and the Block both hand out.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+
+namespace pfd {
+
+// One anonymous mapping. Shared by every Block cut from it, so a view on a
+// block never dangles even after the Arena or HostPool is closed.
+struct Mapping {
+    void *raw = nullptr;   // what mmap returned
+    size_t raw_len = 0;
+    char *base = nullptr;  // aligned start inside raw
+    size_t len = 0;
+    Mapping(size_t len, size_t alignment);  // throws OutOfSpace/NativeError
+    ~Mapping();
+    Mapping(const Mapping &) = delete;
+    Mapping &operator=(const Mapping &) = delete;
+};
+
+// Something a Block returns its bytes to.
+struct BlockOwner {
+    virtual ~BlockOwner() = default;
+    virtual void give_back(int64_t offset, size_t capacity, size_t nbytes) = 0;
+};
+
+class Block {
+  public:
+    Block(std::shared_ptr<Mapping> m, std::shared_ptr<BlockOwner> owner, char *ptr, size_t nbytes,
+          size_t capacity, int64_t offset)
+        : mapping_(std::move(m)), owner_(std::move(owner)), ptr_(ptr), nbytes_(nbytes), capacity_(capacity),
+          offset_(offset) {}
+    ~Block();
+    char *data() const { return ptr_; }
+    uintptr_t address() const { return reinterpret_cast<uintptr_t>(ptr_); }
+    size_t nbytes() const { return nbytes_; }
+    size_t capacity() const { return capacity_; }
+    int64_t offset() const { return offset_; }
+    bool released() const { return released_.load(); }
+    void release();           // Closed("block already released") the second time
+    void check_live() const;  // Closed if released
+
+  private:
+    std::shared_ptr<Mapping> mapping_;
+    std::shared_ptr<BlockOwner> owner_;
+    char *ptr_;
+    size_t nbytes_, capacity_;
+    int64_t offset_;
+    std::atomic<bool> released_{false};
+};
+
+// First-fit allocator over one mapping; the free list is ordered by offset so
+// neighbours coalesce on free and fragmentation stays visible (largest_free).
+class ArenaImpl : public BlockOwner, public std::enable_shared_from_this<ArenaImpl> {
+  public:
+    ArenaImpl(size_t capacity, size_t alignment);
+    std::shared_ptr<Block> alloc(size_t nbytes);
+    void give_back(int64_t offset, size_t capacity, size_t nbytes) override;
+    void close();
+    size_t capacity() const { return capacity_; }
+    size_t alignment() const { return alignment_; }
+    size_t used() const;
+    size_t peak_used() const;
+    size_t num_blocks() const;
+    size_t largest_free() const;
+    bool closed() const;
+
+  private:
+    size_t capacity_, alignment_;
+    std::shared_ptr<Mapping> mapping_;
+    mutable std::mutex mu_;
+    std::map<size_t, size_t> free_;  // offset -> length
+    size_t used_ = 0, peak_ = 0, blocks_ = 0;
+    bool closed_ = false;
+};
+
+// Exact-budget pool of individually mapped, aligned staging buffers.
+class HostPoolImpl : public BlockOwner, public std::enable_shared_from_this<HostPoolImpl> {
+  public:
+    HostPoolImpl(size_t budget, size_t alignment, bool lock_memory);
+    std::shared_ptr<Block> alloc(size_t nbytes);
+    void give_back(int64_t offset, size_t capacity, size_t nbytes) override;
+    void close();
+    size_t budget() const { return budget_; }
+    size_t used() const;
+    size_t peak_used() const;
+    bool locked() const;
+    bool closed() const;
+
+  private:
+    size_t budget_, alignment_;
+    bool lock_;
+    mutable std::mutex mu_;
+    size_t used_ = 0, peak_ = 0;
+    bool all_locked_;
+    bool closed_ = false;
+};
+
+std::shared_ptr<Block> aligned_buffer(size_t nbytes, size_t alignment);
+void check_alignment(size_t alignment);  // power of two, else ValueError
+
+}  // namespace pfd

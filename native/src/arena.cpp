@@ -1,0 +1,140 @@
+// Arena: the device tier on CPU builds. One mapping reserved up front, carved
+// first-fit; Blocks share the mapping so views stay valid after close().
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common.h"
+#include "memory.h"
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+namespace pfd {
+
+void check_alignment(size_t alignment) {
+    if (alignment == 0 || (alignment & (alignment - 1)) != 0)
+        throw Error(ErrKind::Value, "alignment must be a power of two, got " + std::to_string(alignment));
+}
+
+Mapping::Mapping(size_t n, size_t alignment) {
+    size_t page = size_t(sysconf(_SC_PAGESIZE));
+    size_t al = std::max(alignment, page);
+    len = round_up(std::max<size_t>(n, 1), page);
+    // Over-reserve when the alignment exceeds a page, then use the aligned part.
+    raw_len = len + (al > page ? al : 0);
+    raw = mmap(nullptr, raw_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (raw == MAP_FAILED) {
+        raw = nullptr;
+        int e = errno;
+        throw Error(ErrKind::OutOfSpace, "mmap of " + std::to_string(raw_len) + " bytes failed: " + errno_name(e));
+    }
+    base = reinterpret_cast<char *>(round_up(reinterpret_cast<uintptr_t>(raw), al));
+}
+
+Mapping::~Mapping() {
+    if (raw) munmap(raw, raw_len);
+}
+
+Block::~Block() {
+    // A Block dropped without release() still returns its bytes.
+    if (!released_.exchange(true) && owner_) owner_->give_back(offset_, capacity_, nbytes_);
+}
+
+void Block::release() {
+    if (released_.exchange(true)) throw Error(ErrKind::Closed, "block already released");
+    if (owner_) owner_->give_back(offset_, capacity_, nbytes_);
+}
+
+void Block::check_live() const {
+    if (released_.load()) throw Error(ErrKind::Closed, "block already released");
+}
+
+ArenaImpl::ArenaImpl(size_t capacity, size_t alignment) : capacity_(capacity), alignment_(alignment) {
+    check_alignment(alignment);
+    capacity_ = capacity / alignment * alignment;  // only whole aligned units are usable
+    mapping_ = std::make_shared<Mapping>(capacity_, alignment);
+    if (capacity_ > 0) {
+        // Fault pages in once now so the first copy into a block does not pay for it.
+        if (madvise(mapping_->base, capacity_, MADV_POPULATE_WRITE) != 0) memset(mapping_->base, 0, capacity_);
+        free_[0] = capacity_;
+    }
+}
+
+std::shared_ptr<Block> ArenaImpl::alloc(size_t nbytes) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (closed_) throw Error(ErrKind::Closed, "arena is closed");
+    size_t need = round_up(nbytes, alignment_);
+    if (need == 0) {
+        blocks_++;
+        return std::make_shared<Block>(mapping_, shared_from_this(), mapping_->base, 0, 0, 0);
+    }
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+        if (it->second < need) continue;
+        size_t off = it->first, len = it->second;
+        free_.erase(it);
+        if (len > need) free_[off + need] = len - need;
+        used_ += need;
+        peak_ = std::max(peak_, used_);
+        blocks_++;
+        return std::make_shared<Block>(mapping_, shared_from_this(), mapping_->base + off, nbytes, need,
+                                       int64_t(off));
+    }
+    size_t largest = 0;
+    for (auto &f : free_) largest = std::max(largest, f.second);
+    throw Error(ErrKind::OutOfSpace, "arena cannot fit " + std::to_string(nbytes) + " bytes (" +
+                                         std::to_string(need) + " aligned): used " + std::to_string(used_) + " of " +
+                                         std::to_string(capacity_) + ", largest free " + std::to_string(largest));
+}
+
+void ArenaImpl::give_back(int64_t offset, size_t cap, size_t) {
+    std::lock_guard<std::mutex> g(mu_);
+    blocks_--;
+    if (cap == 0) return;
+    used_ -= cap;
+    if (closed_) return;  // free list is gone; nothing to coalesce into
+    size_t off = size_t(offset), len = cap;
+    auto next = free_.lower_bound(off);
+    if (next != free_.end() && off + len == next->first) {  // merge with right neighbour
+        len += next->second;
+        next = free_.erase(next);
+    }
+    if (next != free_.begin()) {  // merge with left neighbour
+        auto prev = std::prev(next);
+        if (prev->first + prev->second == off) {
+            prev->second += len;
+            return;
+        }
+    }
+    free_[off] = len;
+}
+
+void ArenaImpl::close() {
+    std::lock_guard<std::mutex> g(mu_);
+    closed_ = true;
+    free_.clear();
+    mapping_.reset();  // outstanding blocks still hold it
+}
+
+size_t ArenaImpl::used() const { std::lock_guard<std::mutex> g(mu_); return used_; }
+size_t ArenaImpl::peak_used() const { std::lock_guard<std::mutex> g(mu_); return peak_; }
+size_t ArenaImpl::num_blocks() const { std::lock_guard<std::mutex> g(mu_); return blocks_; }
+bool ArenaImpl::closed() const { std::lock_guard<std::mutex> g(mu_); return closed_; }
+size_t ArenaImpl::largest_free() const {
+    std::lock_guard<std::mutex> g(mu_);
+    size_t largest = 0;
+    for (auto &f : free_) largest = std::max(largest, f.second);
+    return largest;
+}
+
+std::shared_ptr<Block> aligned_buffer(size_t nbytes, size_t alignment) {
+    check_alignment(alignment);
+    auto m = std::make_shared<Mapping>(nbytes, alignment);
+    char *p = m->base;
+    return std::make_shared<Block>(std::move(m), nullptr, p, nbytes, round_up(nbytes, alignment), -1);
+}
+
+}  // namespace pfd

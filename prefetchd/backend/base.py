@@ -1,0 +1,68 @@
+"""The Backend protocol the daemon schedules against.
+
+A backend owns three tiers (device allocator, host allocator, remote store)
+and copy streams. Every transfer is asynchronous: `start_*` enqueues it on a
+copy stream and returns at once; its completion later comes out of
+`wait_completions()` carrying the caller's `tag`. The scheduler blocks there
+(no polling) and is woken early by `notify()` when a request arrives.
+"""
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+
+class TransferKind(str, Enum):
+    LOAD = "load"      # remote -> device
+    STORE = "store"    # device -> remote
+    H2D = "h2d"        # host -> device
+    D2H = "d2h"        # device -> host
+    VERIFY = "verify"  # re-read of a stored version to prove it durable and intact
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished transfer; same fields as the native engine's Completion."""
+    tag: int
+    status: int          # 0 ok, errno > 0, native STATUS_* < 0
+    message: str = ""
+    nbytes: int = 0
+    result: int = 0
+    start_ns: int = 0
+    end_ns: int = 0
+
+
+class Backend(Protocol):
+    name: str
+    io_engine: str
+
+    # memory
+    def alloc_device(self, nbytes: int): ...          # -> block, or raise native OutOfSpace
+    def free_device(self, block) -> None: ...
+    def device_used(self) -> int: ...                 # bytes reserved (rounded to alignment)
+    def device_capacity(self) -> int: ...
+    def block_bytes(self, nbytes: int) -> int: ...    # what a request of nbytes reserves
+    def alloc_host(self, nbytes: int): ...
+    def free_host(self, block) -> None: ...
+    def host_used(self) -> int: ...
+
+    # framework binding
+    def view(self, block, shape, dtype): ...          # numpy view, no copy
+    def bind(self, target, block, shape, dtype) -> None: ...
+    def compute_fence(self) -> None: ...              # all dispatched compute has finished
+
+    # transfers (asynchronous; completions carry `tag`)
+    def start_load(self, key: str, block, nbytes: int, tag: int, verify: bool) -> None: ...
+    def start_store(self, key: str, block, nbytes: int, meta: bytes, tag: int) -> None: ...
+    def start_verify(self, key: str, tag: int) -> None: ...
+    def start_copy(self, kind: TransferKind, dst, src, nbytes: int, tag: int) -> None: ...
+    def wait_completions(self, timeout: float | None) -> list: ...
+    def notify(self) -> None: ...
+
+    # remote tier
+    def store_contains(self, key: str) -> bool: ...
+    def store_info(self, key: str) -> dict: ...
+    def store_bytes(self) -> int: ...
+    def write_sync(self, key: str, data, meta: bytes = b"") -> None: ...
+    def read_sync(self, key: str, dst) -> None: ...
+
+    def close(self) -> None: ...

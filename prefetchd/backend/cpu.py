@@ -1,0 +1,133 @@
+"""The CPU backend: the native arena is the device tier.
+
+Device memory on this backend is host memory reserved up front (capacity = the
+device budget), so a "device" block is a 4 KiB-aligned arena slice that
+MindSpore views without a copy (`Tensor.from_numpy`). The remote tier is the
+native FileStore; copies and I/O run on native copy streams whose completions
+land in one native CompletionQueue.
+"""
+import shutil
+import tempfile
+
+import numpy as np
+
+from .. import _native
+from .base import TransferKind
+
+_ALIGN = 4096
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def __init__(self, config):
+        self._own_dir = config.store_dir is None
+        directory = config.store_dir or tempfile.mkdtemp(prefix="prefetchd-store-")
+        self.device = _native.Arena(config.device_budget, _ALIGN)
+        self.host = _native.HostPool(config.host_budget, _ALIGN)
+        self.store = _native.FileStore(
+            directory, engine=config.io_engine, direct=config.direct_io,
+            block_size=config.io_block_size, queue_depth=config.io_queue_depth,
+            io_threads=config.io_threads, fsync=config.fsync)
+        self.io_engine = self.store.engine
+        self.cq = _native.CompletionQueue()
+        # Loads and stores get their own streams so a write-back never queues
+        # behind the prefetch that needs the space it frees.
+        self.load_stream = _native.Stream("load")
+        self.store_stream = _native.Stream("store") if config.copy_streams > 1 else self.load_stream
+        self._scratch = {}  # tag -> buffer kept alive while a verify read runs
+
+    # memory -----------------------------------------------------------------
+    def alloc_device(self, nbytes):
+        return self.device.alloc(nbytes)
+
+    def free_device(self, block):
+        block.release()
+
+    def device_used(self):
+        return self.device.used
+
+    def device_capacity(self):
+        return self.device.capacity
+
+    @staticmethod
+    def block_bytes(nbytes):
+        return -(-nbytes // _ALIGN) * _ALIGN
+
+    def alloc_host(self, nbytes):
+        return self.host.alloc(nbytes)
+
+    def free_host(self, block):
+        block.release()
+
+    def host_used(self):
+        return self.host.used
+
+    # framework binding --------------------------------------------------------
+    @staticmethod
+    def view(block, shape, dtype):
+        count = int(np.prod(shape)) if len(shape) else 1
+        return np.frombuffer(block, dtype=dtype, count=count).reshape(shape)
+
+    def bind(self, target, block, shape, dtype):
+        from . import framework
+        framework.bind(target, self.view(block, shape, dtype))
+
+    @staticmethod
+    def compute_fence():
+        from . import framework
+        framework.synchronize()
+
+    # transfers ------------------------------------------------------------------
+    def start_load(self, key, block, nbytes, tag, verify):
+        self.load_stream.read(self.store, key, block, verify=verify, tag=tag, cq=self.cq)
+
+    def start_store(self, key, block, nbytes, meta, tag):
+        self.store_stream.write(self.store, key, block, nbytes, meta, tag=tag, cq=self.cq)
+
+    def start_verify(self, key, tag):
+        # Reading the new version back through the checksummed read path proves
+        # it is durable and intact before the device replica may be dropped.
+        nbytes = self.store.info(key)["nbytes"]
+        scratch = _native.aligned_buffer(max(nbytes, 1), _ALIGN)
+        self._scratch[tag] = scratch
+        self.store_stream.read(self.store, key, scratch, verify=True, tag=tag, cq=self.cq)
+
+    def start_copy(self, kind, dst, src, nbytes, tag):
+        stream = self.store_stream if kind is TransferKind.D2H else self.load_stream
+        stream.copy(dst, src, nbytes, tag=tag, cq=self.cq)
+
+    def wait_completions(self, timeout):
+        done = self.cq.wait(timeout)
+        for c in done:
+            self._scratch.pop(c.tag, None)
+        return done
+
+    def notify(self):
+        self.cq.notify()
+
+    # remote tier ----------------------------------------------------------------
+    def store_contains(self, key):
+        return self.store.contains(key)
+
+    def store_info(self, key):
+        return self.store.info(key)
+
+    def store_bytes(self):
+        return self.store.bytes_stored()
+
+    def write_sync(self, key, data, meta=b""):
+        self.store.write_sync(key, data, -1, meta)
+
+    def read_sync(self, key, dst):
+        self.store.read_sync(key, dst, True)
+
+    def close(self):
+        for stream in {id(s): s for s in (self.load_stream, self.store_stream)}.values():
+            stream.close()
+        self._scratch.clear()
+        self.store.close()
+        self.host.close()
+        self.device.close()
+        if self._own_dir:
+            shutil.rmtree(self.store.directory, ignore_errors=True)

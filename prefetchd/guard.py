@@ -1,0 +1,84 @@
+"""Class-swap guards on framework tensors prefetchd manages.
+
+MindSpore tensors are Python objects whose class may be reassigned, so
+prefetchd swaps in a subclass to (a) notice in-place writes through the
+Python API (marking the tensor dirty so it is written back, never silently
+lost) and (b) turn Python-level use of a tensor whose device replica is gone
+into a NotResidentError instead of reading someone else's bytes. Kernels that
+receive the tensor inside C++ (e.g. a Cell's construct) do not go through
+these methods; there the layer hooks check residency before compute.
+"""
+_tracked = {}   # base class -> tracking subclass
+_guarded = {}   # base class -> guarding subclass
+
+_MUTATORS = ("__setitem__", "copy_", "assign_value", "set_data", "fill_", "zero_")
+_READERS = ("asnumpy", "numpy", "__array__", "__getitem__", "item", "tolist", "__add__", "__radd__",
+            "__sub__", "__rsub__", "__mul__", "__rmul__", "__matmul__", "__rmatmul__", "__truediv__",
+            "__neg__", "__abs__", "sum", "mean", "copy_", "__setitem__", "asnumpy_of_slice_persistent_data")
+
+
+def base_class(obj):
+    cls = type(obj)
+    while getattr(cls, "_prefetchd_wrapper", False):
+        cls = cls.__mro__[1]
+    return cls
+
+
+def _tracking_class(base):
+    cls = _tracked.get(base)
+    if cls is None:
+        def make(name):
+            original = getattr(base, name)
+
+            def method(self, *args, **kwargs):
+                result = original(self, *args, **kwargs)
+                hook = self.__dict__.get("_prefetchd_on_write")
+                if hook is not None:
+                    hook(name)
+                return result
+            method.__name__ = name
+            return method
+        ns = {name: make(name) for name in _MUTATORS if hasattr(base, name)}
+        ns["_prefetchd_wrapper"] = True
+        cls = _tracked[base] = type(base.__name__, (base,), ns)
+    return cls
+
+
+def _guarding_class(base):
+    cls = _guarded.get(base)
+    if cls is None:
+        def make(name):
+            def method(self, *args, **kwargs):
+                raise self.__dict__["_prefetchd_error"]()
+            method.__name__ = name
+            return method
+        ns = {name: make(name) for name in _READERS if hasattr(base, name)}
+        ns["_prefetchd_wrapper"] = True
+        ns["__repr__"] = lambda self: f"<prefetchd tensor {self.__dict__.get('_prefetchd_name')!r}: not resident>"
+        ns["__str__"] = ns["__repr__"]
+        cls = _guarded[base] = type(base.__name__, (base,), ns)
+    return cls
+
+
+def track(target, name, on_write):
+    """Report in-place writes through the Python API by calling on_write(method_name)."""
+    target.__dict__["_prefetchd_on_write"] = on_write
+    target.__dict__["_prefetchd_name"] = name
+    target.__class__ = _tracking_class(base_class(target))
+
+
+def guard(target, error_factory):
+    """Make Python-level reads of target raise error_factory() until track() or release()."""
+    target.__dict__["_prefetchd_error"] = error_factory
+    target.__class__ = _guarding_class(base_class(target))
+
+
+def is_guarded(target):
+    return type(target) in _guarded.values()
+
+
+def release(target):
+    """Give the object back its own class."""
+    target.__class__ = base_class(target)
+    for key in ("_prefetchd_on_write", "_prefetchd_error", "_prefetchd_name"):
+        target.__dict__.pop(key, None)

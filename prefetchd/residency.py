@@ -1,0 +1,57 @@
+"""ManagedTensor: one tensor's replicas on the three tiers and its device-replica state.
+
+    ABSENT -> LOADING -> RESIDENT(clean|dirty) -> STORING -> RESIDENT(clean) -> ABSENT
+
+Only the scheduler thread changes these records (the compute thread may set
+`dirty` and read `state`); the daemon's lock guards them for readers.
+"""
+import enum
+from dataclasses import dataclass, field
+
+
+class State(str, enum.Enum):
+    ABSENT = "absent"
+    LOADING = "loading"
+    RESIDENT = "resident"
+    STORING = "storing"
+
+
+@dataclass(eq=False)
+class ManagedTensor:
+    name: str
+    shape: tuple
+    dtype: object            # numpy dtype
+    nbytes: int
+    target: object = None    # the framework Tensor/Parameter bound to the device replica
+    state: State = State.ABSENT
+    block: object = None     # device replica (backend block) while LOADING/RESIDENT/STORING
+    host_block: object = None  # host replica, valid when host_valid
+    host_valid: bool = False
+    remote_valid: bool = False
+    dirty: bool = False      # device replica newer than every lower replica
+    pins: int = 0
+    last_use: int = 0
+    bound_address: int = 0   # block address the framework tensor currently views (0: none)
+    exposed: bool = False    # compute may have read the device block since it was bound
+    waiters: list = field(default_factory=list)   # (request) waiting for RESIDENT
+    error: BaseException | None = None           # last failure of a load/store of this tensor
+    generation: int = 0      # bumped on every completed write by compute (dirty marking)
+
+    @property
+    def tiers(self):
+        """Where valid replicas are, fastest first."""
+        out = []
+        if self.state in (State.RESIDENT, State.STORING):
+            out.append("device")
+        if self.host_valid:
+            out.append("host")
+        if self.remote_valid:
+            out.append("remote")
+        return out
+
+    def describe(self):
+        return {
+            "name": self.name, "nbytes": self.nbytes, "shape": list(self.shape),
+            "dtype": str(self.dtype), "state": self.state.value, "tiers": self.tiers,
+            "dirty": self.dirty, "pins": self.pins,
+        }
