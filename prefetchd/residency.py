@@ -35,7 +35,14 @@ class ManagedTensor:
     exposed: bool = False    # compute may have read the device block since it was bound
     waiters: list = field(default_factory=list)   # (request) waiting for RESIDENT
     error: BaseException | None = None           # last failure of a load/store of this tensor
-    generation: int = 0      # bumped on every completed write by compute (dirty marking)
+    generation: int = 0      # bumped on every write by the user (dirty marking)
+    store_generation: int = 0  # generation being written back
+    initial: object = None   # register(): the values to place, until placed
+    requested: bool = False  # a prefetch/pin is on its way (set by the caller's thread)
+    prefetched_unused: bool = False  # loaded ahead of use and not used yet
+    writeback_failed: bool = False   # last write-back failed: keep in place, do not pick as victim
+    evict_after_store: str | None = None  # eviction reason waiting for the write-back
+    evict_after_load: bool = False
 
     @property
     def tiers(self):

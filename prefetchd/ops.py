@@ -1,0 +1,287 @@
+"""The hierarchical-memory operators of MindSpore's RFC, working on CPU.
+
+Same names, arguments and meaning as `mindspore.ops.auto_generate`
+(CopyToDevice, CopyToHost, Free, SetData, UpdateToDevice, UpdateToRemote,
+Detach), so code written for Ascend runs unchanged here:
+
+    copy_to_device(x, sync=False)    new tensor with x's values in the device tier
+    copy_to_host(x, sync=False)      new tensor in the host tier
+    free(x, sync=False)              release x's device memory in place
+    set_data(x, value)               x shares value's storage from now on
+    update_to_device(x, sync=False)  in place: refill x's device replica from the remote tier
+    update_to_remote(x, sync=False)  in place: write x's device replica to the remote tier
+    detach(x, sync=False)            in place: drop x's device replica, keep the remote one
+
+On the CPU backend the device tier is the native arena and the remote tier the
+native FileStore of a process-wide runtime (sized by `Config.load()`, i.e.
+PREFETCHD_* variables). `sync=False` is accepted, but every operator has landed
+its data when it returns: a MindSpore CPU kernel cannot wait on a prefetchd
+event, so returning earlier would let compute read bytes still in flight. The
+asynchronous path is the Daemon's prefetch queue.
+
+A tensor whose device memory was released (free/detach) raises
+UseAfterFreeError / NotResidentError when used through its Python API, and is
+bound to a 0-element buffer so kernels fail with a shape error rather than read
+memory that belongs to someone else.
+"""
+import threading
+import uuid
+import weakref
+
+import numpy as np
+
+from . import _native, guard
+from .backend import framework
+from .errors import NotResidentError, StorageError, UseAfterFreeError
+
+__all__ = ["copy_to_device", "copy_to_host", "free", "set_data", "update_to_device",
+           "update_to_remote", "detach", "tier", "CopyToDevice", "CopyToHost", "Free", "SetData",
+           "UpdateToDevice", "UpdateToRemote", "Detach"]
+
+_ALIGN = 4096
+
+
+class _Entry:
+    """What prefetchd knows about one framework tensor the operators touched."""
+
+    __slots__ = ("tier", "block", "remote_key", "remote_crc", "shape", "dtype", "freed", "label")
+
+    def __init__(self, shape, dtype, label):
+        self.tier = None          # "device" | "host" | None (no local replica)
+        self.block = None         # arena or host-pool block x views
+        self.remote_key = None    # store key of the remote replica
+        self.remote_crc = None    # crc32c of the bytes written there
+        self.shape, self.dtype, self.label = shape, dtype, label
+        self.freed = False
+
+
+class _Runtime:
+    """Process-wide tiers for the operators (created on first use)."""
+
+    def __init__(self):
+        from .config import Config
+        import tempfile
+        config = Config.load()
+        self.device = _native.Arena(config.device_budget, _ALIGN)
+        self.host = _native.HostPool(config.host_budget, _ALIGN)
+        self.store = _native.FileStore(config.store_dir or tempfile.mkdtemp(prefix="prefetchd-ops-"),
+                                       engine=config.io_engine, direct=config.direct_io,
+                                       fsync=config.fsync)
+        self.stream = _native.Stream("ops")
+        self.entries = {}         # id(tensor) -> _Entry
+        self.lock = threading.Lock()
+
+
+_runtime = None
+_runtime_lock = threading.Lock()
+
+
+def runtime():
+    global _runtime
+    with _runtime_lock:
+        if _runtime is None:
+            _runtime = _Runtime()
+        return _runtime
+
+
+def _entry(x, create=True):
+    rt = runtime()
+    with rt.lock:
+        e = rt.entries.get(id(x))
+        if e is None and create:
+            arr_dtype = framework.to_numpy_dtype(x.dtype)
+            e = rt.entries[id(x)] = _Entry(tuple(x.shape), arr_dtype, getattr(x, "name", None) or f"tensor@{id(x):x}")
+            e.tier = "host"   # an ordinary MindSpore CPU tensor lives in framework host memory
+            weakref.finalize(x, rt.entries.pop, id(x), None)
+        return e
+
+
+def _check_usable(x, e, op):
+    if e.freed:
+        raise UseAfterFreeError(e.label, ",".join(_tiers(e)), "freed",
+                                f"{op}: tensor {e.label!r} was freed by prefetchd.ops.free()")
+    if e.tier is None:
+        raise NotResidentError(e.label, ",".join(_tiers(e)), "detached",
+                               f"{op}: tensor {e.label!r} has no device or host replica "
+                               f"(detached; call update_to_device first)")
+
+
+def _values(x, e, op):
+    _check_usable(x, e, op)
+    return framework.host_copy(x)   # waits for compute still writing x
+
+
+def _place(pool, array):
+    """A new block of `pool` holding array's bytes (copied on the ops stream)."""
+    rt = runtime()
+    block = pool.alloc(array.nbytes)
+    if array.nbytes:
+        rt.stream.copy(block, np.ascontiguousarray(array), array.nbytes).synchronize()
+    return block
+
+
+def _new_tensor(array, tier_name):
+    rt = runtime()
+    pool = rt.device if tier_name == "device" else rt.host
+    block = _place(pool, array)
+    view = np.frombuffer(block, dtype=array.dtype, count=array.size).reshape(array.shape)
+    out = framework.mindspore().Tensor.from_numpy(view)
+    e = _entry(out)
+    e.tier, e.block = tier_name, block
+    return out
+
+
+def copy_to_device(x, sync=False):
+    """A new tensor with x's shape, dtype and values, in the device tier."""
+    return _new_tensor(_values(x, _entry(x), "copy_to_device"), "device")
+
+
+def copy_to_host(x, sync=False):
+    """A new tensor with x's shape, dtype and values, in the host tier."""
+    return _new_tensor(_values(x, _entry(x), "copy_to_host"), "host")
+
+
+def free(x, sync=False):
+    """Release x's device memory in place. Later use raises UseAfterFreeError."""
+    e = _entry(x)
+    if e.freed:
+        raise UseAfterFreeError(e.label, "", "freed", f"free: tensor {e.label!r} was already freed")
+    _release_local(x, e)
+    e.freed = True
+    e.remote_key = None
+    guard.guard(x, lambda: UseAfterFreeError(e.label, "", "freed",
+                                              f"tensor {e.label!r} was freed by prefetchd.ops.free()"))
+    return x
+
+
+def _release_local(x, e):
+    # Compute dispatched earlier may still read x's memory (MindSpore is
+    # asynchronous on CPU): fence before giving the block back.
+    framework.synchronize()
+    framework.bind_placeholder(x, e.dtype)
+    block, e.block, e.tier = e.block, None, None
+    if block is not None:
+        block.release()
+
+
+def set_data(x, value):
+    """From now on x shares value's storage: writes through either are seen by both."""
+    ev = _entry(value)
+    _check_usable(value, ev, "set_data")
+    ex = _entry(x)
+    if guard.is_guarded(x):
+        guard.release(x)
+    guard.base_class(x).assign_value(x, value) if not framework.is_parameter(x) else \
+        guard.base_class(x).set_data(x, value, slice_shape=True)
+    ex.tier, ex.block, ex.freed = ev.tier, ev.block, False
+    ex.shape, ex.dtype = ev.shape, ev.dtype
+    ex.remote_key = ex.remote_crc = None
+    return x
+
+
+def update_to_remote(x, sync=False):
+    """Write x's device replica to the remote tier; both replicas are valid afterwards."""
+    e = _entry(x)
+    array = np.ascontiguousarray(_values(x, e, "update_to_remote"))
+    rt = runtime()
+    key = e.remote_key or f"ops/{uuid.uuid4().hex}"
+    crc = _native.crc32c(array)
+    try:
+        rt.store.write_sync(key, array, array.nbytes, b"")
+    except _native.NativeError as err:
+        raise StorageError(f"update_to_remote({e.label!r}) failed; the device replica is intact: {err}") from err
+    e.remote_key, e.remote_crc = key, crc
+    return x
+
+
+def detach(x, sync=False):
+    """Drop x's device replica, keeping the remote one.
+
+    Refuses — and changes nothing — unless the remote replica holds exactly
+    x's current values (checked by checksum), so nothing written is lost.
+    """
+    e = _entry(x)
+    array = _values(x, e, "detach")
+    if e.remote_key is None:
+        raise StorageError(f"detach({e.label!r}) refused: it has no remote replica "
+                           f"(call update_to_remote first); nothing was dropped")
+    if _native.crc32c(np.ascontiguousarray(array)) != e.remote_crc:
+        raise StorageError(f"detach({e.label!r}) refused: the tensor changed since update_to_remote, "
+                           f"so the remote replica is stale; nothing was dropped")
+    _release_local(x, e)
+    guard.guard(x, lambda: NotResidentError(e.label, "remote", "detached"))
+    return x
+
+
+def update_to_device(x, sync=False):
+    """Refill x's device replica from its remote replica (verified by checksum)."""
+    e = _entry(x)
+    if e.freed:
+        _check_usable(x, e, "update_to_device")
+    if e.remote_key is None:
+        raise NotResidentError(e.label, ",".join(_tiers(e)), "no remote replica",
+                               f"update_to_device({e.label!r}): it has no remote replica to load from")
+    rt = runtime()
+    count = int(np.prod(e.shape)) if e.shape else 1
+    block = rt.device.alloc(count * e.dtype.itemsize)
+    try:
+        rt.store.read_sync(e.remote_key, block, True)
+    except _native.NativeError as err:
+        block.release()
+        raise StorageError(f"update_to_device({e.label!r}) failed: {err}") from err
+    view = np.frombuffer(block, dtype=e.dtype, count=count).reshape(e.shape)
+    if guard.is_guarded(x):
+        guard.release(x)
+    old = e.block
+    framework.bind(x, view)
+    e.tier, e.block = "device", block
+    if old is not None:
+        framework.synchronize()
+        old.release()
+    return x
+
+
+def _tiers(e):
+    out = [e.tier] if e.tier else []
+    if e.remote_key is not None:
+        out.append("remote")
+    return tuple(out)
+
+
+def tier(x):
+    """Where x's valid replicas are, fastest first: e.g. ("device",), ("device", "remote"), ().
+
+    Tensors a Daemon manages report the daemon's view; an ordinary MindSpore
+    CPU tensor is ("host",).
+    """
+    from .daemon import live_daemons
+    for daemon in list(live_daemons):
+        name = daemon._targets.get(id(x))
+        if name is not None:
+            return tuple(daemon._records[name].tiers)
+    e = _entry(x, create=False)
+    if e is None:
+        return ("host",)
+    return _tiers(e)
+
+
+class _Primitive:
+    """Primitive-style callables mirroring mindspore.ops.auto_generate."""
+
+    _fn = None
+
+    def __call__(self, *args, **kwargs):
+        return type(self)._fn(*args, **kwargs)
+
+
+def _primitive(name, fn):
+    return type(name, (_Primitive,), {"_fn": staticmethod(fn), "__doc__": fn.__doc__})
+
+
+CopyToDevice = _primitive("CopyToDevice", copy_to_device)
+CopyToHost = _primitive("CopyToHost", copy_to_host)
+Free = _primitive("Free", free)
+SetData = _primitive("SetData", set_data)
+UpdateToDevice = _primitive("UpdateToDevice", update_to_device)
+UpdateToRemote = _primitive("UpdateToRemote", update_to_remote)
+Detach = _primitive("Detach", detach)
