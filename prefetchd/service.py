@@ -53,6 +53,7 @@ SERVER_SECRET = "server.key_secret"
 SERVER_PUBLIC = "server.key"
 CLIENT_SECRET = "client.key_secret"
 AUTHORIZED_DIR = "authorized_clients"
+ZAP_DOMAIN = "prefetchd"
 IPC_PATH_MAX = 107          # sun_path is 108 bytes with the terminating NUL
 
 
@@ -380,6 +381,7 @@ class Server:
         self._lease_heap = []       # heap of (expires, lease id)
         self._tokens = itertools.count()
         self._router = self._pub = self._ctl = None
+        self._ipc_files = []
 
     # -- lifecycle (caller's thread)
 
@@ -527,7 +529,7 @@ class Server:
                                                                     SERVER_SECRET))
             self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("prefetchd.service.auth"))
             self._auth.start()
-            self._auth.configure_curve(domain="*", location=os.path.join(self.curve_keys_dir,
+            self._auth.configure_curve(domain=ZAP_DOMAIN, location=os.path.join(self.curve_keys_dir,
                                                                          AUTHORIZED_DIR))
             curve = (public, secret)
         self._router = self._make_socket(zmq.ROUTER, curve)
@@ -547,7 +549,7 @@ class Server:
         if curve is not None:
             sock.curve_publickey, sock.curve_secretkey = curve
             sock.curve_server = True
-            sock.zap_domain = b"prefetchd"
+            sock.zap_domain = ZAP_DOMAIN.encode()
             # Refuse connections if the authenticator is not there (libzmq would let them in).
             sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         return sock
@@ -555,8 +557,20 @@ class Server:
     def _bind(self, sock, address):
         if address.startswith("ipc://"):
             _bind_ipc(sock, address)
+            path = address[len("ipc://"):]
+            self._ipc_files.append((path, os.stat(path).st_ino))
         else:
             sock.bind(address)
+
+    def _unlink_ipc_files(self):
+        # libzmq leaves the socket file behind when the context is destroyed with linger 0.
+        for path, inode in self._ipc_files:
+            try:
+                if os.stat(path).st_ino == inode:
+                    os.unlink(path)
+            except OSError:
+                pass
+        self._ipc_files.clear()
 
     def _loop(self):
         poller = zmq.Poller()
@@ -622,6 +636,7 @@ class Server:
             if sock is not None:
                 sock.close(linger=0)
         self._router = self._pub = self._ctl = None
+        self._unlink_ipc_files()
 
     # -- replies
 
