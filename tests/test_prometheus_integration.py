@@ -1,0 +1,279 @@
+"""A real Prometheus server scrapes a daemon under load using deploy/prometheus/;
+every PromQL expression of the dashboard and of the alert rules must parse and
+return data.
+
+Skips when no `prometheus` binary is installed, except under CI (env CI set),
+where a skip would hide a broken deploy config: then it fails.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import select
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy" / "prometheus"
+PROM_CONFIG = DEPLOY / "prometheus.yml"
+ALERTS = DEPLOY / "alerts.yml"
+DASHBOARD = ROOT / "dashboards" / "prefetchd.json"
+LOAD_SCRIPT = Path(__file__).with_name("_load_daemon.py")
+RATE_INTERVAL = "15s"
+
+pytestmark = pytest.mark.slow
+
+
+def _binary(name):
+    found = shutil.which(name) or (f"/usr/bin/{name}" if os.access(f"/usr/bin/{name}", os.X_OK) else None)
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"`{name}` is not installed but CI is set: this test must run in CI")
+        pytest.skip(f"`{name}` not installed (Debian package `prometheus`)")
+    return found
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(base, path, **params):
+    url = f"{base}{path}"
+    if params:
+        url += "?" + urllib.parse.urlencode(params, doseq=True)
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:   # 400/422 carry the PromQL error as JSON
+        return json.loads(e.read())
+
+
+def _wait(what, predicate, timeout, interval=0.5):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+            if last:
+                return last
+        except (OSError, ValueError) as e:
+            last = e
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def _stop(proc, timeout=10):
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def rewrite_config(text, target, rules_path, interval="1s"):
+    """deploy/prometheus/prometheus.yml, pointed at `target`, scraping every `interval`."""
+    subs = [
+        (r'(?m)^(\s*- targets:\s*)\[[^\]]*\]', rf'\g<1>["{target}"]'),
+        (r'(?m)^(\s*)scrape_interval:\s*\S+', rf'\g<1>scrape_interval: {interval}'),
+        (r'(?m)^(\s*)evaluation_interval:\s*\S+', rf'\g<1>evaluation_interval: {interval}'),
+        (r'(?m)^(\s*)scrape_timeout:\s*\S+', rf'\g<1>scrape_timeout: {interval}'),
+        (r'(?m)^(\s*- )alerts\.yml\s*$', rf'\g<1>{rules_path}'),
+    ]
+    for pattern, repl in subs:
+        text, n = re.subn(pattern, repl, text)
+        assert n >= 1, f"prometheus.yml no longer matches {pattern!r}: update the test or the file"
+    return text
+
+
+def dashboard_queries():
+    """[(panel title, expr)] for every target of every panel, rows included."""
+    dash = json.loads(DASHBOARD.read_text())
+    out = []
+    for p in dash["panels"]:
+        for q in [p, *p.get("panels", [])]:
+            for t in q.get("targets", []):
+                out.append((q["title"], t["expr"]))
+    return out, dash["templating"]["list"]
+
+
+def substitute(expr, instance, daemon):
+    expr = (expr.replace("$__rate_interval", RATE_INTERVAL).replace("$__interval", "5s")
+            .replace("$__range", "5m").replace("${instance}", instance).replace("$instance", instance)
+            .replace("${daemon}", daemon).replace("$daemon", daemon))
+    assert "$" not in expr, f"unsubstituted template variable in {expr!r}"
+    return expr
+
+
+def alert_rules():
+    """[(alert name, expr)] from alerts.yml (one-line exprs, as promtool checks them)."""
+    text = ALERTS.read_text()
+    names = re.findall(r"^\s*- alert:\s*(\S+)", text, re.M)
+    exprs = re.findall(r"^\s*expr:\s*(.+?)\s*$", text, re.M)
+    assert len(names) == len(exprs) and names
+    return list(zip(names, exprs))
+
+
+def without_threshold(expr):
+    """The left operand of the top-level comparison (`a > ignoring(x) b` -> `a`), or None."""
+    depth, quote = 0, None
+    for i, ch in enumerate(expr):
+        if quote:
+            if ch == quote and expr[i - 1] != "\\":
+                quote = None
+        elif ch in "\"'`":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif depth == 0 and (expr[i:i + 2] in (">=", "<=", "==", "!=") or ch in "<>"):
+            return expr[:i].strip()
+    return None
+
+
+def test_without_threshold():
+    assert without_threshold('up{job="prefetchd"} == 0') == 'up{job="prefetchd"}'
+    assert without_threshold('a{x=~"y"} > ignoring(level) b{level="high"}') == 'a{x=~"y"}'
+    assert without_threshold('sum by (a) (rate(x[5m])) > 0.25') == 'sum by (a) (rate(x[5m]))'
+    assert without_threshold('x{a!="b"} >= 1') == 'x{a!="b"}'
+    assert without_threshold('sum(x)') is None
+
+
+@pytest.fixture
+def load_daemon(tmp_path):
+    """A subprocess running a daemon under load; yields its metrics port."""
+    stderr = open(tmp_path / "load.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, str(LOAD_SCRIPT), "--store-dir", str(tmp_path / "store"), "--port", "0",
+         "--seconds", "120", "--name", "load"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+        text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep +
+                                       os.environ.get("PYTHONPATH", "")})
+    try:
+        line = _wait("the load daemon's metrics port", lambda: _readline(proc), 60, interval=0)
+        yield json.loads(line)["port"]
+    finally:
+        if proc.stdin:
+            proc.stdin.close()
+        _stop(proc)
+        proc.stdout.close()
+        stderr.close()
+
+
+def _readline(proc):
+    ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+    if ready:
+        line = proc.stdout.readline()
+        if line:
+            return line
+    if proc.poll() is not None:
+        raise AssertionError(f"load daemon exited with {proc.returncode} before reporting its port")
+    return None
+
+
+def test_promtool_checks_deploy_files():
+    promtool = _binary("promtool")
+    for args in (["check", "config", str(PROM_CONFIG)], ["check", "rules", str(ALERTS)]):
+        r = subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_dashboard_and_alert_queries_against_real_prometheus(tmp_path, load_daemon):
+    prometheus = _binary("prometheus")
+    promtool = _binary("promtool")
+    target = f"127.0.0.1:{load_daemon}"
+    config = tmp_path / "prometheus.yml"
+    config.write_text(rewrite_config(PROM_CONFIG.read_text(), target, ALERTS))
+    r = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "prometheus.log", "w")
+    proc = subprocess.Popen(
+        [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        def target_up():
+            if proc.poll() is not None:
+                raise AssertionError(f"prometheus exited: {(tmp_path / 'prometheus.log').read_text()}")
+            active = _get(base, "/api/v1/targets")["data"]["activeTargets"]
+            return [t for t in active if t["scrapeUrl"].startswith(f"http://{target}/") and t["health"] == "up"]
+        _wait("prometheus to scrape the daemon", target_up, 40)
+        # rate() over RATE_INTERVAL needs two samples; wait for a few scrapes and
+        # for the load to have moved bytes between two of them.
+        _wait("five scrapes", lambda: _scalar(base, f'count_over_time(up{{instance="{target}"}}[1m])') >= 5, 30)
+        _wait("load traffic between scrapes",
+              lambda: _scalar(base, f'sum(increase(prefetchd_transfer_bytes_total{{instance="{target}"}}[{RATE_INTERVAL}]))') > 0, 20)
+
+        failures = []
+        queries, variables = dashboard_queries()
+        assert len(queries) >= 20
+        for title, raw in queries:
+            expr = substitute(raw, target, "load")
+            res = _get(base, "/api/v1/query", query=expr)
+            if res.get("status") != "success":
+                failures.append(f"[{title}] {expr}: {res.get('errorType')}: {res.get('error')}")
+            elif not res["data"]["result"]:
+                failures.append(f"[{title}] {expr}: empty result")
+        # Template variables: label_values(metric, label) is Grafana's; ask the series API.
+        for var in variables:
+            m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", var.get("definition", ""))
+            if not m:
+                continue
+            match = substitute(m.group(1), target, "load")
+            res = _get(base, f"/api/v1/label/{m.group(2)}/values", **{"match[]": match})
+            if res.get("status") != "success" or not res["data"]:
+                failures.append(f"[variable {var['name']}] {var['definition']}: {res}")
+
+        rules = alert_rules()
+        for name, expr in rules:
+            res = _get(base, "/api/v1/query", query=expr)
+            if res.get("status") != "success":
+                failures.append(f"[alert {name}] {expr}: {res.get('errorType')}: {res.get('error')}")
+                continue
+            left = without_threshold(expr)
+            assert left, f"alert {name}: no threshold found in {expr!r}"
+            res = _get(base, "/api/v1/query", query=left)
+            if res.get("status") != "success" or not res["data"]["result"]:
+                failures.append(f"[alert {name} without threshold] {left}: {res}")
+        assert not failures, "\n".join(failures)
+
+        # The rule manager loaded and evaluated every rule without error, and the
+        # healthy daemon fires none of them (a watermark breach must be impossible).
+        def evaluated():
+            groups = _get(base, "/api/v1/rules")["data"]["groups"]
+            got = [r for g in groups for r in g["rules"]]
+            if len(got) == len(rules) and all(not r["lastEvaluation"].startswith("0001") for r in got):
+                return got
+            return None
+        got = _wait("every alert rule to be evaluated", evaluated, 15)
+        for rule in got:
+            assert rule["health"] == "ok", rule
+            assert rule["state"] == "inactive", rule
+        assert {r["name"] for r in got} == {n for n, _ in rules}
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def _scalar(base, expr):
+    res = _get(base, "/api/v1/query", query=expr)
+    assert res.get("status") == "success", res
+    result = res["data"]["result"]
+    return float(result[0]["value"][1]) if result else 0.0
