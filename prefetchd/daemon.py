@@ -561,13 +561,15 @@ class Daemon:
                 self._queue_load(rec, req)
 
     def _queue_load(self, rec, req):
+        # Compute waiting on a tensor (pin) goes before speculation (prefetch).
         deadline = req.deadline if req.deadline is not None else float("inf")
-        heapq.heappush(self._loads, (deadline, -req.priority, req.seq, id(rec), rec, req))
+        heapq.heappush(self._loads, (not req.demand, deadline, -req.priority, req.seq, next(self._seq),
+                                     rec, req))
 
     def _pump_loads(self, resolved):
         """Start queued loads in priority order while memory and stream slots allow."""
         while self._loads and self._loads_in_flight < _MAX_LOADS_IN_FLIGHT:
-            _, _, _, _, rec, req = self._loads[0]
+            *_, rec, req = self._loads[0]
             rec.waiters = [w for w in rec.waiters if not w.future.cancelled()]
             if rec.state is not State.ABSENT or not rec.waiters:
                 heapq.heappop(self._loads)   # satisfied, or every waiter gone
@@ -579,7 +581,15 @@ class Daemon:
                 self._fail_waiters(rec, e, resolved)
                 continue
             if block is None:
-                return    # wait for write-backs, unpins or loads to free memory
+                if self._inflight or self._unfenced:
+                    return    # write-backs or loads in flight will free or settle memory
+                # Nothing in flight can change the picture: say so instead of waiting forever.
+                heapq.heappop(self._loads)
+                self._fail_waiters(rec, BudgetError(
+                    f"cannot load {rec.name!r} ({rec.nbytes} bytes): the device tier is held by pinned "
+                    f"tensors, prefetched tensors not used yet, or tensors whose write-back failed "
+                    f"(used {self.backend.device_used()} of high watermark {self._high} bytes)"), resolved)
+                continue
             heapq.heappop(self._loads)
             self._start_load(rec, block)
 
@@ -660,7 +670,8 @@ class Daemon:
                       if r.state is State.RESIDENT and not r.pins and not r.waiters
                       and not r.writeback_failed and (demand or not r.prefetched_unused)]
         ranked = self._policy.rank(candidates)
-        if incoming is not None and not demand and isinstance(self._policy, policies.BeladyPolicy):
+        if incoming is not None and not demand and self._policy.knows(incoming.name):
+            # Belady: never evict a tensor needed sooner than the one being prefetched.
             limit = self._policy.distance(incoming.name)
             ranked = [r for r in ranked if self._policy.distance(r.name) > limit]
         for victim in ranked:
@@ -906,7 +917,7 @@ class Daemon:
         """Cancel what has not started; write back dirty replicas while time allows."""
         err = ShutdownError("daemon closed before the request completed")
         while self._loads:
-            _, _, _, _, rec, req = heapq.heappop(self._loads)
+            *_, rec, req = heapq.heappop(self._loads)
             self._fail_waiters(rec, err, resolved)
         while self._inbox:
             req = self._inbox.popleft()
@@ -973,7 +984,12 @@ def _scheduler_loop(daemon_ref):
                         shutdown_deadline = req.args
                         daemon._shutdown(shutdown_deadline, resolved)
                         break
-                    daemon._handle(req, resolved)
+                    try:
+                        daemon._handle(req, resolved)
+                    except Exception as e:   # refuse this request, keep serving the rest
+                        log.exception("prefetchd: %s request failed", req.kind)
+                        if req.future is not None:
+                            daemon._fail_request(req, PrefetchdError(f"{req.kind} failed: {e!r}"), resolved)
                 if shutdown_deadline is None:
                     daemon._pump_loads(resolved)
                     daemon._settle_waiting_room(resolved)

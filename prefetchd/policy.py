@@ -37,6 +37,14 @@ class Policy:
     def rank(self, candidates):
         raise NotImplementedError
 
+    def knows(self, name):
+        """True if the policy can say when `name` is next used."""
+        return False
+
+    def distance(self, name):
+        """Trace steps until `name` is next used (inf if unknown)."""
+        return float("inf")
+
 
 @register("lru")
 class LruPolicy(Policy):
@@ -68,6 +76,9 @@ class BeladyPolicy(Policy):
 
     def advance(self, position):
         self._position = position
+
+    def knows(self, name):
+        return name in self._uses
 
     def distance(self, name):
         positions = self._uses.get(name)
