@@ -1,0 +1,53 @@
+"""`prefetchd bench KIND`: argument parsing and dispatch to the benchmark modules.
+
+Every benchmark reports ratios against a baseline measured in the same run:
+these machines are shared and noisy, so absolute numbers from different runs
+do not compare.
+"""
+import os
+import tempfile
+
+
+def add_arguments(parser):
+    parser.add_argument("kind", choices=["io", "sched", "model", "serve", "soak"])
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument("--dir", help="scratch directory on the disk to measure (default: a temp dir under cwd)")
+    parser.add_argument("--size", default="1GiB", help="io: file size; model: weight bytes")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sweep", action="store_true", help="io: sweep block sizes, queue depths, engines")
+    parser.add_argument("--requests", type=int, default=200_000, help="sched: requests per phase")
+    parser.add_argument("--batch", type=int, nargs="*", default=None, help="model: batch sizes")
+    parser.add_argument("--hidden", type=int, default=4096, help="model: layer width")
+    parser.add_argument("--layers", type=int, default=None, help="model: number of layers")
+    parser.add_argument("--budget", type=float, default=0.25, help="model: device budget / model size")
+    parser.add_argument("--lookahead", type=int, default=2)
+    parser.add_argument("--minutes", type=float, default=1.0, help="soak: duration")
+    parser.add_argument("--seconds", type=float, default=None, help="soak: duration in seconds (overrides --minutes)")
+    parser.add_argument("--workers", type=int, default=2, help="serve: worker processes")
+    parser.add_argument("--no-drop-caches", action="store_true", help="do not drop the page cache between runs")
+
+
+def run(args):
+    from ..config import parse_size
+    scratch = args.dir or tempfile.mkdtemp(prefix=".prefetchd-bench-", dir=os.getcwd())
+    if args.kind == "io":
+        from . import io
+        kwargs = dict(size=parse_size(args.size, "--size"), repeats=args.repeats,
+                      drop_caches=not args.no_drop_caches)
+        if args.sweep:
+            return io.sweep(scratch, **kwargs)
+        return io.run(scratch, **kwargs)
+    if args.kind == "sched":
+        from . import sched
+        return sched.run(scratch, requests=args.requests, repeats=args.repeats)
+    if args.kind == "model":
+        from . import model
+        return model.run(scratch, args)
+    if args.kind == "soak":
+        from . import soak
+        seconds = args.seconds if args.seconds is not None else args.minutes * 60
+        return soak.run(scratch, seconds=seconds)
+    if args.kind == "serve":
+        from .. import service_cli
+        return service_cli.bench_serve(args)
+    raise ValueError(args.kind)
