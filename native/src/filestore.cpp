@@ -102,6 +102,21 @@ std::string hex32(uint32_t v) {
     return b;
 }
 
+// The version in "<stem>.<16 hex>.pfd|tmp", 0 if the name has another shape.
+// New writes start above every version seen, even in files being deleted.
+uint64_t version_in_name(const std::string &n) {
+    size_t last = n.rfind('.');
+    if (last == std::string::npos || last < 17 || n[last - 17] != '.') return 0;
+    uint64_t v = 0;
+    for (size_t i = last - 16; i < last; i++) {
+        char c = n[i];
+        int d = (c >= '0' && c <= '9') ? c - '0' : (c >= 'a' && c <= 'f') ? c - 'a' + 10 : -1;
+        if (d < 0) return 0;
+        v = v * 16 + uint64_t(d);
+    }
+    return v;
+}
+
 void sleep_ms(int ms) {
     if (ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
 }
@@ -324,6 +339,7 @@ RecoveryReport FileStore::recover(bool verify_data) {
     for (auto &n : names) {
         if (n.rfind(kProbePrefix, 0) == 0) continue;  // another store's live probe
         std::string path = dir_ + "/" + n;
+        max_version = std::max(max_version, version_in_name(n));
         if (ends_with(n, ".tmp")) {
             if (writing_.count(path)) continue;  // our own write in progress
             if (unlink(path.c_str()) == 0) rep.removed_tmp.push_back(path);
