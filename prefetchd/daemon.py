@@ -395,6 +395,24 @@ class Daemon:
             self._bind_for_compute(rec)
         return stall
 
+    # ------------------------------------------------------------------ trace (from the layer hooks)
+    def set_trace(self, steps):
+        """The recorded execution order: one collection of tensor names per unit run."""
+        with self._lock:
+            self._policy.set_trace(steps)
+
+    def advance_trace(self, position):
+        with self._lock:
+            self._policy.advance(position)
+
+    def note_stall(self, seconds):
+        with self._lock:
+            self.stats.stall.observe(seconds)
+
+    def note_resync(self):
+        with self._lock:
+            self.stats.trace_resyncs += 1
+
     # ------------------------------------------------------------------ introspection
     def status(self):
         return self._status_locked_copy()
