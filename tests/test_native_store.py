@@ -477,6 +477,8 @@ def odirect_works(d):
     try:
         fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT)
     except OSError:
+        if os.path.exists(path):  # open(O_CREAT) creates the file before rejecting O_DIRECT
+            os.unlink(path)
         return False
     os.close(fd)
     os.unlink(path)
