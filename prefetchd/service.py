@@ -986,8 +986,11 @@ class Server:
 
     def _op_set_watermarks(self, args, envelope):
         high, low = args.get("high"), args.get("low")
+        if high is None:
+            raise _BadArgs("needs 'high' (bytes, a size string or a fraction of the budget)")
         for key, value in (("high", high), ("low", low)):
-            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float, str))):
                 raise _BadArgs(f"'{key}' must be bytes, a size string or a fraction")
         future = self.daemon.set_watermarks(high, low)
         result = {"high": high, "low": low}

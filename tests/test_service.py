@@ -1,0 +1,451 @@
+"""The ZeroMQ control plane against a real Daemon: operations, events, leases,
+errors, BUSY, server-side timeouts, and shutdown; clients in other processes
+(spawn) where the issue asks for it.
+
+MindSpore is imported inside fixtures only: spawned children import this module
+to find their target and must stay light.
+"""
+import multiprocessing
+import os
+import secrets
+import threading
+import time
+
+import pytest
+import zmq
+
+from prefetchd import protocol as P
+from prefetchd.config import ConfigError
+from prefetchd.errors import (PinnedError, ShutdownError, StorageError, UnknownTensorError)
+from prefetchd.service import (BusyError, Client, RequestTimeout, Server, ServiceError,
+                               resolve_endpoint, runtime_dir)
+
+N_TENSORS = 8
+SHAPE = (64, 256)                    # 64 KiB of float32 each
+BUDGET = 1 << 20                     # 16 of them fit; tests need loads, not pressure
+
+
+def unique_endpoint(tag):
+    return f"ipc://t-{tag}-{os.getpid()}-{secrets.token_hex(3)}.sock"
+
+
+def names(*idx):
+    return [f"layer.{i}.weight" for i in idx]
+
+
+def make_daemon(tmp_path, **overrides):
+    import mindspore as ms
+    import numpy as np
+
+    import prefetchd
+
+    d = prefetchd.Daemon(device_budget=BUDGET, store_dir=str(tmp_path / "store"),
+                         name="svc", **overrides).start()
+    for i in range(N_TENSORS):
+        d.register(ms.Tensor(np.full(SHAPE, i, np.float32)), name=f"layer.{i}.weight",
+                   tier="remote")
+    return d
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = make_daemon(tmp_path)
+    yield d
+    d.close(5)
+
+
+@pytest.fixture
+def native_faults():
+    from prefetchd import _native
+    _native.clear_faults()
+    yield _native
+    _native.clear_faults()
+
+
+@pytest.fixture
+def served(daemon):
+    server = daemon.serve(unique_endpoint("svc"), default_lease=5.0)
+    with Client(server.endpoint, timeout=5.0) as client:
+        yield daemon, server, client
+
+
+def state_of(daemon, name):
+    return daemon.tensors(name)[0]["state"]
+
+
+def wait_until(predicate, timeout=5.0, interval=0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def server_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("prefetchd-server")]
+
+
+# ----------------------------------------------------------------------------- operations
+
+def test_ping_status_stats_list(served):
+    daemon, server, client = served
+    pong = client.ping()
+    assert pong["pong"] is True and pong["protocol"] == "PFD1" and pong["pid"] == os.getpid()
+    assert pong["events"] == server.events_endpoint
+    status = client.status()
+    assert status["tensors"] == N_TENSORS and status["name"] == "svc"
+    assert status["device"]["capacity"] == BUDGET
+    assert status["server"]["endpoint"] == server.endpoint
+    stats = client.stats()
+    assert stats["status"]["tensors"] == N_TENSORS
+    assert set(stats["stats"]["requests"]["prefetch"]) >= {"hit", "issued"}
+    assert stats["stats"]["transfer_size"]["load"]["buckets"]
+    listed = client.list("layer.1*")
+    assert [t["name"] for t in listed] == ["layer.1.weight"]
+    assert listed[0]["shape"] == list(SHAPE) and listed[0]["nbytes"] == 64 * 256 * 4
+    assert len(client.list()) == N_TENSORS
+    assert len(client.list(limit=3)) == 3
+
+
+def test_prefetch_evict_flush_roundtrip(served):
+    daemon, server, client = served
+    reply = client.prefetch(names(0))
+    assert reply["done"] is True and reply["count"] == 1
+    assert state_of(daemon, "layer.0.weight") == "resident"
+    assert client.prefetch(names(0))["done"] is True          # a hit answers at once
+    client.prefetch(names(1))
+    client.prefetch(names(2))
+    assert client.evict("layer.[12].weight")["count"] == 2     # glob -> pattern
+    assert state_of(daemon, "layer.1.weight") == "absent"
+    assert state_of(daemon, "layer.2.weight") == "absent"
+    queued = client.prefetch(names(5), wait=False)
+    assert queued["done"] is False
+    assert wait_until(lambda: state_of(daemon, "layer.5.weight") == "resident")
+    assert client.flush()["done"] is True
+    assert client.set_watermarks(0.9, 0.5) == {"high": 0.9, "low": 0.5}
+    assert daemon.status()["device"]["high_watermark"] == int(BUDGET * 0.9)
+    assert client.prefetch(pattern="nothing.*")["count"] == 0
+
+
+def test_many_names_in_one_request(served):
+    daemon, server, client = served
+    assert client.prefetch(names(3, 4, 6, 7), timeout=3)["count"] == 4
+    assert all(state_of(daemon, n) == "resident" for n in names(3, 4, 6, 7))
+    lease = client.pin("layer.*", lease=5, timeout=3)
+    assert daemon.status()["pinned"] == N_TENSORS
+    client.unpin(lease)
+    assert wait_until(lambda: daemon.status()["pinned"] == 0)
+
+
+def test_pin_lease_renew_unpin(served):
+    daemon, server, client = served
+    lease = client.pin("layer.3.weight", lease=0.4)
+    assert daemon.tensors("layer.3.weight")[0]["pins"] == 1
+    with pytest.raises(PinnedError) as err:
+        client.evict(names(3))
+    assert err.value.code == P.PINNED
+    for _ in range(4):                                     # 0.8 s, twice the lease
+        time.sleep(0.2)
+        assert client.renew(lease)["renewed"] == 1
+    assert daemon.tensors("layer.3.weight")[0]["pins"] == 1
+    assert client.unpin(lease) == {"count": 1}
+    assert wait_until(lambda: daemon.tensors("layer.3.weight")[0]["pins"] == 0)
+    with pytest.raises(ServiceError) as err:
+        client.renew(lease)
+    assert err.value.code == P.BAD_REQUEST and "expired or released" in str(err.value)
+
+
+def test_lease_expires_without_renew(served):
+    daemon, server, client = served
+    client.pin(names(4), lease=0.3)
+    assert daemon.status()["pinned"] == 1
+    assert wait_until(lambda: daemon.status()["pinned"] == 0, timeout=3)
+    assert server.counters.leases_expired == 1
+    assert client.status()["server"]["leases"] == 0
+
+
+def test_errors_are_typed(served):
+    daemon, server, client = served
+    with pytest.raises(UnknownTensorError) as err:
+        client.prefetch(["no.such.tensor"])
+    assert err.value.code == P.UNKNOWN_TENSOR and "no.such.tensor" in str(err.value)
+    with pytest.raises(ServiceError) as err:
+        client.set_watermarks(2 * BUDGET, 1)
+    assert err.value.code == P.BAD_REQUEST
+    with pytest.raises(ServiceError) as err:
+        client.call("frobnicate")
+    assert err.value.code == P.BAD_REQUEST and "unknown op" in str(err.value)
+    with pytest.raises(ServiceError) as err:
+        client.call("prefetch", names=[1, 2])
+    assert err.value.code == P.BAD_REQUEST
+    with pytest.raises(ServiceError):
+        client.pin(names(1), lease=10 ** 9)
+    assert client.ping()["pong"]                              # still serving
+
+
+def test_storage_error_reply_and_failed_event(served, native_faults):
+    daemon, server, client = served
+    native_faults.inject_fault("read", "error", count=100, key_contains="layer.6")
+    with client.subscribe([b"failed"]) as sub:
+        sub.sync()
+        with pytest.raises(StorageError) as err:
+            client.prefetch(names(6))
+        assert err.value.code == P.STORAGE
+        event = sub.recv(timeout=3)
+    assert event["event"] == "failed" and event["name"] == "layer.6.weight" and event["error"]
+
+
+def test_events_loaded_evicted_written_back(served):
+    import mindspore as ms
+    import numpy as np
+    daemon, server, client = served
+    daemon.register(ms.Tensor(np.ones(SHAPE, np.float32)), name="dirty.0", tier="device")
+    with client.subscribe() as sub:
+        sub.sync()
+        client.prefetch(names(1))
+        client.evict(names(1))
+        client.flush(["dirty.0"])
+        seen = [sub.recv(timeout=3) for _ in range(3)]
+    got = {(e["event"], e["name"]) for e in seen}
+    assert got == {("loaded", "layer.1.weight"), ("evicted", "layer.1.weight"),
+                   ("written_back", "dirty.0")}
+    assert [e["seq"] for e in seen] == sorted(e["seq"] for e in seen)
+    assert all(e["nbytes"] == 64 * 256 * 4 for e in seen)
+
+
+def test_server_times_out_a_slow_request_and_keeps_serving(served, native_faults):
+    daemon, server, client = served
+    native_faults.inject_fault("read", "delay", delay_ms=1500, key_contains="layer.7")
+    started = time.monotonic()
+    with pytest.raises(RequestTimeout) as err:
+        client.prefetch(names(7), timeout=0.6)
+    assert time.monotonic() - started < 1.2
+    assert err.value.code == P.TIMEOUT and "continues in the daemon" in str(err.value)
+    assert server.counters.timeouts == 1
+    assert client.ping()["pong"]
+    assert wait_until(lambda: state_of(daemon, "layer.7.weight") == "resident", timeout=5)
+
+
+def test_abandoned_pin_is_released(served, native_faults):
+    daemon, server, client = served
+    native_faults.inject_fault("read", "delay", delay_ms=800, key_contains="layer.5")
+    with pytest.raises(RequestTimeout):
+        client.pin(names(5), lease=30, timeout=0.3)
+    # The pin lands after the client gave up; nobody holds a lease, so it is dropped.
+    assert wait_until(lambda: state_of(daemon, "layer.5.weight") == "resident", timeout=5)
+    assert wait_until(lambda: daemon.status()["pinned"] == 0, timeout=3)
+    assert client.status()["server"]["leases"] == 0
+
+
+def test_busy_reply_when_too_many_outstanding(daemon, native_faults):
+    native_faults.inject_fault("read", "delay", delay_ms=1000, count=100)
+    server = daemon.serve(unique_endpoint("busy"), max_outstanding=2)
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(server.endpoint)
+        for i in range(6):
+            sock.send_multipart(P.encode_request(P.new_rid(i), "prefetch", {"names": names(i)}))
+        codes = {}
+        while len(codes) < 6 and sock.poll(5000):
+            rid, doc = P.decode_reply(sock.recv_multipart())
+            codes[rid] = doc.get("code", "OK")
+        assert sorted(codes.values()) == ["BUSY"] * 4 + ["OK"] * 2
+        assert server.counters.busy == 4
+    finally:
+        ctx.destroy(linger=0)
+    with Client(server.endpoint) as client:      # BusyError is what a Client raises
+        assert client.ping()["pong"]
+    assert issubclass(BusyError, ServiceError)
+
+
+def test_request_to_closed_daemon_gets_shutdown(tmp_path):
+    d = make_daemon(tmp_path)
+    server = d.serve(unique_endpoint("shut"))
+    client = Client(server.endpoint, timeout=2)
+    try:
+        d._state = "closing"             # what close() sets before it stops the server
+        with pytest.raises(ShutdownError) as err:
+            client.prefetch(names(0))
+        assert err.value.code == P.SHUTDOWN
+    finally:
+        d._state = "running"
+        client.close()
+        d.close(5)
+
+
+# ----------------------------------------------------------------------------- lifecycle
+
+def test_close_of_daemon_with_busy_server_returns_within_timeout(tmp_path, native_faults):
+    d = make_daemon(tmp_path)
+    server = d.serve(unique_endpoint("close"))
+    native_faults.inject_fault("read", "delay", delay_ms=400, count=1000)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(server.endpoint)
+    for i in range(200):
+        op = "pin" if i % 3 == 0 else "prefetch"
+        sock.send_multipart(P.encode_request(P.new_rid(i), op, {"names": names(i % N_TENSORS)}))
+    assert wait_until(lambda: server.counters.requests["pin"] + server.counters.requests["prefetch"]
+                      >= 100, timeout=5)
+    started = time.monotonic()
+    d.close(timeout=2.0)
+    elapsed = time.monotonic() - started
+    ctx.destroy(linger=0)
+    assert elapsed < 2.0 + 1.5, elapsed
+    assert not server.running and server._ctx is None
+    assert not server_threads()
+    assert not os.path.exists(server.endpoint[len("ipc://"):])
+
+
+def test_server_close_is_bounded_and_leaks_nothing(daemon):
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    baseline_threads = threading.active_count()
+    server = Server(daemon, unique_endpoint("leak")).start()
+    with Client(server.endpoint) as c:       # warm up lazily created resources
+        c.ping()
+    server.close(2)
+    baseline_fds = fds()
+    for _ in range(10):
+        server = Server(daemon, unique_endpoint("leak")).start()
+        with Client(server.endpoint, timeout=2) as c:
+            c.ping()
+            c.subscribe().sync()
+        started = time.monotonic()
+        server.close(2)
+        assert time.monotonic() - started < 2
+        server.close(2)                      # idempotent
+    assert threading.active_count() == baseline_threads
+    assert not server_threads()
+    assert fds() <= baseline_fds + 2
+
+
+def test_client_reconnects_after_a_timeout(daemon):
+    endpoint = unique_endpoint("pirate")
+    with Client(endpoint, timeout=0.3) as client:
+        with pytest.raises(RequestTimeout):
+            client.ping()                    # nobody listens yet
+        assert client._sock is None          # Lazy Pirate: the socket was dropped
+        server = Server(daemon, endpoint).start()
+        try:
+            assert client.ping(timeout=5)["pong"]
+        finally:
+            server.close(2)
+
+
+def test_server_timeout_reply_keeps_the_socket(served, native_faults):
+    daemon, server, client = served
+    native_faults.inject_fault("read", "delay", delay_ms=600, key_contains="layer.2")
+    first = client._socket()
+    with pytest.raises(RequestTimeout) as err:
+        client.prefetch(names(2), timeout=0.3)   # the server gives up first and says so
+    assert err.value.code == P.TIMEOUT
+    assert client._sock is first
+    assert client.ping()["pong"]
+
+
+def test_endpoint_resolution(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert resolve_endpoint("ipc://") == f"ipc://{tmp_path}/prefetchd/default.sock"
+    assert resolve_endpoint("ipc://", "w1") == f"ipc://{tmp_path}/prefetchd/w1.sock"
+    assert resolve_endpoint("ipc://ctl.sock") == f"ipc://{tmp_path}/prefetchd/ctl.sock"
+    assert resolve_endpoint("ipc:///run/x.sock") == "ipc:///run/x.sock"
+    assert resolve_endpoint("tcp://localhost:5555", bind=True) == "tcp://127.0.0.1:5555"
+    assert resolve_endpoint("tcp://127.0.0.1:0", bind=True) == "tcp://127.0.0.1:*"
+    assert resolve_endpoint("tcp://0.0.0.0:5555", bind=True, allow_remote=True) == \
+        "tcp://0.0.0.0:5555"
+    with pytest.raises(ConfigError, match="loopback"):
+        resolve_endpoint("tcp://0.0.0.0:5555", bind=True)
+    with pytest.raises(ConfigError, match="longer than"):
+        resolve_endpoint("ipc:///" + "x" * 200)
+    with pytest.raises(ConfigError):
+        resolve_endpoint("inproc://x")
+    assert runtime_dir() == f"{tmp_path}/prefetchd"
+
+
+def test_second_server_on_a_live_path_is_refused(daemon):
+    endpoint = unique_endpoint("dup")
+    first = Server(daemon, endpoint).start()
+    try:
+        with pytest.raises(ConfigError, match="another server"):
+            Server(daemon, endpoint).start()
+        with Client(first.endpoint) as c:
+            assert c.ping()["pong"]
+    finally:
+        first.close(2)
+    assert not server_threads()
+
+
+# ----------------------------------------------------------------------------- other processes
+
+def _child_client(endpoint, out):
+    """Runs in a spawned process: subscribe, prefetch, read status, collect events."""
+    from prefetchd.service import Client
+    try:
+        with Client(endpoint, timeout=10) as c:
+            sub = c.subscribe([b"loaded", b"evicted"]).sync()
+            c.prefetch(["layer.1.weight"])
+            c.prefetch(["layer.2.weight"])
+            c.evict(["layer.1.weight"])
+            events = [sub.recv(timeout=5) for _ in range(3)]
+            status = c.status()
+            out.put({"pid": os.getpid(), "events": events, "status": status,
+                     "pong": c.ping()})
+    except BaseException as e:  # noqa: BLE001 - report to the parent
+        out.put({"error": repr(e)})
+
+
+def _child_pinner(endpoint, out, lease):
+    """Runs in a spawned process: pin with a lease, report it, then hang until killed."""
+    from prefetchd.service import Client
+    c = Client(endpoint, timeout=10)
+    out.put(c.pin(["layer.4.weight"], lease=lease))
+    time.sleep(600)
+
+
+def test_client_in_another_process(served):
+    daemon, server, client = served
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_child_client, args=(server.endpoint, out), daemon=True)
+    child.start()
+    try:
+        result = out.get(timeout=60)
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    assert "error" not in result, result
+    assert result["pid"] != os.getpid() and result["pong"]["pid"] == os.getpid()
+    kinds = [(e["event"], e["name"]) for e in result["events"]]
+    assert kinds == [("loaded", "layer.1.weight"), ("loaded", "layer.2.weight"),
+                     ("evicted", "layer.1.weight")]
+    assert result["status"]["states"]["resident"] >= 1
+    assert state_of(daemon, "layer.2.weight") == "resident"
+
+
+def test_dead_clients_pins_expire(served):
+    daemon, server, client = served
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_child_pinner, args=(server.endpoint, out, 1.0), daemon=True)
+    child.start()
+    try:
+        lease = out.get(timeout=60)
+        assert daemon.tensors("layer.4.weight")[0]["pins"] == 1
+    finally:
+        child.kill()
+        child.join(10)
+    assert child.exitcode is not None
+    killed_at = time.monotonic()
+    assert wait_until(lambda: daemon.tensors("layer.4.weight")[0]["pins"] == 0, timeout=5)
+    assert time.monotonic() - killed_at < 2.5
+    assert server.counters.leases_expired == 1
+    with pytest.raises(ServiceError):
+        client.renew(lease)
+    client.evict(names(4))                   # no longer pinned
