@@ -87,6 +87,45 @@ class AioEngine : public Engine {
         r.detail = std::move(detail);
     }
 
+    // Fill every free slot with the next chunks and submit them in one batch.
+    void submit_free_slots(Context &c, Transfer &t, size_t &next, size_t &inflight, TransferResult &r,
+                           std::vector<iocb *> &batch) {
+        const size_t n = t.n_chunks();
+        batch.clear();
+        for (auto &s : c.slots) {
+            if (s.busy || next >= n || r.status != 0) continue;
+            size_t off = next * t.chunk, len = std::min(t.chunk, t.total - off);
+            s.chunk = next++;
+            s.buf = t.prepare(s.chunk, off, len, s.bounce);
+            memset(&s.cb, 0, sizeof(s.cb));
+            s.cb.aio_data = reinterpret_cast<uint64_t>(&s);
+            s.cb.aio_lio_opcode = t.write ? IOCB_CMD_PWRITE : IOCB_CMD_PREAD;
+            s.cb.aio_fildes = uint32_t(t.fd);
+            s.cb.aio_buf = reinterpret_cast<uint64_t>(s.buf);
+            s.cb.aio_nbytes = len;
+            s.cb.aio_offset = int64_t(t.file_base + off);
+            s.busy = true;
+            batch.push_back(&s.cb);
+        }
+        size_t submitted = 0;
+        while (submitted < batch.size()) {
+            long k = sys_io_submit(c.ctx, long(batch.size() - submitted), batch.data() + submitted);
+            if (k < 0 && errno == EINTR) continue;
+            if (k <= 0) {
+                // Not accepted: do the rest synchronously so the transfer still completes.
+                for (size_t j = submitted; j < batch.size(); j++) {
+                    Slot *s = reinterpret_cast<Slot *>(batch[j]->aio_data);
+                    ssize_t res = full_io(t.write, t.fd, s->buf, batch[j]->aio_nbytes, batch[j]->aio_offset);
+                    s->busy = false;
+                    finish(t, s->chunk, s->buf, res, r);
+                }
+                break;
+            }
+            submitted += size_t(k);
+            inflight += size_t(k);
+        }
+    }
+
     TransferResult drive(Context &c, Transfer &t) {
         TransferResult r;
         const size_t n = t.n_chunks();
@@ -94,39 +133,7 @@ class AioEngine : public Engine {
         std::vector<iocb *> batch;
         std::vector<io_event> events(c.slots.size());
         for (;;) {
-            // Fill every free slot, then submit them together.
-            batch.clear();
-            for (auto &s : c.slots) {
-                if (s.busy || next >= n || r.status != 0) continue;
-                size_t off = next * t.chunk, len = std::min(t.chunk, t.total - off);
-                s.chunk = next++;
-                s.buf = t.prepare(s.chunk, off, len, s.bounce);
-                memset(&s.cb, 0, sizeof(s.cb));
-                s.cb.aio_data = reinterpret_cast<uint64_t>(&s);
-                s.cb.aio_lio_opcode = t.write ? IOCB_CMD_PWRITE : IOCB_CMD_PREAD;
-                s.cb.aio_fildes = uint32_t(t.fd);
-                s.cb.aio_buf = reinterpret_cast<uint64_t>(s.buf);
-                s.cb.aio_nbytes = len;
-                s.cb.aio_offset = int64_t(t.file_base + off);
-                s.busy = true;
-                batch.push_back(&s.cb);
-            }
-            size_t submitted = 0;
-            while (submitted < batch.size()) {
-                long k = sys_io_submit(c.ctx, long(batch.size() - submitted), batch.data() + submitted);
-                if (k < 0 && errno == EINTR) continue;
-                if (k <= 0) {
-                    // Not accepted: do the rest synchronously so the transfer still completes.
-                    for (size_t j = submitted; j < batch.size(); j++) {
-                        Slot *s = reinterpret_cast<Slot *>(batch[j]->aio_data);
-                        ssize_t res = full_io(t.write, t.fd, s->buf, batch[j]->aio_nbytes, batch[j]->aio_offset);
-                        finish(t, *s, res, r);
-                    }
-                    break;
-                }
-                submitted += size_t(k);
-                inflight += size_t(k);
-            }
+            submit_free_slots(c, t, next, inflight, r, batch);
             if (inflight == 0) {
                 if (next >= n || r.status != 0) break;
                 continue;
@@ -143,10 +150,25 @@ class AioEngine : public Engine {
                 }
                 break;
             }
+            // Reaped requests whose data sits in user memory free their slot at
+            // once, so the refill is submitted before we spend CPU on their
+            // checksums; bounce-buffered ones must be consumed first.
+            struct Done { size_t chunk; char *buf; ssize_t res; };
+            std::vector<Done> deferred;
             for (long e = 0; e < got; e++) {
                 Slot *s = reinterpret_cast<Slot *>(events[size_t(e)].data);
                 inflight--;
-                finish(t, *s, ssize_t(events[size_t(e)].res), r);
+                ssize_t res = ssize_t(events[size_t(e)].res);
+                if (s->buf == s->bounce) {
+                    finish(t, s->chunk, s->buf, res, r);
+                } else {
+                    deferred.push_back({s->chunk, s->buf, res});
+                }
+                s->busy = false;
+            }
+            if (!deferred.empty()) {
+                submit_free_slots(c, t, next, inflight, r, batch);
+                for (auto &d : deferred) finish(t, d.chunk, d.buf, d.res, r);
             }
         }
         return r;
@@ -154,13 +176,12 @@ class AioEngine : public Engine {
 
     // One request came back: apply faults, finish short transfers synchronously
     // (this surfaces the real errno, e.g. EFBIG), then hand the bytes over.
-    void finish(Transfer &t, Slot &s, ssize_t res, TransferResult &r) {
-        s.busy = false;
-        size_t off = s.chunk * t.chunk, len = std::min(t.chunk, t.total - off);
-        apply_fault(t, s.chunk, res, len);
-        bool injected_short = s.chunk == 0 && t.fault.kind == FaultKind::Short;
+    void finish(Transfer &t, size_t chunk, char *buf, ssize_t res, TransferResult &r) {
+        size_t off = chunk * t.chunk, len = std::min(t.chunk, t.total - off);
+        apply_fault(t, chunk, res, len);
+        bool injected_short = chunk == 0 && t.fault.kind == FaultKind::Short;
         if (res >= 0 && size_t(res) < len && !injected_short) {
-            ssize_t more = full_io(t.write, t.fd, s.buf + res, len - size_t(res), t.file_base + off + size_t(res));
+            ssize_t more = full_io(t.write, t.fd, buf + res, len - size_t(res), t.file_base + off + size_t(res));
             res = more < 0 ? more : res + more;
         }
         if (r.status != 0) return;  // already failing: just drain
@@ -170,7 +191,7 @@ class AioEngine : public Engine {
                         std::string(t.write ? "short write" : "short read") + ": " + std::to_string(res) + " of " +
                             std::to_string(len) + " bytes");
         std::string detail;
-        int st = t.complete(s.chunk, off, len, s.buf, detail);
+        int st = t.complete(chunk, off, len, buf, detail);
         if (st != 0) fail(r, st, t.file_base + off, detail);
     }
 
