@@ -641,7 +641,7 @@ class Daemon:
         else:
             tag = next(self._tags)
             self._inflight[tag] = (TransferKind.STORE, rec, req)
-            self.backend.start_store(rec.name, rec.initial, rec.nbytes, b"", tag)
+            self.backend.start_store(rec.name, rec.initial, rec.nbytes, b"", tag, snapshot=False)
 
     def _reserve(self, nbytes, *, demand, incoming=None):
         """A device block for nbytes, None to wait, or BudgetError if it can never fit."""
@@ -656,17 +656,15 @@ class Daemon:
                               f"watermark is {self._high} bytes")
         if be.device_used() + need > self._high and not self._make_room(need, demand=demand, incoming=incoming):
             return None
-        try:
-            block = be.alloc_device(nbytes)
-        except Exception:
-            # Fragmentation: enough bytes below the watermark but no contiguous run.
-            # Evict by policy until one appears, or wait for in-flight work.
-            if not self._make_room(need, demand=demand, incoming=incoming, fragmented=True):
-                return None
+        while True:
             try:
                 block = be.alloc_device(nbytes)
-            except Exception:
-                return None
+                break
+            except _native_out_of_space():
+                # Enough bytes under the watermark but no contiguous run:
+                # evict one more victim by policy and try again.
+                if not self._evict_one(demand, incoming):
+                    return None
         used = be.device_used()
         for check in self._reserve_checks:
             check(used, self._high)
@@ -674,16 +672,8 @@ class Daemon:
         self._peak = max(self._peak, used)
         return block
 
-    def _make_room(self, need, *, demand, incoming=None, fragmented=False):
-        """Evict until used + need <= low watermark (hysteresis). True if room now exists."""
-        be = self.backend
-        goal = min(self._low, self._high - need)
-        if fragmented:
-            goal = max(0, be.device_used() - need)
-        self._fence_if(lambda: be.device_used() + need > self._high or fragmented)
-        if be.device_used() <= goal and not fragmented:
-            return True
-        projected = be.device_used()
+    def _victims(self, demand, incoming):
+        """Eviction candidates, best victim first."""
         candidates = [r for r in self._records.values()
                       if r.state is State.RESIDENT and not r.pins and not r.waiters
                       and not r.writeback_failed and (demand or not r.prefetched_unused)]
@@ -692,15 +682,32 @@ class Daemon:
             # Belady: never evict a tensor needed sooner than the one being prefetched.
             limit = self._policy.distance(incoming.name)
             ranked = [r for r in ranked if self._policy.distance(r.name) > limit]
-        for victim in ranked:
+        return ranked
+
+    def _make_room(self, need, *, demand, incoming=None):
+        """Evict until used + need <= low watermark (hysteresis). True if room now exists."""
+        be = self.backend
+        goal = min(self._low, self._high - need)
+        self._fence_if(lambda: be.device_used() + need > self._high)
+        if be.device_used() <= goal:
+            return True
+        projected = be.device_used()
+        for victim in self._victims(demand, incoming):
             if projected <= goal:
                 break
             projected -= be.block_bytes(victim.nbytes)
             self._evict(victim, "watermark")
-        self._fence_if(lambda: bool(self._unfenced))
-        if fragmented:
-            return True
+        self._fence_if(lambda: True)
         return be.device_used() + need <= self._high
+
+    def _evict_one(self, demand, incoming):
+        """Free one victim's block now (True), or start its write-back / find none (False)."""
+        for victim in self._victims(demand, incoming):
+            self._evict(victim, "watermark")
+            self._fence_if(lambda: True)
+            return victim.state is State.ABSENT
+        self._fence_if(lambda: True)
+        return False
 
     def _fence_if(self, condition):
         if self._unfenced and condition():
@@ -965,6 +972,11 @@ class Daemon:
             rec.host_block = None
         self._unfenced.clear()
         self.backend.close()
+
+
+def _native_out_of_space():
+    from . import _native
+    return _native.OutOfSpace
 
 
 def _settle(daemon, req, error):

@@ -82,8 +82,17 @@ class CpuBackend:
     def start_load(self, key, block, nbytes, tag, verify):
         self.load_stream.read(self.store, key, block, verify=verify, tag=tag, cq=self.cq)
 
-    def start_store(self, key, block, nbytes, meta, tag):
-        self.store_stream.write(self.store, key, block, nbytes, meta, tag=tag, cq=self.cq)
+    def start_store(self, key, block, nbytes, meta, tag, snapshot=True):
+        # Write a snapshot, not the live block: compute or the user may write
+        # the tensor while it is being stored, and a write that tears under
+        # the checksum would fail verification. A write that races the
+        # snapshot is caught by the daemon's generation check (dirty again).
+        src = block
+        if snapshot and nbytes:
+            src = _native.aligned_buffer(nbytes, _ALIGN)
+            self.store_stream.copy(src, block, nbytes)
+            self._scratch[tag] = src
+        self.store_stream.write(self.store, key, src, nbytes, meta, tag=tag, cq=self.cq)
 
     def start_verify(self, key, tag):
         # Reading the new version back through the checksummed read path proves
