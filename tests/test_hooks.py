@@ -1,0 +1,172 @@
+"""Layer decorators: an offloaded model computes exactly what the resident model computes."""
+import numpy as np
+import pytest
+
+import prefetchd
+from prefetchd.errors import NotResidentError, PrefetchdError
+from prefetchd.model import build_model, estimate_bytes, make_inputs
+
+H, L = 256, 6
+
+
+@pytest.fixture(scope="module")
+def reference(mindspore_cpu):
+    model = build_model(H, L, seed=3)
+    x = make_inputs(2, 4, H, seed=5)
+    return x, model(x).asnumpy(), model
+
+
+def offloaded(make_daemon, budget_fraction, **kwargs):
+    size = estimate_bytes(H, L)
+    daemon = make_daemon(device_budget=max(int(size * budget_fraction), 1 << 20))
+    model = build_model(H, L, seed=3)
+    handle = prefetchd.offload(model, daemon, **kwargs)
+    return model, handle, daemon
+
+
+@pytest.mark.parametrize("budget", [0.3, 0.5, 1.0])
+@pytest.mark.parametrize("lookahead", [0, 1, 2, 3])
+def test_offloaded_equals_resident(make_daemon, reference, budget, lookahead):
+    x, want, _ = reference
+    model, handle, daemon = offloaded(make_daemon, budget, lookahead=lookahead, auto_fetch=True)
+    for _ in range(3):
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
+    status = daemon.status()
+    assert status["device"]["peak"] <= status["device"]["high_watermark"]
+    assert handle.stats()["trace"] == L + 1
+
+
+def test_host_tier_equals_resident(make_daemon, reference):
+    x, want, _ = reference
+    model, handle, daemon = offloaded(make_daemon, 0.3, lookahead=2, tier="host")
+    for _ in range(2):
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
+    assert daemon.stats.transfer_bytes["h2d"] > 0 and daemon.stats.transfer_bytes["load"] == 0
+
+
+def test_changed_order_resyncs_and_keeps_prefetching(make_daemon, reference, mindspore_cpu):
+    """Skip a block mid-run: the hooks re-synchronise, count it, and outputs stay right."""
+    x, want, ref_model = reference
+    model, handle, daemon = offloaded(make_daemon, 0.4, lookahead=2)
+    np.testing.assert_array_equal(model(x).asnumpy(), want)
+
+    def skipping_construct(inp, skip=2):
+        for i, block in enumerate(model.blocks):
+            if i != skip:
+                inp = block(inp)
+        return model.norm(inp)
+
+    def ref_skipping(inp, skip=2):
+        for i, block in enumerate(ref_model.blocks):
+            if i != skip:
+                inp = block(inp)
+        return ref_model.norm(inp)
+
+    want_skip = ref_skipping(x).asnumpy()
+    model.construct = skipping_construct
+    loads_before = daemon.stats.transfer_bytes["load"]
+    np.testing.assert_array_equal(model(x).asnumpy(), want_skip)
+    assert handle.resyncs >= 1
+    assert daemon.stats.trace_resyncs == handle.resyncs
+    del model.construct                          # back to the recorded order
+    np.testing.assert_array_equal(model(x).asnumpy(), want)
+    # prefetch kept working after the re-sync: later units were loaded ahead, not on demand
+    assert daemon.stats.transfer_bytes["load"] > loads_before
+    assert daemon.stats.requests["prefetch", "issued"] > 0
+
+
+def test_memory_is_not_reused_before_compute_finishes(make_daemon, mindspore_cpu):
+    """Heavy compute, a budget of about two blocks, lookahead 1: exact outputs.
+
+    MindSpore dispatches asynchronously on CPU; reusing a block before the
+    kernels reading it ran would corrupt the result.
+    """
+    hidden, layers = 512, 6
+    ref = build_model(hidden, layers, seed=11)
+    x = make_inputs(16, 32, hidden, seed=12)
+    want = ref(x).asnumpy()
+    per_block = estimate_bytes(hidden, 1)
+    daemon = make_daemon(device_budget=int(per_block * 2.3))
+    model = build_model(hidden, layers, seed=11)
+    prefetchd.offload(model, daemon, lookahead=1)
+    for _ in range(3):
+        outs = [model(x) for _ in range(2)]       # queue compute without reading results
+        for out in outs:
+            np.testing.assert_array_equal(out.asnumpy(), want)
+    assert daemon.stats.fences > 0
+
+
+def test_auto_fetch_false_raises_not_resident_naming_the_tensor(make_daemon, reference):
+    x, want, _ = reference
+    model, handle, daemon = offloaded(make_daemon, 0.3, lookahead=0, auto_fetch=False)
+    np.testing.assert_array_equal(model(x).asnumpy(), want)   # first pass records, fetching on demand
+    daemon.evict(daemon.names()).result(10)
+    with pytest.raises(NotResidentError) as err:
+        model(x)
+    assert err.value.name.startswith("blocks.") and err.value.tier == "remote"
+    assert err.value.state == "absent"
+
+
+def test_auto_fetch_true_fetches_and_counts_a_miss(make_daemon, reference):
+    x, want, _ = reference
+    model, handle, daemon = offloaded(make_daemon, 0.3, lookahead=0, auto_fetch=True)
+    model(x)
+    misses = daemon.stats.requests["fetch", "miss"]
+    np.testing.assert_array_equal(model(x).asnumpy(), want)
+    assert daemon.stats.requests["fetch", "miss"] > misses
+
+
+def test_inplace_parameter_change_is_written_back(make_daemon, reference):
+    x, _, _ = reference
+    model, handle, daemon = offloaded(make_daemon, 0.3, lookahead=1)
+    model(x)
+    name = "blocks.0.qkv.bias"
+    p = model.blocks[0].qkv.bias
+    with daemon.use(name):
+        p[0:3] = 1.5                                 # the user edits a weight in place
+    daemon.evict(daemon.names()).result(10)          # device replicas dropped
+    with daemon.use(name):
+        assert list(p.asnumpy()[:3]) == [1.5, 1.5, 1.5]
+
+
+def test_jit_compiled_model_is_refused_clearly(make_daemon, mindspore_cpu):
+    ms = mindspore_cpu
+    model = build_model(64, 2)
+    prefetchd.offload(model, make_daemon(), lookahead=1)
+    original = model.construct
+
+    def compiled(x):          # stands in for a @jit construct: the unit cells' hooks never fire
+        return x
+    model.construct = compiled
+    with pytest.raises(PrefetchdError, match="jit"):
+        model(make_inputs(1, 2, 64))
+    model.construct = original
+
+
+def test_graph_mode_is_refused(make_daemon, mindspore_cpu):
+    ms = mindspore_cpu
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        with pytest.raises(PrefetchdError, match="PyNative"):
+            prefetchd.offload(build_model(64, 2), make_daemon())
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+def test_class_decorator_offloads_instances(make_daemon, mindspore_cpu):
+    ms = mindspore_cpu
+    daemon = make_daemon()
+
+    @prefetchd.offloaded(daemon, lookahead=1)
+    class Net(ms.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.layers = ms.nn.SequentialCell([ms.nn.Dense(8, 8) for _ in range(3)])
+
+        def construct(self, x):
+            return self.layers(x)
+
+    net = Net()
+    assert len(daemon.names()) == 6
+    out = net(ms.Tensor(np.ones((2, 8), np.float32)))
+    assert out.shape == (2, 8)
