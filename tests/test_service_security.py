@@ -1,0 +1,201 @@
+"""Security promises of the control plane: private ipc sockets, loopback tcp by
+default, CURVE for tcp (unauthenticated peers get no service), key files that
+only their owner can read, and a refusal to use a directory someone else owns.
+"""
+import os
+import secrets
+import stat
+
+import pytest
+import zmq
+
+from prefetchd import protocol as P
+from prefetchd.config import ConfigError
+from prefetchd.service import (AUTHORIZED_DIR, Client, RequestTimeout, Server, create_keys,
+                               ensure_private_dir, runtime_dir)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    import mindspore as ms
+    import numpy as np
+
+    import prefetchd
+
+    d = prefetchd.Daemon(device_budget=1 << 20, name="sec",
+                         store_dir=str(tmp_path_factory.mktemp("sec-store"))).start()
+    d.register(ms.Tensor(np.ones((16, 16), np.float32)), name="w", tier="remote")
+    yield d
+    d.close(5)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    return create_keys(str(tmp_path_factory.mktemp("keys") / "curve"), clients=("client", "other"))
+
+
+def mode(path):
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_default_ipc_socket_is_private(daemon, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    server = Server(daemon, "ipc://").start()
+    try:
+        path = server.endpoint[len("ipc://"):]
+        assert path == f"{tmp_path}/prefetchd/sec.sock"
+        assert mode(os.path.dirname(path)) == 0o700
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+        assert mode(path) & 0o077 == 0                       # bound under umask 0177
+        events = server.events_endpoint[len("ipc://"):]
+        assert mode(events) & 0o077 == 0
+        assert os.lstat(os.path.dirname(path)).st_uid == os.getuid()
+        with Client(server.endpoint, timeout=5) as c:
+            assert c.ping()["pong"]
+    finally:
+        server.close(2)
+    assert not os.path.exists(path)
+
+
+def test_fallback_runtime_dir_is_private(monkeypatch):
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    path = runtime_dir()
+    assert path == f"/tmp/prefetchd-{os.getuid()}"
+    assert mode(path) == 0o700
+
+
+def test_umask_is_restored_after_bind(daemon):
+    before = os.umask(0o022)
+    os.umask(before)
+    server = Server(daemon, f"ipc://sec-{secrets.token_hex(3)}.sock").start()
+    server.close(2)
+    after = os.umask(before)
+    assert after == before
+
+
+def test_explicit_ipc_directory_is_created_private(daemon, tmp_path):
+    path = tmp_path / "run" / "ctl.sock"
+    server = Server(daemon, f"ipc://{path}").start()
+    try:
+        assert mode(path.parent) == 0o700
+        assert mode(path) & 0o077 == 0
+    finally:
+        server.close(2)
+
+
+def test_private_dir_checks(tmp_path):
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    ensure_private_dir(str(loose))
+    assert mode(loose) == 0o700                              # ours: tightened
+    link = tmp_path / "link"
+    link.symlink_to(loose)
+    with pytest.raises(ConfigError, match="not a directory"):
+        ensure_private_dir(str(link))
+    if os.getuid() == 0:
+        foreign = tmp_path / "foreign"
+        foreign.mkdir(mode=0o700)
+        os.chown(foreign, 65534, 65534)
+        with pytest.raises(ConfigError, match="belongs to uid"):
+            ensure_private_dir(str(foreign))
+
+
+def test_tcp_binds_loopback_unless_told_otherwise(daemon):
+    with pytest.raises(ConfigError, match="loopback"):
+        Server(daemon, "tcp://0.0.0.0:0")
+    with pytest.raises(ConfigError, match="loopback"):
+        Server(daemon, "tcp://*:0")
+    server = Server(daemon, "tcp://localhost:0").start()
+    try:
+        assert server.endpoint.startswith("tcp://127.0.0.1:")
+        assert server.events_endpoint.startswith("tcp://127.0.0.1:")
+    finally:
+        server.close(2)
+
+
+def test_key_files_are_private(keys):
+    assert mode(keys) == 0o700
+    assert mode(os.path.join(keys, AUTHORIZED_DIR)) == 0o700
+    for name in ("server.key_secret", "client.key_secret", "other.key_secret"):
+        assert mode(os.path.join(keys, name)) == 0o600
+    assert sorted(os.listdir(os.path.join(keys, AUTHORIZED_DIR))) == ["client.key", "other.key"]
+
+
+def test_curve_server_needs_its_certificate(daemon, tmp_path):
+    with pytest.raises(ConfigError, match="prefetchd keys"):
+        Server(daemon, "tcp://127.0.0.1:0", curve_keys_dir=str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def curve_server(daemon, keys):
+    server = Server(daemon, "tcp://127.0.0.1:0", curve_keys_dir=keys).start()
+    yield server
+    server.close(2)
+
+
+def test_authorized_curve_client_is_served(curve_server, keys):
+    with Client(curve_server.endpoint, timeout=5,
+                server_public_key=os.path.join(keys, "server.key"),
+                client_keys=os.path.join(keys, "client.key_secret")) as c:
+        assert c.ping()["pong"]
+        assert c.status()["server"]["curve"] is True
+        with c.subscribe() as sub:
+            sub.sync()
+            c.prefetch("w")
+            assert sub.recv(timeout=5)["name"] == "w"
+
+
+@pytest.mark.parametrize("who", ["plain", "ephemeral_key", "wrong_server_key", "stolen_public"])
+def test_unauthenticated_tcp_clients_get_no_service(curve_server, keys, who):
+    served_before = sum(curve_server.counters.requests.values())
+    malformed_before = curve_server.counters.malformed
+    kwargs = {}
+    if who == "ephemeral_key":                    # right server, unknown client key
+        kwargs = {"server_public_key": os.path.join(keys, "server.key")}
+    elif who == "wrong_server_key":               # authorized client, impostor server key
+        kwargs = {"server_public_key": zmq.curve_keypair()[0],
+                  "client_keys": os.path.join(keys, "client.key_secret")}
+    elif who == "stolen_public":                  # knows an authorized public key, not its secret
+        public, _ = zmq.auth.load_certificate(os.path.join(keys, "client.key"))
+        kwargs = {"server_public_key": os.path.join(keys, "server.key"),
+                  "client_keys": (public, zmq.curve_keypair()[1])}
+    with Client(curve_server.endpoint, timeout=0.7, **kwargs) as c:
+        with pytest.raises(RequestTimeout):
+            c.ping()
+        with pytest.raises(RequestTimeout):
+            c.prefetch("w")
+    assert sum(curve_server.counters.requests.values()) == served_before
+    assert curve_server.counters.malformed == malformed_before
+
+
+def test_unauthenticated_subscriber_gets_no_events(curve_server, keys):
+    ctx = zmq.Context()
+    try:
+        sub = ctx.socket(zmq.SUB)
+        sub.linger = 0
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(curve_server.events_endpoint)
+        with Client(curve_server.endpoint, timeout=5,
+                    server_public_key=os.path.join(keys, "server.key"),
+                    client_keys=os.path.join(keys, "client.key_secret")) as c:
+            for _ in range(5):
+                c.call("ping", sync="x")
+                c.evict("w")
+                c.prefetch("w")
+        assert not sub.poll(500)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_raw_frames_from_a_plain_peer_are_never_parsed(curve_server):
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(curve_server.endpoint)
+        sock.send_multipart(P.encode_request(P.new_rid(1), "status"))
+        sock.send_multipart([b"garbage"])
+        assert not sock.poll(700)
+    finally:
+        ctx.destroy(linger=0)
