@@ -106,7 +106,10 @@ def build_models(spec, daemon):
         model = build_model(hidden=spec.hidden, layers=spec.layers, heads=spec.heads,
                             seed=spec.seed + i)
         model.update_parameters_name(f"{name}.")
-        models[name] = (model, offload(model, daemon, lookahead=spec.lookahead, tier=spec.tier))
+        # auto_fetch: another model may have evicted this one's next units; a server
+        # fetches them on demand (a stall) rather than failing the request.
+        models[name] = (model, offload(model, daemon, lookahead=spec.lookahead, tier=spec.tier,
+                                       auto_fetch=True))
     return models
 
 
