@@ -467,7 +467,7 @@ def test_auto_engine_on_ext4_uses_direct_io(tmp_path):
         assert s.direct and s.engine in ("aio", "threads")
         assert "O_DIRECT ok" in s.probe_report and s.engine in s.probe_report
         assert not [f for f in os.listdir(str(tmp_path)) if "probe" in f]  # scratch file removed
-        assert (s.block_size, s.queue_depth, s.io_threads, s.extent_size) == (8 << 20, 4, 2, 1 << 20)
+        assert (s.block_size, s.queue_depth, s.io_threads, s.extent_size) == (8 << 20, 8, 4, 1 << 20)
     finally:
         s.close()
 

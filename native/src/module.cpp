@@ -286,7 +286,7 @@ PYBIND11_MODULE(_native, m) {
                  return std::make_shared<FileStore>(dir, o);
              }),
              py::arg("directory"), py::arg("engine") = "auto", py::arg("direct") = true,
-             py::arg("block_size") = 8 << 20, py::arg("queue_depth") = 4, py::arg("io_threads") = 2,
+             py::arg("block_size") = 8 << 20, py::arg("queue_depth") = 8, py::arg("io_threads") = 4,
              py::arg("extent_size") = 1 << 20, py::arg("fsync") = true, py::arg("verify_data_on_open") = false)
         .def_property_readonly("engine", &FileStore::engine)
         .def_property_readonly("direct", &FileStore::direct)

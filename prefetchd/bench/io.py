@@ -91,8 +91,8 @@ def run(directory: str, size: int = 1 << 30, engines=("auto",), block_sizes=None
     a naive bytearray, fio libaio 1M at `fio_depths`) interleaved over `repeats` rounds, plus
     FileStore write bandwidth. For the "threads" engine the queue depth is the io_threads count
     (its number of requests in flight) unless io_threads is given."""
-    block_sizes = list(block_sizes or [8 * MiB])
-    queue_depths = list(queue_depths or [4])
+    block_sizes = list(block_sizes or [8 * MiB])  # FileStore defaults
+    queue_depths = list(queue_depths or [8])
     root = os.path.join(directory, "prefetchd-bench-io")
     os.makedirs(root, exist_ok=True)
     cold = False
@@ -108,7 +108,7 @@ def run(directory: str, size: int = 1 << 30, engines=("auto",), block_sizes=None
     for engine in engines:
         for bs in block_sizes:
             for qd in queue_depths:
-                thr = io_threads or (qd if engine == "threads" else 2)
+                thr = io_threads or (qd if engine == "threads" else 4)
                 configs.append({"engine": engine, "block_size": bs, "queue_depth": qd, "io_threads": thr})
 
     src = native.aligned_buffer(size)
@@ -138,8 +138,10 @@ def run(directory: str, size: int = 1 << 30, engines=("auto",), block_sizes=None
             methods += [(f"fio_libaio_1M_qd{d}", d, None) for d in fio_depths]
         extra = {m[0]: [] for m in methods if m[0] != "store"}
 
-        for _ in range(repeats):
-            for kind, c, s in methods:
+        for rep in range(repeats):
+            # Rotate the order each round so no method always runs right after another.
+            k = rep % len(methods)
+            for kind, c, s in methods[k:] + methods[:k]:
                 if drop_caches:
                     drop_page_cache()
                 if kind == "store":
