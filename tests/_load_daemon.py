@@ -2,11 +2,16 @@
 
     python tests/_load_daemon.py --store-dir DIR [--port 0] [--seconds 120] [--name load]
 
+Streams the demo transformer (prefetchd.model) through a Daemon with
+`prefetchd.offload` -- the real layer hooks: trace, lookahead prefetches, pins,
+stall accounting -- on a device budget smaller than the model, so every forward
+pass loads from the remote tier and evicts at the watermark. Now and then a
+weight is marked dirty and flushed (store traffic) and a unit is run out of
+order (a trace re-sync).
+
 Prints one JSON line {"port": <bound metrics port>, "pid": <pid>} on stdout once
-the exporter is up, then loops like a model running layer by layer until
---seconds pass, SIGTERM/SIGINT arrives, stdin closes or the parent dies, and
-closes the daemon cleanly. The device budget is a fraction of the working set,
-so every pass loads from the remote tier and evicts at the watermark.
+the exporter is up, then runs until --seconds pass, SIGTERM/SIGINT arrives,
+stdin closes or the parent dies, and closes the daemon cleanly.
 """
 import argparse
 import json
@@ -16,8 +21,6 @@ import sys
 import threading
 import time
 
-import numpy as np
-
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -26,15 +29,18 @@ def main(argv=None):
     ap.add_argument("--addr", default="127.0.0.1")
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--name", default="load")
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--layer-bytes", type=int, default=256 << 10)
-    ap.add_argument("--budget", type=int, default=1 << 20)
+    ap.add_argument("--hidden", type=int, default=128)     # 768 KiB of fp32 weights per layer
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--budget", default="3MiB")
     ap.add_argument("--lookahead", type=int, default=2)
+    ap.add_argument("--pause", type=float, default=0.005, help="seconds between forward passes")
     args = ap.parse_args(argv)
 
     import mindspore as ms
     import prefetchd
+    from prefetchd.model import build_model, make_inputs
 
+    ms.set_device("CPU")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -50,33 +56,28 @@ def main(argv=None):
     daemon = prefetchd.Daemon(device_budget=args.budget, store_dir=args.store_dir, name=args.name,
                               metrics_port=args.port, metrics_addr=args.addr)
     with daemon:
-        n = args.layer_bytes // 4
-        names = []
-        for i in range(args.layers):
-            t = ms.Tensor(np.full((n,), float(i), dtype=np.float32))
-            names.append(daemon.register(t, name=f"layer{i}.weight", tier="remote").name)
+        model = build_model(hidden=args.hidden, layers=args.layers)
+        # auto_fetch: the out-of-order unit below is fetched on demand (a counted miss).
+        handle = prefetchd.offload(model, daemon, lookahead=args.lookahead, auto_fetch=True)
+        x = make_inputs(batch=2, seq=8, hidden=args.hidden)
+        model(x)                                    # the first pass records the trace
         print(json.dumps({"port": daemon.metrics_port, "pid": os.getpid()}), flush=True)
 
+        names = daemon.names()
         deadline = time.monotonic() + args.seconds
         step = 0
         while not stop.is_set() and time.monotonic() < deadline and os.getppid() == parent:
-            for i, name in enumerate(names):
-                if stop.is_set():
-                    break
-                ahead = [names[(i + k) % len(names)] for k in range(1, args.lookahead + 1)]
-                daemon.prefetch(ahead)
-                with daemon.use(name):
-                    pass  # "compute": the tensor is resident and pinned here
-                step += 1
-                if step % 7 == 0:
-                    daemon.mark_dirty(name)
-                    daemon.flush(name).result(timeout=30)
-                if step % 11 == 0:
-                    try:
-                        daemon.evict(names[(i + 3) % len(names)]).result(timeout=30)
-                    except prefetchd.PinnedError:
-                        pass
-            time.sleep(0.01)  # keep a shared 2-core machine usable
+            model(x)
+            step += 1
+            if step % 5 == 0:                      # a unit out of trace order: re-sync
+                unit = handle.units[step % len(handle.units)].cell
+                unit(x)
+            if step % 7 == 0:                      # a weight updated in place: write-back
+                name = names[step % len(names)]
+                daemon.mark_dirty(name)
+                daemon.flush(name).result(timeout=30)
+            time.sleep(args.pause)                 # keep a shared machine usable
+        handle.close()
     return 0
 
 

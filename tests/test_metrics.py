@@ -62,11 +62,8 @@ def tensor(i, nbytes=TENSOR_BYTES):
 
 
 @pytest.fixture
-def daemon(tmp_path):
-    d = prefetchd.Daemon(device_budget=256 * KiB, store_dir=str(tmp_path / "store"), name="m1")
-    d.start()
-    yield d
-    d.close()
+def daemon(make_daemon):
+    return make_daemon(device_budget=256 * KiB, name="m1")
 
 
 def register_remote(d, count, prefix="model.layer"):
@@ -221,8 +218,9 @@ def test_bytes_loaded_equal_bytes_read_from_the_store(daemon):
 
 def test_watermark_gauges_and_evictions_under_pressure(daemon):
     handles = register_remote(daemon, 8)              # 512 KiB through a 256 KiB device tier
-    for h in handles:
-        daemon.prefetch(h).result(timeout=30)
+    for h in handles:                                 # compute uses each in turn: demand loads
+        with daemon.use(h):
+            pass
     fams = parse(metrics.render(daemon))
     high = value(fams, "prefetchd_device_memory_watermark_bytes", device="cpu", level="high")
     low = value(fams, "prefetchd_device_memory_watermark_bytes", device="cpu", level="low")
@@ -280,7 +278,10 @@ def _scrape(url):
 
 
 def _port_is_free(port):
+    """Nothing listens there: a server may bind it (SO_REUSEADDR, as HTTP servers do, so
+    the TIME_WAIT left by a scrape does not count)."""
     s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         s.bind(("127.0.0.1", port))
         return True
@@ -322,6 +323,10 @@ def test_start_exporter_direct(daemon):
     exporter.close()
     assert exporter.closed and not exporter._thread.is_alive()
     assert _port_is_free(exporter.port)
+    with metrics.start_exporter(daemon, "127.0.0.1", exporter.port) as again:   # same port, at once
+        assert again.port == exporter.port
+        assert "prefetchd_queue_depth" in _scrape(again.url)
+    assert again.closed
 
 
 def test_two_daemons_in_one_process_do_not_collide(tmp_path):

@@ -29,6 +29,10 @@ ALERTS = DEPLOY / "alerts.yml"
 DASHBOARD = ROOT / "dashboards" / "prefetchd.json"
 LOAD_SCRIPT = Path(__file__).with_name("_load_daemon.py")
 RATE_INTERVAL = "15s"
+# Alerts a healthy daemon under load never even starts (pending) -- the load-
+# dependent ones (stalls, refused prefetches) may, and wait out their `for:`.
+MUST_STAY_INACTIVE = {"PrefetchdWatermarkBreached", "PrefetchdChecksumFailures", "PrefetchdIOErrors",
+                      "PrefetchdExporterDown"}
 
 pytestmark = pytest.mark.slow
 
@@ -265,7 +269,9 @@ def test_dashboard_and_alert_queries_against_real_prometheus(tmp_path, load_daem
         got = _wait("every alert rule to be evaluated", evaluated, 15)
         for rule in got:
             assert rule["health"] == "ok", rule
-            assert rule["state"] == "inactive", rule
+            assert not rule.get("lastError"), rule
+            if rule["name"] in MUST_STAY_INACTIVE:
+                assert rule["state"] == "inactive", rule
         assert {r["name"] for r in got} == {n for n, _ in rules}
     finally:
         _stop(proc)
