@@ -157,19 +157,31 @@ def test_without_threshold():
     assert without_threshold('sum(x)') is None
 
 
+class LoadDaemon:
+    def __init__(self, port, proc, log_path):
+        self.port, self.proc, self.log_path = port, proc, log_path
+
+    def describe(self):
+        state = "running" if self.proc.poll() is None else f"exited with {self.proc.returncode}"
+        return f"load daemon {state}; its log ends with:\n{self.log_path.read_text()[-3000:]}"
+
+
 @pytest.fixture
 def load_daemon(tmp_path):
     """A subprocess running a daemon under load; yields its metrics port."""
+    import prefetchd   # the subprocess imports the same prefetchd (source tree or installed) as we do
+    pkg_root = str(Path(prefetchd.__file__).resolve().parent.parent)
     stderr = open(tmp_path / "load.log", "w")
     proc = subprocess.Popen(
         [sys.executable, str(LOAD_SCRIPT), "--store-dir", str(tmp_path / "store"), "--port", "0",
          "--seconds", "120", "--name", "load"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-        text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep +
+        text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": pkg_root + os.pathsep +
                                        os.environ.get("PYTHONPATH", "")})
     try:
-        line = _wait("the load daemon's metrics port", lambda: _readline(proc), 60, interval=0)
-        yield json.loads(line)["port"]
+        line = _wait("the load daemon's metrics port", lambda: _readline(proc, tmp_path / "load.log"), 60,
+                     interval=0)
+        yield LoadDaemon(json.loads(line)["port"], proc, tmp_path / "load.log")
     finally:
         if proc.stdin:
             proc.stdin.close()
@@ -178,14 +190,15 @@ def load_daemon(tmp_path):
         stderr.close()
 
 
-def _readline(proc):
+def _readline(proc, log_path):
     ready, _, _ = select.select([proc.stdout], [], [], 0.5)
     if ready:
         line = proc.stdout.readline()
         if line:
             return line
     if proc.poll() is not None:
-        raise AssertionError(f"load daemon exited with {proc.returncode} before reporting its port")
+        raise AssertionError(f"load daemon exited with {proc.returncode} before reporting its port:\n"
+                             + log_path.read_text()[-3000:])
     return None
 
 
@@ -199,7 +212,7 @@ def test_promtool_checks_deploy_files():
 def test_dashboard_and_alert_queries_against_real_prometheus(tmp_path, load_daemon):
     prometheus = _binary("prometheus")
     promtool = _binary("promtool")
-    target = f"127.0.0.1:{load_daemon}"
+    target = f"127.0.0.1:{load_daemon.port}"
     config = tmp_path / "prometheus.yml"
     config.write_text(rewrite_config(PROM_CONFIG.read_text(), target, ALERTS))
     r = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True, timeout=60)
@@ -216,6 +229,8 @@ def test_dashboard_and_alert_queries_against_real_prometheus(tmp_path, load_daem
         def target_up():
             if proc.poll() is not None:
                 raise AssertionError(f"prometheus exited: {(tmp_path / 'prometheus.log').read_text()}")
+            if load_daemon.proc.poll() is not None:
+                raise AssertionError(load_daemon.describe())
             active = _get(base, "/api/v1/targets")["data"]["activeTargets"]
             return [t for t in active if t["scrapeUrl"].startswith(f"http://{target}/") and t["health"] == "up"]
         _wait("prometheus to scrape the daemon", target_up, 40)
@@ -256,7 +271,7 @@ def test_dashboard_and_alert_queries_against_real_prometheus(tmp_path, load_daem
             res = _get(base, "/api/v1/query", query=left)
             if res.get("status") != "success" or not res["data"]["result"]:
                 failures.append(f"[alert {name} without threshold] {left}: {res}")
-        assert not failures, "\n".join(failures)
+        assert not failures, "\n".join([*failures, load_daemon.describe()])
 
         # The rule manager loaded and evaluated every rule without error, and the
         # healthy daemon fires none of them (a watermark breach must be impossible).
