@@ -286,6 +286,29 @@ class Daemon:
             self._guard(rec)
         return TensorHandle(rec)
 
+    def register_checkpoint(self, model, *, checkpoint=None):
+        """Register every parameter of `model` from the store: its remote replica is the data.
+
+        checkpoint: a .ckpt/.safetensors file to stage into this daemon's store
+        first (tensor by tensor); None if the store already holds the tensors
+        (e.g. `prefetchd stage`). The model may be built with
+        `no_init_parameters`: its weights never need to exist in RAM.
+        """
+        from . import staging
+        self._check_open()
+        if checkpoint is not None:
+            staging.stage_tensors(_StoreWriter(self.backend), staging.iter_checkpoint(checkpoint))
+        handles = []
+        for p in model.get_parameters():
+            if not self.backend.store_contains(p.name):
+                raise UnknownTensorError(f"the store has no tensor for parameter {p.name!r}")
+            shape, dtype = staging.read_meta(self.backend.store_info(p.name))
+            if tuple(shape) != tuple(p.shape):
+                raise ValueError(f"{p.name!r}: the store holds shape {tuple(shape)}, "
+                                 f"the model expects {tuple(p.shape)}")
+            handles.append(self.register_remote(p.name, shape, dtype, target=p))
+        return handles
+
     def handle(self, name):
         return TensorHandle(self._record(name))
 
@@ -321,8 +344,6 @@ class Daemon:
         """Make tensors resident soon. Resolves when they are; never pins them."""
         recs = self._records_of(tensors)
         self._check_open()
-        for r in recs:
-            r.requested = True
         if all(r.state is State.RESIDENT for r in recs):
             # Hit: nothing to schedule. Reading `state` races only with an eviction
             # that could follow a queued hit just as well.
@@ -332,14 +353,13 @@ class Daemon:
             with self._lock:
                 self.stats.requests["prefetch", "hit"] += 1
             return _DONE
+        for r in recs:
+            r.requested = True    # until the scheduler has queued it (see acquire)
         return self._submit(_Request("prefetch", recs, Future(), priority, deadline))
 
     def pin(self, tensors, priority=0):
         """Wait until resident, then pin (never evicted or moved until unpinned)."""
-        recs = self._records_of(tensors)
-        for r in recs:
-            r.requested = True
-        return self._submit(_Request("pin", recs, Future(), priority))
+        return self._submit(_Request("pin", self._records_of(tensors), Future(), priority))
 
     def unpin(self, tensors):
         self._submit(_Request("unpin", self._records_of(tensors)))
@@ -352,6 +372,10 @@ class Daemon:
         """Write dirty device replicas back to the remote tier; resolves when verified."""
         recs = None if tensors is None else self._records_of(tensors)
         return self._submit(_Request("flush", recs, Future()))
+
+    def stage_to_host(self, tensors):
+        """Give tensors a host replica read from the remote tier (weights-in-RAM setups)."""
+        return self._submit(_Request("stage", self._records_of(tensors), Future()))
 
     def set_watermarks(self, high, low=None):
         budget = self.config.device_budget
@@ -384,9 +408,14 @@ class Daemon:
         raises NotResidentError instead of being fetched.
         """
         if not auto_fetch:
-            for rec in recs:
-                if rec.state is State.ABSENT and not rec.requested:
-                    raise NotResidentError(rec.name, ",".join(rec.tiers), rec.state.value)
+            # A miss: absent, and no load queued or in flight for it.
+            with self._lock:
+                missing = next((r for r in recs if r.state is State.ABSENT and not r.requested
+                                and not r.waiters), None)
+                if missing is not None:
+                    self._count("fetch", "miss")
+            if missing is not None:
+                raise NotResidentError(missing.name, ",".join(missing.tiers), missing.state.value)
         started = time.perf_counter()
         future = self.pin(recs)
         future.result(timeout=stall_timeout)
@@ -404,6 +433,10 @@ class Daemon:
     def advance_trace(self, position):
         with self._lock:
             self._policy.advance(position)
+
+    def status_watermark(self):
+        """The high watermark in bytes (cheap; no lock)."""
+        return self._high
 
     def note_stall(self, seconds):
         with self._lock:
@@ -534,6 +567,8 @@ class Daemon:
             self._evict_request(req, resolved)
         elif kind == "flush":
             self._flush_request(req, resolved)
+        elif kind == "stage":
+            self._stage_request(req, resolved)
         elif kind == "watermarks":
             self._high, self._low = req.args
             self._make_room(0, demand=True)
@@ -553,6 +588,7 @@ class Daemon:
             return
         missing = []
         for rec in req.recs:
+            rec.requested = False      # from here on, waiters and the load queue say it
             if rec.state in (State.RESIDENT, State.STORING):
                 if req.kind == "pin":
                     rec.pins += 1
@@ -577,6 +613,27 @@ class Daemon:
             rec.waiters.append(req)
             if rec.state is State.ABSENT:
                 self._queue_load(rec, req)
+
+    def _stage_request(self, req, resolved):
+        todo = [r for r in req.recs if not r.host_valid]
+        for rec in todo:
+            if not rec.remote_valid:
+                self._fail_request(req, StorageError(
+                    f"cannot stage {rec.name!r} to the host tier: it has no remote replica"), resolved)
+                return
+        req.remaining = len(todo)
+        for rec in todo:
+            try:
+                rec.host_block = self.backend.alloc_host(rec.nbytes)
+            except Exception as e:
+                self._fail_request(req, BudgetError(
+                    f"cannot stage {rec.name!r} ({rec.nbytes} bytes) in the host tier: {e}"), resolved)
+                return
+            tag = next(self._tags)
+            self._inflight[tag] = (TransferKind.STAGE, rec, req)
+            self.backend.start_load(rec.name, rec.host_block, rec.nbytes, tag, self.config.verify_reads)
+        if not todo:
+            self._resolve(req, None, resolved)
 
     def _queue_load(self, rec, req):
         # Compute waiting on a tensor (pin) goes before speculation (prefetch).
@@ -732,7 +789,6 @@ class Daemon:
         block, rec.block = rec.block, None
         rec.state = State.ABSENT
         rec.prefetched_unused = False
-        rec.requested = False
         if rec.exposed:
             self._unfenced.append(block)
         else:
@@ -816,6 +872,16 @@ class Daemon:
             self._store_done(rec, req, c, seconds, resolved)
         elif kind is TransferKind.VERIFY:
             self._verify_done(rec, req, c, resolved)
+        elif kind is TransferKind.STAGE:
+            if c.status:
+                self.backend.free_host(rec.host_block)
+                rec.host_block = None
+                self._fail_request(req, self._transfer_error("read", rec, c), resolved)
+            else:
+                rec.host_valid = True
+                req.remaining -= 1
+                if req.remaining == 0:
+                    self._resolve(req, None, resolved)
         elif kind is TransferKind.D2H:    # register(tier="host")
             rec.initial = None
             if c.status:
@@ -845,7 +911,6 @@ class Daemon:
         rec.error = None
         rec.last_use = next(self._tick)
         rec.prefetched_unused = not any(req.kind in ("pin", "register") for req in rec.waiters)
-        rec.requested = False
         self.stats.record_transfer(kind.value if kind is TransferKind.H2D else "load", rec.nbytes, seconds)
         self._emit("loaded", rec, seconds)
         waiters, rec.waiters = rec.waiters, []
@@ -972,6 +1037,16 @@ class Daemon:
             rec.host_block = None
         self._unfenced.clear()
         self.backend.close()
+
+
+class _StoreWriter:
+    """Adapts a backend to staging.stage_tensors' store interface."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def write_sync(self, key, data, nbytes, meta):
+        self.backend.write_sync(key, data, meta)
 
 
 def _native_out_of_space():

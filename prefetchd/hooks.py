@@ -85,17 +85,17 @@ class Offloaded:
 
     # ---------------------------------------------------------------- setup
     def _register(self, tier, checkpoint):
+        if checkpoint is not None:
+            # Weights come from the store (staged now from a file, or already there).
+            self.daemon.register_checkpoint(self.model, checkpoint=None if checkpoint is True else checkpoint)
         claimed = set()
         for unit in self.units:
             for p in unit.cell.get_parameters():
                 if id(p) in claimed:      # shared weights belong to their first unit
                     continue
                 claimed.add(id(p))
-                if checkpoint is not None:
-                    info = checkpoint[p.name]
-                    handle = self.daemon.register_remote(info["key"], info["shape"], info["dtype"], target=p)
-                else:
-                    handle = self.daemon.register(p, p.name, tier=tier)
+                handle = self.daemon.handle(p.name) if checkpoint is not None else \
+                    self.daemon.register(p, p.name, tier=tier)
                 unit.records.append(handle._rec)
                 unit.nbytes += handle.nbytes
 
@@ -160,8 +160,14 @@ class Offloaded:
         n = len(self.trace)
         if not n:
             return
+        # Never ask for more than fits beside the unit computing now: a prefetch
+        # that evicts the next unit to make room for the one after is thrash.
+        room = self.daemon.status_watermark() - self.units[self.trace[(start - 1) % n]].nbytes
         for k in range(self.lookahead):
             unit = self.units[self.trace[(start + k) % n]]
+            room -= unit.nbytes
+            if room < 0:
+                break
             # Nearer units first: priority falls with distance.
             future = self.daemon.prefetch(unit.records, priority=self.lookahead - k)
             if future.done() and future.exception() is not None:
@@ -185,9 +191,10 @@ def offload(model, daemon=None, lookahead=2, units=None, auto_fetch=False, *, ti
     """Stream `model`'s parameters through `daemon` (a new one from Config.load() if None).
 
     tier: where weights live between uses, "remote" (files) or "host" (RAM).
-    checkpoint: a staged store index (prefetchd.staging.open_index) whose
-    entries become the parameters' remote replicas; the model can then be
-    built with `no_init_parameters` and never hold its weights in RAM.
+    checkpoint: True if the daemon's store already holds the weights (see
+    `prefetchd stage`), or a .ckpt/.safetensors path to stage into it first.
+    Either way the model can be built with `no_init_parameters` and never
+    hold its weights in RAM.
     """
     owns = daemon is None
     if owns:

@@ -38,7 +38,7 @@ class ManagedTensor:
     generation: int = 0      # bumped on every write by the user (dirty marking)
     store_generation: int = 0  # generation being written back
     initial: object = None   # register(): the values to place, until placed
-    requested: bool = False  # a prefetch/pin is on its way (set by the caller's thread)
+    requested: bool = False  # a prefetch was submitted and the scheduler has not taken it yet
     prefetched_unused: bool = False  # loaded ahead of use and not used yet
     writeback_failed: bool = False   # last write-back failed: keep in place, do not pick as victim
     evict_after_store: str | None = None  # eviction reason waiting for the write-back

@@ -17,6 +17,7 @@ class TransferKind(str, Enum):
     H2D = "h2d"        # host -> device
     D2H = "d2h"        # device -> host
     VERIFY = "verify"  # re-read of a stored version to prove it durable and intact
+    STAGE = "stage"    # remote -> host (a host replica of a stored tensor)
 
 
 @dataclass(frozen=True)
