@@ -127,8 +127,8 @@ class Config:
     io_engine: str = "auto"
     direct_io: bool = True
     io_block_size: int = 8 << 20
-    io_queue_depth: int = 4
-    io_threads: int = 2
+    io_queue_depth: int = 8
+    io_threads: int = 4
     fsync: bool = True
     verify_reads: bool = True
     lookahead: int = 2
