@@ -114,9 +114,12 @@ def build_models(spec, daemon):
 
 
 _ready = False
+_stopping = False
 
 
 def _exit_on_sigterm(signum, frame):
+    if _stopping:
+        return                # already closing the daemon: let it finish (its close is bounded)
     if not _ready:
         os._exit(0)           # mid-import or mid-build: nothing worth saving, and unwinding
                               # through MindSpore's initialisation aborts noisily
@@ -125,7 +128,9 @@ def _exit_on_sigterm(signum, frame):
 
 def _worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, parent_pid):
     """Entry point of a worker process (spawn)."""
-    global _ready
+    global _ready, _stopping
+    import faulthandler
+    faulthandler.enable()        # a native crash leaves Python tracebacks in the worker's stderr
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # the front decides when we stop
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # ...and says so with SIGTERM
     spec = ServeSpec(**spec_dict)
@@ -183,6 +188,7 @@ def _worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, 
                 reply = {"ok": False, "code": P.INTERNAL, "reason": f"worker {index}: {e}"}
             sock.send_multipart([job_id, P.dumps(reply)])
     finally:
+        _stopping = True
         for _, handle in models.values():
             handle.close()
         daemon.close(5)
@@ -326,6 +332,9 @@ class Front:
         self._stop = True
         self._thread.join(max(0.0, deadline - time.monotonic()))
         procs = [w.process for w in self._workers if w.process is not None]
+        grace = time.monotonic() + min(3.0, max(0.0, deadline - time.monotonic()) / 2)
+        for p in procs:                    # they got STOP; give them a moment to close
+            p.join(max(0.0, grace - time.monotonic()))
         for p in procs:
             if p.is_alive():
                 p.terminate()              # SIGTERM: the worker closes its daemon and exits

@@ -305,8 +305,9 @@ def bench_serve(args):
 
     Starts a front and `--workers` workers in-process, then alternates phases with
     hints off and on (`--repeats` each, `--requests` per phase; values meant for
-    other benchmarks are scaled down: --requests above 10000 means 120, --hidden
-    above 1024 means 256). Both modes run against the same warm workers, so the
+    other benchmarks are scaled down: --requests above 10000 means 60, --hidden
+    above 1024 means 256). Three weight sets per worker, picked at random per
+    request, so most requests switch models. Both modes run against the same warm workers, so the
     ratios compare like with like on a noisy machine.
     """
     from .model import estimate_bytes
@@ -316,15 +317,16 @@ def bench_serve(args):
     hidden = getattr(args, "hidden", 256) or 256
     hidden = hidden if hidden <= 1024 else 256
     layers = getattr(args, "layers", None) or 4
-    requests = getattr(args, "requests", 120) or 120
-    requests = requests if requests <= 10000 else 120
+    requests = getattr(args, "requests", 60) or 60
+    requests = requests if requests <= 10000 else 60
     repeats = max(1, int(getattr(args, "repeats", 2) or 2))
     models = 3
     model_bytes = estimate_bytes(hidden, layers)
-    # --budget is a fraction of a worker's weights (all its models), as for `bench model`.
+    # --budget is a fraction of a worker's weights (all its models), as for `bench model`,
+    # but at least 1.25 models: one model streaming plus room for the hinted next one.
     fraction = getattr(args, "budget", 0.5) or 0.5
     spec = ServeSpec(models=models, hidden=hidden, layers=layers,
-                     budget=max(fraction * models, 0.5), lookahead=getattr(args, "lookahead", 2) or 2,
+                     budget=max(fraction * models, 1.25), lookahead=getattr(args, "lookahead", 2) or 2,
                      store_dir=getattr(args, "dir", None))
     concurrency = 2 * workers
     front = Front(f"ipc://bench-serve-{os.getpid()}.sock", workers=workers, spec=spec,
