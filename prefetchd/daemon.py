@@ -143,11 +143,15 @@ class Daemon:
         self._thread = threading.Thread(target=_scheduler_loop, args=(weakref.ref(self),),
                                         name=f"prefetchd-scheduler-{self.name}", daemon=True)
         self._thread.start()
-        if self.config.metrics_port is not None:
-            from .metrics import start_exporter
-            self._exporter = start_exporter(self, self.config.metrics_addr, self.config.metrics_port)
-        if self.config.endpoint:
-            self.serve(self.config.endpoint)
+        try:
+            if self.config.metrics_port is not None:
+                from .metrics import start_exporter
+                self._exporter = start_exporter(self, self.config.metrics_addr, self.config.metrics_port)
+            if self.config.endpoint:
+                self.serve(self.config.endpoint)
+        except BaseException:
+            self.close()      # e.g. the metrics port is taken: leave no thread behind
+            raise
         return self
 
     def serve(self, endpoint, **kwargs):
@@ -422,6 +426,7 @@ class Daemon:
         stall = time.perf_counter() - started
         for rec in recs:
             self._bind_for_compute(rec)
+        self.note_stall(stall)
         return stall
 
     # ------------------------------------------------------------------ trace (from the layer hooks)
@@ -593,6 +598,7 @@ class Daemon:
                 if req.kind == "pin":
                     rec.pins += 1
                     req.pinned.append(rec)
+                    rec.prefetched_unused = False
                 rec.last_use = next(self._tick)
                 continue
             if rec.state is State.ABSENT and not (rec.remote_valid or rec.host_valid):

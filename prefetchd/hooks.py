@@ -130,7 +130,6 @@ class Offloaded:
             self.misses += 1
             raise
         self.stall_seconds += stall
-        self.daemon.note_stall(stall)
         self._pinned[unit.index] = unit.records
 
     def _after_unit(self, cell, inputs, output):
