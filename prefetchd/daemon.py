@@ -682,13 +682,16 @@ class Daemon:
         self._loads_in_flight += 1
         if rec.initial is not None:
             self._inflight[tag] = (TransferKind.H2D, rec, None)
-            self.backend.start_copy(TransferKind.H2D, block, rec.initial, rec.nbytes, tag)
+            self.backend.start_copy(TransferKind.H2D, block, rec.initial, rec.nbytes, tag,
+                                    shape=rec.shape, dtype=rec.dtype)
         elif rec.host_valid:
             self._inflight[tag] = (TransferKind.H2D, rec, None)
-            self.backend.start_copy(TransferKind.H2D, block, rec.host_block, rec.nbytes, tag)
+            self.backend.start_copy(TransferKind.H2D, block, rec.host_block, rec.nbytes, tag,
+                                    shape=rec.shape, dtype=rec.dtype)
         else:
             self._inflight[tag] = (TransferKind.LOAD, rec, None)
-            self.backend.start_load(rec.name, block, rec.nbytes, tag, self.config.verify_reads)
+            self.backend.start_load(rec.name, block, rec.nbytes, tag, self.config.verify_reads,
+                                    shape=rec.shape, dtype=rec.dtype)
 
     def _start_initial_store(self, rec, req, tier, resolved):
         if tier == "host":
@@ -829,6 +832,7 @@ class Daemon:
         if pending:
             self._waiting_room.append((req, pending))
         else:
+            self._fence_if(lambda: True)   # an explicit evict gives the memory back now
             self._resolve(req, None, resolved)
 
     def _flush_request(self, req, resolved):
@@ -857,6 +861,8 @@ class Daemon:
                     if r.state is State.RESIDENT and not r.pins:
                         self._evict(r, "explicit")
                 done = all(r.state is State.ABSENT for r in recs)
+                if done:
+                    self._fence_if(lambda: True)
             else:
                 done = all(r.state is not State.STORING for r in recs)
             if done:

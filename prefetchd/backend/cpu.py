@@ -79,7 +79,7 @@ class CpuBackend:
         framework.synchronize()
 
     # transfers ------------------------------------------------------------------
-    def start_load(self, key, block, nbytes, tag, verify):
+    def start_load(self, key, block, nbytes, tag, verify, shape=None, dtype=None):
         self.load_stream.read(self.store, key, block, verify=verify, tag=tag, cq=self.cq)
 
     def start_store(self, key, block, nbytes, meta, tag, snapshot=True):
@@ -102,7 +102,7 @@ class CpuBackend:
         self._scratch[tag] = scratch
         self.store_stream.read(self.store, key, scratch, verify=True, tag=tag, cq=self.cq)
 
-    def start_copy(self, kind, dst, src, nbytes, tag):
+    def start_copy(self, kind, dst, src, nbytes, tag, shape=None, dtype=None):
         stream = self.store_stream if kind is TransferKind.D2H else self.load_stream
         stream.copy(dst, src, nbytes, tag=tag, cq=self.cq)
 
