@@ -64,12 +64,14 @@ class ServeSpec:
     heads: int | None = None
     batch: int = 4
     seq: int = 16
-    budget: float = 1.5        # device budget of a worker, in units of one model's bytes
+    budget: float | None = None  # device budget of a worker in units of one model's bytes;
+                                 # None: the configured device_budget, else 1.5 models
     lookahead: int = 2         # units the hooks prefetch ahead; also units a hint covers
     tier: str = "remote"
-    store_dir: str | None = None
+    store_dir: str | None = None  # root; worker k uses <root>/worker-<k>-<generation>
     seed: int = 0
     log_level: str = "WARNING"
+    config_path: str | None = None  # prefetchd TOML file for the workers' daemons
 
     def model_names(self):
         return [f"m{i}" for i in range(self.models)]
@@ -82,7 +84,7 @@ class ServeSpec:
         # At least lookahead + 2 blocks, so a forward pass can always make progress.
         from .model import block_params
         floor = (self.lookahead + 2) * block_params(self.hidden) * 4
-        return max(int(self.model_bytes() * self.budget), floor)
+        return max(int(self.model_bytes() * (1.5 if self.budget is None else self.budget)), floor)
 
     def hint_patterns(self, model):
         """Globs naming the first `lookahead` units of `model` (what its first forward needs)."""
@@ -91,6 +93,35 @@ class ServeSpec:
 
 
 # ----------------------------------------------------------------------------- worker
+
+def _configured(path, key):
+    """Whether `key` is set by the config file or the environment (not just defaulted)."""
+    from .config import ENV_PREFIX
+    if ENV_PREFIX + key.upper() in os.environ:
+        return True
+    path = path or os.environ.get(ENV_PREFIX + "CONFIG")
+    if not path:
+        return False
+    import tomllib
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError):
+        return False                  # Config.load reports it properly
+    return key in doc.get("prefetchd", doc)
+
+
+def worker_config(spec, index, store):
+    """The Config of worker `index`'s daemon: the prefetchd config (file, env) with a
+    store of its own, LRU (several models share one daemon, so no single trace
+    describes its future), and no endpoint or metrics port of its own: the front
+    owns the public endpoint and exports the workers' metrics."""
+    from .config import Config
+    overrides = {"store_dir": store, "name": f"worker-{index}", "policy": "lru"}
+    if spec.budget is not None or not _configured(spec.config_path, "device_budget"):
+        overrides["device_budget"] = spec.device_budget()
+    return Config.load(spec.config_path, **overrides).replace(endpoint=None, metrics_port=None)
+
 
 def build_models(spec, daemon):
     """{name: (model, offload handle)}: the demo model once per weight set, offloaded.
@@ -143,8 +174,7 @@ def _worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, 
 
     store = os.path.join(spec.store_dir, f"worker-{index}-{generation}")
     os.makedirs(store, exist_ok=True)
-    daemon = Daemon(device_budget=spec.device_budget(), store_dir=store, name=f"worker-{index}",
-                    policy="lru").start()
+    daemon = Daemon(worker_config(spec, index, store)).start()
     ctx = zmq.Context()
     models = {}
     try:
@@ -245,7 +275,8 @@ class Front:
 
     def __init__(self, endpoint=None, *, workers=2, spec=None, hints=True, request_timeout=30.0,
                  start_timeout=180.0, respawn=True, max_queue=1024, max_inflight_per_worker=4,
-                 max_message_size=P.DEFAULT_MAX_MESSAGE_SIZE, name="serve"):
+                 max_message_size=P.DEFAULT_MAX_MESSAGE_SIZE, name="serve", metrics_port=None,
+                 metrics_addr="127.0.0.1"):
         self.spec = spec or ServeSpec()
         self.name = name
         self.endpoint = resolve_endpoint(endpoint or f"ipc://{name}.sock", name, bind=True)
@@ -258,6 +289,13 @@ class Front:
         self.max_inflight = max_inflight_per_worker
         self.max_message_size = max_message_size
         self.counters = collections.Counter()
+        self.metrics_port, self.metrics_addr = metrics_port, metrics_addr
+        self._exporter = None
+        if self.spec.store_dir is None:
+            from .config import Config
+            configured = Config.load(self.spec.config_path).store_dir
+            if configured:
+                self.spec = dataclasses.replace(self.spec, store_dir=configured)
         self._owns_store = self.spec.store_dir is None
         if self._owns_store:
             self.spec = dataclasses.replace(self.spec,
@@ -312,6 +350,9 @@ class Front:
         if self._start_error is not None:
             self.close(10)
             raise self._start_error
+        if self.metrics_port is not None:
+            self._exporter = start_front_exporter(self, self.metrics_addr, self.metrics_port)
+            self.metrics_port = self._exporter.port
         log.info("prefetchd serve: %d workers ready; front on %s", self.n_workers, self.endpoint)
         return self
 
@@ -321,6 +362,8 @@ class Front:
             return
         self._closed = True
         deadline = time.monotonic() + timeout
+        if self._exporter is not None:
+            self._exporter.close(1.0)
         with self._wake_lock:
             if self._wake is not None:
                 try:
@@ -521,6 +564,7 @@ class Front:
 
     def _reply_error(self, job, code, reason):
         self.counters["errors"] += 1
+        self.counters["error:" + code] += 1
         self._send(job.envelope, P.encode_error(job.rid, code, reason))
 
     # -- clients
@@ -759,6 +803,106 @@ class Front:
                                               f"{job.deadline - job.received:.3g}s ({where})")
         if self._gathers:
             self._finish_gathers(now)
+
+
+# ----------------------------------------------------------------------------- metrics
+
+class FrontCollector:
+    """Prometheus collector of a front: its own prefetchd_serve_* series plus every
+    worker's daemon series, fetched over the workers' control endpoints at scrape
+    time (one `stats` request each) and merged; the `daemon` label tells workers
+    apart. A worker that does not answer within a second is left out of that
+    scrape and shows as prefetchd_serve_worker_up 0."""
+
+    def __init__(self, front, timeout=1.0):
+        self._front = front
+        self._timeout = timeout
+        self._clients = {}
+        self._lock = threading.Lock()
+
+    def _client(self, endpoint):
+        from .service import Client
+        with self._lock:
+            if endpoint not in self._clients:
+                self._clients[endpoint] = Client(endpoint, timeout=self._timeout)
+            return self._clients[endpoint]
+
+    def close(self):
+        with self._lock:
+            for c in self._clients.values():
+                c.close()
+            self._clients.clear()
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        from .metrics import DaemonCollector
+        from .service import stats_from_json
+
+        front = self._front
+        counters = dict(front.counters)
+        up = GaugeMetricFamily("prefetchd_serve_worker_up",
+                               "1 if the worker answered this scrape's stats request.",
+                               labels=["worker"])
+        merged = {}
+        for w in list(front._workers):
+            doc = None
+            if w.ready:
+                try:
+                    doc = self._client(w.control).stats()
+                except Exception:  # noqa: BLE001 - a scrape reports what it can
+                    doc = None
+            up.add_metric([str(w.index)], 1 if doc else 0)
+            if not doc:
+                continue
+            for fam in DaemonCollector.families(doc["status"], stats_from_json(doc["stats"])):
+                if fam.name in merged:
+                    merged[fam.name].samples.extend(fam.samples)
+                else:
+                    merged[fam.name] = fam
+        requests = CounterMetricFamily("prefetchd_serve_requests",
+                                       "Inference requests accepted by the front.")
+        requests.add_metric([], counters.get("requests", 0))
+        errors = CounterMetricFamily("prefetchd_serve_errors",
+                                     "Error replies of the front, by code.", labels=["code"])
+        for key, n in sorted(counters.items()):
+            if key.startswith("error:"):
+                errors.add_metric([key[len("error:"):]], n)
+        hints = CounterMetricFamily("prefetchd_serve_hints",
+                                    "Prefetch hints sent to workers, by outcome.", labels=["outcome"])
+        for outcome in ("sent", "ok", "failed", "dropped"):
+            hints.add_metric([outcome], counters.get(f"hints_{outcome}", 0))
+        deaths = CounterMetricFamily("prefetchd_serve_worker_deaths",
+                                     "Worker processes that exited unexpectedly.")
+        deaths.add_metric([], counters.get("worker_deaths", 0))
+        queue = GaugeMetricFamily("prefetchd_serve_queue_depth",
+                                  "Requests waiting in the front for a worker.")
+        queue.add_metric([], len(front._queue))
+        ready = GaugeMetricFamily("prefetchd_serve_workers_ready", "Workers ready to serve.")
+        ready.add_metric([], sum(1 for w in front._workers if w.ready))
+        return [requests, errors, hints, deaths, queue, ready, up, *merged.values()]
+
+
+def start_front_exporter(front, addr="127.0.0.1", port=0):
+    """Serve the front's and its workers' metrics on http://addr:port/metrics."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from .metrics import Exporter
+
+    collector = FrontCollector(front)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    server, thread = start_http_server(int(port), addr=addr or "127.0.0.1", registry=registry)
+    thread.name = f"prefetchd-metrics-{front.name}"
+    exporter = Exporter(registry, server, thread)
+    close = exporter.close
+
+    def close_all(timeout=5.0):
+        close(timeout)
+        collector.close()
+
+    exporter.close = close_all
+    return exporter
 
 
 def serve(endpoint=None, **kwargs):

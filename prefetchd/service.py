@@ -1036,6 +1036,34 @@ def stats_to_json(stats):
     return out
 
 
+def stats_from_json(doc):
+    """The inverse of stats_to_json: a prefetchd.stats.Stats (for metrics of a remote daemon)."""
+    from .stats import Histogram, Stats
+
+    def hist(v):
+        h = Histogram(v["buckets"])
+        h.counts, h.sum, h.count = list(v["counts"]), v["sum"], v["count"]
+        return h
+
+    stats = Stats()
+    for f in fields(stats):
+        if f.name not in doc:
+            continue
+        current, value = getattr(stats, f.name), doc[f.name]
+        if isinstance(current, Histogram):
+            value = hist(value)
+        elif isinstance(current, dict) and current:
+            sample = next(iter(current))
+            if isinstance(sample, tuple):
+                value = {(a, b): n for a, inner in value.items() for b, n in inner.items()}
+            elif isinstance(current[sample], Histogram):
+                value = {k: hist(v) for k, v in value.items()}
+            else:
+                value = dict(value)
+        setattr(stats, f.name, value)
+    return stats
+
+
 def _stat_value(value):
     if hasattr(value, "buckets") and hasattr(value, "counts"):
         return {"buckets": list(value.buckets), "counts": list(value.counts),

@@ -44,21 +44,28 @@ def register(subparsers):
     p.set_defaults(func=cmd_keys)
 
     p = subparsers.add_parser("serve", help="multi-process inference server: a front and N workers")
-    p.add_argument("--config", help="TOML file (default: $PREFETCHD_CONFIG)")
+    p.add_argument("--config", help="TOML file (default: $PREFETCHD_CONFIG): [prefetchd] for the "
+                                    "workers' daemons, [serve] for these options")
     p.add_argument("--endpoint", help="front endpoint for inference clients (default ipc://serve.sock "
                                       "in the runtime directory)")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--models", type=int, default=2, help="weight sets per worker (m0, m1, ...)")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--budget", type=float, default=1.5,
-                   help="device budget of a worker in units of one model's weights (1.5)")
-    p.add_argument("--lookahead", type=int, default=2)
-    p.add_argument("--store", help="directory for the workers' stores (default: a temporary one)")
-    p.add_argument("--no-hints", action="store_true", help="do not send prefetch hints to workers")
-    p.add_argument("--request-timeout", type=float, default=30.0)
+    p.add_argument("--workers", type=int, help="worker processes (2)")
+    p.add_argument("--models", type=int, help="weight sets per worker, m0, m1, ... (2)")
+    p.add_argument("--hidden", type=int, help="demo model width (256)")
+    p.add_argument("--layers", type=int, help="demo model blocks (4)")
+    p.add_argument("--batch", type=int, help="batch of a request (4)")
+    p.add_argument("--seq", type=int, help="sequence length of a request (16)")
+    p.add_argument("--budget", type=float,
+                   help="device budget of a worker in units of one model's weights (default: the "
+                        "configured device_budget, else 1.5)")
+    p.add_argument("--lookahead", type=int, help="units prefetched ahead, and covered by a hint (2)")
+    p.add_argument("--store", help="root of the workers' stores (default: the configured store_dir, "
+                                   "else a temporary directory)")
+    p.add_argument("--no-hints", dest="hints", action="store_false", default=None,
+                   help="do not send prefetch hints to workers")
+    p.add_argument("--request-timeout", type=float, help="seconds before a request gets TIMEOUT (30)")
+    p.add_argument("--metrics-port", type=int,
+                   help="export the front's and all workers' metrics on this port (0: any free one)")
+    p.add_argument("--metrics-addr", help="address of the metrics port (127.0.0.1)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -220,23 +227,57 @@ def cmd_keys(args):
 
 # ----------------------------------------------------------------------------- serve
 
+SERVE_DEFAULTS = {"endpoint": None, "workers": 2, "models": 2, "hidden": 256, "layers": 4,
+                  "batch": 4, "seq": 16, "budget": None, "lookahead": 2, "store": None,
+                  "hints": True, "request_timeout": 30.0, "metrics_port": None,
+                  "metrics_addr": "127.0.0.1"}
+
+
+def serve_options(args):
+    """Options of `prefetchd serve`: flags > the [serve] table of the config file > defaults."""
+    import tomllib
+
+    from .config import ENV_PREFIX, ConfigError
+
+    path = args.config or os.environ.get(ENV_PREFIX + "CONFIG")
+    table = {}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                table = tomllib.load(f).get("serve", {})
+        except OSError as e:
+            raise ConfigError(f"config file {path}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path}: {e}") from None
+        unknown = sorted(set(table) - set(SERVE_DEFAULTS))
+        if unknown:
+            raise ConfigError(f"[serve] {unknown[0]}: unknown setting (from file {path}); known: "
+                              f"{', '.join(SERVE_DEFAULTS)}")
+    options = {}
+    for key, default in SERVE_DEFAULTS.items():
+        flag = getattr(args, key, None)
+        options[key] = flag if flag is not None else table.get(key, default)
+    options["config"] = path
+    return options
+
+
 def cmd_serve(args):
     import logging
 
     from .server import Front, ServeSpec
 
+    o = serve_options(args)
     level = logging.getLogger().getEffectiveLevel()
-    spec = ServeSpec(models=args.models, hidden=args.hidden, layers=args.layers, batch=args.batch,
-                     seq=args.seq, budget=args.budget, lookahead=args.lookahead,
-                     store_dir=args.store, log_level=logging.getLevelName(level))
-    endpoint = args.endpoint
-    if endpoint is None and args.config:
-        from .config import Config
-        endpoint = Config.load(args.config).endpoint
-    front = Front(endpoint, workers=args.workers, spec=spec, hints=not args.no_hints,
-                  request_timeout=args.request_timeout)
-    print(f"prefetchd serve: starting {args.workers} workers; front on {front.endpoint}",
-          file=sys.stderr)
+    spec = ServeSpec(models=o["models"], hidden=o["hidden"], layers=o["layers"], batch=o["batch"],
+                     seq=o["seq"], budget=o["budget"], lookahead=o["lookahead"],
+                     store_dir=o["store"], log_level=logging.getLevelName(level),
+                     config_path=o["config"])
+    front = Front(o["endpoint"], workers=o["workers"], spec=spec, hints=o["hints"],
+                  request_timeout=o["request_timeout"], metrics_port=o["metrics_port"],
+                  metrics_addr=o["metrics_addr"])
+    print(f"prefetchd serve: starting {o['workers']} workers; front on {front.endpoint}"
+          + (f"; metrics on {o['metrics_addr']}:{o['metrics_port']}"
+             if o["metrics_port"] is not None else ""), file=sys.stderr)
     front.serve_forever()
     return 0
 

@@ -38,7 +38,7 @@ def wait_until(predicate, timeout=30.0, interval=0.05):
 def front(tmp_path_factory):
     spec = ServeSpec(store_dir=str(tmp_path_factory.mktemp("serve-store")), **SPEC)
     f = Front(f"ipc://serve-test-{os.getpid()}-{secrets.token_hex(2)}.sock", workers=2, spec=spec,
-              request_timeout=20.0, name=f"st{os.getpid()}").start()
+              request_timeout=20.0, name=f"st{os.getpid()}", metrics_port=0).start()
     yield f
     f.close(10)
 
@@ -90,6 +90,38 @@ def test_hint_prefetches_the_next_model_on_the_worker(client, front):
     r = client.call("infer", model="m0", hint=False)
     assert r["hinted"] is False
     assert client.call("infer", model="m0", hint=True)["hinted"] is False   # no switch, no hint
+
+
+def test_front_exports_its_own_and_all_workers_metrics(client, front):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.call("infer", model="m0")
+    url = f"http://127.0.0.1:{front.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    used = {s.labels["daemon"] for s in fams["prefetchd_device_memory_used_bytes"].samples}
+    assert used == {"worker-0", "worker-1"}
+    assert all(s.value == 1 for s in fams["prefetchd_serve_worker_up"].samples)
+    assert fams["prefetchd_serve_requests"].samples[0].value >= 1
+    assert any(s.labels.get("outcome") == "sent" for s in fams["prefetchd_serve_hints"].samples)
+    assert text.count("# TYPE prefetchd_device_memory_used_bytes ") == 1   # merged, not repeated
+
+
+def test_worker_config_owns_nothing_public(tmp_path, monkeypatch):
+    from prefetchd.server import worker_config
+    cfg = tmp_path / "p.toml"
+    cfg.write_text('[prefetchd]\ndevice_budget = "64MiB"\nendpoint = "ipc://x.sock"\n'
+                   'metrics_port = 9466\npolicy = "belady"\n[serve]\nworkers = 3\n')
+    spec = ServeSpec(config_path=str(cfg), **SPEC)
+    c = worker_config(spec, 1, str(tmp_path / "w1"))
+    assert (c.endpoint, c.metrics_port, c.policy, c.name) == (None, None, "lru", "worker-1")
+    assert c.device_budget == 64 << 20 and c.store_dir == str(tmp_path / "w1")
+    spec = ServeSpec(config_path=str(cfg), budget=2.0, **SPEC)
+    assert worker_config(spec, 0, str(tmp_path)).device_budget == spec.device_budget()
+    monkeypatch.setenv("PREFETCHD_METRICS_PORT", "9500")
+    assert worker_config(spec, 0, str(tmp_path)).metrics_port is None
 
 
 def test_bad_requests_get_errors(client, front):
@@ -207,3 +239,20 @@ def test_cli_serve_and_status(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(5)
+
+
+def test_serve_options_flags_over_file_over_defaults(tmp_path, monkeypatch):
+    from prefetchd.config import ConfigError
+    from prefetchd.service_cli import register, serve_options
+    monkeypatch.delenv("PREFETCHD_CONFIG", raising=False)
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text('[prefetchd]\nname = "x"\n[serve]\nworkers = 3\nhidden = 128\nhints = false\n')
+    o = serve_options(parser.parse_args(["serve", "--config", str(cfg), "--hidden", "64"]))
+    assert (o["workers"], o["hidden"], o["hints"], o["layers"]) == (3, 64, False, 4)
+    o = serve_options(parser.parse_args(["serve"]))
+    assert (o["workers"], o["hints"], o["config"]) == (2, True, None)
+    cfg.write_text('[prefetchd]\n[serve]\nwrokers = 3\n')
+    with pytest.raises(ConfigError, match="wrokers"):
+        serve_options(parser.parse_args(["serve", "--config", str(cfg)]))
