@@ -1,0 +1,176 @@
+"""Faults: crash-safe write-back, injected I/O errors, corruption, and what survives them."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from prefetchd import _native
+from prefetchd.errors import IntegrityError, StorageError
+from prefetchd.residency import State
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _crash_writer import size_of, value  # noqa: E402
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def no_faults_left():
+    _native.clear_faults()
+    yield
+    _native.clear_faults()
+
+
+# ---------------------------------------------------------------- crash safety
+def test_sigkill_at_random_points_never_loses_an_acknowledged_write(tmp_path):
+    """Kill a writer with SIGKILL at random points, hundreds of times; after each
+    kill, reopening the store (recovery) must give every key at its last
+    acknowledged version or at the one in flight — intact by checksum."""
+    directory, keys = str(tmp_path / "store"), 6
+    os.makedirs(directory)
+    rng = random.Random(20261130)
+    # acked: last acknowledged version per key; unacked: versions begun since
+    # that ack whose fate is unknown (a write can land and the kill come
+    # before its ack is printed) — on disk must be one of these.
+    acked, unacked, version = {}, {}, 0
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    deadline = time.monotonic() + 120
+    iterations = 0
+    while iterations < 150 and time.monotonic() < deadline:
+        child = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "_crash_writer.py"),
+                                  directory, str(keys), str(rng.randrange(1 << 30)), str(version)],
+                                 stdout=subprocess.PIPE, text=True, env=env)
+        lines = []
+        reader = threading.Thread(target=lambda: lines.extend(child.stdout), daemon=True)
+        reader.start()
+        time.sleep(0.12 + rng.random() * 0.25)     # the interpreter starts, then writes for a while
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        reader.join(10)
+        for line in lines:
+            kind, key, v = line.split()
+            key, v = int(key), int(v)
+            version = max(version, v + 1)
+            if kind == "begin":
+                unacked.setdefault(key, set()).add(v)
+            else:
+                acked[key] = v
+                unacked.pop(key, None)
+        store = _native.FileStore(directory)        # recovery runs here
+        try:
+            for key in range(keys):
+                allowed = {acked.get(key)} | unacked.get(key, set())
+                allowed.discard(None)
+                if not store.contains(f"t{key}"):
+                    assert key not in acked, f"t{key}: acknowledged version {acked[key]} lost"
+                    continue
+                dst = _native.aligned_buffer(size_of(key))
+                store.read_sync(f"t{key}", dst, True)           # checksum-verified
+                got = np.frombuffer(dst, np.uint8, size_of(key))
+                got_version = int(np.frombuffer(got[:8].tobytes(), np.int64)[0])
+                assert got_version in allowed, (f"t{key}: read version {got_version}, "
+                                                f"acknowledged {acked.get(key)}, unacknowledged "
+                                                f"{sorted(unacked.get(key, ()))}")
+                if got_version != acked.get(key):     # an unacknowledged write landed: now the truth
+                    acked[key] = got_version
+                    unacked.pop(key, None)
+                np.testing.assert_array_equal(got, value(key, got_version, size_of(key)))
+            assert not [f for f in os.listdir(directory) if f.endswith(".tmp")], "recovery left torn files"
+        finally:
+            store.close()
+        iterations += 1
+    assert iterations >= 100, f"only {iterations} kill iterations ran in the time bound"
+    assert acked, "the writer never acknowledged a write"
+
+
+def test_recovery_reports_torn_writes(tmp_path):
+    d = str(tmp_path)
+    store = _native.FileStore(d)
+    store.write_sync("a", np.ones(5000, np.uint8), -1, b"")
+    store.close()
+    torn = os.path.join(d, "a-deadbeef.0000000000000009.tmp")
+    with open(torn, "wb") as f:
+        f.write(b"PFD1" + b"\0" * 100)
+    store = _native.FileStore(d)
+    try:
+        assert any(p.endswith(".tmp") for p in store.recovery_report["removed_tmp"])
+        assert store.contains("a") and not os.path.exists(torn)
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------- injected faults through the daemon
+def _two(daemon, make_param, n=MiB // 4):
+    a = daemon.register(make_param(np.full(n, 1, np.float32), "victim.a"), tier="remote")
+    b = daemon.register(make_param(np.full(n, 2, np.float32), "other.b"), tier="remote")
+    return a, b
+
+
+def _assert_other_still_fine(daemon, b):
+    daemon.prefetch(b).result(10)
+    with daemon.use(b):
+        assert b.target.asnumpy()[0] == 2 and b.target.asnumpy()[-1] == 2
+
+
+@pytest.mark.parametrize("err, name", [(5, "EIO"), (28, "ENOSPC")])
+def test_read_error_fails_that_tensor_only(daemon, make_param, err, name):
+    a, b = _two(daemon, make_param)
+    _native.inject_fault("read", "error", nth=1, err=err, key_contains="victim")
+    with pytest.raises(StorageError, match=name):
+        daemon.prefetch(a).result(10)
+    assert a.state is State.ABSENT and daemon.stats.io_errors["read"] == 1
+    _assert_other_still_fine(daemon, b)
+    daemon.prefetch(a).result(10)                   # the fault was one-shot: it loads now
+    with daemon.use(a):
+        assert a.target.asnumpy()[0] == 1
+
+
+def test_short_read_is_an_error_not_garbage(daemon, make_param):
+    a, b = _two(daemon, make_param)
+    _native.inject_fault("read", "short", nth=1, key_contains="victim")
+    with pytest.raises(StorageError, match="(?i)short"):
+        daemon.prefetch(a).result(10)
+    _assert_other_still_fine(daemon, b)
+
+
+def test_bitflip_is_caught_by_the_checksum(daemon, make_param):
+    a, b = _two(daemon, make_param)
+    _native.inject_fault("read", "bitflip", nth=1, key_contains="victim")
+    with pytest.raises(IntegrityError, match="(?i)checksum"):
+        daemon.prefetch(a).result(10)
+    assert daemon.stats.checksum_failures == 1
+    from prefetchd.metrics import render
+    assert "prefetchd_checksum_failures_total" in render(daemon)
+    _assert_other_still_fine(daemon, b)
+
+
+def test_failed_writeback_keeps_the_dirty_replica_in_place(daemon, make_param):
+    p = make_param(np.full(MiB // 4, 7, np.float32), "victim.w")
+    h = daemon.register(p, tier="device")           # only copy
+    _native.inject_fault("write", "error", nth=1, err=28, key_contains="victim")
+    with pytest.raises(StorageError, match="ENOSPC"):
+        daemon.evict(h).result(10)
+    assert h.state is State.RESIDENT and h._rec.dirty and h.tiers == ["device"]
+    assert daemon.stats.io_errors["write"] == 1
+    with daemon.use(h):
+        assert p.asnumpy()[0] == 7                  # nothing lost
+    daemon.flush(h).result(10)                      # retried on request, now it lands
+    daemon.evict(h).result(10)
+    with daemon.use(h):
+        assert p.asnumpy()[0] == 7
+
+
+def test_delayed_read_completes_and_is_timed(daemon, make_param):
+    a, b = _two(daemon, make_param)
+    _native.inject_fault("read", "delay", nth=1, delay_ms=300, key_contains="victim")
+    start = time.monotonic()
+    daemon.prefetch(a).result(10)
+    assert time.monotonic() - start >= 0.3
+    assert daemon.stats.transfer_duration["load"].sum >= 0.3
