@@ -67,7 +67,7 @@ def bench_round_trips(ms, Daemon, directory, requests):
     return {"requests": requests, "requests_per_s": requests / elapsed, **_percentiles(lat)}
 
 
-def bench_streaming(ms, Daemon, directory, count=16, nbytes=64 * MiB, repeats=3):
+def bench_streaming(ms, Daemon, directory, count=16, nbytes=64 * MiB, repeats=3, lookahead=2):
     from .. import _native
     store_dir = os.path.join(directory, "stream")
     os.makedirs(store_dir, exist_ok=True)
@@ -86,13 +86,18 @@ def bench_streaming(ms, Daemon, directory, count=16, nbytes=64 * MiB, repeats=3)
             for name in names:
                 store.read_sync(name, dst, True)
             direct.append(count * nbytes / (time.perf_counter() - t) / 1e6)
-            # (b) through the scheduler: prefetch everything, evicting as it goes
+            # (b) through the scheduler, as the layer hooks drive it: use each
+            # tensor in turn with `lookahead` prefetches ahead, evicting as it goes
             d.evict(names).result()
             _drop_caches()
             t = time.perf_counter()
-            futures = [d.prefetch(n) for n in names]
-            for f in futures:
-                f.result()
+            for i in range(lookahead):
+                d.prefetch(names[i])
+            for i, name in enumerate(names):
+                if i + lookahead < count:
+                    d.prefetch(names[i + lookahead])
+                with d.use(name):
+                    pass
             sched.append(count * nbytes / (time.perf_counter() - t) / 1e6)
             d.evict(names).result()
     shutil.rmtree(store_dir, ignore_errors=True)
