@@ -16,6 +16,7 @@ Ascend device; tests replace the MindSpore API (`AscendApi`) and say so in
 their names.
 """
 import collections
+import os
 import queue
 import threading
 import time
@@ -85,7 +86,9 @@ class AscendBackend:
         self._used = 0
         self._lock = threading.Lock()
         self.host = _native.HostPool(config.host_budget, _ALIGN)
-        self.store = _native.FileStore(config.store_dir or tempfile.mkdtemp(prefix="prefetchd-store-"),
+        directory = config.store_dir or tempfile.mkdtemp(prefix="prefetchd-store-")
+        os.makedirs(directory, exist_ok=True)
+        self.store = _native.FileStore(directory,
                                        engine=config.io_engine, direct=config.direct_io,
                                        block_size=config.io_block_size, queue_depth=config.io_queue_depth,
                                        io_threads=config.io_threads, fsync=config.fsync)

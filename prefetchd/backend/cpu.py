@@ -6,6 +6,7 @@ MindSpore views without a copy (`Tensor.from_numpy`). The remote tier is the
 native FileStore; copies and I/O run on native copy streams whose completions
 land in one native CompletionQueue.
 """
+import os
 import shutil
 import tempfile
 
@@ -23,6 +24,7 @@ class CpuBackend:
     def __init__(self, config):
         self._own_dir = config.store_dir is None
         directory = config.store_dir or tempfile.mkdtemp(prefix="prefetchd-store-")
+        os.makedirs(directory, exist_ok=True)
         self.device = _native.Arena(config.device_budget, _ALIGN)
         self.host = _native.HostPool(config.host_budget, _ALIGN)
         self.store = _native.FileStore(
