@@ -75,12 +75,22 @@ def iter_safetensors(path):
                 raise CheckpointError(f"{path}: tensor {name!r} spans {end - start} bytes, "
                                       f"shape {shape} of {dtype} needs {expected}")
             yield name, shape, np.dtype(dtype), view[base + start:base + end]
+            _forget(mm, base + start, end - start)
         view.release()
     finally:
         try:
             mm.close()
         except BufferError:
             pass   # a caller still holds a slice; the mapping goes with it
+
+
+def _forget(mm, start, length):
+    """Unmap the pages of a tensor already written, so RSS holds one tensor at a time."""
+    page = mmap.PAGESIZE
+    lo = start - start % page
+    hi = min(len(mm), start + length)
+    if hi > lo:
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 def _varint(buf, pos):
@@ -161,6 +171,7 @@ def iter_mindspore_ckpt(path):
                 raise CheckpointError(f"{path}: tensor {name!r} holds {content[1]} bytes, "
                                       f"shape {shape} of {dtype} needs {expected}")
             yield name, shape, np.dtype(dtype), view[content[0]:content[0] + content[1]]
+            _forget(mm, content[0], content[1])
     finally:
         view.release()
         try:
