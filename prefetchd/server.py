@@ -364,16 +364,18 @@ class Front:
         deadline = time.monotonic() + timeout
         if self._exporter is not None:
             self._exporter.close(1.0)
+        self._stop = True
         with self._wake_lock:
             if self._wake is not None:
                 try:
                     self._wake.send(STOP, zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        with self._wake_lock:
+            if self._wake is not None:
                 self._wake.close(linger=0)
                 self._wake = None
-        self._stop = True
-        self._thread.join(max(0.0, deadline - time.monotonic()))
         procs = [w.process for w in self._workers if w.process is not None]
         grace = time.monotonic() + min(3.0, max(0.0, deadline - time.monotonic()) / 2)
         for p in procs:                    # they got STOP; give them a moment to close

@@ -429,16 +429,18 @@ class Server:
                 remove(self._on_event)
             except Exception:  # noqa: BLE001 - the daemon may be half-closed already
                 pass
+        self._stop_requested = True        # seen within a poll interval even without the message
         with self._wake_lock:
             if self._wake_sock is not None:
                 try:
                     self._wake_sock.send(b"stop", zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        with self._wake_lock:
+            if self._wake_sock is not None:
                 self._wake_sock.close(linger=0)
                 self._wake_sock = None
-        self._stop_requested = True
-        self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._auth is not None:
             try:
                 self._auth.stop()
