@@ -97,7 +97,8 @@ def test_truncated_and_unknown_checkpoints_are_clear_errors(tmp_path):
 
 
 def test_staging_holds_one_tensor_at_a_time_not_the_model(tmp_path):
-    """Stage 256 MiB (16 MiB tensors) in a fresh process: its peak RSS stays far below that."""
+    """Stage 256 MiB (16 MiB tensors) in a fresh process: its peak RSS stays far below that
+    (a reader that loads the file, or the model, into memory would not)."""
     path = str(tmp_path / "big.safetensors")
     write_safetensors(path, {f"w{i}": np.full(4 << 20, i, np.float32) for i in range(16)})
     code = ("import resource, sys; from prefetchd.staging import stage_checkpoint; "
