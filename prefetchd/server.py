@@ -296,10 +296,7 @@ class Front:
             configured = Config.load(self.spec.config_path).store_dir
             if configured:
                 self.spec = dataclasses.replace(self.spec, store_dir=configured)
-        self._owns_store = self.spec.store_dir is None
-        if self._owns_store:
-            self.spec = dataclasses.replace(self.spec,
-                                            store_dir=tempfile.mkdtemp(prefix="prefetchd-serve-"))
+        self._owns_store = self.spec.store_dir is None    # a temporary one, made by start()
         tag = f"{os.getpid()}-{secrets.token_hex(2)}"
         base = runtime_dir()
         self._work_endpoint = f"ipc://{os.path.join(base, f'{name}-{tag}-work.sock')}"
@@ -330,6 +327,9 @@ class Front:
         if self._thread is not None:
             return self
         ensure_private_dir(runtime_dir())
+        if self._owns_store:
+            self.spec = dataclasses.replace(self.spec,
+                                            store_dir=tempfile.mkdtemp(prefix="prefetchd-serve-"))
         self._ctx = zmq.Context()
         self._thread = threading.Thread(target=self._run, name=f"prefetchd-front-{self.name}",
                                         daemon=True)
@@ -338,6 +338,8 @@ class Front:
         if self._start_error is not None:
             self._thread.join(5)
             self._ctx.destroy(linger=0)
+            if self._owns_store:
+                shutil.rmtree(self.spec.store_dir, ignore_errors=True)
             raise self._start_error
         wake = self._ctx.socket(zmq.PUSH)
         wake.linger = 0
