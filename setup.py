@@ -17,4 +17,12 @@ ext = Pybind11Extension(
     extra_link_args=["-pthread"],
 )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": build_ext})
+# The compute-fence kernel MindSpore loads as an AOT custom op (see its header).
+fence_kernel = Pybind11Extension(
+    "prefetchd._compute_fence",
+    ["native/kernels/compute_fence.cc"],
+    cxx_std=17,
+    extra_compile_args=["-O2", "-Wall"],
+)
+
+setup(ext_modules=[ext, fence_kernel], cmdclass={"build_ext": build_ext})

@@ -443,6 +443,16 @@ class Daemon:
         """The high watermark in bytes (cheap; no lock)."""
         return self._high
 
+    def compute_marker(self):
+        """Per-unit compute fences for the layer hooks (None: whole-queue fences only)."""
+        return self.backend.compute_marker()
+
+    def compute_done(self, recs, epoch):
+        """Every read of these tensors so far is covered by compute-fence `epoch`."""
+        with self._lock:
+            for rec in recs:
+                rec.compute_epoch = epoch
+
     def note_stall(self, seconds):
         with self._lock:
             self.stats.stall.observe(seconds)
@@ -513,6 +523,7 @@ class Daemon:
                 raise NotResidentError(rec.name, ",".join(rec.tiers), rec.state.value)
             rebind = rec.bound_address != block.address
             rec.exposed = True
+            rec.compute_epoch = None     # read by compute from now on, until a fence says otherwise
         if rebind:
             self.backend.bind(rec.target, block, rec.shape, rec.dtype)
             rec.bound_address = block.address
@@ -776,14 +787,42 @@ class Daemon:
         return False
 
     def _fence_if(self, condition):
-        if self._unfenced and condition():
-            # Compute may still be reading these blocks (MindSpore runs ops
-            # asynchronously even on CPU): drain it before reuse (invariant 4).
-            self.backend.compute_fence()
-            self.stats.fences += 1
-            for block in self._unfenced:
-                self.backend.free_device(block)
-            self._unfenced.clear()
+        """Free released device blocks once compute that read them has finished (invariant 4).
+
+        MindSpore runs ops asynchronously even on CPU. A block whose last
+        reader was a hooked unit carries that unit's compute-fence epoch: it is
+        free as soon as the fence word reaches it. Others need a whole-queue
+        fence. The lock is released while waiting so the compute thread keeps
+        submitting; only this thread changes residency, so the blocks taken
+        here are exactly the ones the wait covers.
+        """
+        if not self._unfenced:
+            return
+        marker = self.backend.marker
+        if marker is not None:
+            pending = []
+            for block, epoch in self._unfenced:
+                if epoch is not None and marker.reached(epoch):
+                    self.backend.free_device(block)
+                else:
+                    pending.append((block, epoch))
+            self._unfenced = pending
+        if not self._unfenced or not condition():
+            return
+        entries, self._unfenced = self._unfenced, []
+        epochs = [e for _, e in entries]
+        self._lock.release()
+        try:
+            if marker is not None and None not in epochs:
+                if marker.wait(max(epochs), 60.0) < max(epochs):
+                    self.backend.compute_fence()   # the kernel never ran: drain everything
+            else:
+                self.backend.compute_fence()
+        finally:
+            self._lock.acquire()
+        self.stats.fences += 1
+        for block, _ in entries:
+            self.backend.free_device(block)
 
     def _evict(self, rec, reason):
         """Start dropping rec's device replica; write back first if it is the only copy."""
@@ -799,7 +838,7 @@ class Daemon:
         rec.state = State.ABSENT
         rec.prefetched_unused = False
         if rec.exposed:
-            self._unfenced.append(block)
+            self._unfenced.append((block, rec.compute_epoch))
         else:
             self.backend.free_device(block)
         if rec.bound_address:

@@ -76,6 +76,7 @@ class Offloaded:
         self.stall_seconds = 0.0
         self.misses = 0
         self._pinned = {}              # unit index -> records pinned for its forward
+        self._marker = daemon.compute_marker()
         self._handles = []
         for unit in self.units:
             self._handles.append(unit.cell.register_forward_pre_hook(self._before_unit))
@@ -136,6 +137,11 @@ class Offloaded:
         unit = self._by_cell[id(cell)]
         records = self._pinned.pop(unit.index, None)
         if records:
+            # A fence behind this unit's kernels lets its memory be reused as
+            # soon as they ran, without draining later units' compute.
+            dependency = _first_tensor(output)
+            if self._marker is not None and dependency is not None:
+                self.daemon.compute_done(records, self._marker.mark(dependency))
             self.daemon.unpin(records)
         if not self._recording:
             self._position += 1
@@ -183,6 +189,18 @@ class Offloaded:
         self._handles.clear()
         if self._owns_daemon:
             self.daemon.close()
+
+
+def _first_tensor(value):
+    ms = framework.mindspore()
+    if isinstance(value, ms.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            found = _first_tensor(v)
+            if found is not None:
+                return found
+    return None
 
 
 def offload(model, daemon=None, lookahead=2, units=None, auto_fetch=False, *, tier="remote",

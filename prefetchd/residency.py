@@ -43,6 +43,7 @@ class ManagedTensor:
     writeback_failed: bool = False   # last write-back failed: keep in place, do not pick as victim
     evict_after_store: str | None = None  # eviction reason waiting for the write-back
     evict_after_load: bool = False
+    compute_epoch: int | None = None  # compute-fence epoch covering every read of the block (None: unknown)
 
     @property
     def tiers(self):

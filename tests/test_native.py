@@ -506,3 +506,23 @@ def test_build_info():
     assert info["o_direct_alignment"] == 4096
     for k in ("version", "compiler", "cxx_std", "aio", "io_uring"):
         assert k in info
+
+
+# ---------------------------------------------------------------- compute-fence word
+
+def test_wait_word_wakes_on_a_store_and_times_out():
+    buf = n.aligned_buffer(64)
+    word = np.frombuffer(buf, np.int64, 1)
+    word[0] = 3
+    assert n.wait_word(buf, 2, 1.0) == 3                 # already there
+    t = time.monotonic()
+    assert n.wait_word(buf, 5, 0.2) == 3                 # not reached: returns at the timeout
+    assert 0.15 < time.monotonic() - t < 2.0
+
+    def later():
+        time.sleep(0.1)
+        word[0] = 7
+    threading.Thread(target=later).start()
+    assert n.wait_word(buf, 7, 5.0) == 7
+    with pytest.raises(ValueError):
+        n.wait_word(bytearray(4), 1, 0.1)

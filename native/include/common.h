@@ -46,4 +46,7 @@ inline bool is_aligned(const void *p, size_t a) { return (reinterpret_cast<uintp
 
 constexpr size_t kDirectAlign = 4096;  // O_DIRECT offset/length/memory alignment we use
 
+// Block until *word >= at_least or timeout seconds pass (<0: no limit); returns *word.
+int64_t wait_word(int64_t *word, int64_t at_least, double timeout);
+
 }  // namespace pfd

@@ -269,6 +269,20 @@ PYBIND11_MODULE(_native, m) {
     }, py::arg("buffer"), py::arg("seed") = 0, "portable table implementation (tests compare it with crc32c)");
     m.def("crc32c_impl", [] { return std::string(crc32c_impl()); });
 
+    // ------------------------------------------------------------ compute fence word
+    // A 64-bit word that the compute-fence kernel (native/kernels/compute_fence.cc)
+    // raises to each epoch as MindSpore executes it, then FUTEX_WAKEs. Waiting
+    // here sleeps in the kernel: no polling, GIL released.
+    m.def("wait_word", [](py::handle buf, int64_t at_least, double timeout) {
+        BufRef b = get_buffer(buf, false);
+        if (b.mem.len < 8 || reinterpret_cast<uintptr_t>(b.mem.ptr) % 8)
+            throw py::value_error("wait_word needs an 8-byte aligned buffer of at least 8 bytes");
+        auto *word = reinterpret_cast<int64_t *>(b.mem.ptr);
+        py::gil_scoped_release nogil;
+        return wait_word(word, at_least, timeout);
+    }, py::arg("buffer"), py::arg("at_least"), py::arg("timeout") = -1.0,
+       "block until the int64 at buffer[0:8] >= at_least or timeout (s, <0: forever); returns its value");
+
     // ------------------------------------------------------------ file store
     py::class_<FileStore, std::shared_ptr<FileStore>>(m, "FileStore")
         .def(py::init([](const std::string &dir, const std::string &engine, bool direct, size_t block_size,

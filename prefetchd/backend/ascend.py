@@ -150,6 +150,11 @@ class AscendBackend:
     def compute_fence(self):
         self.api.synchronize()
 
+    marker = None           # compute fences on Ascend come from hal events (not yet per unit)
+
+    def compute_marker(self):
+        return None
+
     # transfers -------------------------------------------------------------------
     def start_load(self, key, block, nbytes, tag, verify, shape=None, dtype=None):
         self._jobs.put((self._load, (key, block, nbytes, verify, shape, dtype), tag, TransferKind.LOAD))

@@ -50,6 +50,8 @@ class Backend(Protocol):
     def view(self, block, shape, dtype): ...          # numpy view, no copy
     def bind(self, target, block, shape, dtype) -> None: ...
     def compute_fence(self) -> None: ...              # all dispatched compute has finished
+    def compute_marker(self): ...                     # per-unit fences (mark/reached/wait) or None
+    marker: object                                    # the marker once created, else None
 
     # transfers (asynchronous; completions carry `tag`)
     # shape/dtype describe the tensor the bytes belong to (a device copy needs them on Ascend)

@@ -38,6 +38,7 @@ class CpuBackend:
         self.load_stream = _native.Stream("load")
         self.store_stream = _native.Stream("store") if config.copy_streams > 1 else self.load_stream
         self._scratch = {}  # tag -> buffer kept alive while a verify read runs
+        self._marker = None  # ComputeMarker once the layer hooks ask for one
 
     # memory -----------------------------------------------------------------
     def alloc_device(self, nbytes):
@@ -79,6 +80,23 @@ class CpuBackend:
     def compute_fence():
         from . import framework
         framework.synchronize()
+
+    def compute_marker(self):
+        """Per-unit compute fences (framework.ComputeMarker), or None where the kernel fails."""
+        if self._marker is None:
+            from . import framework
+            try:
+                self._marker = framework.ComputeMarker()
+            except Exception as e:   # fall back to whole-queue fences, and say so once
+                import logging
+                logging.getLogger("prefetchd").warning(
+                    "per-unit compute fences unavailable (%s); using whole-queue fences", e)
+                self._marker = False
+        return self._marker or None
+
+    @property
+    def marker(self):
+        return self._marker or None
 
     # transfers ------------------------------------------------------------------
     def start_load(self, key, block, nbytes, tag, verify, shape=None, dtype=None):

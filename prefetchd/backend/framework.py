@@ -64,3 +64,60 @@ def bind_placeholder(target, dtype):
 
 def synchronize():
     mindspore().hal.synchronize()
+
+
+class ComputeMarker:
+    """Per-unit compute fences on CPU, from the compute-fence AOT kernel.
+
+    `mark(tensor)` enqueues the kernel behind `tensor`'s producers and returns
+    an epoch; once MindSpore has executed every op up to it, the shared word
+    reaches that epoch. `reached(e)` reads the word; `wait(e, timeout)` sleeps
+    until it gets there (futex, GIL released). This replaces a whole-queue
+    `hal.synchronize()` when only an earlier unit's memory is to be reused.
+    """
+
+    def __init__(self):
+        import os
+        from .. import _native
+        ms = mindspore()
+        lib = _kernel_path()
+        # MindSpore loads prebuilt AOT libraries only from white-listed directories.
+        allowed = os.environ.get("MS_CUSTOM_AOT_WHITE_LIST", "")
+        directory = os.path.dirname(lib)
+        if directory not in allowed.split(":"):
+            os.environ["MS_CUSTOM_AOT_WHITE_LIST"] = ":".join(p for p in (allowed, directory) if p)
+        self._native = _native
+        self._word_block = _native.aligned_buffer(64)
+        self.word = np.frombuffer(self._word_block, np.int64, 1)
+        self.word[0] = 0
+        self._word_tensor = ms.Tensor.from_numpy(self.word)
+        self._op = ms.ops.Custom(f"{lib}:ComputeFence", out_shape=lambda *shapes: (1,),
+                                 out_dtype=lambda *dtypes: ms.int64, func_type="aot")
+        self._epoch = 0
+        # Prove the path end to end once, so a broken kernel is found here, not mid-run.
+        probe = self.mark(ms.Tensor(np.zeros(1, np.float32)))
+        if self.wait(probe, 10.0) < probe:
+            raise RuntimeError("compute-fence kernel did not run")
+
+    def mark(self, tensor):
+        ms = mindspore()
+        self._epoch += 1
+        epoch = self._epoch
+        self._op(tensor, ms.Tensor.from_numpy(np.array([epoch], np.int64)), self._word_tensor)
+        return epoch
+
+    def reached(self, epoch):
+        return int(self.word[0]) >= epoch
+
+    def wait(self, epoch, timeout):
+        return self._native.wait_word(self._word_block, epoch, timeout)
+
+
+def _kernel_path():
+    import glob
+    import os
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = sorted(glob.glob(os.path.join(here, "_compute_fence*.so")))
+    if not found:
+        raise FileNotFoundError(f"compute-fence kernel not built (no _compute_fence*.so in {here})")
+    return found[0]
