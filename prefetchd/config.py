@@ -136,7 +136,10 @@ class Config:
     auto_fetch: bool = False
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
-    endpoint: str | None = None
+    endpoint: str | None = None           # ZeroMQ control plane (ipc:// or tcp://); None: not served
+    curve_keys_dir: str | None = None     # tcp: CURVE keys from `prefetchd keys` (server + authorized clients)
+    allow_remote: bool = False            # tcp: bind addresses other than loopback
+    max_message_size: int = 1 << 20       # control-plane request size limit
     name: str = "default"
     shutdown_timeout: float = 10.0
 
@@ -245,6 +248,9 @@ _PARSERS.update({
     "metrics_port": _parse_port,
     "metrics_addr": _optional_str,
     "endpoint": _optional_str,
+    "curve_keys_dir": _optional_str,
+    "allow_remote": _parse_bool,
+    "max_message_size": parse_size,
     "name": lambda v, k: _optional_str(v, k) or "default",
     "shutdown_timeout": lambda v, k: _parse_seconds(v, k),
 })

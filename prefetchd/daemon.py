@@ -16,6 +16,7 @@ Invariants (DESIGN.md section 4), enforced here:
 4. device memory that compute may have read is reused only after a compute fence;
 5. reads from the remote tier are verified by checksum (native FileStore).
 """
+import atexit
 import collections
 import contextlib
 import fnmatch
@@ -50,6 +51,17 @@ _MAX_LOADS_IN_FLIGHT = 4  # enough to keep the store's queue full; more only del
 
 # native status codes (see native/API.md)
 _STATUS_CHECKSUM = -1
+
+
+@atexit.register
+def _close_live_daemons():
+    """Daemons still open at interpreter exit (or whose close() was interrupted) stop
+    here, so no native thread outlives the interpreter."""
+    for daemon in list(live_daemons):
+        try:
+            daemon.close(min(5.0, daemon.config.shutdown_timeout))
+        except BaseException:
+            log.exception("prefetchd %s: close at exit failed", daemon.name)
 
 
 class TensorHandle:
@@ -129,6 +141,8 @@ class Daemon:
         self._exporter = None
         self._server = None
         self._closed_reason = "cannot schedule new requests after close()"
+        self._started = False
+        self._shutdown_sent = False
 
     # ------------------------------------------------------------------ lifecycle
     def start(self):
@@ -179,33 +193,38 @@ class Daemon:
         """Stop within `timeout` seconds: finish write-backs if time allows, cancel the rest.
 
         Dirty replicas whose write-back cannot finish in time are reported
-        (logged and counted) — close() never waits past its bound.
+        (logged) — close() never waits past its bound. Safe to call again, also
+        after an interrupted close (an atexit hook does, for daemons left open).
         """
         timeout = self.config.shutdown_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         with self._lock:
-            if self._state in ("closing", "closed"):
-                state = self._state
-            else:
-                state = None
-                was_new = self._state == "new"
+            if self._state == "closed":
+                return
+            first = self._state != "closing"
+            if first:
+                self._started = self._state != "new"
                 self._state = "closing"
-        if state == "closed":
-            return
-        if state == "closing":
-            if self._thread:
-                self._thread.join(max(0.0, deadline - time.monotonic()))
-            return
-        if self._server is not None:
-            self._server.close(max(0.1, (deadline - time.monotonic()) / 2))
-        if self._exporter is not None:
-            self._exporter.close()
-        if not was_new:
-            self._inbox.append(_Request("shutdown", args=deadline))
-            self.backend.notify()
+        if first:
+            stops = []
+            if self._server is not None:
+                stops.append(lambda: self._server.close(max(0.1, (deadline - time.monotonic()) / 2)))
+            if self._exporter is not None:
+                stops.append(self._exporter.close)
+            for stop in stops:
+                try:
+                    stop()
+                except Exception:   # keep closing: the scheduler and memory matter more
+                    log.exception("prefetchd %s: stopping the server or exporter failed", self.name)
+        if self._started:
+            if not self._shutdown_sent:
+                self._shutdown_sent = True
+                self._inbox.append(_Request("shutdown", args=deadline))
+                self.backend.notify()
             self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
             if self._thread.is_alive():
                 log.error("prefetchd %s: scheduler did not stop within %.1fs", self.name, timeout)
+                return
         with self._lock:
             self._state = "closed"
             live_daemons.discard(self)
@@ -430,14 +449,14 @@ class Daemon:
         return stall
 
     # ------------------------------------------------------------------ trace (from the layer hooks)
-    def set_trace(self, steps):
-        """The recorded execution order: one collection of tensor names per unit run."""
+    def set_trace(self, steps, owner=None):
+        """A recorded execution order (one collection of tensor names per unit run) of `owner`."""
         with self._lock:
-            self._policy.set_trace(steps)
+            self._policy.set_trace(steps, owner)
 
-    def advance_trace(self, position):
+    def advance_trace(self, position, owner=None):
         with self._lock:
-            self._policy.advance(position)
+            self._policy.advance(position, owner)
 
     def status_watermark(self):
         """The high watermark in bytes (cheap; no lock)."""

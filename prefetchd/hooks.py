@@ -112,7 +112,7 @@ class Offloaded:
                 "(@jit or graph mode), where MindSpore skips hooks; weights were not streamed")
         if self._recording and self.trace:
             self._recording = False
-            self.daemon.set_trace([[r.name for r in self.units[i].records] for i in self.trace])
+            self.daemon.set_trace([[r.name for r in self.units[i].records] for i in self.trace], owner=id(self))
         self._prefetch_from(0)   # the next forward pass starts at the top of the trace
 
     def _before_unit(self, cell, inputs):
@@ -123,7 +123,7 @@ class Offloaded:
             self.misses += sum(1 for r in unit.records if r.state.value != "resident")
         else:
             self._sync_position(unit)
-            self.daemon.advance_trace(self._position)
+            self.daemon.advance_trace(self._position, owner=id(self))
             self._prefetch_from(self._position + 1)
         try:
             stall = self.daemon.acquire(unit.records, auto_fetch=self.auto_fetch or self._recording)

@@ -28,11 +28,11 @@ class Policy:
 
     name = "base"
 
-    def set_trace(self, steps):
-        """steps: list of collections of tensor names, in execution order (one entry per unit)."""
+    def set_trace(self, steps, owner=None):
+        """steps: collections of tensor names in execution order (one per unit) of `owner`'s model."""
 
-    def advance(self, position):
-        """Compute has reached trace step `position`."""
+    def advance(self, position, owner=None):
+        """Compute of `owner`'s model has reached trace step `position`."""
 
     def rank(self, candidates):
         raise NotImplementedError
@@ -56,40 +56,48 @@ class LruPolicy(Policy):
 
 @register("belady")
 class BeladyPolicy(Policy):
-    """Farthest next use first, from a recorded execution trace (Belady's MIN).
+    """Farthest next use first, from recorded execution traces (Belady's MIN).
 
-    The trace is cyclic (the next forward pass repeats it). Tensors the trace
-    never mentions go first; ties and the time before any trace fall back to LRU.
+    Each trace is cyclic (the next forward pass repeats it) and belongs to an
+    owner (one offloaded model), so several models on one daemon keep their
+    own orders and positions. Tensors no trace mentions go first; ties, and
+    the time before any trace, fall back to LRU.
     """
 
     def __init__(self):
-        self._uses = {}       # name -> sorted trace positions
-        self._length = 0
-        self._position = 0
+        self._traces = {}     # owner -> [uses: name -> sorted positions, length, position]
+        self._owner = {}      # name -> owner
 
-    def set_trace(self, steps):
+    def set_trace(self, steps, owner=None):
         uses = {}
         for i, names in enumerate(steps):
             for name in names:
                 uses.setdefault(name, []).append(i)
-        self._uses, self._length, self._position = uses, len(steps), 0
+                self._owner[name] = owner
+        self._traces[owner] = [uses, len(steps), 0]
 
-    def advance(self, position):
-        self._position = position
+    def advance(self, position, owner=None):
+        trace = self._traces.get(owner)
+        if trace is not None:
+            trace[2] = position
 
     def knows(self, name):
-        return name in self._uses
+        return name in self._owner
 
     def distance(self, name):
-        positions = self._uses.get(name)
+        trace = self._traces.get(self._owner.get(name, object()))
+        if trace is None:
+            return float("inf")
+        uses, length, position = trace
+        positions = uses.get(name)
         if not positions:
             return float("inf")
-        i = bisect.bisect_right(positions, self._position)
+        i = bisect.bisect_right(positions, position)
         if i < len(positions):
-            return positions[i] - self._position
-        return positions[0] + self._length - self._position
+            return positions[i] - position
+        return positions[0] + length - position
 
     def rank(self, candidates):
-        if not self._length:
+        if not self._traces:
             return sorted(candidates, key=lambda r: r.last_use)
         return sorted(candidates, key=lambda r: (-self.distance(r.name), r.last_use))

@@ -345,9 +345,8 @@ def bench_serve(args):
     """`prefetchd bench serve`: requests/s and latency p50/p99 with and without prefetch hints.
 
     Starts a front and `--workers` workers in-process, then alternates phases with
-    hints off and on (`--repeats` each, `--requests` per phase; values meant for
-    other benchmarks are scaled down: --requests above 10000 means 60, --hidden
-    above 1024 means 256). Three weight sets per worker, picked at random per
+    hints off and on (`--repeats` each, `--requests` per phase, default 60; models
+    `--hidden` wide, default 256). Three weight sets per worker, picked at random per
     request, so most requests switch models. Both modes run against the same warm workers, so the
     ratios compare like with like on a noisy machine.
     """
@@ -355,11 +354,9 @@ def bench_serve(args):
     from .server import Front, ServeSpec
 
     workers = max(1, int(getattr(args, "workers", 2) or 2))
-    hidden = getattr(args, "hidden", 256) or 256
-    hidden = hidden if hidden <= 1024 else 256
+    hidden = getattr(args, "hidden", None) or 256
     layers = getattr(args, "layers", None) or 4
-    requests = getattr(args, "requests", 60) or 60
-    requests = requests if requests <= 10000 else 60
+    requests = getattr(args, "requests", None) or 60
     repeats = max(1, int(getattr(args, "repeats", 2) or 2))
     models = 3
     model_bytes = estimate_bytes(hidden, layers)

@@ -5,6 +5,7 @@ these machines are shared and noisy, so absolute numbers from different runs
 do not compare.
 """
 import os
+import shutil
 import tempfile
 
 
@@ -15,10 +16,11 @@ def add_arguments(parser):
     parser.add_argument("--size", default="1GiB", help="io: file size; model: weight bytes")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sweep", action="store_true", help="io: sweep block sizes, queue depths, engines")
-    parser.add_argument("--requests", type=int, default=200_000, help="sched: requests per phase")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="sched: requests per phase (200000); serve: requests per phase (60)")
     parser.add_argument("--batch", type=int, nargs="*", default=None, help="model: batch sizes")
-    parser.add_argument("--hidden", type=int, default=4096, help="model: layer width")
-    parser.add_argument("--layers", type=int, default=None, help="model: number of layers")
+    parser.add_argument("--hidden", type=int, default=None, help="model: layer width (4096); serve: model width (256)")
+    parser.add_argument("--layers", type=int, default=None, help="model/serve: number of layers")
     parser.add_argument("--budget", type=float, default=0.25, help="model: device budget / model size")
     parser.add_argument("--lookahead", type=int, default=2)
     parser.add_argument("--minutes", type=float, default=1.0, help="soak: duration")
@@ -29,7 +31,18 @@ def add_arguments(parser):
 
 def run(args):
     from ..config import parse_size
+    if args.kind == "serve":
+        from .. import service_cli
+        return service_cli.bench_serve(args)
     scratch = args.dir or tempfile.mkdtemp(prefix=".prefetchd-bench-", dir=os.getcwd())
+    try:
+        return _run(args, scratch, parse_size)
+    finally:
+        if not args.dir:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(args, scratch, parse_size):
     if args.kind == "io":
         from . import io
         kwargs = dict(size=parse_size(args.size, "--size"), repeats=args.repeats,
@@ -39,15 +52,13 @@ def run(args):
         return io.run(scratch, **kwargs)
     if args.kind == "sched":
         from . import sched
-        return sched.run(scratch, requests=args.requests, repeats=args.repeats)
+        return sched.run(scratch, requests=args.requests or 200_000, repeats=args.repeats)
     if args.kind == "model":
         from . import model
+        args.hidden = args.hidden or 4096
         return model.run(scratch, args)
     if args.kind == "soak":
         from . import soak
         seconds = args.seconds if args.seconds is not None else args.minutes * 60
         return soak.run(scratch, seconds=seconds)
-    if args.kind == "serve":
-        from .. import service_cli
-        return service_cli.bench_serve(args)
     raise ValueError(args.kind)
