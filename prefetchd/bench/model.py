@@ -65,16 +65,23 @@ def _streamed(ms, Daemon, offload, hidden, layers, tier, budget, lookahead, x, p
 
 
 def _io_only(ms, Daemon, hidden, layers, tier, budget, passes, store_dir):
-    """The weight bytes moved through the same tier and engine, nothing computed."""
+    """The weight bytes moved through the same tier and engine, nothing computed:
+    the file store's checksummed read (remote) or the copy stream (host) into a
+    device-sized buffer, one tensor after another."""
+    from .. import _native
     model = _build(ms, hidden, layers)
     daemon = Daemon(device_budget=budget, store_dir=store_dir, name=f"bench-io-{tier}").start()
     try:
-        names = [daemon.register(p, p.name, tier=tier).name for p in model.get_parameters()]
+        recs = [daemon.register(p, p.name, tier=tier)._rec for p in model.get_parameters()]
+        backend = daemon.backend
+        dst = _native.aligned_buffer(max(r.nbytes for r in recs))
+
         def one_pass():
-            for name in names:
-                daemon.prefetch(name).result()
-                daemon.evict(name).result()
-        # evict() fences and frees at once, so this is pure transfer plus bookkeeping
+            for rec in recs:
+                if tier == "remote":
+                    backend.store.read_sync(rec.name, dst, True)
+                else:
+                    backend.load_stream.copy(dst, rec.host_block, rec.nbytes).synchronize()
         median, times, _ = _time_passes(one_pass, passes)
         return median, times
     finally:
