@@ -659,11 +659,7 @@ class Daemon:
                 return
         req.remaining = len(todo)
         for rec in todo:
-            try:
-                rec.host_block = self.backend.alloc_host(rec.nbytes)
-            except Exception as e:
-                self._fail_request(req, BudgetError(
-                    f"cannot stage {rec.name!r} ({rec.nbytes} bytes) in the host tier: {e}"), resolved)
+            if not self._alloc_host(rec, req, resolved):
                 return
             tag = next(self._tags)
             self._inflight[tag] = (TransferKind.STAGE, rec, req)
@@ -723,13 +719,19 @@ class Daemon:
             self.backend.start_load(rec.name, block, rec.nbytes, tag, self.config.verify_reads,
                                     shape=rec.shape, dtype=rec.dtype)
 
+    def _alloc_host(self, rec, req, resolved):
+        """Give rec a host block, or fail req saying why (the host budget is exact)."""
+        try:
+            rec.host_block = self.backend.alloc_host(rec.nbytes)
+            return True
+        except Exception as e:
+            self._fail_request(req, BudgetError(
+                f"cannot stage {rec.name!r} ({rec.nbytes} bytes) in the host tier: {e}"), resolved)
+            return False
+
     def _start_initial_store(self, rec, req, tier, resolved):
         if tier == "host":
-            try:
-                rec.host_block = self.backend.alloc_host(rec.nbytes)
-            except Exception as e:
-                self._fail_request(req, BudgetError(
-                    f"cannot stage {rec.name!r} ({rec.nbytes} bytes) in the host tier: {e}"), resolved)
+            if not self._alloc_host(rec, req, resolved):
                 return
             tag = next(self._tags)
             self._inflight[tag] = (TransferKind.D2H, rec, req)
@@ -752,9 +754,12 @@ class Daemon:
                               f"watermark is {self._high} bytes")
         if be.device_used() + need > self._high and not self._make_room(need, demand=demand, incoming=incoming):
             return None
+        # Where the framework tensor still points (if anywhere): landing there again
+        # saves a rebind, which in MindSpore waits for the op queue to drain.
+        prefer = incoming.bound_address if incoming is not None and incoming.bound_address else None
         while True:
             try:
-                block = be.alloc_device(nbytes)
+                block = be.alloc_device(nbytes, prefer)
                 break
             except _native_out_of_space():
                 # Enough bytes under the watermark but no contiguous run:

@@ -526,3 +526,17 @@ def test_wait_word_wakes_on_a_store_and_times_out():
     assert n.wait_word(buf, 7, 5.0) == 7
     with pytest.raises(ValueError):
         n.wait_word(bytearray(4), 1, 0.1)
+
+
+def test_arena_alloc_prefers_the_requested_offset_when_free():
+    a = n.Arena(1 << 20)
+    x, y, z = a.alloc(8192), a.alloc(8192), a.alloc(8192)
+    off = y.offset
+    y.release()
+    w = a.alloc(4096, off + 4096)               # inside the hole, at its right half
+    assert w.offset == off + 4096
+    u = a.alloc(4096, off)                      # the left half is still free
+    assert u.offset == off
+    busy = a.alloc(4096, x.offset)              # taken: falls back to first fit
+    assert busy.offset not in (x.offset, off, off + 4096)
+    assert a.alloc(4096, 12345).offset >= 0     # unaligned preference: ignored

@@ -59,7 +59,7 @@ class Block {
 class ArenaImpl : public BlockOwner, public std::enable_shared_from_this<ArenaImpl> {
   public:
     ArenaImpl(size_t capacity, size_t alignment);
-    std::shared_ptr<Block> alloc(size_t nbytes);
+    std::shared_ptr<Block> alloc(size_t nbytes, int64_t prefer = -1);
     void give_back(int64_t offset, size_t capacity, size_t nbytes) override;
     void close();
     size_t capacity() const { return capacity_; }

@@ -64,13 +64,33 @@ ArenaImpl::ArenaImpl(size_t capacity, size_t alignment) : capacity_(capacity), a
     }
 }
 
-std::shared_ptr<Block> ArenaImpl::alloc(size_t nbytes) {
+std::shared_ptr<Block> ArenaImpl::alloc(size_t nbytes, int64_t prefer) {
     std::lock_guard<std::mutex> g(mu_);
     if (closed_) throw Error(ErrKind::Closed, "arena is closed");
     size_t need = round_up(nbytes, alignment_);
     if (need == 0) {
         blocks_++;
         return std::make_shared<Block>(mapping_, shared_from_this(), mapping_->base, 0, 0, 0);
+    }
+    // A preferred offset (where the tensor lived last time) wins when it is free:
+    // the framework tensor still views that address, so it need not be rebound.
+    if (prefer >= 0 && size_t(prefer) % alignment_ == 0) {
+        size_t want = size_t(prefer);
+        auto it = free_.upper_bound(want);
+        if (it != free_.begin()) {
+            --it;
+            size_t off = it->first, len = it->second;
+            if (off <= want && off + len >= want + need) {
+                free_.erase(it);
+                if (want > off) free_[off] = want - off;
+                if (off + len > want + need) free_[want + need] = off + len - want - need;
+                used_ += need;
+                peak_ = std::max(peak_, used_);
+                blocks_++;
+                return std::make_shared<Block>(mapping_, shared_from_this(), mapping_->base + want, nbytes, need,
+                                               int64_t(want));
+            }
+        }
     }
     for (auto it = free_.begin(); it != free_.end(); ++it) {
         if (it->second < need) continue;

@@ -16,7 +16,6 @@ Ascend device; tests replace the MindSpore API (`AscendApi`) and say so in
 their names.
 """
 import collections
-import os
 import queue
 import threading
 import time
@@ -25,9 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import _native
-from .base import Completion, TransferKind
-
-_ALIGN = 4096
+from .base import ALIGN as _ALIGN, Completion, HostAndStoreTiers, TransferKind, open_store
 
 
 @dataclass
@@ -76,22 +73,16 @@ def _typed(buffer, nbytes, shape, dtype):
     return np.frombuffer(buffer, dtype, nbytes // dtype.itemsize).reshape(shape)
 
 
-class AscendBackend:
+class AscendBackend(HostAndStoreTiers):
     name = "ascend"
 
     def __init__(self, config, api=None):
-        import tempfile
         self.api = api or AscendApi.real()
         self._capacity = config.device_budget
         self._used = 0
         self._lock = threading.Lock()
         self.host = _native.HostPool(config.host_budget, _ALIGN)
-        directory = config.store_dir or tempfile.mkdtemp(prefix="prefetchd-store-")
-        os.makedirs(directory, exist_ok=True)
-        self.store = _native.FileStore(directory,
-                                       engine=config.io_engine, direct=config.direct_io,
-                                       block_size=config.io_block_size, queue_depth=config.io_queue_depth,
-                                       io_threads=config.io_threads, fsync=config.fsync)
+        self.store = open_store(config)
         self.io_engine = self.store.engine
         self.cq = _native.CompletionQueue()       # wakes the scheduler; completions travel in _done
         self._done = collections.deque()
@@ -101,7 +92,7 @@ class AscendBackend:
         self._thread.start()
 
     # memory ----------------------------------------------------------------------
-    def alloc_device(self, nbytes):
+    def alloc_device(self, nbytes, prefer=None):
         block = DeviceBlock(nbytes)
         with self._lock:
             if self._used + block.capacity > self._capacity:
@@ -126,18 +117,6 @@ class AscendBackend:
     def device_capacity(self):
         return self._capacity
 
-    @staticmethod
-    def block_bytes(nbytes):
-        return -(-nbytes // _ALIGN) * _ALIGN
-
-    def alloc_host(self, nbytes):
-        return self.host.alloc(nbytes)
-
-    def free_host(self, block):
-        block.release()
-
-    def host_used(self):
-        return self.host.used
 
     # framework binding -------------------------------------------------------------
     @staticmethod
@@ -237,22 +216,6 @@ class AscendBackend:
         else:
             np.frombuffer(dst, np.uint8, nbytes)[:] = self._to_host(src)[:nbytes]
         return nbytes
-
-    # remote tier -------------------------------------------------------------------
-    def store_contains(self, key):
-        return self.store.contains(key)
-
-    def store_info(self, key):
-        return self.store.info(key)
-
-    def store_bytes(self):
-        return self.store.bytes_stored()
-
-    def write_sync(self, key, data, meta=b""):
-        self.store.write_sync(key, data, -1, meta)
-
-    def read_sync(self, key, dst):
-        self.store.read_sync(key, dst, True)
 
     def close(self):
         self._jobs.put(None)

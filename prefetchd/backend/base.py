@@ -37,7 +37,8 @@ class Backend(Protocol):
     io_engine: str
 
     # memory
-    def alloc_device(self, nbytes: int): ...          # -> block, or raise native OutOfSpace
+    def alloc_device(self, nbytes: int, prefer=None): ...  # -> block (at address `prefer` if free),
+                                                            # or raise native OutOfSpace
     def free_device(self, block) -> None: ...
     def device_used(self) -> int: ...                 # bytes reserved (rounded to alignment)
     def device_capacity(self) -> int: ...
@@ -73,3 +74,53 @@ class Backend(Protocol):
     def read_sync(self, key: str, dst) -> None: ...
 
     def close(self) -> None: ...
+
+
+ALIGN = 4096   # device blocks, host blocks and store extents are 4 KiB aligned (O_DIRECT)
+
+
+def open_store(config):
+    """The remote tier of a backend: a native FileStore in config.store_dir (or a temp dir)."""
+    import os
+    import tempfile
+    from .. import _native
+    directory = config.store_dir or tempfile.mkdtemp(prefix="prefetchd-store-")
+    os.makedirs(directory, exist_ok=True)
+    return _native.FileStore(directory, engine=config.io_engine, direct=config.direct_io,
+                             block_size=config.io_block_size, queue_depth=config.io_queue_depth,
+                             io_threads=config.io_threads, fsync=config.fsync)
+
+
+class HostAndStoreTiers:
+    """The host pool and remote store part of a backend; both backends share it.
+
+    Needs `self.host` (native HostPool) and `self.store` (native FileStore).
+    """
+
+    @staticmethod
+    def block_bytes(nbytes):
+        return -(-nbytes // ALIGN) * ALIGN
+
+    def alloc_host(self, nbytes):
+        return self.host.alloc(nbytes)
+
+    def free_host(self, block):
+        block.release()
+
+    def host_used(self):
+        return self.host.used
+
+    def store_contains(self, key):
+        return self.store.contains(key)
+
+    def store_info(self, key):
+        return self.store.info(key)
+
+    def store_bytes(self):
+        return self.store.bytes_stored()
+
+    def write_sync(self, key, data, meta=b""):
+        self.store.write_sync(key, data, -1, meta)
+
+    def read_sync(self, key, dst):
+        self.store.read_sync(key, dst, True)

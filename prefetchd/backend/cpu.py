@@ -6,31 +6,25 @@ MindSpore views without a copy (`Tensor.from_numpy`). The remote tier is the
 native FileStore; copies and I/O run on native copy streams whose completions
 land in one native CompletionQueue.
 """
-import os
 import shutil
-import tempfile
 
 import numpy as np
 
 from .. import _native
-from .base import TransferKind
-
-_ALIGN = 4096
+from .base import ALIGN as _ALIGN, HostAndStoreTiers, TransferKind, open_store
 
 
-class CpuBackend:
+class CpuBackend(HostAndStoreTiers):
     name = "cpu"
 
     def __init__(self, config):
         self._own_dir = config.store_dir is None
-        directory = config.store_dir or tempfile.mkdtemp(prefix="prefetchd-store-")
-        os.makedirs(directory, exist_ok=True)
         self.device = _native.Arena(config.device_budget, _ALIGN)
+        probe = self.device.alloc(0)
+        self._base = probe.address   # arena offset = address - base
+        probe.release()
         self.host = _native.HostPool(config.host_budget, _ALIGN)
-        self.store = _native.FileStore(
-            directory, engine=config.io_engine, direct=config.direct_io,
-            block_size=config.io_block_size, queue_depth=config.io_queue_depth,
-            io_threads=config.io_threads, fsync=config.fsync)
+        self.store = open_store(config)
         self.io_engine = self.store.engine
         self.cq = _native.CompletionQueue()
         # Loads and stores get their own streams so a write-back never queues
@@ -41,8 +35,10 @@ class CpuBackend:
         self._marker = None  # ComputeMarker once the layer hooks ask for one
 
     # memory -----------------------------------------------------------------
-    def alloc_device(self, nbytes):
-        return self.device.alloc(nbytes)
+    def alloc_device(self, nbytes, prefer=None):
+        """A device block; at the address `prefer` (a previous block's) when that range is free."""
+        offset = prefer - self._base if prefer is not None and self._base is not None else -1
+        return self.device.alloc(nbytes, offset if 0 <= offset < self.device.capacity else -1)
 
     def free_device(self, block):
         block.release()
@@ -53,18 +49,6 @@ class CpuBackend:
     def device_capacity(self):
         return self.device.capacity
 
-    @staticmethod
-    def block_bytes(nbytes):
-        return -(-nbytes // _ALIGN) * _ALIGN
-
-    def alloc_host(self, nbytes):
-        return self.host.alloc(nbytes)
-
-    def free_host(self, block):
-        block.release()
-
-    def host_used(self):
-        return self.host.used
 
     # framework binding --------------------------------------------------------
     @staticmethod
@@ -134,22 +118,6 @@ class CpuBackend:
 
     def notify(self):
         self.cq.notify()
-
-    # remote tier ----------------------------------------------------------------
-    def store_contains(self, key):
-        return self.store.contains(key)
-
-    def store_info(self, key):
-        return self.store.info(key)
-
-    def store_bytes(self):
-        return self.store.bytes_stored()
-
-    def write_sync(self, key, data, meta=b""):
-        self.store.write_sync(key, data, -1, meta)
-
-    def read_sync(self, key, dst):
-        self.store.read_sync(key, dst, True)
 
     def close(self):
         for stream in {id(s): s for s in (self.load_stream, self.store_stream)}.values():
