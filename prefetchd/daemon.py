@@ -124,10 +124,10 @@ class Daemon:
         self._records = {}            # name -> ManagedTensor
         self._targets = {}            # id(framework tensor) -> name (one tensor, one name)
         self._inbox = collections.deque()
-        self._loads = []              # heap: (deadline, -priority, seq, rec, request)
+        self._loads = []              # heap: (speculative?, deadline, -priority, seq, n, rec, request)
         self._loads_in_flight = 0
         self._inflight = {}           # tag -> (kind, rec, request or None)
-        self._unfenced = []           # device blocks released but maybe still read by compute
+        self._unfenced = []           # (block, compute epoch or None): released, maybe still read
         self._waiting_room = []       # evict/flush requests waiting on transfers: (request, recs)
         self._tags = itertools.count(1)
         self._seq = itertools.count()
