@@ -120,7 +120,6 @@ class Offloaded:
         self._ran += 1
         if self._recording:
             self.trace.append(unit.index)
-            self.misses += sum(1 for r in unit.records if r.state.value != "resident")
         else:
             self._sync_position(unit)
             self.daemon.advance_trace(self._position, owner=id(self))
@@ -128,7 +127,7 @@ class Offloaded:
         try:
             stall = self.daemon.acquire(unit.records, auto_fetch=self.auto_fetch or self._recording)
         except NotResidentError:
-            self.misses += 1
+            self.misses += 1      # units refused for a miss (auto_fetch=False)
             raise
         self.stall_seconds += stall
         self._pinned[unit.index] = unit.records
