@@ -137,6 +137,7 @@ class Daemon:
         self._peak = 0
         self._listeners = []
         self._reserve_checks = []     # test hooks: fn(used_after, high) on every reservation
+        self._fence_watcher = None    # wakes the scheduler when a compute-fence epoch is reached
         self._thread = None
         self._exporter = None
         self._server = None
@@ -815,10 +816,13 @@ class Daemon:
 
         MindSpore runs ops asynchronously even on CPU. A block whose last
         reader was a hooked unit carries that unit's compute-fence epoch: it is
-        free as soon as the fence word reaches it. Others need a whole-queue
-        fence. The lock is released while waiting so the compute thread keeps
-        submitting; only this thread changes residency, so the blocks taken
-        here are exactly the ones the wait covers.
+        free as soon as the fence word reaches it. If memory is needed
+        (`condition()`) and the epoch is not there yet, the scheduler does not
+        block: the fence watcher wakes it when it is, and the reservation waits
+        meanwhile. Blocks with no epoch need a whole-queue fence, taken with
+        the lock released so the compute thread keeps submitting (only this
+        thread changes residency, so the blocks taken are exactly the ones the
+        fence covers).
         """
         if not self._unfenced:
             return
@@ -833,20 +837,25 @@ class Daemon:
             self._unfenced = pending
         if not self._unfenced or not condition():
             return
+        epochs = [e for _, e in self._unfenced]
+        if marker is not None and None not in epochs:
+            if self._watcher(marker).want(max(epochs)):
+                self.stats.fences += 1   # memory reuse now waits on compute (without blocking)
+            return
         entries, self._unfenced = self._unfenced, []
-        epochs = [e for _, e in entries]
         self._lock.release()
         try:
-            if marker is not None and None not in epochs:
-                if marker.wait(max(epochs), 60.0) < max(epochs):
-                    self.backend.compute_fence()   # the kernel never ran: drain everything
-            else:
-                self.backend.compute_fence()
+            self.backend.compute_fence()
         finally:
             self._lock.acquire()
         self.stats.fences += 1
         for block, _ in entries:
             self.backend.free_device(block)
+
+    def _watcher(self, marker):
+        if self._fence_watcher is None:
+            self._fence_watcher = _FenceWatcher(marker, self.backend.notify, self.name)
+        return self._fence_watcher
 
     def _evict(self, rec, reason):
         """Start dropping rec's device replica; write back first if it is the only copy."""
@@ -1111,7 +1120,57 @@ class Daemon:
             rec.block = None
             rec.host_block = None
         self._unfenced.clear()
+        if self._fence_watcher is not None:
+            self._fence_watcher.stop()
         self.backend.close()
+
+
+class _FenceWatcher:
+    """A thread that sleeps on the compute-fence word and wakes the scheduler.
+
+    The scheduler never blocks on compute it does not have to: when it needs
+    memory that a unit still computing holds, it asks for that unit's epoch
+    here and goes on serving requests; this thread wakes it when the epoch is
+    reached (futex wait, GIL released).
+    """
+
+    def __init__(self, marker, notify, name):
+        self._marker, self._notify = marker, notify
+        self._cond = threading.Condition()
+        self._target = 0
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"prefetchd-fence-{name}", daemon=True)
+        self._thread.start()
+
+    def want(self, epoch):
+        """Wake the scheduler once the fence word reaches epoch; True if that is a new target."""
+        with self._cond:
+            if epoch > self._target:
+                self._target = epoch
+                self._cond.notify()
+                return True
+            return False
+
+    def stop(self):
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(5.0)
+
+    def _run(self):
+        reached = 0
+        while True:
+            with self._cond:
+                while not self._stopped and self._target <= reached:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                target = self._target
+            # Bounded waits so stop() is prompt; each wake re-checks the target.
+            now = self._marker.wait(target, 0.2)
+            if now >= target:
+                reached = now
+                self._notify()
 
 
 class _StoreWriter:
@@ -1170,6 +1229,7 @@ def _scheduler_loop(daemon_ref):
                         log.exception("prefetchd: %s request failed", req.kind)
                         if req.future is not None:
                             daemon._fail_request(req, PrefetchdError(f"{req.kind} failed: {e!r}"), resolved)
+                daemon._fence_if(lambda: False)     # free what finished compute since last time
                 if shutdown_deadline is None:
                     daemon._pump_loads(resolved)
                     daemon._settle_waiting_room(resolved)
