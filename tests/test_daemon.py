@@ -134,15 +134,23 @@ def test_priority_orders_pending_loads(make_daemon, make_param):
 
 
 def test_cancelled_prefetch_never_loads(make_daemon, make_param):
+    from prefetchd import _native
     d = make_daemon()
     hs = [d.register(make_param(values(i, MiB), f"t{i}"), tier="remote") for i in range(8)]
-    blocker = d.prefetch(hs[:4])
-    late = d.prefetch(hs[7])
-    cancelled = late.cancel()
-    blocker.result(10)
-    time.sleep(0.2)
-    if cancelled:
-        assert hs[7].state is State.ABSENT
+    # Hold the load stream on a slow read so the later prefetches stay queued.
+    _native.inject_fault("read", "delay", nth=1, delay_ms=400)
+    try:
+        blocker = d.prefetch(hs[0])
+        late = [d.prefetch(h) for h in hs[1:]]
+        assert late[-1].cancel(), "a queued prefetch must be cancellable"
+        blocker.result(10)
+        for f in late[:-1]:
+            f.result(10)
+    finally:
+        _native.clear_faults()
+    assert late[-1].cancelled()
+    assert hs[-1].state is State.ABSENT                 # never loaded
+    assert all(h.state is State.RESIDENT for h in hs[:-1])
 
 
 def test_close_with_work_pending_is_bounded_and_leaves_nothing(store_dir, make_param, no_leaks):
