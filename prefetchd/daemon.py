@@ -1099,7 +1099,10 @@ class Daemon:
                 self._resolve(req, err, resolved)
         if self.config.store_dir:   # a private temporary store dies with the daemon anyway
             for rec in self._records.values():
-                if rec.state is State.RESIDENT and rec.dirty and not rec.writeback_failed:
+                if rec.state is State.RESIDENT and rec.dirty:
+                    # One more try also for a write-back that failed before: the
+                    # fault may have passed, and this is the last chance.
+                    rec.writeback_failed = False
                     self._start_writeback(rec)
 
     def _finish(self, resolved):

@@ -174,3 +174,22 @@ def test_delayed_read_completes_and_is_timed(daemon, make_param):
     daemon.prefetch(a).result(10)
     assert time.monotonic() - start >= 0.3
     assert daemon.stats.transfer_duration["load"].sum >= 0.3
+
+
+def test_close_retries_a_failed_writeback_so_nothing_is_lost(store_dir, make_param):
+    from prefetchd import Daemon
+    d = Daemon(store_dir=store_dir, device_budget="16MiB").start()
+    h = d.register(make_param(np.full(MiB // 4, 5, np.float32), "victim.x"), tier="device")
+    _native.inject_fault("write", "error", nth=1, err=5, key_contains="victim")
+    with pytest.raises(StorageError, match="EIO"):
+        d.flush(h).result(10)
+    assert h._rec.writeback_failed and h._rec.dirty
+    _native.clear_faults()
+    d.close(timeout=10)                               # the last chance: it writes it back
+    store = _native.FileStore(store_dir)
+    try:
+        dst = _native.aligned_buffer(MiB)
+        store.read_sync("victim.x", dst, True)
+        assert np.frombuffer(dst, np.float32, MiB // 4)[-1] == 5
+    finally:
+        store.close()
