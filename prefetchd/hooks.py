@@ -89,14 +89,15 @@ class Offloaded:
         if checkpoint is not None:
             # Weights come from the store (staged now from a file, or already there).
             self.daemon.register_checkpoint(self.model, checkpoint=None if checkpoint is True else checkpoint)
-        claimed = set()
+        registered = {}
         for unit in self.units:
             for p in unit.cell.get_parameters():
-                if id(p) in claimed:      # shared weights belong to their first unit
-                    continue
-                claimed.add(id(p))
-                handle = self.daemon.handle(p.name) if checkpoint is not None else \
-                    self.daemon.register(p, p.name, tier=tier)
+                # A weight shared by several units (tied embeddings) is registered
+                # once but pinned by every unit that reads it.
+                handle = registered.get(id(p))
+                if handle is None:
+                    handle = registered[id(p)] = self.daemon.handle(p.name) if checkpoint is not None \
+                        else self.daemon.register(p, p.name, tier=tier)
                 unit.records.append(handle._rec)
                 unit.nbytes += handle.nbytes
 

@@ -172,3 +172,29 @@ def test_class_decorator_offloads_instances(make_daemon, mindspore_cpu):
     assert len(daemon.names()) == 6
     out = net(ms.Tensor(np.ones((2, 8), np.float32)))
     assert out.shape == (2, 8)
+
+
+def test_shared_weight_is_pinned_by_every_unit_that_reads_it(make_daemon, mindspore_cpu):
+    """Tied weights: two units read one Parameter; both pin it, so neither reads a stale block."""
+    ms = mindspore_cpu
+
+    class Tied(ms.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.layers = ms.nn.CellList([ms.nn.Dense(64, 64) for _ in range(4)])
+            self.layers[3].weight = self.layers[0].weight          # tied, like embedding / lm head
+
+        def construct(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    x = ms.Tensor(np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32))
+    model = Tied()
+    want = model(x).asnumpy()
+    daemon = make_daemon(device_budget="64KiB")
+    handle = prefetchd.offload(model, daemon, lookahead=1, auto_fetch=True)
+    tied = handle.units[0].records[0]
+    assert tied in handle.units[3].records, "the last unit must pin the weight it shares with the first"
+    for _ in range(3):
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
