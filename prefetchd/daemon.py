@@ -554,10 +554,28 @@ class Daemon:
         guard.track(rec.target, rec.name, lambda method, rec=rec: self._on_user_write(rec, method))
 
     def _on_user_write(self, rec, method):
+        """The user wrote a managed tensor through its Python API (caller's thread)."""
+        if method in ("set_data", "assign_value"):
+            self._adopt(rec)
         with self._lock:
             if rec.state in (State.RESIDENT, State.STORING):
                 rec.dirty = True
                 rec.generation += 1
+
+    def _adopt(self, rec):
+        """The user gave the tensor new storage: copy its values into the device
+        replica and point the tensor back at it, so the write-back keeps them."""
+        values = framework.host_copy(rec.target)
+        with self._lock:
+            block = rec.block
+            if block is None or values.nbytes != rec.nbytes:
+                raise PrefetchdError(
+                    f"{rec.name!r} is managed by prefetchd: set_data must keep its shape and dtype "
+                    f"({rec.shape}, {rec.dtype}); got {values.shape}, {values.dtype}")
+            view = self.backend.view(block, rec.shape, rec.dtype)
+        view[...] = values.reshape(rec.shape)
+        self.backend.bind(rec.target, block, rec.shape, rec.dtype)
+        rec.bound_address = block.address
 
     def _guard(self, rec):
         if rec.target is not None:

@@ -12,9 +12,12 @@ _tracked = {}   # base class -> tracking subclass
 _guarded = {}   # base class -> guarding subclass
 
 _MUTATORS = ("__setitem__", "copy_", "assign_value", "set_data", "fill_", "zero_")
+# Reads and writes of a tensor whose device replica is gone: all refused, so
+# nothing is read from, or written into, memory that belongs to another tensor.
 _READERS = ("asnumpy", "numpy", "__array__", "__getitem__", "item", "tolist", "__add__", "__radd__",
             "__sub__", "__rsub__", "__mul__", "__rmul__", "__matmul__", "__rmatmul__", "__truediv__",
-            "__neg__", "__abs__", "sum", "mean", "copy_", "__setitem__", "asnumpy_of_slice_persistent_data")
+            "__neg__", "__abs__", "sum", "mean", "copy_", "__setitem__", "asnumpy_of_slice_persistent_data",
+            "set_data", "assign_value", "fill_", "zero_")
 
 
 def base_class(obj):
@@ -31,8 +34,15 @@ def _tracking_class(base):
             original = getattr(base, name)
 
             def method(self, *args, **kwargs):
-                result = original(self, *args, **kwargs)
-                hook = self.__dict__.get("_prefetchd_on_write")
+                state = self.__dict__
+                if state.get("_prefetchd_in_write"):   # set_data calls assign_value: report once
+                    return original(self, *args, **kwargs)
+                state["_prefetchd_in_write"] = True
+                try:
+                    result = original(self, *args, **kwargs)
+                finally:
+                    state["_prefetchd_in_write"] = False
+                hook = state.get("_prefetchd_on_write")
                 if hook is not None:
                     hook(name)
                 return result
@@ -80,5 +90,5 @@ def is_guarded(target):
 def release(target):
     """Give the object back its own class."""
     target.__class__ = base_class(target)
-    for key in ("_prefetchd_on_write", "_prefetchd_error", "_prefetchd_name"):
+    for key in ("_prefetchd_on_write", "_prefetchd_error", "_prefetchd_name", "_prefetchd_in_write"):
         target.__dict__.pop(key, None)

@@ -198,3 +198,19 @@ def test_shared_weight_is_pinned_by_every_unit_that_reads_it(make_daemon, mindsp
     assert tied in handle.units[3].records, "the last unit must pin the weight it shares with the first"
     for _ in range(3):
         np.testing.assert_array_equal(model(x).asnumpy(), want)
+
+
+def test_set_data_by_the_user_is_adopted_and_written_back(make_daemon, ms):
+    """load_param_into_net-style rebinding of a resident weight keeps the new values."""
+    daemon = make_daemon(device_budget="4MiB")
+    p = ms.Parameter(ms.Tensor(np.zeros(1024, np.float32)), name="w")
+    h = daemon.register(p, tier="remote")
+    with daemon.use(h):
+        p.set_data(ms.Tensor(np.full(1024, 3, np.float32)))
+    assert h._rec.dirty
+    daemon.evict(h).result(10)
+    with daemon.use(h):
+        assert p.asnumpy()[0] == 3 and p.asnumpy()[-1] == 3
+    daemon.evict(h).result(10)
+    with pytest.raises(NotResidentError, match="'w'"):
+        p.set_data(ms.Tensor(np.ones(1024, np.float32)))     # absent: refused, nothing half-written

@@ -50,11 +50,17 @@ def bind(target, array):
     """
     ms = mindspore()
     tensor = ms.Tensor.from_numpy(array)
-    cls = base_class(target)
-    if isinstance(target, ms.Parameter):
-        cls.set_data(target, tensor, slice_shape=True)
-    else:
-        cls.assign_value(target, tensor)
+    wrapper, cls = type(target), base_class(target)
+    # The framework's methods call each other through the instance (set_data ->
+    # assign_value): take prefetchd's guard/tracking class off while they run.
+    target.__class__ = cls
+    try:
+        if isinstance(target, ms.Parameter):
+            cls.set_data(target, tensor, slice_shape=True)
+        else:
+            cls.assign_value(target, tensor)
+    finally:
+        target.__class__ = wrapper
 
 
 def bind_placeholder(target, dtype):
