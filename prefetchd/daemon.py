@@ -774,7 +774,8 @@ class Daemon:
         if be.device_used() + need > self._high and not self._make_room(need, demand=demand, incoming=incoming):
             return None
         # Where the framework tensor still points (if anywhere): landing there again
-        # saves a rebind, which in MindSpore waits for the op queue to drain.
+        # saves a rebind, which in MindSpore waits (spinning a core) for the whole
+        # op queue to drain.
         prefer = incoming.bound_address if incoming is not None and incoming.bound_address else None
         while True:
             try:
@@ -811,7 +812,8 @@ class Daemon:
         self._fence_if(lambda: be.device_used() + need > self._high)
         if be.device_used() <= goal:
             return True
-        projected = be.device_used()
+        # Blocks already released wait only for a compute fence: count them as free.
+        projected = be.device_used() - sum(block.capacity for block, _ in self._unfenced)
         for victim in self._victims(demand, incoming):
             if projected <= goal:
                 break

@@ -5,6 +5,7 @@ every reservation; pinned tensors must not move; every value read equals the
 last value written; every future completes within a bound (no deadlock).
 """
 import concurrent.futures
+import os
 import threading
 
 import numpy as np
@@ -94,7 +95,7 @@ class Worker:
                 self.errors.append(f"{kind}: {e!r}")
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=int(os.environ.get("PREFETCHD_HYPOTHESIS_EXAMPLES", "40")), deadline=None, suppress_health_check=list(HealthCheck))
 @given(plans=st.lists(THREAD_PLAN, min_size=2, max_size=3),
        sizes=st.lists(st.integers(1, 10), min_size=2, max_size=5))
 def test_invariants_under_random_interleavings(tmp_path_factory, mindspore_cpu, plans, sizes):
