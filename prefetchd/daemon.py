@@ -124,7 +124,7 @@ class Daemon:
         self._records = {}            # name -> ManagedTensor
         self._targets = {}            # id(framework tensor) -> name (one tensor, one name)
         self._inbox = collections.deque()
-        self._loads = []              # heap: (speculative?, deadline, -priority, seq, n, rec, request)
+        self._loads = []              # heap: (speculative?, deadline, -priority, seq, -nbytes, n, rec, request)
         self._loads_in_flight = 0
         self._inflight = {}           # tag -> (kind, rec, request or None)
         self._unfenced = []           # (block, compute epoch or None): released, maybe still read
@@ -689,8 +689,9 @@ class Daemon:
     def _queue_load(self, rec, req):
         # Compute waiting on a tensor (pin) goes before speculation (prefetch).
         deadline = req.deadline if req.deadline is not None else float("inf")
-        heapq.heappush(self._loads, (not req.demand, deadline, -req.priority, req.seq, next(self._seq),
-                                     rec, req))
+        # Within one request, largest first: big blocks placed first fragment the arena least.
+        heapq.heappush(self._loads, (not req.demand, deadline, -req.priority, req.seq, -rec.nbytes,
+                                     next(self._seq), rec, req))
 
     def _pump_loads(self, resolved):
         """Start queued loads in priority order while memory and stream slots allow."""

@@ -1,5 +1,5 @@
 // Arena: the device tier on CPU builds. One mapping reserved up front, carved
-// first-fit; Blocks share the mapping so views stay valid after close().
+// best-fit; Blocks share the mapping so views stay valid after close().
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -92,8 +92,16 @@ std::shared_ptr<Block> ArenaImpl::alloc(size_t nbytes, int64_t prefer) {
             }
         }
     }
+    // Best fit: the smallest free range that holds the request, so small tensors
+    // fill small holes and large runs stay whole for large tensors.
+    auto best = free_.end();
     for (auto it = free_.begin(); it != free_.end(); ++it) {
         if (it->second < need) continue;
+        if (best == free_.end() || it->second < best->second) best = it;
+        if (it->second == need) break;
+    }
+    if (best != free_.end()) {
+        auto it = best;
         size_t off = it->first, len = it->second;
         free_.erase(it);
         if (len > need) free_[off + need] = len - need;

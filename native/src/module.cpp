@@ -235,7 +235,7 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("largest_free", &ArenaImpl::largest_free)
         .def_property_readonly("closed", &ArenaImpl::closed)
         .def("alloc", &ArenaImpl::alloc, py::arg("nbytes"), py::arg("prefer") = -1,
-             "a block of nbytes; at offset `prefer` if that range is free, else first fit")
+             "a block of nbytes; at offset `prefer` if that range is free, else best fit")
         .def("close", &ArenaImpl::close);
 
     py::class_<HostPoolImpl, std::shared_ptr<HostPoolImpl>>(m, "HostPool")
