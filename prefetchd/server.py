@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from . import protocol as P
-from .service import _bind_ipc, ensure_private_dir, resolve_endpoint, runtime_dir
+from .service import _bind_ipc, ensure_private_dir, resolve_endpoint, runtime_dir, stop_io_thread
 
 log = logging.getLogger("prefetchd.server")
 
@@ -367,17 +367,7 @@ class Front:
         if self._exporter is not None:
             self._exporter.close(1.0)
         self._stop = True
-        with self._wake_lock:
-            if self._wake is not None:
-                try:
-                    self._wake.send(STOP, zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
-        self._thread.join(max(0.0, deadline - time.monotonic()))
-        with self._wake_lock:
-            if self._wake is not None:
-                self._wake.close(linger=0)
-                self._wake = None
+        stop_io_thread(self, "_wake", STOP, self._thread, deadline)
         procs = [w.process for w in self._workers if w.process is not None]
         grace = time.monotonic() + min(3.0, max(0.0, deadline - time.monotonic()) / 2)
         for p in procs:                    # they got STOP; give them a moment to close

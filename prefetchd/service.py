@@ -139,6 +139,24 @@ def runtime_dir():
     return ensure_private_dir(path)
 
 
+def stop_io_thread(owner, attr, message, thread, deadline):
+    """Wake an I/O thread through its inproc socket `owner.<attr>`, wait for it
+    until `deadline`, then close that socket (under `owner._wake_lock`)."""
+    with owner._wake_lock:
+        sock = getattr(owner, attr)
+        if sock is not None:
+            try:
+                sock.send(message, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+    thread.join(max(0.0, deadline - time.monotonic()))
+    with owner._wake_lock:
+        sock = getattr(owner, attr)
+        if sock is not None:
+            sock.close(linger=0)
+            setattr(owner, attr, None)
+
+
 def default_endpoint(name="default"):
     return f"ipc://{os.path.join(runtime_dir(), name + '.sock')}"
 
@@ -430,17 +448,7 @@ class Server:
             except Exception:  # noqa: BLE001 - the daemon may be half-closed already
                 pass
         self._stop_requested = True        # seen within a poll interval even without the message
-        with self._wake_lock:
-            if self._wake_sock is not None:
-                try:
-                    self._wake_sock.send(b"stop", zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
-        self._thread.join(max(0.0, deadline - time.monotonic()))
-        with self._wake_lock:
-            if self._wake_sock is not None:
-                self._wake_sock.close(linger=0)
-                self._wake_sock = None
+        stop_io_thread(self, "_wake_sock", b"stop", self._thread, deadline)
         if self._auth is not None:
             try:
                 self._auth.stop()

@@ -267,8 +267,9 @@ def test_recovery_removes_tmp_and_keeps_newest_valid(tmp_path):
         s.close()
 
 
-def test_recovery_falls_back_to_older_version_when_newest_is_torn(tmp_path):
-    d = str(tmp_path)
+def _two_versions_on_disk(d):
+    """Write version A then B of key "k", and put A's file back (as if B's unlink of
+    older versions had not happened): (version of A, path of A, path of B)."""
     s = n.FileStore(d)
     v1 = s.write_sync("k", b"A" * 10000)
     p1 = s.info("k")["path"]
@@ -279,6 +280,12 @@ def test_recovery_falls_back_to_older_version_when_newest_is_torn(tmp_path):
     s.close()
     with open(p1, "wb") as f:
         f.write(keep)
+    return v1, p1, p2
+
+
+def test_recovery_falls_back_to_older_version_when_newest_is_torn(tmp_path):
+    d = str(tmp_path)
+    v1, p1, p2 = _two_versions_on_disk(d)
     with open(p2, "r+b") as f:  # truncated: size no longer matches its header
         f.truncate(os.path.getsize(p2) - 4096)
     s = n.FileStore(d)
@@ -294,16 +301,7 @@ def test_recovery_falls_back_to_older_version_when_newest_is_torn(tmp_path):
 
 def test_verify_data_on_open_drops_corrupt_data(tmp_path):
     d = str(tmp_path)
-    s = n.FileStore(d)
-    v1 = s.write_sync("k", b"A" * 10000)
-    p1 = s.info("k")["path"]
-    with open(p1, "rb") as f:
-        keep = f.read()
-    s.write_sync("k", b"B" * 10000)
-    p2 = s.info("k")["path"]
-    s.close()
-    with open(p1, "wb") as f:
-        f.write(keep)
+    v1, p1, p2 = _two_versions_on_disk(d)
     with open(p2, "r+b") as f:
         f.seek(data_offset(p2, 10000) + 5)
         f.write(b"Z")

@@ -18,20 +18,20 @@ import time
 import pytest
 import zmq
 
+from helpers import wait_until as _wait_until
 from prefetchd import protocol as P
 from prefetchd.server import Front, ServeSpec
 from prefetchd.service import Client, RequestTimeout, ServiceError
 
-SPEC = dict(models=2, hidden=64, layers=2, batch=2, seq=8, lookahead=1)
 
 
 def wait_until(predicate, timeout=30.0, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
+    return _wait_until(predicate, timeout, interval)
+
+
+SPEC = dict(models=2, hidden=64, layers=2, batch=2, seq=8, lookahead=1)
+
+
 
 
 @pytest.fixture(scope="module")

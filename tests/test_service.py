@@ -14,6 +14,7 @@ import time
 import pytest
 import zmq
 
+from helpers import wait_until
 from prefetchd import protocol as P
 from prefetchd.config import ConfigError
 from prefetchd.errors import (PinnedError, ShutdownError, StorageError, UnknownTensorError)
@@ -73,13 +74,6 @@ def state_of(daemon, name):
     return daemon.tensors(name)[0]["state"]
 
 
-def wait_until(predicate, timeout=5.0, interval=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 def server_threads():
