@@ -483,9 +483,6 @@ class Daemon:
 
     # ------------------------------------------------------------------ introspection
     def status(self):
-        return self._status_locked_copy()
-
-    def _status_locked_copy(self):
         with self._lock:
             return self._status()
 

@@ -99,11 +99,6 @@ def build_model(hidden=1024, layers=8, heads=None, seed=0, materialize=True):
     return model
 
 
-def parameter_specs(model):
-    """[(name, shape)] in registration order."""
-    return [(p.name, tuple(p.shape)) for p in model.get_parameters()]
-
-
 def make_inputs(batch=8, seq=16, hidden=1024, seed=1):
     ms = mindspore()
     rng = np.random.default_rng(seed)

@@ -171,8 +171,7 @@ def set_data(x, value):
     ex = _entry(x)
     if guard.is_guarded(x):
         guard.release(x)
-    guard.base_class(x).assign_value(x, value) if not framework.is_parameter(x) else \
-        guard.base_class(x).set_data(x, value, slice_shape=True)
+    framework.share(x, value)
     ex.tier, ex.block, ex.freed = ev.tier, ev.block, False
     ex.shape, ex.dtype = ev.shape, ev.dtype
     ex.remote_key = ex.remote_crc = None

@@ -21,10 +21,6 @@ def mindspore():
     return _ms
 
 
-def is_parameter(x):
-    return isinstance(x, mindspore().Parameter)
-
-
 def is_tensor(x):
     return isinstance(x, mindspore().Tensor)
 
@@ -38,7 +34,7 @@ def to_numpy_dtype(ms_dtype):
 
 
 def host_copy(x):
-    """A numpy copy of x's values (waits for pending compute that writes x)."""
+    """x's values as numpy, after pending compute that writes x (on CPU a view of x's memory)."""
     return x.asnumpy()
 
 
@@ -48,8 +44,12 @@ def bind(target, array):
     Calls the framework's own method (not a prefetchd tracking override), so
     rebinding is not mistaken for a user's write.
     """
+    share(target, mindspore().Tensor.from_numpy(array))
+
+
+def share(target, tensor):
+    """Make `target` use `tensor`'s storage from now on (writes through either are seen by both)."""
     ms = mindspore()
-    tensor = ms.Tensor.from_numpy(array)
     wrapper, cls = type(target), base_class(target)
     # The framework's methods call each other through the instance (set_data ->
     # assign_value): take prefetchd's guard/tracking class off while they run.
