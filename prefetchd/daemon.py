@@ -30,7 +30,7 @@ from concurrent.futures import Future, InvalidStateError
 
 import numpy as np
 
-from . import backend as backends
+from . import _native, backend as backends
 from . import guard, policy as policies
 from .backend import framework
 from .backend.base import TransferKind
@@ -49,8 +49,6 @@ live_daemons = weakref.WeakSet()   # started, not yet closed: what prefetchd.tie
 
 _MAX_LOADS_IN_FLIGHT = 4  # enough to keep the store's queue full; more only delays priorities
 
-# native status codes (see native/API.md)
-_STATUS_CHECKSUM = -1
 
 
 @atexit.register
@@ -779,7 +777,7 @@ class Daemon:
             try:
                 block = be.alloc_device(nbytes, prefer)
                 break
-            except _native_out_of_space():
+            except _native.OutOfSpace:
                 # Enough bytes under the watermark but no contiguous run:
                 # evict one more victim by policy and try again.
                 if not self._evict_one(demand, incoming):
@@ -1079,7 +1077,7 @@ class Daemon:
                 self._drop(rec, reason)
 
     def _transfer_error(self, op, rec, c):
-        if c.status == _STATUS_CHECKSUM:
+        if c.status == _native.STATUS_CHECKSUM:
             self.stats.checksum_failures += 1
             return IntegrityError(f"{op} of {rec.name!r} failed verification: {c.message}")
         self.stats.io_errors[op if op in ("read", "write") else "read"] += 1
@@ -1202,11 +1200,6 @@ class _StoreWriter:
 
     def write_sync(self, key, data, nbytes, meta):
         self.backend.write_sync(key, data, meta)
-
-
-def _native_out_of_space():
-    from . import _native
-    return _native.OutOfSpace
 
 
 def _settle(daemon, req, error):

@@ -59,14 +59,12 @@ class _Runtime:
     """Process-wide tiers for the operators (created on first use)."""
 
     def __init__(self):
+        from .backend.base import open_store
         from .config import Config
-        import tempfile
         config = Config.load()
         self.device = _native.Arena(config.device_budget, _ALIGN)
         self.host = _native.HostPool(config.host_budget, _ALIGN)
-        self.store = _native.FileStore(config.store_dir or tempfile.mkdtemp(prefix="prefetchd-ops-"),
-                                       engine=config.io_engine, direct=config.direct_io,
-                                       fsync=config.fsync)
+        self.store = open_store(config)   # the same remote tier, and I/O settings, a daemon uses
         self.stream = _native.Stream("ops")
         self.entries = {}         # id(tensor) -> _Entry
         self.lock = threading.Lock()
