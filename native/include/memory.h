@@ -42,8 +42,13 @@ class Block {
     size_t capacity() const { return capacity_; }
     int64_t offset() const { return offset_; }
     bool released() const { return released_.load(); }
-    void release();           // Closed("block already released") the second time
+    void release();           // Closed("block already released") the second time;
+                              // NativeError while attached to a Home (its pages live there)
     void check_live() const;  // Closed if released
+    const BlockOwner *owner() const { return owner_.get(); }
+    // Set while the block's pages are mapped at a Home (vmem.h); guarded by the
+    // Home's reservation lock, read without it by release().
+    std::atomic<bool> attached{false};
 
   private:
     std::shared_ptr<Mapping> mapping_;
@@ -54,7 +59,7 @@ class Block {
     std::atomic<bool> released_{false};
 };
 
-// First-fit allocator over one mapping; the free list is ordered by offset so
+// Best-fit allocator over one lazily faulted mapping; the free list is ordered by offset so
 // neighbours coalesce on free and fragmentation stays visible (largest_free).
 class ArenaImpl : public BlockOwner, public std::enable_shared_from_this<ArenaImpl> {
   public:
@@ -69,6 +74,7 @@ class ArenaImpl : public BlockOwner, public std::enable_shared_from_this<ArenaIm
     size_t num_blocks() const;
     size_t largest_free() const;
     bool closed() const;
+    bool owns(const Block &b) const { return b.owner() == this; }
 
   private:
     size_t capacity_, alignment_;

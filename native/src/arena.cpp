@@ -1,5 +1,5 @@
-// Arena: the device tier on CPU builds. One mapping reserved up front, carved
-// best-fit; Blocks share the mapping so views stay valid after close().
+// Arena: the device tier on CPU builds. One mapping reserved up front (faulted
+// lazily), carved best-fit; Blocks share the mapping so views stay valid after close().
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -8,10 +8,6 @@
 
 #include "common.h"
 #include "memory.h"
-
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23
-#endif
 
 namespace pfd {
 
@@ -45,6 +41,8 @@ Block::~Block() {
 }
 
 void Block::release() {
+    if (attached.load() && !released_.load())
+        throw Error(ErrKind::Native, "block is attached to a home (its pages are mapped there); detach it first");
     if (released_.exchange(true)) throw Error(ErrKind::Closed, "block already released");
     if (owner_) owner_->give_back(offset_, capacity_, nbytes_);
 }
@@ -57,11 +55,11 @@ ArenaImpl::ArenaImpl(size_t capacity, size_t alignment) : capacity_(capacity), a
     check_alignment(alignment);
     capacity_ = capacity / alignment * alignment;  // only whole aligned units are usable
     mapping_ = std::make_shared<Mapping>(capacity_, alignment);
-    if (capacity_ > 0) {
-        // Fault pages in once now so the first copy into a block does not pay for it.
-        if (madvise(mapping_->base, capacity_, MADV_POPULATE_WRITE) != 0) memset(mapping_->base, 0, capacity_);
-        free_[0] = capacity_;
-    }
+    // Nothing is faulted in here: a page costs memory from its first write on
+    // and is reused (never zeroed again) after that, so a budget larger than
+    // what is actually loaded costs address space only. Whether the budget can
+    // ever be backed is checked by the backend (prefetchd/backend/limits.py).
+    if (capacity_ > 0) free_[0] = capacity_;
 }
 
 std::shared_ptr<Block> ArenaImpl::alloc(size_t nbytes, int64_t prefer) {

@@ -1,0 +1,80 @@
+// Stable virtual addresses for managed tensors: a VirtualRange reserves
+// address space with no memory behind it; a Home is a page-aligned slice of it
+// where one tensor lives for life. Residency moves physical pages between an
+// arena Block and a Home with mremap (page tables only, no copy), so the
+// framework tensor that views the Home never has to be rebound.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "memory.h"
+
+namespace pfd {
+
+size_t page_size();
+
+// PROT_NONE | MAP_NORESERVE reservation. Shared by the VirtualRange and every
+// Home cut from it, so the address space stays reserved while any Home (or a
+// buffer view of one) lives.
+struct Reservation {
+    void *raw = nullptr;   // what mmap returned (over-reserved for alignment)
+    size_t raw_len = 0;
+    char *base = nullptr;  // aligned start inside raw
+    size_t len = 0;        // page-rounded usable length
+    std::mutex mu;         // guards `slices` and every Home's attachment state
+    std::map<size_t, size_t> slices;  // offset -> length of live Homes (no overlaps)
+    Reservation(size_t nbytes, size_t alignment);
+    ~Reservation();
+    Reservation(const Reservation &) = delete;
+    Reservation &operator=(const Reservation &) = delete;
+};
+
+class Home;
+
+class VirtualRange {
+  public:
+    VirtualRange(size_t nbytes, size_t alignment);
+    uintptr_t address() const;
+    size_t nbytes() const;
+    bool closed() const;
+    // A Home at `offset` (page-aligned) covering nbytes rounded up to a page;
+    // ValueError when misaligned, past the end or overlapping a live Home.
+    std::shared_ptr<Home> slice(size_t offset, size_t nbytes);
+    void close();  // idempotent; live Homes keep the reservation mapped
+
+  private:
+    std::shared_ptr<Reservation> res_;
+    uintptr_t address_;
+    size_t nbytes_;
+};
+
+class Home {
+  public:
+    Home(std::shared_ptr<Reservation> r, size_t offset, size_t nbytes, size_t len)
+        : res_(std::move(r)), ptr_(res_->base + offset), offset_(offset), nbytes_(nbytes), len_(len) {}
+    ~Home();
+    char *data() const { return ptr_; }
+    uintptr_t address() const { return reinterpret_cast<uintptr_t>(ptr_); }
+    size_t offset() const { return offset_; }
+    size_t nbytes() const { return nbytes_; }
+    size_t capacity() const { return len_; }
+    bool attached() const;
+    std::shared_ptr<Block> block() const;  // the attached block, or null
+
+    // Move `block`'s pages here; the block's own range gets fresh untouched pages.
+    void attach(ArenaImpl &arena, const std::shared_ptr<Block> &block);
+    // Move the pages back onto `block` (the attached one); the home faults again.
+    void detach(const std::shared_ptr<Block> &block);
+
+  private:
+    std::shared_ptr<Reservation> res_;
+    char *ptr_;
+    size_t offset_, nbytes_, len_;
+    std::shared_ptr<Block> attached_;  // guarded by res_->mu; keeps the block allocated
+};
+
+}  // namespace pfd

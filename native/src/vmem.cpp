@@ -1,0 +1,246 @@
+// VirtualRange / Home: stable tensor addresses; Arena.attach/detach move a
+// block's physical pages to and from a Home with mremap. See vmem.h.
+//
+// Both moves use MREMAP_DONTUNMAP: the kernel moves the page tables and leaves
+// the source mapping in place with no pages behind it, in one syscall under
+// the mm lock. So no window exists in which the source range is unmapped and
+// another thread's mmap(NULL) could land in it (which a plain move followed by
+// a MAP_FIXED refill would allow, and the refill would then clobber).
+#include "vmem.h"
+
+#include <pybind11/pybind11.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <string>
+
+#include "common.h"
+
+#ifndef MREMAP_DONTUNMAP
+#define MREMAP_DONTUNMAP 4
+#endif
+
+namespace pfd {
+
+size_t page_size() {
+    static const size_t p = size_t(sysconf(_SC_PAGESIZE));
+    return p;
+}
+
+namespace {
+
+std::string hex(const void *p) {
+    char buf[32];
+    snprintf(buf, sizeof buf, "0x%zx", reinterpret_cast<size_t>(p));
+    return buf;
+}
+
+// Move [src, src+len) onto [dst, dst+len) keeping src mapped (empty). A range
+// that spans several kernel VMAs (mremap refuses those with EFAULT) is moved
+// in halves; a failure after a partial move puts the moved part back.
+void move_pages(char *src, char *dst, size_t len) {
+    void *r = mremap(src, len, len, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, dst);
+    if (r != MAP_FAILED) return;
+    int e = errno;
+    size_t page = page_size();
+    if (e == EFAULT && len > page) {
+        size_t half = len / 2 / page * page;
+        move_pages(src, dst, half);
+        try {
+            move_pages(src + half, dst + half, len - half);
+        } catch (...) {
+            mremap(dst, half, half, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, src);
+            throw;
+        }
+        return;
+    }
+    throw Error(ErrKind::Native, "mremap of " + std::to_string(len) + " bytes from " + hex(src) + " to " + hex(dst) +
+                                     " failed: " + errno_name(e) +
+                                     (e == EINVAL ? " (MREMAP_DONTUNMAP needs Linux >= 5.7)" : ""));
+}
+
+// Back to an address-space-only reservation: reads fault, no memory is held.
+void reserve_none(char *p, size_t len) {
+    void *r = mmap(p, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    if (r == MAP_FAILED) {
+        int e = errno;
+        throw Error(ErrKind::Native, "re-reserving " + std::to_string(len) + " bytes at " + hex(p) +
+                                         " failed: " + errno_name(e));
+    }
+}
+
+}  // namespace
+
+Reservation::Reservation(size_t nbytes, size_t alignment) {
+    check_alignment(alignment);
+    size_t page = page_size();
+    size_t al = std::max(alignment, page);
+    if (nbytes == 0) throw Error(ErrKind::Value, "VirtualRange: nbytes must be > 0");
+    len = round_up(nbytes, page);
+    raw_len = len + (al > page ? al : 0);
+    raw = mmap(nullptr, raw_len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (raw == MAP_FAILED) {
+        raw = nullptr;
+        int e = errno;
+        throw Error(ErrKind::OutOfSpace,
+                    "reserving " + std::to_string(raw_len) + " bytes of address space failed: " + errno_name(e));
+    }
+    base = reinterpret_cast<char *>(round_up(reinterpret_cast<uintptr_t>(raw), al));
+}
+
+Reservation::~Reservation() {
+    if (raw) munmap(raw, raw_len);
+}
+
+VirtualRange::VirtualRange(size_t nbytes, size_t alignment)
+    : res_(std::make_shared<Reservation>(nbytes, alignment)),
+      address_(reinterpret_cast<uintptr_t>(res_->base)),
+      nbytes_(res_->len) {}
+
+uintptr_t VirtualRange::address() const { return address_; }
+size_t VirtualRange::nbytes() const { return nbytes_; }
+bool VirtualRange::closed() const { return !res_; }
+
+std::shared_ptr<Home> VirtualRange::slice(size_t offset, size_t nbytes) {
+    if (!res_) throw Error(ErrKind::Closed, "virtual range is closed");
+    size_t page = page_size();
+    if (offset % page)
+        throw Error(ErrKind::Value, "home offset " + std::to_string(offset) + " is not a multiple of the page size " +
+                                        std::to_string(page));
+    size_t len = round_up(std::max<size_t>(nbytes, 1), page);
+    if (offset > nbytes_ || len > nbytes_ - offset)
+        throw Error(ErrKind::Value, "home [" + std::to_string(offset) + ", +" + std::to_string(len) +
+                                        ") does not fit in the virtual range of " + std::to_string(nbytes_) + " bytes");
+    std::lock_guard<std::mutex> g(res_->mu);
+    auto next = res_->slices.lower_bound(offset);
+    if (next != res_->slices.end() && next->first < offset + len)
+        throw Error(ErrKind::Value, "home [" + std::to_string(offset) + ", +" + std::to_string(len) +
+                                        ") overlaps the live home at offset " + std::to_string(next->first));
+    if (next != res_->slices.begin()) {
+        auto prev = std::prev(next);
+        if (prev->first + prev->second > offset)
+            throw Error(ErrKind::Value, "home [" + std::to_string(offset) + ", +" + std::to_string(len) +
+                                            ") overlaps the live home at offset " + std::to_string(prev->first));
+    }
+    res_->slices[offset] = len;
+    return std::make_shared<Home>(res_, offset, nbytes, len);
+}
+
+void VirtualRange::close() { res_.reset(); }
+
+Home::~Home() {
+    std::lock_guard<std::mutex> g(res_->mu);
+    if (attached_) {
+        // Dropping a resident home frees its pages; the block (whose own
+        // range holds fresh untouched pages) goes back to the arena.
+        try {
+            reserve_none(ptr_, len_);
+        } catch (...) {
+        }
+        attached_->attached.store(false);
+        attached_.reset();
+    }
+    res_->slices.erase(offset_);
+}
+
+bool Home::attached() const {
+    std::lock_guard<std::mutex> g(res_->mu);
+    return bool(attached_);
+}
+
+std::shared_ptr<Block> Home::block() const {
+    std::lock_guard<std::mutex> g(res_->mu);
+    return attached_;
+}
+
+void Home::attach(ArenaImpl &arena, const std::shared_ptr<Block> &b) {
+    if (arena.closed()) throw Error(ErrKind::Closed, "arena is closed");
+    if (!arena.owns(*b)) throw Error(ErrKind::Value, "attach: the block does not belong to this arena");
+    b->check_live();
+    size_t page = page_size();
+    if (!is_aligned(b->data(), page))
+        throw Error(ErrKind::Value, "attach: block address " + hex(b->data()) + " is not page-aligned (arena alignment " +
+                                        std::to_string(arena.alignment()) + " < page size " + std::to_string(page) + ")");
+    if (b->nbytes() < nbytes_ || b->capacity() < len_)
+        throw Error(ErrKind::Value, "attach: block of " + std::to_string(b->nbytes()) + " bytes (capacity " +
+                                        std::to_string(b->capacity()) + ") cannot back a home of " +
+                                        std::to_string(nbytes_) + " bytes (" + std::to_string(len_) + " mapped)");
+    std::lock_guard<std::mutex> g(res_->mu);
+    if (attached_) throw Error(ErrKind::Value, "attach: the home at " + hex(ptr_) + " already has a block attached");
+    if (b->attached.load())
+        throw Error(ErrKind::Value, "attach: the block at " + hex(b->data()) + " is already attached to another home");
+    move_pages(b->data(), ptr_, len_);
+    attached_ = b;
+    b->attached.store(true);
+}
+
+void Home::detach(const std::shared_ptr<Block> &b) {
+    std::lock_guard<std::mutex> g(res_->mu);
+    if (!attached_) throw Error(ErrKind::Value, "detach: the home at " + hex(ptr_) + " has no block attached");
+    if (attached_ != b)
+        throw Error(ErrKind::Value, "detach: the home at " + hex(ptr_) + " holds the pages of the block at " +
+                                        hex(attached_->data()) + ", not of the block at " + hex(b->data()));
+    move_pages(ptr_, b->data(), len_);
+    reserve_none(ptr_, len_);
+    b->attached.store(false);
+    attached_.reset();
+}
+
+}  // namespace pfd
+
+// ---------------------------------------------------------------- bindings
+
+namespace py = pybind11;
+
+// Called from module.cpp's PYBIND11_MODULE after Arena and Block are bound.
+void bind_vmem(py::module_ &m) {
+    using namespace pfd;
+    py::class_<VirtualRange, std::shared_ptr<VirtualRange>>(m, "VirtualRange")
+        .def(py::init<size_t, size_t>(), py::arg("nbytes"), py::arg("align") = size_t(2) << 20)
+        .def_property_readonly("address", &VirtualRange::address)
+        .def_property_readonly("nbytes", &VirtualRange::nbytes)
+        .def_property_readonly("closed", &VirtualRange::closed)
+        .def("slice", &VirtualRange::slice, py::arg("offset"), py::arg("nbytes"),
+             "a Home at `offset` (page-aligned) of nbytes (mapped length rounded up to a page)")
+        .def("close", &VirtualRange::close)
+        .def("__repr__", [](const VirtualRange &r) {
+            return "<VirtualRange nbytes=" + std::to_string(r.nbytes()) + (r.closed() ? " closed>" : ">");
+        });
+
+    py::class_<Home, std::shared_ptr<Home>>(m, "Home", py::buffer_protocol())
+        .def_buffer([](Home &h) {
+            return py::buffer_info(h.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                                   {py::ssize_t(h.nbytes())}, {py::ssize_t(1)}, false);
+        })
+        .def_property_readonly("address", &Home::address)
+        .def_property_readonly("offset", &Home::offset)
+        .def_property_readonly("nbytes", &Home::nbytes)
+        .def_property_readonly("capacity", &Home::capacity)
+        .def_property_readonly("attached", &Home::attached)
+        .def_property_readonly("block", &Home::block)
+        .def("__len__", &Home::nbytes)
+        .def("__repr__", [](const Home &h) {
+            return "<Home nbytes=" + std::to_string(h.nbytes()) + " offset=" + std::to_string(h.offset()) +
+                   (h.attached() ? " attached>" : " detached>");
+        });
+
+    py::object arena = m.attr("Arena");
+    arena.attr("attach") = py::cpp_function(
+        [](ArenaImpl &a, std::shared_ptr<Block> block, std::shared_ptr<Home> home) {
+            py::gil_scoped_release nogil;
+            home->attach(a, block);
+        },
+        py::name("attach"), py::is_method(arena), py::sibling(py::getattr(arena, "attach", py::none())),
+        py::arg("block"), py::arg("home"),
+        "move the block's pages onto the home (mremap); the block's range gets fresh untouched pages");
+    arena.attr("detach") = py::cpp_function(
+        [](ArenaImpl &a, std::shared_ptr<Home> home, std::shared_ptr<Block> block) {
+            if (!a.owns(*block)) throw Error(ErrKind::Value, "detach: the block does not belong to this arena");
+            py::gil_scoped_release nogil;
+            home->detach(block);
+        },
+        py::name("detach"), py::is_method(arena), py::sibling(py::getattr(arena, "detach", py::none())),
+        py::arg("home"), py::arg("block"),
+        "move the home's pages back onto the block; the home faults (PROT_NONE) again");
+}
