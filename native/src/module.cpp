@@ -18,6 +18,8 @@
 namespace py = pybind11;
 using namespace pfd;
 
+void bind_vmem(py::module_ &m);  // vmem.cpp: VirtualRange, Home, Arena.attach/detach
+
 namespace {
 
 // ---------------------------------------------------------------- errors
@@ -255,6 +257,7 @@ PYBIND11_MODULE(_native, m) {
         .def("close", &HostPoolImpl::close);
 
     m.def("aligned_buffer", &aligned_buffer, py::arg("nbytes"), py::arg("alignment") = 4096);
+    bind_vmem(m);
 
     // ------------------------------------------------------------ checksums
     m.def("crc32c", [](py::handle buf, uint32_t seed) {
