@@ -253,9 +253,9 @@ def tier(x):
     """
     from .daemon import live_daemons
     for daemon in list(live_daemons):
-        name = daemon._targets.get(id(x))
-        if name is not None:
-            return tuple(daemon._records[name].tiers)
+        tiers = daemon.tiers_of(x)
+        if tiers is not None:
+            return tiers
     e = _entry(x, create=False)
     if e is None:
         return ("host",)

@@ -81,6 +81,11 @@ class Stats:
     writebacks: int = 0
     fences: int = 0
 
+    def count(self, op, outcome):
+        """Count one request outcome (registrations are not counted as requests)."""
+        if op != "register":
+            self.requests[op, outcome] = self.requests.get((op, outcome), 0) + 1
+
     def record_transfer(self, direction, nbytes, seconds):
         self.transfer_bytes[direction] += nbytes
         self.transfer_seconds[direction] += seconds

@@ -9,7 +9,7 @@ import pytest
 from prefetchd import Daemon
 from prefetchd.errors import (BudgetError, DoubleRegisterError, NotResidentError, PinnedError,
                               ShutdownError, UnknownTensorError)
-from prefetchd.residency import State
+from prefetchd.core.records import State
 
 MiB = 1 << 20
 

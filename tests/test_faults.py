@@ -12,7 +12,7 @@ import pytest
 
 from prefetchd import _native
 from prefetchd.errors import IntegrityError, StorageError
-from prefetchd.residency import State
+from prefetchd.core.records import State
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _crash_writer import size_of, value  # noqa: E402

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from prefetchd import Daemon
 from prefetchd.errors import BudgetError, PinnedError
-from prefetchd.residency import State
+from prefetchd.core.records import State
 
 KiB = 1 << 10
 BOUND = 20.0    # seconds any single future may take before we call it a deadlock
@@ -61,7 +61,7 @@ class Worker:
             other = everyone[arg % len(everyone)]
             self.futures.append(("evict", d.evict(other.params[i % len(other.params)].name)))
         elif op in ("use_read", "use_write"):
-            rec = d._record(name)
+            rec = d.record(name)
             with d.use(name):
                 address = rec.block.address
                 got = self.params[k].asnumpy()
@@ -104,7 +104,7 @@ def test_invariants_under_random_interleavings(tmp_path_factory, mindspore_cpu, 
     # Tensors are at most 160 KiB, so three threads pinning one each always fit
     # under the lowest high watermark the plans set (half of 1 MiB).
     d = Daemon(store_dir=str(store), device_budget="1MiB", shutdown_timeout=10).start()
-    d._reserve_checks.append(lambda used, high: used > high and violations.append((used, high)))
+    d.add_reserve_check(lambda used, high: used > high and violations.append((used, high)))
     try:
         workers = [Worker(mindspore_cpu, d, t, [s * 4 * KiB for s in sizes]) for t in range(len(plans))]
         threads = [threading.Thread(target=w.run, args=(plan, workers)) for w, plan in zip(workers, plans)]
@@ -126,6 +126,6 @@ def test_invariants_under_random_interleavings(tmp_path_factory, mindspore_cpu, 
                 with d.use(p.name):
                     np.testing.assert_array_equal(p.asnumpy(), want)
         d.flush().result(BOUND)   # FIFO queue: every earlier unpin has been applied
-        assert all(r.pins == 0 for r in d._records.values())
+        assert all(r.pins == 0 for r in (d.record(n) for n in d.names()))
     finally:
         d.close()

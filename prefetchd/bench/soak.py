@@ -165,7 +165,7 @@ def run(directory, seconds=60.0, producers=3, fault_every=0.5, seed=1):
     stop = threading.Event()
     peak_violations = []
     daemon = Daemon(store_dir=os.path.join(directory, "store"), device_budget="48MiB", name="soak").start()
-    daemon._reserve_checks.append(lambda used, high: used > high and peak_violations.append((used, high)))
+    daemon.add_reserve_check(lambda used, high: used > high and peak_violations.append((used, high)))
     remote = {"status": "not started"}
     results = {}
     workers = [threading.Thread(target=lambda i=i: results.__setitem__(i, _producer(

@@ -4,6 +4,14 @@
 
 Only the scheduler thread changes these records (the compute thread may set
 `dirty` and read `state`); the daemon's lock guards them for readers.
+
+Besides `state`, a record carries a few flags that qualify it; the
+combinations that matter have names (`describe()["substate"]`):
+
+    RESIDENT + writeback_failed     held in place: its only copy could not be written
+    RESIDENT + prefetched_unused    loaded ahead of use, not used yet (not a victim for prefetches)
+    LOADING  + evict_after_load     an evict arrived while loading: dropped on arrival
+    STORING  + evict_after_store    a write-back on the way to an eviction
 """
 import enum
 from dataclasses import dataclass, field
@@ -57,9 +65,21 @@ class ManagedTensor:
             out.append("remote")
         return out
 
+    @property
+    def substate(self):
+        if self.state is State.RESIDENT and self.writeback_failed:
+            return "held"
+        if self.state is State.RESIDENT and self.prefetched_unused:
+            return "prefetched"
+        if self.state is State.LOADING and self.evict_after_load:
+            return "loading-then-evict"
+        if self.state is State.STORING and self.evict_after_store:
+            return "evicting"
+        return self.state.value
+
     def describe(self):
         return {
             "name": self.name, "nbytes": self.nbytes, "shape": list(self.shape),
             "dtype": str(self.dtype), "state": self.state.value, "tiers": self.tiers,
-            "dirty": self.dirty, "pins": self.pins,
+            "dirty": self.dirty, "pins": self.pins, "substate": self.substate,
         }

@@ -1,0 +1,19 @@
+"""The scheduler core: residency state, device memory and the scheduler thread.
+
+Modules, by role (imports point down this list, never up):
+
+    session    what the layer hooks use per unit (acquire / release / trace)
+    binding    compute-thread side: framework tensors <-> device replicas, user writes
+    scheduler  the scheduler thread: request and completion handler tables, shutdown
+    residency  residency moves (load, write-back, verify, drop) as prepare/complete steps
+    memory     device memory: watermarks, reservations, victims, compute fences
+    fences     the thread that sleeps on the compute-fence word
+    transfers  transfers in flight, by tag
+    requests   submitted requests and how their futures are settled
+    registry   name -> record, framework tensor -> name
+    policy     eviction order (LRU, Belady on recorded traces)
+    records    one tensor's replicas and its named states
+
+The core never imports the control plane, the metrics exporter, staging or
+the hooks: the facade in prefetchd/daemon.py composes them.
+"""

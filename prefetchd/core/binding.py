@@ -1,0 +1,81 @@
+"""The compute-thread side: framework tensors <-> device replicas, and the user's writes.
+
+Binding a MindSpore Parameter to new storage (set_data) waits for the whole
+op queue to drain if the old storage was used by an op, so it happens on the
+compute thread, never on the scheduler. Python-level use of a tensor whose
+replica is gone is refused by a class-swap guard (prefetchd/guard.py); writes
+through the Python API mark the tensor dirty so the write-back keeps them.
+"""
+from .. import guard as guards
+from ..backend import framework
+from ..errors import NotResidentError, PrefetchdError
+from .records import State
+
+
+class Binding:
+    def __init__(self, lock, backend):
+        self._lock = lock
+        self._backend = backend
+
+    def bind_for_compute(self, rec):
+        """Point the framework tensor at the device replica (on the calling thread)."""
+        if rec.target is None:
+            return
+        with self._lock:
+            block = rec.block
+            if block is None:
+                raise NotResidentError(rec.name, ",".join(rec.tiers), rec.state.value)
+            rebind = rec.bound_address != block.address
+            rec.exposed = True
+            rec.compute_epoch = None     # read by compute from now on, until a fence says otherwise
+        if rebind:
+            self._backend.bind(rec.target, block, rec.shape, rec.dtype)
+            rec.bound_address = block.address
+        if guards.is_guarded(rec.target):
+            self.track(rec)
+
+    def track(self, rec):
+        guards.track(rec.target, rec.name, lambda method, rec=rec: self.on_user_write(rec, method))
+
+    def guard(self, rec):
+        """Python-level use of rec's tensor raises NotResidentError until it is bound again."""
+        if rec.target is not None:
+            guards.guard(rec.target, lambda rec=rec: NotResidentError(
+                rec.name, ",".join(rec.tiers), rec.state.value))
+
+    def placeholder(self, rec):
+        """A registered tensor whose data lives elsewhere: a 0-element stand-in, guarded."""
+        framework.bind_placeholder(rec.target, rec.dtype)
+        self.guard(rec)
+
+    def on_user_write(self, rec, method):
+        """The user wrote a managed tensor through its Python API (caller's thread)."""
+        if method in ("set_data", "assign_value"):
+            self._adopt(rec)
+        with self._lock:
+            if rec.state in (State.RESIDENT, State.STORING):
+                rec.dirty = True
+                rec.generation += 1
+
+    def _adopt(self, rec):
+        """The user gave the tensor new storage: copy its values into the device
+        replica and point the tensor back at it, so the write-back keeps them."""
+        values = framework.host_copy(rec.target)
+        with self._lock:
+            block = rec.block
+            if block is None or values.nbytes != rec.nbytes:
+                raise PrefetchdError(
+                    f"{rec.name!r} is managed by prefetchd: set_data must keep its shape and dtype "
+                    f"({rec.shape}, {rec.dtype}); got {values.shape}, {values.dtype}")
+            view = self._backend.view(block, rec.shape, rec.dtype)
+        view[...] = values.reshape(rec.shape)
+        self._backend.bind(rec.target, block, rec.shape, rec.dtype)
+        rec.bound_address = block.address
+
+    @staticmethod
+    def release_all(records):
+        """At close: resident tensors keep viewing their block (the native arena stays
+        mapped while any view of it lives); give them back their own class."""
+        for rec in records:
+            if rec.target is not None and rec.state is State.RESIDENT:
+                guards.release(rec.target)

@@ -1,0 +1,213 @@
+"""Loads: making tensors resident (ABSENT -> LOADING -> RESIDENT), and host replicas.
+
+Each move has two halves: `start_*` reserves what it needs, marks the record
+and issues one asynchronous transfer; `*_done` applies its completion. Both
+run on the scheduler thread under the daemon's lock; they talk to the world
+only through the scheduler context `s` (backend, memory, transfers, outcomes),
+so they run unchanged against a fake backend with no threads.
+"""
+import heapq
+
+from ..backend.base import TransferKind
+from ..errors import BudgetError, NotResidentError, StorageError
+from .records import State
+from .requests import Kind
+
+MAX_LOADS_IN_FLIGHT = 4   # enough to keep the store's queue full; more only delays priorities
+
+
+class Loads:
+    def __init__(self, s):
+        self.s = s
+        self.queue = []            # heap: (speculative?, deadline, -priority, seq, -nbytes, n, rec, request)
+
+    # ------------------------------------------------------------------ requests
+    def want_resident(self, req):
+        """prefetch / pin: satisfy now from resident tensors, queue loads for the rest."""
+        s = self.s
+        missing = []
+        for rec in req.recs:
+            rec.requested = False      # from here on, waiters and the load queue say it
+            if rec.state in (State.RESIDENT, State.STORING):
+                if req.kind is Kind.PIN:
+                    rec.pins += 1
+                    req.pinned.append(rec)
+                    rec.prefetched_unused = False
+                rec.last_use = s.tick()
+                continue
+            if rec.state is State.ABSENT and not (rec.remote_valid or rec.host_valid):
+                s.outcomes.fail(req, NotResidentError(
+                    rec.name, "", rec.state.value,
+                    f"tensor {rec.name!r} has no valid replica on any tier (freed or never written)"))
+                return
+            missing.append(rec)
+        if not missing:
+            s.stats.count(req.counted_as, "hit")
+            s.outcomes.resolve(req)
+            return
+        s.stats.count(req.counted_as, "miss" if req.kind is Kind.PIN else "issued")
+        req.remaining = len(missing)
+        for rec in missing:
+            rec.waiters.append(req)
+            if rec.state is State.ABSENT:
+                self.enqueue(rec, req)
+
+    def register_on_device(self, req):
+        """register(tier="device"): place the given values in a device replica."""
+        rec = req.recs[0]
+        req.remaining = 1
+        rec.waiters.append(req)
+        self.enqueue(rec, req)
+
+    def enqueue(self, rec, req):
+        # Compute waiting on a tensor (pin) goes before speculation (prefetch).
+        deadline = req.deadline if req.deadline is not None else float("inf")
+        # Within one request, largest first: big blocks placed first fragment the arena least.
+        heapq.heappush(self.queue, (not req.demand, deadline, -req.priority, req.seq, -rec.nbytes,
+                                    self.s.next_seq(), rec, req))
+
+    def cancel_all(self, error):
+        while self.queue:
+            *_, rec, _req = heapq.heappop(self.queue)
+            self.s.outcomes.fail_waiters(rec, error)
+
+    # ------------------------------------------------------------------ starting
+    def pump(self):
+        """Start queued loads in priority order while memory and stream slots allow."""
+        s = self.s
+        while self.queue and s.transfers.loads < MAX_LOADS_IN_FLIGHT:
+            *_, rec, req = self.queue[0]
+            rec.waiters = [w for w in rec.waiters if not w.future.cancelled()]
+            if rec.state is not State.ABSENT or not rec.waiters:
+                heapq.heappop(self.queue)   # satisfied, or every waiter gone
+                continue
+            try:
+                block = s.memory.reserve(rec.nbytes, demand=req.demand, incoming=rec)
+            except BudgetError as e:
+                heapq.heappop(self.queue)
+                s.outcomes.fail_waiters(rec, e)
+                continue
+            if block is None:
+                if s.transfers or s.memory.unfenced:
+                    return    # write-backs or loads in flight will free or settle memory
+                # Nothing in flight can change the picture: say so instead of waiting forever.
+                heapq.heappop(self.queue)
+                s.outcomes.fail_waiters(rec, BudgetError(
+                    f"cannot load {rec.name!r} ({rec.nbytes} bytes): the device tier is held by pinned "
+                    f"tensors, prefetched tensors not used yet, or tensors whose write-back failed "
+                    f"(used {s.memory.used()} of high watermark {s.memory.high} bytes)"))
+                continue
+            heapq.heappop(self.queue)
+            self.start(rec, block)
+
+    def start(self, rec, block):
+        s = self.s
+        rec.state = State.LOADING
+        rec.block = block
+        rec.exposed = False
+        source = rec.initial if rec.initial is not None else rec.host_block if rec.host_valid else None
+        if source is not None:
+            tag = s.transfers.add(TransferKind.H2D, rec)
+            issue = lambda: s.backend.start_copy(TransferKind.H2D, block, source, rec.nbytes, tag,  # noqa: E731
+                                                 shape=rec.shape, dtype=rec.dtype)
+        else:
+            tag = s.transfers.add(TransferKind.LOAD, rec)
+            issue = lambda: s.backend.start_load(rec.name, block, rec.nbytes, tag,  # noqa: E731
+                                                 s.config.verify_reads, shape=rec.shape, dtype=rec.dtype)
+        try:
+            issue()
+        except Exception as e:   # nothing was started: back to ABSENT, the waiters learn why
+            s.transfers.discard(tag)
+            self._failed(rec, StorageError(f"cannot start loading {rec.name!r}: {e}"))
+
+    # ------------------------------------------------------------------ completions
+    def done(self, rec, kind, c, seconds):
+        s = self.s
+        rec.initial = None
+        if c.status:
+            self._failed(rec, s.transfer_error("read", rec, c), seconds)
+            return
+        registering = any(req.kind is Kind.REGISTER for req in rec.waiters)
+        rec.state = State.RESIDENT
+        rec.dirty = registering
+        rec.error = None
+        rec.last_use = s.tick()
+        rec.prefetched_unused = not any(req.kind in (Kind.PIN, Kind.REGISTER) for req in rec.waiters)
+        s.stats.record_transfer(kind.value if kind is TransferKind.H2D else "load", rec.nbytes, seconds)
+        s.emit("loaded", rec, seconds)
+        waiters, rec.waiters = rec.waiters, []
+        for req in waiters:
+            if req.future.done():
+                continue
+            if req.kind is Kind.PIN:
+                rec.pins += 1
+                req.pinned.append(rec)
+                rec.prefetched_unused = False
+            req.remaining -= 1
+            if req.remaining == 0:
+                s.outcomes.resolve(req)
+        if rec.evict_after_load and not rec.pins:
+            rec.evict_after_load = False
+            s.writebacks.evict(rec, "explicit")
+
+    def _failed(self, rec, error, seconds=0.0):
+        s = self.s
+        s.backend.free_device(rec.block)
+        rec.block = None
+        rec.state = State.ABSENT
+        rec.evict_after_load = False
+        rec.error = error
+        s.emit("failed", rec, seconds, str(error))
+        s.outcomes.fail_waiters(rec, error)
+
+    # ------------------------------------------------------------------ host replicas
+    def stage(self, req):
+        """Give tensors a host replica read from the remote tier."""
+        s = self.s
+        todo = [r for r in req.recs if not r.host_valid]
+        for rec in todo:
+            if not rec.remote_valid:
+                s.outcomes.fail(req, StorageError(
+                    f"cannot stage {rec.name!r} to the host tier: it has no remote replica"))
+                return
+        req.remaining = len(todo)
+        if not todo:
+            s.outcomes.resolve(req)
+        for rec in todo:
+            if not self.alloc_host(rec, req):
+                return
+            tag = s.transfers.add(TransferKind.STAGE, rec, req)
+            try:
+                s.backend.start_load(rec.name, rec.host_block, rec.nbytes, tag, s.config.verify_reads)
+            except Exception as e:
+                s.transfers.discard(tag)
+                self.free_host(rec)
+                s.outcomes.fail(req, StorageError(f"cannot stage {rec.name!r}: {e}"))
+                return
+
+    def stage_done(self, rec, req, c):
+        s = self.s
+        if c.status:
+            self.free_host(rec)
+            s.outcomes.fail(req, s.transfer_error("read", rec, c))
+            return
+        rec.host_valid = True
+        req.remaining -= 1
+        if req.remaining == 0:
+            s.outcomes.resolve(req)
+
+    def alloc_host(self, rec, req):
+        """Give rec a host block, or fail req saying why (the host budget is exact)."""
+        try:
+            rec.host_block = self.s.backend.alloc_host(rec.nbytes)
+            return True
+        except Exception as e:
+            self.s.outcomes.fail(req, BudgetError(
+                f"cannot stage {rec.name!r} ({rec.nbytes} bytes) in the host tier: {e}"))
+            return False
+
+    def free_host(self, rec):
+        if rec.host_block is not None:
+            self.s.backend.free_host(rec.host_block)
+        rec.host_block = None
+        rec.host_valid = False

@@ -1,0 +1,178 @@
+"""Device memory: watermarks, reservations, victims and compute fences.
+
+Invariant 1 (docs/design.md): bytes reserved on the device tier never exceed
+the high watermark; crossing it evicts down to the low watermark
+(hysteresis). Invariant 4: a block compute may still read is reused only
+after a compute fence says that compute has finished.
+
+Scheduler thread only, under the daemon's lock (which `fence_if` may release
+while it waits for a whole-queue fence).
+"""
+from .. import _native
+from ..errors import BudgetError
+from .fences import FenceWatcher
+from .records import State
+
+
+class DeviceMemory:
+    def __init__(self, config, backend, registry, policy, stats, lock, daemon_name):
+        self.config = config
+        self.backend = backend
+        self.registry = registry
+        self.policy = policy
+        self.stats = stats
+        self._lock = lock
+        self._name = daemon_name
+        self.high = config.high_watermark
+        self.low = config.low_watermark
+        self.peak = 0
+        self.unfenced = []         # (block, compute epoch or None): released, maybe still read
+        self.reserve_checks = []   # test hooks: fn(used_after, high) on every reservation
+        self.evict = None          # fn(record, reason), set by the scheduler (residency moves)
+        self._watcher = None
+
+    # ------------------------------------------------------------------ queries
+    def used(self):
+        return self.backend.device_used()
+
+    def pinned_bytes(self):
+        be = self.backend
+        return sum(be.block_bytes(r.nbytes) for r in self.registry if r.pins and r.block)
+
+    def check_fits(self, nbytes, name=None):
+        """BudgetError if nbytes could never be reserved, even with everything else evicted."""
+        need = self.backend.block_bytes(nbytes)
+        what = f"{name!r} ({nbytes} bytes)" if name else f"{nbytes} bytes"
+        if need > self.high:
+            raise BudgetError(f"{what} can never fit: the high watermark is {self.high} bytes "
+                              f"(device budget {self.config.device_budget})")
+        pinned = self.pinned_bytes()
+        if pinned + need > self.high:
+            raise BudgetError(f"{what} cannot fit: {pinned} bytes are pinned and the high "
+                              f"watermark is {self.high} bytes")
+        return need
+
+    # ------------------------------------------------------------------ reservations
+    def reserve(self, nbytes, *, demand, incoming=None):
+        """A device block for nbytes, None to wait, or BudgetError if it can never fit."""
+        be = self.backend
+        need = self.check_fits(nbytes, incoming.name if incoming is not None else None)
+        if be.device_used() + need > self.high and not self.make_room(need, demand=demand,
+                                                                      incoming=incoming):
+            return None
+        # Where the framework tensor still points (if anywhere): landing there again
+        # saves a rebind, which in MindSpore waits for the whole op queue to drain.
+        prefer = incoming.bound_address if incoming is not None and incoming.bound_address else None
+        while True:
+            try:
+                block = be.alloc_device(nbytes, prefer)
+                break
+            except _native.OutOfSpace:
+                # Enough bytes under the watermark but no contiguous run:
+                # evict one more victim by policy and try again.
+                if not self.evict_one(demand, incoming):
+                    return None
+        used = be.device_used()
+        for check in self.reserve_checks:
+            check(used, self.high)
+        assert used <= self.high, (used, self.high)
+        self.peak = max(self.peak, used)
+        return block
+
+    def release(self, block, exposed, epoch):
+        """Give a dropped replica's block back: now, or after compute that read it."""
+        if exposed:
+            self.unfenced.append((block, epoch))
+        else:
+            self.backend.free_device(block)
+
+    # ------------------------------------------------------------------ victims
+    def victims(self, demand, incoming):
+        """Eviction candidates, best victim first."""
+        candidates = [r for r in self.registry
+                      if r.state is State.RESIDENT and not r.pins and not r.waiters
+                      and not r.writeback_failed and (demand or not r.prefetched_unused)]
+        ranked = self.policy.rank(candidates)
+        if incoming is not None and not demand and self.policy.knows(incoming.name):
+            # Belady: never evict a tensor needed sooner than the one being prefetched.
+            limit = self.policy.distance(incoming.name)
+            ranked = [r for r in ranked if self.policy.distance(r.name) > limit]
+        return ranked
+
+    def make_room(self, need, *, demand, incoming=None):
+        """Evict until used + need <= low watermark (hysteresis). True if room now exists."""
+        be = self.backend
+        goal = min(self.low, self.high - need)
+        self.fence_if(lambda: be.device_used() + need > self.high)
+        if be.device_used() <= goal:
+            return True
+        # Blocks already released wait only for a compute fence: count them as free.
+        projected = be.device_used() - sum(block.capacity for block, _ in self.unfenced)
+        for victim in self.victims(demand, incoming):
+            if projected <= goal:
+                break
+            projected -= be.block_bytes(victim.nbytes)
+            self.evict(victim, "watermark")
+        self.fence_if(lambda: True)
+        return be.device_used() + need <= self.high
+
+    def evict_one(self, demand, incoming):
+        """Free one victim's block now (True), or start its write-back / find none (False)."""
+        for victim in self.victims(demand, incoming):
+            self.evict(victim, "watermark")
+            self.fence_if(lambda: True)
+            return victim.state is State.ABSENT
+        self.fence_if(lambda: True)
+        return False
+
+    # ------------------------------------------------------------------ fences
+    def fence_if(self, condition):
+        """Free released device blocks once compute that read them has finished.
+
+        MindSpore runs ops asynchronously even on CPU. A block whose last
+        reader was a hooked unit carries that unit's compute-fence epoch: it is
+        free as soon as the fence word reaches it. If memory is needed
+        (`condition()`) and the epoch is not there yet, the scheduler does not
+        block: the fence watcher wakes it when it is, and the reservation waits
+        meanwhile. Blocks with no epoch need a whole-queue fence, taken with
+        the lock released so the compute thread keeps submitting (only the
+        scheduler thread changes residency, so the blocks taken are exactly
+        the ones the fence covers).
+        """
+        if not self.unfenced:
+            return
+        marker = self.backend.marker
+        if marker is not None:
+            pending = []
+            for block, epoch in self.unfenced:
+                if epoch is not None and marker.reached(epoch):
+                    self.backend.free_device(block)
+                else:
+                    pending.append((block, epoch))
+            self.unfenced = pending
+        if not self.unfenced or not condition():
+            return
+        epochs = [e for _, e in self.unfenced]
+        if marker is not None and None not in epochs:
+            if self._fence_watcher(marker).want(max(epochs)):
+                self.stats.fences += 1   # memory reuse now waits on compute (without blocking)
+            return
+        entries, self.unfenced = self.unfenced, []
+        self._lock.release()
+        try:
+            self.backend.compute_fence()
+        finally:
+            self._lock.acquire()
+        self.stats.fences += 1
+        for block, _ in entries:
+            self.backend.free_device(block)
+
+    def _fence_watcher(self, marker):
+        if self._watcher is None:
+            self._watcher = FenceWatcher(marker, self.backend.notify, self._name)
+        return self._watcher
+
+    def close(self):
+        self.unfenced.clear()
+        if self._watcher is not None:
+            self._watcher.stop()

@@ -1,0 +1,93 @@
+"""The registry: name -> record, and framework tensor -> name (one tensor, one name).
+
+Readers on any thread hold the daemon's lock; records are added by the
+registering thread and removed only when a registration fails.
+"""
+from ..errors import DoubleRegisterError, UnknownTensorError
+from .records import ManagedTensor
+
+# The longest tensor name the remote tier can store (its key limit).
+MAX_NAME_BYTES = 1024
+
+
+def check_name(name):
+    """A usable tensor name, or ValueError/TypeError saying why not."""
+    if not isinstance(name, str):
+        raise TypeError(f"a tensor name must be a str, not {type(name).__name__} {name!r}")
+    if not name:
+        raise ValueError("a tensor name must not be empty")
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"tensor name {name!r} cannot be encoded as UTF-8 ({e.reason})") from None
+    if len(encoded) > MAX_NAME_BYTES:
+        raise ValueError(f"tensor name {name[:40]!r}... is {len(encoded)} bytes; "
+                         f"the store allows at most {MAX_NAME_BYTES}")
+    if "\0" in name:
+        raise ValueError(f"tensor name {name!r} contains a NUL character")
+    return name
+
+
+class Registry:
+    def __init__(self, daemon_name):
+        self._daemon_name = daemon_name
+        self.records = {}          # name -> ManagedTensor
+        self._targets = {}         # id(framework tensor) -> name
+
+    def add(self, rec):
+        if rec.name in self.records:
+            raise DoubleRegisterError(f"a tensor named {rec.name!r} is already registered")
+        if rec.target is not None and id(rec.target) in self._targets:
+            raise DoubleRegisterError(
+                f"this tensor is already registered as {self._targets[id(rec.target)]!r}")
+        self.records[rec.name] = rec
+        if rec.target is not None:
+            self._targets[id(rec.target)] = rec.name
+
+    def forget(self, rec):
+        self.records.pop(rec.name, None)
+        if rec.target is not None:
+            self._targets.pop(id(rec.target), None)
+
+    def name_of(self, tensor):
+        """The name a framework tensor is registered under, or None."""
+        return self._targets.get(id(tensor))
+
+    def record(self, item, is_tensor):
+        """The record for a handle, record, name or registered framework tensor."""
+        rec = getattr(item, "_rec", None)
+        if isinstance(rec, ManagedTensor):
+            return rec
+        if isinstance(item, ManagedTensor):
+            return item
+        if isinstance(item, str):
+            rec = self.records.get(item)
+            if rec is None:
+                raise UnknownTensorError(
+                    f"no tensor named {item!r} is registered with daemon {self._daemon_name!r}")
+            return rec
+        name = self._targets.get(id(item)) if is_tensor(item) else None
+        if name is None:
+            raise UnknownTensorError(
+                f"{type(item).__name__} is not registered with daemon {self._daemon_name!r}")
+        return self.records[name]
+
+    def records_of(self, tensors, is_tensor):
+        """Records for one tensor-like item or an iterable of them, without duplicates."""
+        if isinstance(tensors, (str, ManagedTensor)) or hasattr(tensors, "_rec") or is_tensor(tensors):
+            tensors = (tensors,)
+        try:
+            items = tuple(tensors)
+        except TypeError:
+            raise TypeError(f"expected a tensor, a name, a handle or an iterable of them; "
+                            f"got {type(tensors).__name__}") from None
+        recs = tuple(self.record(t, is_tensor) for t in items)
+        if len({id(r) for r in recs}) != len(recs):
+            recs = tuple({id(r): r for r in recs}.values())
+        return recs
+
+    def __iter__(self):
+        return iter(self.records.values())
+
+    def __len__(self):
+        return len(self.records)

@@ -1,0 +1,307 @@
+"""The scheduler thread: the one owner of residency state.
+
+Any thread submits requests into `inbox` and wakes the backend's completion
+queue; the thread blocks there (no polling) and, per wake-up, under the
+daemon's lock: applies finished transfers, handles new requests, frees memory
+whose compute fence passed, starts queued loads, settles evict/flush requests
+that waited on transfers. Requests and completions are routed by table.
+Futures are settled after the lock is released.
+
+Shape after CPython's concurrent.futures.thread: one small loop, a sentinel
+(the shutdown request) to stop it, refusals that say why. A failure while
+handling one request or completion fails that request and leaves its
+tensors in a named state; the loop keeps serving.
+"""
+import collections
+import itertools
+import logging
+import time
+
+from .. import _native
+from ..backend.base import TransferKind
+from ..errors import BudgetError, IntegrityError, PinnedError, PrefetchdError, ShutdownError, StorageError
+from .loads import Loads
+from .memory import DeviceMemory
+from .records import State
+from .requests import Kind, Outcomes, settle
+from .transfers import Transfers
+from .writeback import WriteBacks
+
+log = logging.getLogger("prefetchd")
+
+
+class Scheduler:
+    """Scheduler state and handlers. Everything but `submit` runs on the scheduler
+    thread, under `lock`."""
+
+    def __init__(self, config, backend, registry, policy, stats, lock, *, emit, guard, name):
+        self.config = config
+        self.backend = backend
+        self.registry = registry
+        self.policy = policy
+        self.stats = stats
+        self.lock = lock
+        self.name = name
+        self.emit = emit               # fn(event, rec, seconds=0.0, error=None)
+        self.guard = guard             # fn(rec): make Python-level use of rec's tensor refuse
+        self.inbox = collections.deque()
+        self.outcomes = Outcomes(stats)
+        self.transfers = Transfers()
+        self.memory = DeviceMemory(config, backend, registry, policy, stats, lock, name)
+        self.loads = Loads(self)
+        self.writebacks = WriteBacks(self)
+        self.memory.evict = self.writebacks.evict
+        self.waiting = []              # evict/flush requests waiting on transfers: (request, recs)
+        self._seq = itertools.count()
+        self._tick = itertools.count(1)
+        self.shutdown_deadline = None
+        self._requests = {
+            Kind.PREFETCH: self.loads.want_resident,
+            Kind.PIN: self.loads.want_resident,
+            Kind.UNPIN: self._unpin,
+            Kind.REGISTER: self._register,
+            Kind.EVICT: self._evict_request,
+            Kind.FLUSH: self._flush_request,
+            Kind.STAGE: self.loads.stage,
+            Kind.WATERMARKS: self._watermarks,
+        }
+        self._completions = {
+            TransferKind.LOAD: lambda rec, req, c, s: self.loads.done(rec, TransferKind.LOAD, c, s),
+            TransferKind.H2D: lambda rec, req, c, s: self.loads.done(rec, TransferKind.H2D, c, s),
+            TransferKind.STORE: self.writebacks.store_done,
+            TransferKind.VERIFY: lambda rec, req, c, s: self.writebacks.verify_done(rec, req, c),
+            TransferKind.STAGE: lambda rec, req, c, s: self.loads.stage_done(rec, req, c),
+            TransferKind.D2H: self.writebacks.host_copy_done,
+        }
+
+    def next_seq(self):
+        return next(self._seq)
+
+    def tick(self):
+        return next(self._tick)
+
+    def transfer_error(self, op, rec, c):
+        if c.status == _native.STATUS_CHECKSUM:
+            self.stats.checksum_failures += 1
+            return IntegrityError(f"{op} of {rec.name!r} failed verification: {c.message}")
+        self.stats.io_errors[op if op in ("read", "write") else "read"] += 1
+        return StorageError(f"{op} of {rec.name!r} failed: {c.message}")
+
+    # ------------------------------------------------------------------ one iteration
+    def step(self, completions):
+        """Apply completions and handle the inbox. Returns True once shut down."""
+        for c in completions:
+            self._guarded(self._on_completion, c)
+        while self.inbox:
+            req = self.inbox.popleft()
+            if req.kind is Kind.SHUTDOWN:
+                self.shutdown_deadline = req.args
+                self._guarded(self._shutdown)
+                break
+            self._guarded(self._handle, req)
+        self._guarded(self.memory.fence_if, lambda: False)   # free what finished compute since last time
+        if self.shutdown_deadline is None:
+            self._guarded(self.loads.pump)
+        self._guarded(self._settle_waiting)
+        stop = self.shutdown_deadline is not None and (
+            not self.transfers or time.monotonic() >= self.shutdown_deadline)
+        if stop:
+            self._finish()
+        return stop
+
+    def _guarded(self, fn, arg=None):
+        """Run one handler; a failure refuses what it was handling, never the loop."""
+        try:
+            return fn() if arg is None else fn(arg)
+        except Exception as e:
+            log.exception("prefetchd %s: scheduler step %s failed", self.name, getattr(fn, "__name__", fn))
+            self._recover(arg, e)
+
+    def _recover(self, item, error):
+        """Return what a failed step touched to a consistent state and fail its requests."""
+        err = PrefetchdError(f"internal error while scheduling: {error!r}")
+        recs, req = (), None
+        if hasattr(item, "kind") and hasattr(item, "future"):          # a request
+            req, recs = item, item.recs or ()
+        elif hasattr(item, "tag"):                                       # a completion
+            entry = self.transfers.pop(item.tag)
+            if entry is not None:
+                _, rec, req = entry
+                recs = (rec,)
+        for rec in recs:
+            self._settle_record(rec, err)
+        if req is not None and req.future is not None:
+            self.outcomes.fail(req, err)
+
+    def _settle_record(self, rec, error):
+        """Put a record whose move broke midway back into a named, usable state."""
+        if rec.state is State.LOADING and not self._in_flight(rec):
+            if rec.block is not None:
+                self.backend.free_device(rec.block)
+            rec.block, rec.state = None, State.ABSENT
+            self.outcomes.fail_waiters(rec, error)
+        elif rec.state is State.STORING and not self._in_flight(rec):
+            rec.state, rec.writeback_failed, rec.error = State.RESIDENT, True, error
+            rec.evict_after_store = None
+
+    def _in_flight(self, rec):
+        return self.transfers.involves(rec)
+
+    # ------------------------------------------------------------------ routing
+    def _on_completion(self, c):
+        entry = self.transfers.pop(c.tag)
+        if entry is None:
+            return
+        kind, rec, req = entry
+        seconds = max(0.0, (c.end_ns - c.start_ns) / 1e9)
+        self._completions[kind](rec, req, c, seconds)
+
+    def _handle(self, req):
+        if req.future is not None and req.future.cancelled():
+            self.stats.count(req.counted_as, "cancelled")
+            return
+        self.stats.queue_wait.observe(time.monotonic() - req.submitted)
+        self._requests[req.kind](req)
+
+    # ------------------------------------------------------------------ small requests
+    def _register(self, req):
+        if req.args[1] == "device":
+            req.recs[0].initial = req.args[0]
+            self.loads.register_on_device(req)
+        else:
+            self.writebacks.initial_store(req)
+
+    def _unpin(self, req):
+        for rec in req.recs:
+            if rec.pins > 0:
+                rec.pins -= 1
+                rec.last_use = self.tick()
+
+    def _watermarks(self, req):
+        high, low = req.args
+        pinned = self.memory.pinned_bytes()
+        if high < pinned:
+            self.outcomes.fail(req, BudgetError(
+                f"high watermark {high} bytes is below the {pinned} bytes pinned by compute"))
+            return
+        self.memory.high, self.memory.low = high, low
+        self.memory.make_room(0, demand=True)
+        self.outcomes.resolve(req)
+
+    def _evict_request(self, req):
+        for rec in req.recs:
+            if rec.pins:
+                self.outcomes.fail(req, PinnedError(
+                    f"cannot evict {rec.name!r}: it is pinned ({rec.pins} pin(s)) by compute"))
+                return
+        pending = []
+        for rec in req.recs:
+            if rec.state is State.RESIDENT:
+                self.writebacks.evict(rec, "explicit")
+            if rec.state is not State.ABSENT:
+                if rec.state is State.LOADING:
+                    rec.evict_after_load = True
+                pending.append(rec)
+        if pending:
+            self.waiting.append((req, pending))
+        else:
+            self.memory.fence_if(lambda: True)   # an explicit evict gives the memory back now
+            self.outcomes.resolve(req)
+
+    def _flush_request(self, req):
+        recs = req.recs if req.recs is not None else tuple(self.registry)
+        pending = []
+        for rec in recs:
+            if rec.state is State.RESIDENT and (rec.dirty or not (rec.remote_valid or rec.host_valid)):
+                rec.writeback_failed = False
+                self.writebacks.start(rec)
+            if rec.state is State.STORING:
+                pending.append(rec)
+        if pending:
+            self.waiting.append((req, pending))
+            return
+        failed = next((r for r in recs if r.writeback_failed and r.state is State.RESIDENT), None)
+        self.outcomes.resolve(req, failed.error if failed is not None else None)
+
+    def _settle_waiting(self):
+        still = []
+        for req, recs in self.waiting:
+            failed = next((r for r in recs if r.writeback_failed and r.state is State.RESIDENT), None)
+            if failed is not None:
+                self.outcomes.resolve(req, failed.error)
+                continue
+            if req.kind is Kind.EVICT:
+                for r in recs:
+                    if r.state is State.RESIDENT and not r.pins:
+                        self.writebacks.evict(r, "explicit")
+                done = all(r.state is State.ABSENT for r in recs)
+                if done:
+                    self.memory.fence_if(lambda: True)
+            else:
+                done = all(r.state is not State.STORING for r in recs)
+            if done:
+                self.outcomes.resolve(req)
+            else:
+                still.append((req, recs))
+        self.waiting = still
+
+    # ------------------------------------------------------------------ shutdown
+    def _shutdown(self):
+        """Cancel what has not started; write back dirty replicas while time allows."""
+        err = ShutdownError("daemon closed before the request completed")
+        self.loads.cancel_all(err)
+        while self.inbox:
+            req = self.inbox.popleft()
+            if req.future is not None:
+                self.outcomes.resolve(req, err)
+        if self.config.store_dir:   # a private temporary store dies with the daemon anyway
+            for rec in self.registry:
+                if rec.state is State.RESIDENT and rec.dirty:
+                    # One more try also for a write-back that failed before: the
+                    # fault may have passed, and this is the last chance.
+                    rec.writeback_failed = False
+                    self.writebacks.start(rec)
+
+    def _finish(self):
+        """Release everything (after the last transfer settled, or the deadline passed)."""
+        lost = [r.name for r in self.registry
+                if r.state in (State.RESIDENT, State.STORING) and r.dirty and self.config.store_dir]
+        if lost:
+            log.error("prefetchd %s closed with %d dirty tensor(s) not written back: %s",
+                      self.name, len(lost), ", ".join(map(str, lost[:10])))
+        for req, _ in self.waiting:
+            self.outcomes.resolve(req, ShutdownError("daemon closed before the request completed"))
+        self.waiting.clear()
+        for rec in self.registry:
+            rec.block = None
+            rec.host_block = None
+        self.memory.close()
+
+
+def run(daemon_ref, scheduler, release_targets):
+    """The scheduler thread's body. Holds the daemon only weakly between iterations,
+    so a daemon its owner dropped can be collected (and its finalizer close it)."""
+    backend = scheduler.backend
+    while True:
+        deadline = scheduler.shutdown_deadline
+        timeout = 0.5 if deadline is None else min(max(0.0, deadline - time.monotonic()), 0.05)
+        completions = backend.wait_completions(timeout)
+        with scheduler.lock:
+            try:
+                stop = scheduler.step(completions)
+            except Exception:   # step guards each handler; this is a last resort
+                log.exception("prefetchd %s: scheduler iteration failed", scheduler.name)
+                stop = scheduler.shutdown_deadline is not None
+            settled = scheduler.outcomes.take()
+            if stop:
+                release_targets()
+        daemon = daemon_ref()
+        unpin = daemon.unpin if daemon is not None else (lambda recs: None)
+        for req, error in settled:
+            settle(req, error, unpin)
+        del daemon
+        if stop:
+            try:
+                backend.close()
+            finally:
+                return

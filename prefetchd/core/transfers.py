@@ -1,0 +1,49 @@
+"""Transfers in flight, by tag.
+
+Every asynchronous move the scheduler starts on a copy stream gets a tag; its
+completion comes back from the backend carrying that tag, and the table says
+what it was for.
+"""
+import itertools
+
+from ..backend.base import TransferKind
+
+LOAD_KINDS = (TransferKind.LOAD, TransferKind.H2D)
+
+
+class Transfers:
+    """tag -> (kind, record, request or None). Scheduler thread only."""
+
+    def __init__(self):
+        self._tags = itertools.count(1)
+        self._entries = {}
+        self.loads = 0             # loads into the device tier in flight
+
+    def add(self, kind, rec, req=None):
+        """Register a transfer about to start; returns its tag."""
+        tag = next(self._tags)
+        self._entries[tag] = (kind, rec, req)
+        if kind in LOAD_KINDS:
+            self.loads += 1
+        return tag
+
+    def pop(self, tag):
+        """The transfer a completion belongs to, or None if it is unknown (already settled)."""
+        entry = self._entries.pop(tag, None)
+        if entry is not None and entry[0] in LOAD_KINDS:
+            self.loads -= 1
+        return entry
+
+    def discard(self, tag):
+        """Forget a transfer that failed to start."""
+        self.pop(tag)
+
+    def involves(self, rec):
+        """True if a transfer of rec is in flight."""
+        return any(entry[1] is rec for entry in self._entries.values())
+
+    def __len__(self):
+        return len(self._entries)
+
+    def __bool__(self):
+        return bool(self._entries)
