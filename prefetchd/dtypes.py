@@ -1,0 +1,85 @@
+"""Tensor element types by name: checkpoint spellings <-> numpy <-> MindSpore, bfloat16 included.
+
+A dtype travels through prefetchd as its numpy name ("float32", "bfloat16"):
+that is what the store's tensor metadata and the index record. numpy has no
+bfloat16 of its own; MindSpore registers one (`mindspore.dtype_to_nptype(
+mindspore.bfloat16)`, 2 bytes, `np.dtype("bfloat16")` works once mindspore is
+imported). Importing MindSpore takes seconds, so it happens only when a
+bfloat16 is actually turned into a numpy dtype; sizes and names never need it.
+"""
+import numpy as np
+
+# bytes per element, by prefetchd (numpy) name
+ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1,
+    "bool": 1, "complex64": 8, "complex128": 16,
+}
+
+# safetensors header "dtype" -> prefetchd name
+SAFETENSORS = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+}
+
+# MindSpore .ckpt TensorProto.tensor_type (str(mindspore dtype)) -> prefetchd name
+MINDSPORE_CKPT = {
+    "Float64": "float64", "Float32": "float32", "Float16": "float16", "BFloat16": "bfloat16",
+    "Int64": "int64", "Int32": "int32", "Int16": "int16", "Int8": "int8",
+    "UInt64": "uint64", "UInt32": "uint32", "UInt16": "uint16", "UInt8": "uint8", "Bool": "bool",
+    "Complex64": "complex64", "Complex128": "complex128",
+}
+
+
+def itemsize(name):
+    """Bytes per element of a prefetchd dtype name; KeyError if prefetchd does not know it."""
+    return ITEMSIZE[name]
+
+
+def nbytes(shape, name):
+    """Bytes of a C-contiguous tensor (exact: Python ints, no overflow); a scalar is one element."""
+    count = 1
+    for d in shape:
+        count *= int(d)
+    return count * ITEMSIZE[name]
+
+
+def name_of(dtype):
+    """The prefetchd name of a numpy dtype, a numpy scalar type, a MindSpore dtype, or a name."""
+    if isinstance(dtype, str):
+        if dtype in ITEMSIZE:
+            return dtype
+        return numpy_dtype(dtype).name
+    if isinstance(dtype, (np.dtype, type)):
+        return np.dtype(dtype).name
+    # a MindSpore dtype (mindspore.float32, mindspore.bfloat16): its numpy twin names it
+    return np.dtype(_mindspore().dtype_to_nptype(dtype)).name
+
+
+def numpy_dtype(name):
+    """np.dtype for a prefetchd name; "bfloat16" is MindSpore's numpy bfloat16 (imported on demand).
+
+    Raises TypeError for a name numpy and MindSpore do not know.
+    """
+    if isinstance(name, np.dtype):
+        return name
+    try:
+        return np.dtype(name)
+    except TypeError:
+        if name != "bfloat16":
+            raise TypeError(f"dtype {name!r} has no numpy equivalent") from None
+    return np.dtype(_mindspore().dtype_to_nptype(_mindspore().bfloat16))
+
+
+def mindspore_dtype(name):
+    """The MindSpore dtype of a prefetchd name (mindspore.bfloat16 for "bfloat16")."""
+    if name not in ITEMSIZE:
+        raise TypeError(f"dtype {name!r} has no MindSpore equivalent")
+    return getattr(_mindspore(), "bool_" if name == "bool" else name)
+
+
+def _mindspore():
+    import mindspore
+    return mindspore

@@ -1,0 +1,210 @@
+"""`stage_checkpoint`: a store directory replaced by a complete new generation, or left alone.
+
+The store directory is never written in place. The next generation is built
+in a sibling work directory `.<name>.staging-<pid>`: hard links to every file
+of the current generation (no data copied: a FileStore never modifies a file,
+it writes a new version and unlinks the old one, so the current generation's
+files stay as they are), then the checkpoint's tensors written through a
+FileStore opened there, then an index listing exactly what that store holds.
+Only then does one renameat2(RENAME_EXCHANGE) swap it with the store
+directory; the previous generation, now at the work path, is deleted. A
+stage killed before the swap leaves the store directory as it was, index
+included; the next stage deletes the leftover work directory. A daemon that
+had the store open keeps its open files; it should reopen the store to see
+the new generation.
+"""
+import ctypes
+import errno
+import fcntl
+import glob
+import json
+import os
+import shutil
+import time
+
+from ..backend.base import open_store
+from .errors import StagingError
+from .progress import Progress
+from .readers import iter_checkpoint
+from .writer import read_meta, stage_tensors
+
+INDEX_FILE = "prefetchd-index.json"
+INDEX_FORMAT = 1
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_PROBE_PREFIX = ".pfd-probe-"
+
+
+def write_index(directory, index, generation=None, source=None):
+    """Atomically replace `directory`'s index: {"format", "tensors": {name: {shape, dtype, nbytes}}}."""
+    doc = {"format": INDEX_FORMAT, "tensors": index}
+    if generation is not None:
+        doc["generation"] = generation
+    if source is not None:
+        doc["checkpoint"] = source
+    tmp = os.path.join(directory, INDEX_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, INDEX_FILE))
+    _fsync_dir(directory)
+
+
+def read_index(directory):
+    """The index document of a store directory; {} if it has none or it is unreadable."""
+    try:
+        with open(os.path.join(directory, INDEX_FILE)) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def stage_checkpoint(path, store_dir, progress=False, *, config=None, progress_interval=None,
+                     progress_stream=None):
+    """Import a .ckpt or .safetensors file into the store at `store_dir`, as one new generation.
+
+    progress: False, or True for progress lines on `progress_stream` (stderr):
+    a `\\r` line on a terminal, a line every `progress_interval` seconds
+    (default 5) otherwise. config: a prefetchd Config for the store's I/O
+    settings (default Config.load(): file and PREFETCHD_* env). Tensors the
+    store held and the checkpoint does not name are kept. Returns a report
+    dict; raises StagingError (file and field named) and leaves the store as
+    it was on any failure, a checksum mismatch found at the end included.
+    """
+    from ..config import Config
+    started = time.monotonic()
+    checkpoint = iter_checkpoint(path)                 # structure checked before the store is touched
+    try:
+        store_dir = os.path.realpath(store_dir)
+        parent, base = os.path.split(store_dir)
+        os.makedirs(parent, exist_ok=True)
+        with _stage_lock(parent, base):
+            _remove_leftovers(parent, base)
+            work = os.path.join(parent, f".{base}.staging-{os.getpid()}")
+            try:
+                previous = _link_current(store_dir, work)
+                config = (config or Config.load()).replace(store_dir=work)
+                report = _stage_into(work, checkpoint, config, progress, progress_interval, progress_stream,
+                                     generation=previous.get("generation", 0) + 1, source=str(path))
+                _swap_in(work, store_dir, parent, base)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    finally:
+        checkpoint.close()
+    seconds = time.monotonic() - started
+    report.update(checkpoint=str(path), store=store_dir, seconds=round(seconds, 3),
+                  MBps=round(report["bytes"] / max(seconds, 1e-9) / 1e6, 1))
+    return report
+
+
+def _stage_into(work, checkpoint, config, progress, interval, stream, generation, source):
+    store = open_store(config)
+    try:
+        if progress:
+            progress = Progress(checkpoint.nbytes, checkpoint.tensors, stream=stream, interval=interval)
+        staged = stage_tensors(store, checkpoint, progress)
+        index = {}
+        for key in store.keys():             # exactly what this generation holds
+            if key in staged:
+                index[key] = staged[key]
+                continue
+            try:
+                shape, dtype = read_meta(store.info(key))
+            except StagingError:
+                continue                     # not a prefetchd tensor: kept, not indexed
+            index[key] = {"shape": list(shape), "dtype": dtype.name, "nbytes": store.info(key)["nbytes"]}
+    finally:
+        store.close()
+    write_index(work, index, generation=generation, source=source)
+    return {"tensors": len(staged), "bytes": sum(t["nbytes"] for t in staged.values()),
+            "generation": generation, "store_tensors": len(index)}
+
+
+def _link_current(store_dir, work):
+    """Hard-link the current generation's files into a fresh `work`; returns its index document."""
+    os.mkdir(work)
+    if not os.path.exists(store_dir):
+        return {}
+    if not os.path.isdir(store_dir):
+        raise StagingError(f"{store_dir}: the store path exists and is not a directory")
+    if os.path.ismount(store_dir):
+        raise StagingError(f"{store_dir}: is a mount point; stage into a directory inside it "
+                           f"(a generation is swapped in by renaming)")
+    for entry in os.scandir(store_dir):
+        if entry.is_dir(follow_symlinks=False):
+            raise StagingError(f"{store_dir}: holds a subdirectory {entry.name!r}; "
+                               f"a store directory holds only prefetchd files")
+        if entry.name in (INDEX_FILE, INDEX_FILE + ".tmp") or entry.name.endswith(".tmp") \
+                or entry.name.startswith(_PROBE_PREFIX):
+            continue
+        os.link(entry.path, os.path.join(work, entry.name), follow_symlinks=False)
+    return read_index(store_dir)
+
+
+def _swap_in(work, store_dir, parent, base):
+    """Make `work` the store directory in one step; the old generation ends up at `work`."""
+    _fsync_dir(work)
+    if not os.path.exists(store_dir):
+        os.rename(work, store_dir)
+    elif not _exchange(work, store_dir):
+        # no renameat2 here: two renames, a moment without a store directory that
+        # _remove_leftovers repairs (it restores the retired generation) if we die between them
+        retired = os.path.join(parent, f".{base}.retired-{os.getpid()}")
+        os.rename(store_dir, retired)
+        os.rename(work, store_dir)
+        os.rename(retired, work)
+    _fsync_dir(parent)
+
+
+def _exchange(a, b):
+    """renameat2(a, b, RENAME_EXCHANGE); False where the system or filesystem lacks it."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"exchanging {a} with {b}: {os.strerror(err)}")
+
+
+class _stage_lock:
+    """One stager per store directory (flock on a sibling lock file); refuses instead of waiting."""
+
+    def __init__(self, parent, base):
+        self.path = os.path.join(parent, f".{base}.stage-lock")
+
+    def __enter__(self):
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise StagingError(f"{self.path[:-len('.stage-lock')]}: another `prefetchd stage` is writing "
+                               f"this store (lock {self.path})") from None
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self.fd)
+
+
+def _remove_leftovers(parent, base):
+    """Work directories of stages that died (we hold the lock: no other stage is running)."""
+    store_dir = os.path.join(parent, base)
+    retired = sorted(glob.glob(os.path.join(parent, f".{glob.escape(base)}.retired-*")))
+    if retired and not os.path.exists(store_dir):
+        os.rename(retired.pop(), store_dir)       # died between the fallback's two renames
+    for leftover in retired + glob.glob(os.path.join(parent, f".{glob.escape(base)}.staging-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _fsync_dir(directory):
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

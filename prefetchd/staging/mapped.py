@@ -1,0 +1,38 @@
+"""Read-only mappings of checkpoint files, released page by page as tensors are staged."""
+import mmap
+import os
+
+from .errors import StagingError
+
+
+def open_mapped(path):
+    """A read-only mmap of `path`; StagingError naming the file if it cannot be opened or is empty."""
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                raise StagingError(f"{path}: file is empty")
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except FileNotFoundError:
+        raise StagingError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise StagingError(f"{path}: is a directory, not a checkpoint file") from None
+    except PermissionError:
+        raise StagingError(f"{path}: permission denied") from None
+    except OSError as e:
+        raise StagingError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+def forget(mm, start, length):
+    """Drop the pages of a range already staged, so RSS holds one tensor at a time."""
+    page = mmap.PAGESIZE
+    lo = start - start % page
+    hi = min(len(mm), start + length)
+    if hi > lo:
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+def close_quietly(mm):
+    try:
+        mm.close()
+    except BufferError:
+        pass   # a consumer still holds a slice; the mapping goes with its last view
