@@ -1,155 +1,231 @@
-"""Layer decorators: stream a MindSpore model's weights through the device tier.
+"""Layer hooks: stream a MindSpore model's weights through the device tier.
 
     handle = prefetchd.offload(model, daemon, lookahead=2)
 
-splits the model into units (each cell of a CellList/SequentialCell, else each
-child that holds parameters), registers every parameter with the daemon, and
-installs forward hooks on each unit:
+plans the model's units (prefetchd.planner: repeated blocks at any depth,
+split to fit the budget, plus a ROOT unit holding every parameter outside the
+blocks), refuses at once what can never fit (BudgetError naming the tensor or
+unit), drops graphs MindSpore compiled for the model before (they would read
+the old storage), registers every parameter with the daemon, and installs
+forward hooks:
 
-- first forward: records the execution order (the trace) while fetching each
-  unit on demand;
-- afterwards, before a unit runs: wait for its tensors (the wait is the stall
-  time), pin and bind them, and prefetch the next `lookahead` units of the
-  trace; after it runs: unpin, and let the policy decide what to evict.
+- the model's pre-hook pins the root unit for the whole forward; its
+  post-hook releases it behind a compute fence on the output, then prefetches
+  the root and the first `lookahead` units for the next pass;
+- first forward: records the execution order (the trace), fetching on demand;
+- afterwards, before a unit runs: prefetch the next `lookahead` units of the
+  trace that fit beside what is pinned, then wait for the unit (the wait is
+  the stall time), pin and bind it; after its cells ran: fence and unpin.
 
-A unit that is not the one the trace expects (early exit, skipped layer, other
-branch) re-synchronises the trace position at that unit and is counted; the
-rest of the run keeps prefetching. Hooks do not fire under `@jit`/graph mode,
-so offload() refuses graph mode and the first forward checks that the hooks
-ran.
+A unit that is not resident in time (a *miss*) is fetched on demand, counted
+(`stats()["misses"]`, a WARNING the first time per unit) and the run goes on;
+`strict=True` raises NotResidentError instead. A unit that is not the one the
+trace expects (early exit, skipped layer, other branch) re-synchronises the
+trace position and is counted. Hooks do not fire under graph mode, so
+offload() refuses it, and the first forward checks that unit hooks ran.
 """
 import logging
-import time
 
 from .backend import framework
 from .daemon import Daemon
 from .errors import NotResidentError, PrefetchdError
+from .planner import plan_units
 
 log = logging.getLogger("prefetchd.hooks")
 
+ROOT = -1        # the root unit's step in the trace
+
 
 class Unit:
-    __slots__ = ("index", "name", "cell", "records", "nbytes")
+    """A planned unit at run time: its cells, the daemon records of its parameters, pin state."""
+    __slots__ = ("index", "name", "cells", "records", "nbytes", "held", "ran")
 
-    def __init__(self, index, name, cell):
-        self.index, self.name, self.cell = index, name, cell
-        self.records = []
-        self.nbytes = 0
-
-
-def default_units(model):
-    """(name, cell) pairs: cells of CellList/SequentialCell children, else children with parameters."""
-    nn = framework.mindspore().nn
-    units = []
-    for name, child in model.name_cells().items():
-        if isinstance(child, (nn.CellList, nn.SequentialCell)):
-            units.extend((f"{name}.{sub_name}", sub) for sub_name, sub in child.name_cells().items())
-        elif any(True for _ in child.get_parameters()):
-            units.append((name, child))
-    return units
+    def __init__(self, index, planned, records):
+        self.index, self.name = index, planned.name
+        self.cells = [cell for _, cell in planned.cells]
+        self.records = records
+        self.nbytes = planned.nbytes
+        self.held = False
+        self.ran = set()          # ids of its cells that finished since it was pinned
 
 
 class Offloaded:
     """The hooks installed on one model. `close()` removes them (and an owned daemon)."""
 
-    def __init__(self, model, daemon, lookahead, units, auto_fetch, tier, checkpoint, owns_daemon):
+    def __init__(self, model, daemon, *, lookahead=None, units=None, auto_fetch=None, tier="remote",
+                 checkpoint=None, owns_daemon=False, strict=False, no_split=()):
         ms = framework.mindspore()
         if ms.get_context("mode") == ms.GRAPH_MODE:
             raise PrefetchdError("prefetchd.offload needs PyNative mode: in graph mode MindSpore skips "
                                  "forward hooks and a compiled graph keeps the storage it saw at compile "
                                  "time (call mindspore.set_context(mode=mindspore.PYNATIVE_MODE))")
+        config = daemon.config
         self.model = model
         self.daemon = daemon
-        self.lookahead = lookahead
-        self.auto_fetch = auto_fetch
+        self.lookahead = config.lookahead if lookahead is None else int(lookahead)
+        self.auto_fetch = config.auto_fetch if auto_fetch is None else bool(auto_fetch)
+        if self.lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
+        self.strict = strict
         self._owns_daemon = owns_daemon
-        self.units = [Unit(i, n, c) for i, (n, c) in enumerate(units or default_units(model))]
-        if not self.units:
-            raise PrefetchdError("offload: the model has no cells holding parameters to offload")
-        self._by_cell = {id(u.cell): u for u in self.units}
-        self._register(tier, checkpoint)
-        self.trace = []                # unit indices in execution order
+        self._high = daemon.status()["device"]["high_watermark"]
+        # Everything that can be refused is refused before anything is registered.
+        self._plan = plan_units(model, self._high, self.lookahead, units=units, no_split=no_split)
+        self._plan.check_fits()
+        log.info("prefetchd.offload(%s):\n%s", type(model).__name__, self._plan.format_table())
+        self._invalidate_compiled()
+        records = self._register(tier, checkpoint)
+        self.root = Unit(ROOT, self._plan.root, [records[id(p)] for p in self._plan.root.params])
+        self.units = [Unit(i, planned, [records[id(p)] for p in planned.params])
+                      for i, planned in enumerate(self._plan.units)]
+        self._by_cell = {id(cell): unit for unit in self.units for cell in unit.cells}
+        self.trace = []                # steps in execution order: ROOT, then unit indices
         self._recording = True
-        self._position = 0             # index into trace of the unit about to run
+        self._position = 0             # index into trace of the step running now
         self._ran = 0                  # unit hooks fired during the current forward
         self.resyncs = 0
         self.stall_seconds = 0.0
         self.misses = 0
-        self._pinned = {}              # unit index -> records pinned for its forward
+        self._warned = set()           # units whose first miss was logged
         self._marker = daemon.compute_marker()
         self._handles = []
-        for unit in self.units:
-            self._handles.append(unit.cell.register_forward_pre_hook(self._before_unit))
-            self._handles.append(unit.cell.register_forward_hook(self._after_unit))
+        for cell in {id(c): c for u in self.units for c in u.cells}.values():
+            self._handles.append(cell.register_forward_pre_hook(self._before_unit))
+            self._handles.append(cell.register_forward_hook(self._after_unit))
         self._handles.append(model.register_forward_pre_hook(self._before_model))
         self._handles.append(model.register_forward_hook(self._after_model))
 
     # ---------------------------------------------------------------- setup
+    def _invalidate_compiled(self):
+        """Graphs compiled before offload() read the storage they saw then: make them recompile."""
+        for name, cell in self.model.cells_and_names():
+            try:
+                framework.invalidate_compiled(cell)
+            except RuntimeError as e:
+                raise PrefetchdError(f"prefetchd.offload: cell {name or type(cell).__name__!r} has "
+                                     f"compiled graphs prefetchd cannot invalidate: {e}") from None
+
     def _register(self, tier, checkpoint):
+        """Register every parameter (root and units) once; id(param) -> daemon record."""
+        params = {id(p): p for u in [self._plan.root, *self._plan.units] for p in u.params}
         if checkpoint is not None:
             # Weights come from the store (staged now from a file, or already there).
             self.daemon.register_checkpoint(self.model, checkpoint=None if checkpoint is True else checkpoint)
-        registered = {}
-        for unit in self.units:
-            for p in unit.cell.get_parameters():
-                # A weight shared by several units (tied embeddings) is registered
-                # once but pinned by every unit that reads it.
-                handle = registered.get(id(p))
-                if handle is None:
-                    handle = registered[id(p)] = self.daemon.handle(p.name) if checkpoint is not None \
-                        else self.daemon.register(p, p.name, tier=tier)
-                unit.records.append(handle._rec)
-                unit.nbytes += handle.nbytes
+            handles = {key: self.daemon.handle(p.name) for key, p in params.items()}
+        else:
+            handles = {key: self.daemon.register(p, p.name, tier=tier) for key, p in params.items()}
+        return {key: handle._rec for key, handle in handles.items()}
+
+    def plan(self):
+        """The unit plan (prefetchd.planner.Plan): units, root unit, budget figures."""
+        return self._plan
 
     # ---------------------------------------------------------------- hooks
     def _before_model(self, cell, inputs):
-        self._position = 0
+        self._release_all(None)               # a pass that raised midway left pins behind
+        self._high = self.daemon.status()["device"]["high_watermark"]
         self._ran = 0
+        self._position = 0
+        if self._recording:
+            self.trace = [ROOT]
+        else:
+            self.daemon.advance_trace(0, owner=id(self))
+            self._prefetch_from(1, self.root.nbytes)
+        self._acquire(self.root)
 
     def _after_model(self, cell, inputs, output):
-        if self._ran == 0:
+        self._release_all(_first_tensor(output))
+        if self._ran == 0 and self.units:
             raise PrefetchdError(
                 "prefetchd.offload: the model ran but none of its unit hooks fired — it is compiled "
                 "(@jit or graph mode), where MindSpore skips hooks; weights were not streamed")
-        if self._recording and self.trace:
+        if self._recording:
             self._recording = False
-            self.daemon.set_trace([[r.name for r in self.units[i].records] for i in self.trace], owner=id(self))
-        self._prefetch_from(0)   # the next forward pass starts at the top of the trace
+            self.daemon.set_trace([[r.name for r in self._unit(i).records] for i in self.trace],
+                                  owner=id(self))
+        # The next pass starts with the root, then the first units of the trace:
+        # the policy sees the pass end (the root is the nearest step, not the farthest).
+        self.daemon.advance_trace(len(self.trace) - 1, owner=id(self))
+        if self.root.records:
+            self.daemon.prefetch(self.root.records, priority=self.lookahead + 1)
+        self._prefetch_from(1, self.root.nbytes)
 
     def _before_unit(self, cell, inputs):
         unit = self._by_cell[id(cell)]
         self._ran += 1
+        if unit.held:                         # another cell of a unit already pinned
+            return
         if self._recording:
             self.trace.append(unit.index)
         else:
             self._sync_position(unit)
             self.daemon.advance_trace(self._position, owner=id(self))
-            self._prefetch_from(self._position + 1)
-        try:
-            stall = self.daemon.acquire(unit.records, auto_fetch=self.auto_fetch or self._recording)
-        except NotResidentError:
-            self.misses += 1      # units refused for a miss (auto_fetch=False)
-            raise
-        self.stall_seconds += stall
-        self._pinned[unit.index] = unit.records
+            self._prefetch_from(self._position + 1, self._held_bytes() + unit.nbytes)
+        self._acquire(unit)
 
     def _after_unit(self, cell, inputs, output):
         unit = self._by_cell[id(cell)]
-        records = self._pinned.pop(unit.index, None)
-        if records:
-            # A fence behind this unit's kernels lets its memory be reused as
-            # soon as they ran, without draining later units' compute.
-            dependency = _first_tensor(output)
-            if self._marker is not None and dependency is not None:
-                self.daemon.compute_done(records, self._marker.mark(dependency))
-            self.daemon.unpin(records)
-        if not self._recording:
-            self._position += 1
+        if not unit.held:
+            return
+        unit.ran.add(id(cell))
+        if len(unit.ran) == len(unit.cells):
+            self._release(unit, _first_tensor(output))
+
+    # ---------------------------------------------------------------- pin / release
+    def _acquire(self, unit):
+        if not unit.records:
+            return
+        if self._recording or self.auto_fetch:
+            stall = self.daemon.acquire(unit.records, auto_fetch=True)
+        else:
+            try:
+                stall = self.daemon.acquire(unit.records, auto_fetch=False)
+            except NotResidentError as miss:
+                self.misses += 1
+                if self.strict:
+                    raise
+                self._note_miss(unit, miss)
+                stall = self.daemon.acquire(unit.records, auto_fetch=True)
+                if unit is not self.root:     # the prefetches behind it were issued before the miss
+                    self._prefetch_from(self._position + 1, self._held_bytes() + unit.nbytes)
+        self.stall_seconds += stall
+        unit.held = True
+        unit.ran.clear()
+
+    def _note_miss(self, unit, miss):
+        if unit.name not in self._warned:
+            self._warned.add(unit.name)
+            log.warning("prefetchd: unit %r was not resident in time (%s); fetched on demand. Later "
+                        "misses of this unit are counted in stats()['misses'] only", unit.name, miss)
+
+    def _release(self, unit, dependency):
+        unit.held = False
+        unit.ran.clear()
+        if not unit.records:
+            return
+        # A fence behind this unit's kernels lets its memory be reused as soon as
+        # they ran, without draining later units' compute.
+        if self._marker is not None and dependency is not None:
+            self.daemon.compute_done(unit.records, self._marker.mark(dependency))
+        self.daemon.unpin(unit.records)
+
+    def _release_all(self, dependency):
+        for unit in [*self.units, self.root]:
+            if unit.held:
+                self._release(unit, dependency)
+
+    def _held_bytes(self):
+        return sum(u.nbytes for u in [self.root, *self.units] if u.held)
+
+    # ---------------------------------------------------------------- trace
+    def _unit(self, step):
+        return self.root if step == ROOT else self.units[step]
 
     def _sync_position(self, unit):
         """Point the trace position at `unit`; a mismatch re-synchronises and is counted."""
         trace, n = self.trace, len(self.trace)
-        if self._position < n and trace[self._position] == unit.index:
+        if self._position + 1 < n and trace[self._position + 1] == unit.index:
+            self._position += 1
             return
         self.resyncs += 1
         self.daemon.note_resync()
@@ -158,35 +234,46 @@ class Offloaded:
             if trace[pos] == unit.index:
                 self._position = pos
                 return
-        # A unit the first pass never ran: fetch it on demand; keep the position.
-        self.daemon.prefetch(unit.records, priority=1)
+        # A unit the first pass never ran: it is fetched on demand; keep the position.
 
-    def _prefetch_from(self, start):
+    def _prefetch_from(self, start, pinned_bytes):
+        """Prefetch the next `lookahead` units of the trace from `start` that fit beside the pinned ones."""
         n = len(self.trace)
-        if not n:
-            return
-        # Never ask for more than fits beside the unit computing now: a prefetch
-        # that evicts the next unit to make room for the one after is thrash.
-        room = self.daemon.status_watermark() - self.units[self.trace[(start - 1) % n]].nbytes
-        for k in range(self.lookahead):
-            unit = self.units[self.trace[(start + k) % n]]
+        # Never ask for more than fits beside what computes now: a prefetch that
+        # evicts the next unit to make room for the one after is thrash.
+        room = self._high - pinned_bytes
+        ahead = 0
+        for step in range(n):
+            if ahead >= self.lookahead:
+                break
+            index = self.trace[(start + step) % n]
+            if index == ROOT:
+                continue                  # pinned during the pass, prefetched at its end
+            unit = self.units[index]
+            ahead += 1
+            if unit.held:
+                continue
             room -= unit.nbytes
             if room < 0:
                 break
             # Nearer units first: priority falls with distance.
-            future = self.daemon.prefetch(unit.records, priority=self.lookahead - k)
+            future = self.daemon.prefetch(unit.records, priority=self.lookahead - ahead + 1)
             if future.done() and future.exception() is not None:
                 log.debug("prefetch of %s failed: %s", unit.name, future.exception())
 
     # ---------------------------------------------------------------- teardown
     def stats(self):
+        """units: planned units (root excluded); trace: steps of one pass (root included);
+        misses: units not resident in time (fetched on demand, or raised with strict=True)."""
         return {"units": len(self.units), "trace": len(self.trace), "resyncs": self.resyncs,
-                "stall_seconds": self.stall_seconds, "misses": self.misses}
+                "stall_seconds": self.stall_seconds, "misses": self.misses,
+                "root_bytes": self.root.nbytes}
 
     def close(self):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._release_all(None)
         if self._owns_daemon:
             self.daemon.close()
 
@@ -203,32 +290,49 @@ def _first_tensor(value):
     return None
 
 
-def offload(model, daemon=None, lookahead=2, units=None, auto_fetch=False, *, tier="remote",
-            checkpoint=None):
+def offload(model, daemon=None, lookahead=None, units=None, auto_fetch=None, *, tier="remote",
+            checkpoint=None, strict=False, no_split=()):
     """Stream `model`'s parameters through `daemon` (a new one from Config.load() if None).
 
+    lookahead / auto_fetch: None takes daemon.config.lookahead / .auto_fetch.
+    units: explicit units, (name, cell) pairs or cell names (default: planned,
+    see prefetchd.planner); no_split: cell classes never split into children.
+    strict: a unit not resident in time raises NotResidentError instead of
+    being fetched on demand and counted as a miss.
     tier: where weights live between uses, "remote" (files) or "host" (RAM).
     checkpoint: True if the daemon's store already holds the weights (see
     `prefetchd stage`), or a .ckpt/.safetensors path to stage into it first.
     Either way the model can be built with `no_init_parameters` and never
     hold its weights in RAM.
+    Raises BudgetError (nothing registered) if a tensor or unit can never fit.
     """
     owns = daemon is None
     if owns:
         daemon = Daemon().start()
-    handle = Offloaded(model, daemon, lookahead, units, auto_fetch, tier, checkpoint, owns)
+    try:
+        handle = Offloaded(model, daemon, lookahead=lookahead, units=units, auto_fetch=auto_fetch,
+                           tier=tier, checkpoint=checkpoint, owns_daemon=owns, strict=strict,
+                           no_split=no_split)
+    except BaseException:
+        if owns:
+            daemon.close()
+        raise
     model._prefetchd = handle
     return handle
 
 
-def offloaded(daemon=None, lookahead=2, units=None, auto_fetch=False, tier="remote"):
-    """Class decorator for nn.Cell subclasses: instances are offloaded when constructed."""
+def offloaded(daemon=None, lookahead=None, units=None, auto_fetch=None, tier="remote", **options):
+    """Class decorator for nn.Cell subclasses: instances are offloaded when constructed.
+
+    daemon may be a callable returning the daemon; options go to offload().
+    """
     def wrap(cls):
         original_init = cls.__init__
 
         def __init__(self, *args, **kwargs):
             original_init(self, *args, **kwargs)
-            offload(self, daemon() if callable(daemon) else daemon, lookahead, units, auto_fetch, tier=tier)
+            offload(self, daemon() if callable(daemon) else daemon, lookahead, units, auto_fetch,
+                    tier=tier, **options)
         cls.__init__ = __init__
         return cls
     return wrap

@@ -127,3 +127,44 @@ def _kernel_path():
     if not found:
         raise FileNotFoundError(f"compute-fence kernel not built (no _compute_fence*.so in {here})")
     return found[0]
+
+
+def invalidate_compiled(cell):
+    """Forget the graphs MindSpore compiled for `cell` (its @jit methods, graph-mode calls).
+
+    A compiled graph keeps the parameter storage it saw at compile time; after
+    prefetchd rebinds the parameters it would silently compute with the old
+    values. Dropping the cell's phases makes the next call recompile against
+    the storage the parameters hold then. Returns how many phases were dropped.
+
+    Private MindSpore 2.10 API: jit phases live in the set
+    `mindspore.graph.api.ms_compile_cache`, named with `.{id(cell)}.`; their
+    resources are released like `Cell.__del__` does (the graph executor's
+    `del_net_res`). If that API is gone and the cell has compiled phases,
+    raises RuntimeError: a stale graph must be refused, never run.
+    """
+    try:
+        from mindspore.graph import api
+        from mindspore._c_expression import JitExecutor_
+        cache, executor = api.ms_compile_cache, api._cell_graph_executor
+    except (ImportError, AttributeError):
+        if getattr(cell, "phase_cache", None) or getattr(cell, "_compile_cache", None):
+            raise RuntimeError("this MindSpore keeps compiled graphs where prefetchd cannot drop them "
+                               "(mindspore.graph.api.ms_compile_cache is gone); offload the model "
+                               "before its first compiled call") from None
+        return 0
+    marker = f".{id(cell)}."
+    phases = {phase for phase in cache if marker in phase}
+    own = set(getattr(cell, "_compile_cache", None) or ())   # graph-mode compiles of this cell
+    if phases:
+        executor.del_net_res(cell, phases)
+        JitExecutor_.get_instance().del_net_res(cell, phases)
+        cache.difference_update(phases)
+    if own:
+        executor.del_net_res(cell, own)
+        cell._compile_cache.clear()
+    phase_cache = getattr(cell, "phase_cache", None)
+    if phase_cache:
+        for key in [k for k, v in phase_cache.items() if v in phases or v in own]:
+            del phase_cache[key]
+    return len(phases | own)

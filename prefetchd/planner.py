@@ -1,0 +1,287 @@
+"""Unit planning: which cells of a model stream through the device tier together.
+
+A *unit* is a set of cells whose parameters are pinned together while they
+compute. `plan_units(model, high_watermark, lookahead)` walks the cell tree
+(no daemon, no side effects) and returns a `Plan`:
+
+- Blocks are found at any depth: the items of every CellList/SequentialCell,
+  and repeated siblings of one class that are themselves composite (cells
+  with sub-cells), e.g. ResNet's `layer1..4`, GPT-2's `transformer.h.N`,
+  a Llama's `model.layers.N`, Swin's `layers.N.blocks.M`. Leaf layers that
+  happen to repeat (q/k/v projections, two Embeddings) are not blocks.
+- Every parameter belongs somewhere: the parameters of cells outside every
+  unit (embeddings, final norm, heads, a ViT's pos_embed) form the ROOT
+  unit, pinned for the whole forward. This keeps weights that the top-level
+  construct reads directly (a tied embedding used as the LM head) pinned.
+- Size-aware: a unit larger than its share of the budget is split into its
+  children (recursively; a split cell's own direct parameters move to the
+  root). The share is
+
+      unit_share = (high_watermark - root bytes) // (2 + lookahead)
+
+  because steady state holds the root, the unit computing now, `lookahead`
+  prefetched units, and one more unit's worth for the previous unit whose
+  memory waits for its compute fence (and for arena fragmentation).
+- Tiny neighbours (siblings smaller than unit_share / 8) are merged while the
+  merged unit stays within the share: fewer hooks and fences per pass.
+- `units=` (explicit (name, cell) pairs or cell names) replaces the search
+  (no split, no merge); `no_split=` (cell classes, like Accelerate's
+  no_split_module_classes) keeps cells of those classes whole.
+- A parameter shared by several units is listed in each (each pins it).
+
+`Plan.check_fits()` raises BudgetError for what can never run: a tensor or a
+unit larger than the high watermark, or a root plus two consecutive units
+(the one computing and the next, including the wrap from the last to the
+first) above it.
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .backend import framework
+from .errors import BudgetError, PrefetchdError
+
+ROOT_NAME = "<root>"
+_MERGE_FRACTION = 8          # siblings under unit_share / 8 are "tiny"
+_MAX_ROUNDS = 6              # splitting moves bytes to the root; the share shrinks; re-plan
+
+
+def param_nbytes(p):
+    """Bytes of a parameter from its shape and dtype (works for uninitialised parameters)."""
+    return int(np.prod(p.shape, dtype=np.int64)) * int(p.itemsize)
+
+
+@dataclass
+class PlannedUnit:
+    """Cells streamed together; `params` are unique Parameter objects, `nbytes` their sum."""
+    name: str
+    cells: list = field(default_factory=list)      # [(qualified name, cell)]
+    params: list = field(default_factory=list)
+    nbytes: int = 0
+
+    @property
+    def param_names(self):
+        return [p.name for p in self.params]
+
+    def add_params(self, params):
+        seen = {id(p) for p in self.params}
+        for p in params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                self.params.append(p)
+                self.nbytes += param_nbytes(p)
+
+
+@dataclass
+class Plan:
+    """The units of one model, its root unit, and the budget figures they were sized for."""
+    units: list
+    root: PlannedUnit
+    high_watermark: int
+    unit_share: int
+    lookahead: int
+    total_bytes: int
+    explicit: bool = False
+
+    def check_fits(self):
+        """Raise BudgetError naming what can never fit under the high watermark."""
+        high = self.high_watermark
+        for unit in [self.root, *self.units]:
+            for p in unit.params:
+                if param_nbytes(p) > high:
+                    raise BudgetError(
+                        f"tensor {p.name!r} needs {param_nbytes(p)} bytes on the device tier; the high "
+                        f"watermark is {high} bytes: it can never be resident (raise device_budget so the "
+                        f"high watermark is at least {param_nbytes(p)} bytes)")
+        if self.root.nbytes > high:
+            raise BudgetError(
+                f"the root unit (parameters of cells outside every unit: {_short(self.root.param_names)}) "
+                f"needs {self.root.nbytes} bytes, above the high watermark {high}; pass units= to stream "
+                f"some of those cells, or raise device_budget")
+        for unit in self.units:
+            need = _union_bytes(self.root, unit)
+            if need > high:
+                raise BudgetError(
+                    f"unit {unit.name!r} ({unit.nbytes} bytes) with the root unit ({self.root.nbytes} "
+                    f"bytes) needs {need} bytes, above the high watermark {high}: it can never be resident"
+                    f" (raise device_budget, or split it: units= / drop its class from no_split=)")
+        n = len(self.units)
+        for i in range(n if n > 1 else 0):
+            a, b = self.units[i], self.units[(i + 1) % n]
+            need = _union_bytes(self.root, a, b)
+            if need > high:
+                raise BudgetError(
+                    f"units {a.name!r} ({a.nbytes} bytes) and {b.name!r} ({b.nbytes} bytes) run one after "
+                    f"the other; with the root unit ({self.root.nbytes} bytes) they need {need} bytes, "
+                    f"above the high watermark {high}: the next unit could never load while one computes "
+                    f"(raise device_budget, or pass units= with smaller units)")
+
+    def format_table(self):
+        width = max([len(u.name) for u in self.units] + [len(ROOT_NAME), 4])
+        lines = [f"{'unit':<{width}}  {'params':>6}  {'bytes':>12}  {'share':>6}"]
+        for unit in [self.root, *self.units]:
+            share = unit.nbytes / self.total_bytes if self.total_bytes else 0.0
+            lines.append(f"{unit.name:<{width}}  {len(unit.params):>6}  {unit.nbytes:>12}  {share:>6.1%}")
+        lines.append(f"{len(self.units)} units + root; {self.total_bytes} bytes in all; high watermark "
+                     f"{self.high_watermark}; unit share {self.unit_share} (lookahead {self.lookahead})"
+                     + ("; units given explicitly" if self.explicit else ""))
+        return "\n".join(lines)
+
+
+def plan_units(model, high_watermark, lookahead, units=None, no_split=()):
+    """Plan `model`'s units for a device tier whose high watermark is `high_watermark` bytes."""
+    no_split = tuple(no_split or ())
+    all_params = _unique(model.get_parameters())
+    total = sum(param_nbytes(p) for p in all_params)
+    if units is not None:
+        chosen = [_make_unit(name, [(name, cell)]) for name, cell in _resolve(model, units)]
+        return _finish(chosen, all_params, high_watermark, lookahead, total, explicit=True)
+    blocks = _find_blocks(model, "")
+    share = high_watermark
+    for _ in range(_MAX_ROUNDS):
+        chosen = []
+        for name, cell in blocks:
+            chosen.extend(_split(name, cell, share, no_split))
+        plan = _finish(_merge(chosen, share), all_params, high_watermark, lookahead, total)
+        if plan.unit_share >= share:   # stable: no unit was sized for a larger share
+            return plan
+        share = plan.unit_share
+    return plan
+
+
+# ------------------------------------------------------------------ search
+def _nn():
+    return framework.mindspore().nn
+
+
+def _is_container(cell):
+    nn = _nn()
+    return isinstance(cell, (nn.CellList, nn.SequentialCell))
+
+
+def _has_params(cell):
+    return any(True for _ in cell.get_parameters())
+
+
+def _join(prefix, name):
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _find_blocks(cell, prefix):
+    """(name, cell) of the repeated blocks under `cell`, top-down, in definition order."""
+    children = [(n, c) for n, c in cell.name_cells().items() if c is not None and _has_params(c)]
+    if _is_container(cell):
+        found = []
+        for name, child in children:
+            qualified = _join(prefix, name)
+            found.extend(_find_blocks(child, qualified) if _is_container(child) else [(qualified, child)])
+        return found
+    counts = {}
+    for _, child in children:
+        if not _is_container(child) and child.name_cells():
+            counts[type(child)] = counts.get(type(child), 0) + 1
+    found = []
+    for name, child in children:
+        qualified = _join(prefix, name)
+        if counts.get(type(child), 0) >= 2:
+            found.append((qualified, child))
+        else:
+            found.extend(_find_blocks(child, qualified))
+    return found
+
+
+def _split(name, cell, share, no_split):
+    """Units for block `cell`: itself if it fits `share`, else its children's units."""
+    unit = _make_unit(name, [(name, cell)])
+    children = [(n, c) for n, c in cell.name_cells().items() if c is not None and _has_params(c)]
+    if unit.nbytes <= share or not children or (no_split and isinstance(cell, no_split)):
+        return [unit]
+    parts = []
+    for child_name, child in children:
+        parts.extend(_split(_join(name, child_name), child, share, no_split))
+    return parts
+
+
+def _merge(units, share):
+    """Merge consecutive sibling units when one of them is tiny and the result fits `share`."""
+    tiny = share // _MERGE_FRACTION
+    merged = []
+    for unit in units:
+        last = merged[-1] if merged else None
+        if last is not None and _parent(last.cells[-1][0]) == _parent(unit.cells[0][0]) \
+                and (last.nbytes < tiny or unit.nbytes < tiny) and _union_bytes(last, unit) <= share:
+            combined = PlannedUnit(f"{last.name}+{unit.cells[0][0].rsplit('.', 1)[-1]}",
+                                   last.cells + unit.cells)
+            combined.add_params(last.params)
+            combined.add_params(unit.params)
+            merged[-1] = combined
+        else:
+            merged.append(unit)
+    return merged
+
+
+def _parent(name):
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _finish(units, all_params, high, lookahead, total, explicit=False):
+    in_units = {id(p) for u in units for p in u.params}
+    root = PlannedUnit(ROOT_NAME, [])
+    root.add_params(p for p in all_params if id(p) not in in_units)
+    share = max((high - root.nbytes) // (2 + lookahead), 0)
+    return Plan(units, root, high, share, lookahead, total, explicit)
+
+
+def _make_unit(name, cells):
+    unit = PlannedUnit(name, list(cells))
+    for _, cell in cells:
+        unit.add_params(cell.get_parameters())
+    return unit
+
+
+def _resolve(model, units):
+    """Explicit units: (name, cell) pairs or cell names; each a distinct sub-cell, none inside another."""
+    by_name = {name: cell for name, cell in model.cells_and_names() if name}
+    resolved = []
+    for item in units:
+        if isinstance(item, str):
+            if item not in by_name:
+                raise PrefetchdError(f"units=: the model has no cell named {item!r}")
+            resolved.append((item, by_name[item]))
+        else:
+            name, cell = item
+            if cell is model:
+                raise PrefetchdError(f"units=: {name!r} is the model itself; its parameters form the root unit")
+            resolved.append((name, cell))
+    names = [n for n, _ in resolved]
+    for n in names:
+        outer = next((o for o in names if o != n and n.startswith(o + ".")), None)
+        if outer is not None:
+            raise PrefetchdError(f"units=: {n!r} is inside unit {outer!r}; units must not nest")
+    if len(set(names)) != len(names):
+        raise PrefetchdError("units=: a unit is listed twice")
+    return resolved
+
+
+def _unique(params):
+    seen, out = set(), []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _union_bytes(*units):
+    seen, total = set(), 0
+    for unit in units:
+        for p in unit.params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += param_nbytes(p)
+    return total
+
+
+def _short(names, limit=4):
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f", ... ({len(names)} tensors)" if len(names) > limit else "")
