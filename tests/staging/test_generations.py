@@ -1,0 +1,131 @@
+"""A stage is one generation of the store directory: visible whole, or not at all."""
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from prefetchd import _native
+from prefetchd.staging import INDEX_FILE, StagingError, read_index, read_meta, stage_checkpoint
+from ckpt_files import write_safetensors
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def store_contents(store_dir):
+    """{name: (shape, dtype name, first element)} of everything the store directory holds."""
+    store = _native.FileStore(store_dir)
+    try:
+        out = {}
+        for key in store.keys():
+            shape, dtype = read_meta(store.info(key))
+            dst = _native.aligned_buffer(max(store.info(key)["nbytes"], 1))
+            store.read_sync(key, dst, True)
+            out[key] = (shape, dtype.name, np.frombuffer(dst, dtype, 1)[0].item())
+        return out
+    finally:
+        store.close()
+
+
+def assert_index_matches_store(store_dir):
+    index = read_index(store_dir)["tensors"]
+    held = store_contents(store_dir)
+    assert set(index) == set(held)
+    for name, entry in index.items():
+        assert (tuple(entry["shape"]), entry["dtype"]) == held[name][:2]
+    return held
+
+
+def test_restaging_adds_replaces_and_keeps_other_tensors(tmp_path):
+    store = str(tmp_path / "store")
+    write_safetensors(str(tmp_path / "a.safetensors"), {"x": np.full(4, 1, np.float32), "y": np.full(3, 1, np.int8)})
+    write_safetensors(str(tmp_path / "b.safetensors"), {"x": np.full((2, 3), 2, np.float32),
+                                                        "z": np.full(5, 2, np.int64)})
+    assert stage_checkpoint(str(tmp_path / "a.safetensors"), store)["generation"] == 1
+    report = stage_checkpoint(str(tmp_path / "b.safetensors"), store)
+    assert report["generation"] == 2 and report["tensors"] == 2 and report["store_tensors"] == 3
+    held = assert_index_matches_store(store)
+    assert held == {"x": ((2, 3), "float32", 2.0), "y": ((3,), "int8", 1), "z": ((5,), "int64", 2)}
+    doc = read_index(store)
+    assert doc["generation"] == 2 and doc["checkpoint"].endswith("b.safetensors")
+    assert sorted(os.listdir(tmp_path)) == [".store.stage-lock", "a.safetensors", "b.safetensors", "store"]
+
+
+def test_a_failed_stage_leaves_the_previous_generation_whole(tmp_path):
+    store = str(tmp_path / "store")
+    write_safetensors(str(tmp_path / "a.safetensors"), {"x": np.full(4, 1, np.float32)})
+    stage_checkpoint(str(tmp_path / "a.safetensors"), store)
+    before = open(os.path.join(store, INDEX_FILE), "rb").read()
+    # valid header, the second tensor's bytes fail MindSpore's crc_num: found only after x was written
+    write_safetensors(str(tmp_path / "b.safetensors"), {"x": np.full(4, 2, np.float32), "w": np.ones(2, np.int8)},
+                      metadata={"crc_num": "12345"})
+    with pytest.raises(StagingError, match="b.safetensors: __metadata__.crc_num is 12345"):
+        stage_checkpoint(str(tmp_path / "b.safetensors"), store)
+    assert open(os.path.join(store, INDEX_FILE), "rb").read() == before
+    assert assert_index_matches_store(store) == {"x": ((4,), "float32", 1.0)}
+    assert not glob.glob(str(tmp_path / ".store.staging-*"))
+
+
+def test_a_second_stager_of_the_same_store_is_refused(tmp_path):
+    import fcntl
+    store = str(tmp_path / "store")
+    write_safetensors(str(tmp_path / "a.safetensors"), {"x": np.ones(4, np.float32)})
+    with open(tmp_path / ".store.stage-lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with pytest.raises(StagingError, match="another `prefetchd stage` is writing this store"):
+            stage_checkpoint(str(tmp_path / "a.safetensors"), store)
+    assert stage_checkpoint(str(tmp_path / "a.safetensors"), store)["tensors"] == 1
+
+
+STAGE_SLOWLY = """
+import sys
+from prefetchd.staging import stage_checkpoint
+stage_checkpoint(sys.argv[1], sys.argv[2], progress=True, progress_interval=0)
+print("committed", flush=True)
+"""
+
+
+def test_stage_killed_midway_leaves_the_previous_index_and_tensors(tmp_path):
+    """SIGKILL a `stage` of a 256 MiB checkpoint partway (each store write slowed to 100 ms so it
+    is surely partway): the index and every tensor it names are the previous generation's."""
+    store = str(tmp_path / "store")
+    old = {f"w{i:02d}": np.full(1 << 20, 1, np.float32) for i in range(8)}
+    write_safetensors(str(tmp_path / "old.safetensors"), old)
+    stage_checkpoint(str(tmp_path / "old.safetensors"), store)
+    index_before = open(os.path.join(store, INDEX_FILE), "rb").read()
+
+    new = {f"w{i:02d}": np.full(2 << 20, 2, np.float32) for i in range(32)}   # 32 x 8 MiB, new shapes
+    write_safetensors(str(tmp_path / "new.safetensors"), new)
+    del new
+    env = dict(os.environ, PREFETCHD_FAULTS="write:delay:nth=1:count=100000:delay_ms=100")
+    log = open(tmp_path / "stage.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-c", STAGE_SLOWLY, str(tmp_path / "new.safetensors"), store],
+                            stdout=subprocess.PIPE, stderr=log, cwd=REPO, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while "prefetchd stage: 6/32 tensors" not in open(tmp_path / "stage.log").read():
+            assert proc.poll() is None, open(tmp_path / "stage.log").read()
+            assert time.monotonic() < deadline, "staging never got going"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert b"committed" not in proc.stdout.read()
+    assert open(os.path.join(store, INDEX_FILE), "rb").read() == index_before
+    held = assert_index_matches_store(store)
+    assert held == {name: ((1 << 20,), "float32", 1.0) for name in old}
+    assert glob.glob(str(tmp_path / ".store.staging-*")), "the killed stage's work directory is gone?"
+
+    # the next stage finishes the job and clears what the killed one left
+    report = stage_checkpoint(str(tmp_path / "new.safetensors"), store)
+    assert report["tensors"] == 32 and report["generation"] == 2
+    assert set(assert_index_matches_store(store).values()) == {((2 << 20,), "float32", 2.0)}
+    assert not glob.glob(str(tmp_path / ".store.staging-*"))
