@@ -47,9 +47,16 @@ class Backend(Protocol):
     def free_host(self, block) -> None: ...
     def host_used(self) -> int: ...
 
+    # stable addresses (docs/stable-addresses.md): a tensor's framework view
+    # points at its home for life; residency maps a block's pages there or not
+    def reserve(self, nbytes: int): ...               # -> a virtual range: address space, no memory
+    def home(self, vrange, offset: int, nbytes: int): ...  # -> Home at page-aligned offset of vrange
+    def attach(self, home, block) -> None: ...        # block's bytes now read/written at home
+    def detach(self, home, block) -> None: ...        # back to block; home faults until re-attached
+
     # framework binding
-    def view(self, block, shape, dtype): ...          # numpy view, no copy
-    def bind(self, target, block, shape, dtype) -> None: ...
+    def view(self, buffer, shape, dtype): ...         # numpy view of a block or home, no copy
+    def bind(self, target, buffer, shape, dtype) -> None: ...  # once per tensor, with its Home
     def compute_fence(self) -> None: ...              # all dispatched compute has finished
     def compute_marker(self): ...                     # per-unit fences (mark/reached/wait) or None
     marker: object                                    # the marker once created, else None
@@ -59,7 +66,7 @@ class Backend(Protocol):
     def start_load(self, key: str, block, nbytes: int, tag: int, verify: bool,
                    shape=None, dtype=None) -> None: ...
     def start_store(self, key: str, block, nbytes: int, meta: bytes, tag: int,
-                    snapshot: bool = True) -> None: ...
+                    snapshot: bool = True) -> None: ...   # block: a block or an attached Home
     def start_verify(self, key: str, tag: int) -> None: ...
     def start_copy(self, kind: TransferKind, dst, src, nbytes: int, tag: int,
                    shape=None, dtype=None) -> None: ...

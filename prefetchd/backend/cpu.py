@@ -1,23 +1,32 @@
 """The CPU backend: the native arena is the device tier.
 
 Device memory on this backend is host memory reserved up front (capacity = the
-device budget), so a "device" block is a 4 KiB-aligned arena slice that
-MindSpore views without a copy (`Tensor.from_numpy`). The remote tier is the
-native FileStore; copies and I/O run on native copy streams whose completions
-land in one native CompletionQueue.
+device budget, faulted in on first use), so a "device" block is a 4 KiB-aligned
+arena slice. A managed tensor lives at a stable *home* (a slice of a native
+VirtualRange) that MindSpore views without a copy (`Tensor.from_numpy`);
+`attach` moves a loaded block's pages there and `detach` moves them back, so
+the framework tensor is bound once and never rebound (docs/stable-addresses.md).
+The remote tier is the native FileStore; copies and I/O run on native copy
+streams whose completions land in one native CompletionQueue.
 """
 import shutil
 
 import numpy as np
 
 from .. import _native
+from . import limits
 from .base import ALIGN as _ALIGN, HostAndStoreTiers, TransferKind, open_store
+
+RANGE_ALIGN = 2 << 20   # virtual ranges start on a huge-page boundary
 
 
 class CpuBackend(HostAndStoreTiers):
     name = "cpu"
 
     def __init__(self, config):
+        # The arena and pool are faulted lazily: refuse a budget the machine
+        # could never back now, not with an OOM kill once it fills.
+        limits.check_budgets(config.device_budget, config.host_budget)
         self._own_dir = config.store_dir is None
         self.device = _native.Arena(config.device_budget, _ALIGN)
         probe = self.device.alloc(0)
@@ -49,16 +58,36 @@ class CpuBackend(HostAndStoreTiers):
     def device_capacity(self):
         return self.device.capacity
 
+    # stable addresses -----------------------------------------------------------
+    @staticmethod
+    def reserve(nbytes):
+        """Address space for a unit's (or one tensor's) homes; no memory behind it."""
+        return _native.VirtualRange(nbytes, RANGE_ALIGN)
+
+    @staticmethod
+    def home(vrange, offset, nbytes):
+        """The home of one tensor: `nbytes` at page-aligned `offset` of `vrange`."""
+        return vrange.slice(offset, nbytes)
+
+    def attach(self, home, block):
+        """Make `block`'s bytes the tensor's: its pages move to `home` (no copy)."""
+        self.device.attach(block, home)
+
+    def detach(self, home, block):
+        """Move the pages back to `block`; reading `home` faults until the next attach."""
+        self.device.detach(home, block)
 
     # framework binding --------------------------------------------------------
     @staticmethod
-    def view(block, shape, dtype):
+    def view(buffer, shape, dtype):
+        """A numpy view (no copy) of a Block, a Home or any buffer."""
         count = int(np.prod(shape)) if len(shape) else 1
-        return np.frombuffer(block, dtype=dtype, count=count).reshape(shape)
+        return np.frombuffer(buffer, dtype=dtype, count=count).reshape(shape)
 
-    def bind(self, target, block, shape, dtype):
+    def bind(self, target, buffer, shape, dtype):
+        """Point the framework tensor `target` at `buffer` (a Home: once, at registration)."""
         from . import framework
-        framework.bind(target, self.view(block, shape, dtype))
+        framework.bind(target, self.view(buffer, shape, dtype))
 
     @staticmethod
     def compute_fence():
