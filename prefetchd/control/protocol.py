@@ -23,6 +23,7 @@ MAGIC = b"PFD1"
 RID_SIZE = 8
 DEFAULT_MAX_MESSAGE_SIZE = 1 << 20
 NO_RID = b"\0" * RID_SIZE
+MAX_TIMEOUT = 1e9           # seconds; larger request timeouts are refused (BAD_REQUEST)
 
 # Error codes of a reply. Daemon errors map onto prefetchd.errors on the client.
 BAD_REQUEST = "BAD_REQUEST"
@@ -132,8 +133,9 @@ def decode_request(payload, max_message_size=DEFAULT_MAX_MESSAGE_SIZE):
         args = {}
     if not isinstance(args, dict):
         raise ProtocolError(BAD_REQUEST, "'args' must be a JSON object", rid)
-    if timeout is not None and not _positive_number(timeout):
-        raise ProtocolError(BAD_REQUEST, "'timeout' must be a positive number of seconds", rid)
+    if timeout is not None and not _positive_number(timeout, MAX_TIMEOUT):
+        raise ProtocolError(BAD_REQUEST, f"'timeout' must be a positive number of seconds, "
+                            f"at most {MAX_TIMEOUT:g}", rid)
     return rid, op, args, timeout
 
 
@@ -150,6 +152,11 @@ def decode_reply(frames):
     return frames[1], doc
 
 
-def _positive_number(value):
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value) and value > 0)
+def _positive_number(value, maximum):
+    """Whether `value` is a JSON number in (0, maximum]. Integers are compared as
+    integers: a 4000-digit one would overflow float() and must be refused, not crash."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return 0 < value <= maximum
+    return isinstance(value, float) and math.isfinite(value) and 0 < value <= maximum

@@ -15,10 +15,10 @@ import pytest
 import zmq
 
 from helpers import wait_until
-from prefetchd import protocol as P
+from prefetchd.control import protocol as P
 from prefetchd.config import ConfigError
 from prefetchd.errors import (PinnedError, ShutdownError, StorageError, UnknownTensorError)
-from prefetchd.service import (BusyError, Client, RequestTimeout, Server, ServiceError,
+from prefetchd.control import (BusyError, Client, RequestTimeout, Server, ServiceError,
                                resolve_endpoint, runtime_dir)
 
 N_TENSORS = 8
@@ -257,17 +257,16 @@ def test_busy_reply_when_too_many_outstanding(daemon, native_faults):
 
 def test_request_to_closed_daemon_gets_shutdown(tmp_path):
     d = make_daemon(tmp_path)
-    server = d.serve(unique_endpoint("shut"))
+    d.close(5)                           # a closed daemon refuses work with ShutdownError
+    server = Server(d, unique_endpoint("shut")).start()
     client = Client(server.endpoint, timeout=2)
     try:
-        d._state = "closing"             # what close() sets before it stops the server
         with pytest.raises(ShutdownError) as err:
             client.prefetch(names(0))
         assert err.value.code == P.SHUTDOWN
     finally:
-        d._state = "running"
         client.close()
-        d.close(5)
+        server.close(2)
 
 
 # ----------------------------------------------------------------------------- lifecycle
@@ -291,7 +290,7 @@ def test_close_of_daemon_with_busy_server_returns_within_timeout(tmp_path, nativ
     elapsed = time.monotonic() - started
     ctx.destroy(linger=0)
     assert elapsed < 2.0 + 1.5, elapsed
-    assert not server.running and server._ctx is None
+    assert not server.running and server.closed
     assert not server_threads()
     assert not os.path.exists(server.endpoint[len("ipc://"):])
 
@@ -305,7 +304,7 @@ def test_server_close_is_bounded_and_leaks_nothing(daemon, no_leaks):
         started = time.monotonic()
         server.close(2)
         assert time.monotonic() - started < 2
-        assert server._ctx is None               # Context destroyed (linger 0)
+        assert server.closed                     # Context destroyed (linger 0)
         server.close(2)                          # idempotent
     assert not server_threads()
 
@@ -315,7 +314,8 @@ def test_client_reconnects_after_a_timeout(daemon):
     with Client(endpoint, timeout=0.3) as client:
         with pytest.raises(RequestTimeout):
             client.ping()                    # nobody listens yet
-        assert client._sock is None          # Lazy Pirate: the socket was dropped
+        assert not client.connected          # Lazy Pirate: the socket was dropped
+        assert client.reconnects == 1
         server = Server(daemon, endpoint).start()
         try:
             assert client.ping(timeout=5)["pong"]
@@ -326,11 +326,12 @@ def test_client_reconnects_after_a_timeout(daemon):
 def test_server_timeout_reply_keeps_the_socket(served, native_faults):
     daemon, server, client = served
     native_faults.inject_fault("read", "delay", delay_ms=600, key_contains="layer.2")
-    first = client._socket()
+    client.ping()
+    assert client.connected and client.reconnects == 0
     with pytest.raises(RequestTimeout) as err:
         client.prefetch(names(2), timeout=0.3)   # the server gives up first and says so
     assert err.value.code == P.TIMEOUT
-    assert client._sock is first
+    assert client.connected and client.reconnects == 0    # the same socket, not a new one
     assert client.ping()["pong"]
 
 
@@ -370,7 +371,7 @@ def test_second_server_on_a_live_path_is_refused(daemon):
 
 def _child_client(endpoint, out):
     """Runs in a spawned process: subscribe, prefetch, read status, collect events."""
-    from prefetchd.service import Client
+    from prefetchd.control import Client
     try:
         with Client(endpoint, timeout=10) as c:
             sub = c.subscribe([b"loaded", b"evicted"]).sync()
@@ -387,7 +388,7 @@ def _child_client(endpoint, out):
 
 def _child_pinner(endpoint, out, lease):
     """Runs in a spawned process: pin with a lease, report it, then hang until killed."""
-    from prefetchd.service import Client
+    from prefetchd.control import Client
     c = Client(endpoint, timeout=10)
     out.put(c.pin(["layer.4.weight"], lease=lease))
     time.sleep(600)

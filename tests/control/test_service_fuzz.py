@@ -14,8 +14,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefetchd import protocol as P
-from prefetchd.service import Client
+from prefetchd.control import protocol as P
+from prefetchd.control import Client
 
 N_TENSORS = 6
 MAX_BODY = 4096                      # small limit, so TOO_LARGE is cheap to reach

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run(*args, env=None, timeout=300):
@@ -39,7 +39,7 @@ def test_config_show_merges_file_env_and_validate_names_the_bad_key(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('device_budget = "lots"\n')
     out = run("config", "validate", "--config", str(bad))
-    assert out.returncode == 2
+    assert out.returncode == 1                       # a bad config value is a failure, not a usage error
     assert "device_budget" in out.stderr and "lots" in out.stderr and str(bad) in out.stderr
 
 

@@ -9,10 +9,11 @@ import stat
 import pytest
 import zmq
 
-from prefetchd import protocol as P
+from prefetchd.control import protocol as P
 from prefetchd.config import ConfigError
-from prefetchd.service import (AUTHORIZED_DIR, Client, RequestTimeout, Server, create_keys,
-                               ensure_private_dir, runtime_dir)
+from prefetchd.control import Client, RequestTimeout, Server, create_keys, runtime_dir
+from prefetchd.control.endpoints import ensure_private_dir
+from prefetchd.control.keys import AUTHORIZED_DIR
 
 
 @pytest.fixture(scope="module")

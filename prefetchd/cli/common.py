@@ -1,0 +1,120 @@
+"""What every verb shares: one-line errors, units, and output."""
+import argparse
+import json
+import logging
+import sys
+
+from ..config import ConfigError, parse_size
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class UsageError(Exception):
+    """A command line that cannot be run as given: exit code 2, one line on stderr."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with errors as ONE line (`prefetchd: error: ...`) and exit code 2."""
+
+    def error(self, message):
+        where = self.prog.partition(" ")[2]          # the verb, for a subcommand's parser
+        print(f"prefetchd: error: {where + ': ' if where else ''}{message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def size(text):
+    """Bytes: 1048576, 512MiB, 2GiB."""
+    try:
+        return parse_size(text, "size")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def budget(text):
+    """A budget: "2GiB" (bytes, an int) or a fraction of the model: "25%" or 0.25
+    (a float; above 1 means more than one model's weights, e.g. 150% or 1.5)."""
+    value = text.strip()
+    try:
+        fraction = float(value[:-1]) / 100 if value.endswith("%") else float(value)
+    except ValueError:
+        fraction = None
+    if fraction is not None:
+        if not 0 < fraction < float("inf"):
+            raise argparse.ArgumentTypeError(f"budget {text!r}: a fraction must be > 0")
+        return fraction
+    try:
+        return parse_size(value, "budget")
+    except ConfigError:
+        raise argparse.ArgumentTypeError(
+            f"budget {text!r}: expected a size (2GiB) or a fraction of the model (25% or 0.25)"
+        ) from None
+
+
+BUDGET_HELP = ("device budget: a size (2GiB) or a fraction of the model's weights "
+               "(25%% or 0.25; 150%% = one and a half models)")
+
+
+def budget_fraction(value, model_bytes):
+    """A budget() value as a fraction of `model_bytes`."""
+    if value is None or isinstance(value, float):
+        return value
+    return value / model_bytes
+
+
+def log_level(text):
+    level = text.upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"log level {text!r}: expected one of "
+                                         f"{', '.join(LOG_LEVELS)}")
+    return level
+
+
+def positive_int(text):
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 1")
+    return n
+
+
+def seconds(text):
+    try:
+        s = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < s < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be > 0")
+    return s
+
+
+def setup_logging(level):
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def emit(result, as_json):
+    if as_json:
+        print(json.dumps(result, indent=2, sort_keys=True, default=str))
+    else:
+        print_tree(result)
+
+
+def print_tree(value, indent=0):
+    pad = "  " * indent
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(v, (dict, list)) and v:
+                print(f"{pad}{k}:")
+                print_tree(v, indent + 1)
+            else:
+                print(f"{pad}{k}: {v}")
+    elif isinstance(value, list):
+        for v in value:
+            if isinstance(v, (dict, list)):
+                print_tree(v, indent + 1)
+                print()
+            else:
+                print(f"{pad}- {v}")
+    else:
+        print(f"{pad}{value}")

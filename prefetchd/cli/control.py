@@ -1,0 +1,199 @@
+"""Control-plane verbs: status, ctl, keys.
+
+    prefetchd status [--endpoint EP] [--json]            one daemon, or a serve front and its workers
+    prefetchd ctl [--endpoint EP] OP [NAMES...]          ping|list|stats|prefetch|evict|pin|renew|
+                                                         unpin|flush|set-watermarks
+    prefetchd keys DIR [--client NAME ...]               CURVE certificates for tcp endpoints
+
+The endpoint defaults to the configured `endpoint` (--config / PREFETCHD_ENDPOINT),
+else ipc://$XDG_RUNTIME_DIR/prefetchd/<name>.sock. For a CURVE-protected tcp
+endpoint pass --curve-dir DIR (the directory `prefetchd keys` made): the client
+then uses DIR/server.key and DIR/client.key_secret.
+"""
+import json
+import os
+
+from .common import UsageError, seconds
+
+
+def register(sub):
+    p = sub.add_parser("status", help="residency, memory and queue of a running daemon or serve front")
+    _client_args(p)
+    p.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("ctl", help="send one control-plane request (prints the JSON reply)")
+    _client_args(p)
+    p.add_argument("op", choices=["ping", "list", "stats", "prefetch", "evict", "pin", "renew", "unpin",
+                                  "flush", "set-watermarks"], help="the operation")
+    p.add_argument("args", nargs="*",
+                   help="tensor names or globs (prefetch/evict/pin/flush/list), a lease id "
+                        "(renew/unpin), or HIGH [LOW] (set-watermarks: a size like 2GiB, or a "
+                        "fraction of the budget like 90%% or 0.9)")
+    p.add_argument("--lease", type=seconds, default=30.0,
+                   help="pin: lease seconds (renew before it ends; default 30)")
+    p.add_argument("--priority", type=int, default=0, help="prefetch: priority (higher first; 0)")
+    p.add_argument("--no-wait", action="store_true", help="prefetch/evict/flush: reply once queued")
+    p.set_defaults(func=cmd_ctl)
+
+    p = sub.add_parser("keys", help="create CURVE certificates for a tcp control endpoint")
+    p.add_argument("dir", help="directory to create (0700)")
+    p.add_argument("--client", action="append", default=None,
+                   help="client certificate name (repeatable; default: client)")
+    p.set_defaults(func=cmd_keys)
+
+
+def _client_args(p):
+    p.add_argument("--endpoint", help="control endpoint (default: configured endpoint, else the "
+                                      "default ipc socket of --name)")
+    p.add_argument("--name", default=None, help="daemon name for the default ipc endpoint")
+    p.add_argument("--config", help="TOML file (default: $PREFETCHD_CONFIG)")
+    p.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for a reply (5)")
+    p.add_argument("--curve-dir", help="directory made by `prefetchd keys` (server.key, client.key_secret)")
+
+
+def _client(args):
+    from ..config import Config
+    from ..control import Client
+
+    endpoint, name = args.endpoint, args.name
+    if endpoint is None or name is None:
+        config = Config.load(args.config)
+        endpoint = endpoint or config.endpoint
+        name = name or config.name
+    kwargs = {}
+    if args.curve_dir:
+        kwargs = {"server_public_key": os.path.join(args.curve_dir, "server.key"),
+                  "client_keys": os.path.join(args.curve_dir, "client.key_secret")}
+    return Client(endpoint, timeout=args.timeout, name=name, **kwargs)
+
+
+# ----------------------------------------------------------------------------- status
+
+def _bytes(n):
+    n = float(n or 0)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _daemon_lines(st, indent=""):
+    dev = st.get("device", {})
+    states = st.get("states", {})
+    srv = st.get("server", {})
+    lines = [
+        f"{indent}daemon   {st.get('name')}{' (closing)' if st.get('closed') else ''}, "
+        f"backend {st.get('backend')}, io {st.get('io_engine')}",
+        f"{indent}device   {_bytes(dev.get('used'))} / {_bytes(dev.get('capacity'))} "
+        f"({100 * dev.get('usage_ratio', 0):.1f}%), peak {_bytes(dev.get('peak'))}, "
+        f"watermarks {_bytes(dev.get('high_watermark'))} / {_bytes(dev.get('low_watermark'))}",
+        f"{indent}tensors  {st.get('tensors')} (" + ", ".join(f"{k} {v}" for k, v in states.items())
+        + f"); pinned {st.get('pinned')} ({_bytes(st.get('pinned_bytes'))})",
+        f"{indent}queue    depth {st.get('queue_depth')}, in flight {st.get('in_flight')}",
+    ]
+    if srv:
+        lines.append(f"{indent}server   {srv.get('endpoint')}: outstanding {srv.get('outstanding')}, "
+                     f"leases {srv.get('leases')}, busy {srv.get('busy')}, "
+                     f"malformed {srv.get('malformed')}, timeouts {srv.get('timeouts')}")
+    return lines
+
+
+def format_status(st):
+    if "front" in st:
+        front = st["front"]
+        lines = [f"serve front {front['endpoint']} (pid {front['pid']}), hints "
+                 f"{'on' if front['hints'] else 'off'}, queued {front['queued']}, "
+                 f"models {', '.join(front['models'])}",
+                 "counters " + ", ".join(f"{k} {v}" for k, v in sorted(front["counters"].items()))]
+        for w in st["workers"]:
+            lines.append(f"worker {w['index']}: pid {w['pid']}, {'ready' if w['ready'] else 'starting'}, "
+                         f"in flight {w['inflight']}, served {w['served']}, failed {w['failed']}, "
+                         f"deaths {w['deaths']}, last model {w['last_model']}")
+            daemon = w.get("daemon") or {}
+            if "error" in daemon:
+                lines.append(f"  daemon: {daemon['error']}")
+            else:
+                lines.extend(_daemon_lines(daemon, "  "))
+        return "\n".join(lines)
+    return "\n".join(_daemon_lines(st))
+
+
+def cmd_status(args):
+    with _client(args) as client:
+        st = client.status()
+    if args.json:
+        print(json.dumps(st, indent=2, sort_keys=True))
+    else:
+        print(format_status(st))
+    return 0
+
+
+# ----------------------------------------------------------------------------- ctl
+
+def _target(values):
+    if len(values) == 1 and any(c in values[0] for c in "*?["):
+        return {"pattern": values[0]}
+    if any(any(c in v for c in "*?[") for v in values):
+        raise UsageError("ctl: give one glob or a list of exact names")
+    return {"names": values}
+
+
+def cmd_ctl(args):
+    op, values = args.op, args.args
+    with _client(args) as c:
+        if op in ("ping", "stats"):
+            result = c.call(op)
+        elif op == "list":
+            result = c.list(values[0] if values else "*")
+        elif op in ("prefetch", "evict", "pin"):
+            if not values:
+                raise UsageError(f"ctl {op}: name the tensors (names or one glob)")
+            extra = {"lease": args.lease} if op == "pin" else {"wait": not args.no_wait}
+            if op == "prefetch":
+                extra["priority"] = args.priority
+            result = c.call(op, **_target(values), **extra)
+        elif op == "flush":
+            result = c.call("flush", wait=not args.no_wait, **(_target(values) if values else {}))
+        elif op in ("renew", "unpin"):
+            if not values:
+                raise UsageError(f"ctl {op}: give the lease id that pin printed")
+            result = c.call(op, lease=values)
+        else:  # set-watermarks
+            if not 1 <= len(values) <= 2:
+                raise UsageError("ctl set-watermarks: give HIGH [LOW]")
+            high, low = (_watermark(v) for v in (values + [None])[:2])
+            result = c.set_watermarks(high, low)
+    print(json.dumps(result, indent=2, sort_keys=True))
+    return 0
+
+
+def _watermark(text):
+    """A watermark for the daemon: bytes (int), a size string, or a fraction (float; 90% = 0.9)."""
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        return text
+
+
+# ----------------------------------------------------------------------------- keys
+
+def cmd_keys(args):
+    from ..control.keys import AUTHORIZED_DIR, create_keys
+
+    clients = args.client or ["client"]
+    directory = create_keys(args.dir, clients)
+    print(f"server certificate: {os.path.join(directory, 'server.key_secret')} (keep private)")
+    print(f"server public key:  {os.path.join(directory, 'server.key')} (give to clients)")
+    for c in clients:
+        print(f"client {c}: {os.path.join(directory, c + '.key_secret')}, authorized in "
+              f"{os.path.join(directory, AUTHORIZED_DIR)}")
+    print(f"serve with:   daemon.serve('tcp://127.0.0.1:5555', curve_keys_dir={directory!r})")
+    print(f"connect with: prefetchd status --endpoint tcp://127.0.0.1:5555 --curve-dir {directory}")
+    return 0

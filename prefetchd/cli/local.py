@@ -1,0 +1,125 @@
+"""Verbs that run in this process: demo, bench, stage, config, collect-env."""
+import os
+import sys
+
+from .common import BUDGET_HELP, budget, budget_fraction, emit, positive_int, size
+
+
+def register(sub):
+    p = sub.add_parser("collect-env", help="versions, native build, and the I/O engine the probe picks")
+    p.add_argument("--store", help="directory to probe (default: $PREFETCHD_STORE_DIR or cwd)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(func=cmd_collect_env)
+
+    p = sub.add_parser("config", help="show or validate the merged configuration")
+    p.add_argument("action", choices=["show", "validate"], help="show the merged settings, or "
+                                                                "only check them")
+    p.add_argument("--config", help="TOML file (default: $PREFETCHD_CONFIG)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("demo", help="stream a model larger than the device budget and check its outputs")
+    p.add_argument("--size", type=size, default=2 << 30, help="model weight bytes (default 2GiB)")
+    p.add_argument("--hidden", type=positive_int, default=1024, help="model width (default 1024)")
+    p.add_argument("--budget", type=budget, default=0.25, help=BUDGET_HELP + " (default 25%%)")
+    p.add_argument("--batch", type=positive_int, default=8, help="batch size of an input (8)")
+    p.add_argument("--seq", type=positive_int, default=16, help="sequence length of an input (16)")
+    p.add_argument("--lookahead", type=positive_int, default=2, help="units prefetched ahead (2)")
+    p.add_argument("--passes", type=positive_int, default=3, help="forward passes to check (3)")
+    p.add_argument("--tier", choices=["remote", "host"], default="remote",
+                   help="where the weights live between uses (default: remote = files on disk)")
+    p.add_argument("--store", help="store directory (default: a temporary directory)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT while running")
+    p.add_argument("--hold", type=float, default=0.0, help="keep serving metrics this many seconds at the end")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("stage", help="import a .ckpt or .safetensors file into a store (remote tier)")
+    p.add_argument("checkpoint", help="the .ckpt or .safetensors file")
+    p.add_argument("--store", required=True, help="store directory to write")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(func=cmd_stage)
+
+    from ..bench import runner
+    p = sub.add_parser("bench", conflict_handler="resolve",
+                       help="benchmarks (ratios against baselines measured in the same run)")
+    runner.add_arguments(p)
+    # Same units as every other verb (these replace the runner's flags of the same name).
+    p.add_argument("--budget", type=budget, default=None,
+                   help=BUDGET_HELP + " (model: 25%%; serve: 50%% of a worker's weights)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="runs of each measurement (3)")
+    p.add_argument("--lookahead", type=positive_int, default=2, help="model/serve: units prefetched ahead (2)")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_collect_env(args):
+    import importlib.metadata as md
+    import platform
+    import tempfile
+
+    from .. import __version__, _native
+    from ..backend.base import open_store
+    from ..config import Config
+    versions = {}
+    for pkg in ("mindspore", "numpy", "pyzmq", "prometheus_client"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    store_dir = args.store or os.environ.get("PREFETCHD_STORE_DIR") or os.getcwd()
+    try:
+        with tempfile.TemporaryDirectory(dir=store_dir, prefix=".prefetchd-probe-") as d:
+            store = open_store(Config.load(store_dir=d))
+            probe = {"directory": store_dir, "engine": store.engine, "direct": store.direct,
+                     "report": store.probe_report}
+            store.close()
+    except Exception as e:  # noqa: BLE001 - report, don't fail: collect-env is for bug reports
+        probe = {"directory": store_dir, "error": str(e)}
+    emit({"prefetchd": __version__, "python": platform.python_version(),
+          "platform": platform.platform(), "cpus": os.cpu_count(), "packages": versions,
+          "native": _native.build_info(), "io_probe": probe}, args.json)
+
+
+def cmd_config(args):
+    from ..config import Config
+    config = Config.load(args.config)          # ConfigError: one line, exit 1
+    if args.action == "validate":
+        print("configuration OK")
+    else:
+        emit(config.as_dict(), args.json)
+    return 0
+
+
+def cmd_demo(args):
+    from ..demo import run_demo
+    args.budget = budget_fraction(args.budget, args.size)
+    return run_demo(args)
+
+
+def cmd_stage(args):
+    from ..staging import stage_checkpoint
+    if not os.path.isfile(args.checkpoint):
+        raise FileNotFoundError(f"checkpoint {args.checkpoint}: no such file")
+    report = stage_checkpoint(args.checkpoint, args.store,
+                              progress=not args.quiet and sys.stderr.isatty())
+    emit(report, args.json)
+
+
+def cmd_bench(args):
+    if args.kind == "serve":
+        from ..bench.serve import bench_serve
+        from ..serve.spec import ServeSpec
+        spec = ServeSpec(hidden=args.hidden or 256, layers=args.layers or 4)
+        args.budget = budget_fraction(args.budget, 3 * spec.model_bytes())
+        result = bench_serve(args)
+    else:
+        from ..bench import runner
+        from ..config import parse_size
+        if args.budget is None:
+            args.budget = 0.25
+        elif not isinstance(args.budget, float):
+            args.budget = args.budget / parse_size(args.size, "--size")
+        result = runner.run(args)
+    emit(result, args.json)
+    return 0 if result.get("ok", True) else 1

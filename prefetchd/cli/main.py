@@ -1,0 +1,63 @@
+"""The `prefetchd` command.
+
+    prefetchd demo                    stream a model larger than its device budget, check outputs
+    prefetchd bench {io,sched,model,serve,soak} [--json]
+    prefetchd stage CHECKPOINT --store DIR
+    prefetchd config {show,validate} [--config FILE]
+    prefetchd collect-env
+    prefetchd status|ctl|keys         the ZeroMQ control plane (prefetchd.cli.control)
+    prefetchd serve                   front + N inference workers (prefetchd.cli.serve)
+
+Settings come from defaults < --config FILE / $PREFETCHD_CONFIG < PREFETCHD_* env < flags.
+Errors are one line on stderr (`prefetchd: error: ...`): exit code 2 for a command
+line that cannot be run, 1 for a failure; --debug adds the traceback.
+"""
+import os
+import sys
+import traceback
+
+from .common import Parser, UsageError, log_level, setup_logging
+
+
+def build_parser():
+    from .. import __version__
+    from . import control, local, serve
+
+    parser = Parser(prog="prefetchd",
+                    description="Tiered-memory prefetcher for MindSpore (device / host / NVMe).")
+    parser.add_argument("--version", action="version", version=f"prefetchd {__version__}",
+                        help="print the version and exit")
+    parser.add_argument("--log-level", type=log_level,
+                        default=os.environ.get("PREFETCHD_LOG_LEVEL", "WARNING").upper(),
+                        help="DEBUG, INFO, WARNING (default; or $PREFETCHD_LOG_LEVEL), ERROR")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of an error (and log at DEBUG)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    local.register(sub)
+    control.register(sub)
+    serve.register(sub)
+    return parser
+
+
+def main(argv=None):
+    """Run one verb; returns the exit code (argparse exits with 2 on a bad command line)."""
+    args = build_parser().parse_args(argv)
+    setup_logging("DEBUG" if args.debug else args.log_level)
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    except UsageError as e:
+        return _fail(args, e, 2)
+    except Exception as e:  # noqa: BLE001 - every verb's failure is one line
+        return _fail(args, e, 1)
+
+
+def _fail(args, exc, code):
+    if args.debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    message = str(exc) or type(exc).__name__
+    if not isinstance(exc, (UsageError, OSError)) and type(exc).__module__ == "builtins":
+        message = f"{type(exc).__name__}: {message}"      # an unexpected error says what it is
+    print(f"prefetchd: error: {' '.join(message.split())}", file=sys.stderr)
+    return code

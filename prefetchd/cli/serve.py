@@ -1,0 +1,101 @@
+"""`prefetchd serve`: a front and N spawned inference workers (prefetchd.serve).
+
+Options come from flags > the [serve] table of the config file > defaults."""
+import argparse
+import logging
+import sys
+
+from ..config import ENV_PREFIX, ConfigError
+from .common import BUDGET_HELP, budget, positive_int, seconds
+
+SERVE_DEFAULTS = {"endpoint": None, "workers": 2, "models": 2, "hidden": 256, "layers": 4,
+                  "batch": 4, "seq": 16, "budget": None, "lookahead": 2, "store": None,
+                  "hints": True, "request_timeout": 30.0, "metrics_port": None,
+                  "metrics_addr": "127.0.0.1", "model": None, "model_bytes": None}
+
+
+def register(sub):
+    p = sub.add_parser("serve", help="multi-process inference server: a front and N workers")
+    p.add_argument("--config", help="TOML file (default: $PREFETCHD_CONFIG): [prefetchd] for the "
+                                    "workers' daemons, [serve] for these options")
+    p.add_argument("--endpoint", help="front endpoint for inference clients (default ipc://serve.sock "
+                                      "in the runtime directory)")
+    p.add_argument("--workers", type=positive_int, help="worker processes (2)")
+    p.add_argument("--model", help="module:function returning (cell, input_spec) for one weight "
+                                   "set, called as function(seed=N) (default: the demo model)")
+    p.add_argument("--model-bytes", type=_size, help="weight bytes of one --model weight set, for "
+                                                     "a fractional --budget (e.g. 512MiB)")
+    p.add_argument("--models", type=positive_int, help="weight sets per worker, m0, m1, ... (2)")
+    p.add_argument("--hidden", type=positive_int, help="demo model width (256)")
+    p.add_argument("--layers", type=positive_int, help="demo model blocks (4)")
+    p.add_argument("--batch", type=positive_int, help="demo model: batch of a request (4)")
+    p.add_argument("--seq", type=positive_int, help="demo model: sequence length of a request (16)")
+    p.add_argument("--budget", type=budget,
+                   help=BUDGET_HELP + " per worker (default: the configured device_budget, else 150%%)")
+    p.add_argument("--lookahead", type=positive_int, help="units prefetched ahead, and covered by a hint (2)")
+    p.add_argument("--store", help="root of the workers' stores (default: the configured store_dir, "
+                                   "else a temporary directory)")
+    p.add_argument("--no-hints", dest="hints", action="store_false", default=None,
+                   help="do not send prefetch hints to workers")
+    p.add_argument("--request-timeout", type=seconds, help="seconds before a request gets TIMEOUT (30)")
+    p.add_argument("--metrics-port", type=int,
+                   help="export the front's and all workers' metrics on this port (0: any free one)")
+    p.add_argument("--metrics-addr", help="address of the metrics port (127.0.0.1)")
+    p.set_defaults(func=cmd_serve)
+
+
+def _size(text):
+    from .common import size
+    return size(text)
+
+
+def serve_options(args):
+    """Options of `prefetchd serve`: flags > the [serve] table of the config file > defaults."""
+    import os
+    path = args.config or os.environ.get(ENV_PREFIX + "CONFIG")
+    from ..serve.spec import load_section
+    table = dict(load_section(path, "serve")) if path else {}
+    unknown = sorted(set(table) - set(SERVE_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"[serve] {unknown[0]}: unknown setting (from file {path}); known: "
+                          f"{', '.join(SERVE_DEFAULTS)}")
+    if isinstance(table.get("budget"), (str, int, float)) and not isinstance(table["budget"], bool):
+        try:
+            table["budget"] = budget(str(table["budget"]))
+        except argparse.ArgumentTypeError as e:
+            raise ConfigError(f"[serve] budget (from file {path}): {e}") from None
+    options = {}
+    for key, default in SERVE_DEFAULTS.items():
+        flag = getattr(args, key, None)
+        options[key] = flag if flag is not None else table.get(key, default)
+    options["config"] = path
+    return options
+
+
+def serve_spec(o, log_level="WARNING"):
+    from ..serve.spec import DEMO_FACTORY, ServeSpec, load_factory
+    model = o["model"] or DEMO_FACTORY
+    load_factory(model)                 # a bad --model fails here, not in every worker
+    if (model != DEMO_FACTORY and isinstance(o["budget"], float) and not o["model_bytes"]):
+        raise ConfigError("--budget as a fraction of a --model needs --model-bytes "
+                          "(or give the budget as a size, e.g. 2GiB)")
+    return ServeSpec(models=o["models"], hidden=o["hidden"], layers=o["layers"], batch=o["batch"],
+                     seq=o["seq"], budget=o["budget"], lookahead=o["lookahead"],
+                     store_dir=o["store"], log_level=log_level, config_path=o["config"],
+                     model=model, model_bytes_hint=o["model_bytes"])
+
+
+def cmd_serve(args):
+    from ..serve import Front
+
+    o = serve_options(args)
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    spec = serve_spec(o, level)
+    front = Front(o["endpoint"], workers=o["workers"], spec=spec, hints=o["hints"],
+                  request_timeout=o["request_timeout"], metrics_port=o["metrics_port"],
+                  metrics_addr=o["metrics_addr"])
+    print(f"prefetchd serve: starting {o['workers']} workers; front on {front.endpoint}"
+          + (f"; metrics on {o['metrics_addr']}:{o['metrics_port']}"
+             if o["metrics_port"] is not None else ""), file=sys.stderr)
+    front.serve_forever()
+    return 0

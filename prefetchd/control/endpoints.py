@@ -1,0 +1,168 @@
+"""Where the control plane listens: endpoint strings, private ipc directories,
+loopback checks, and binding without exposing a socket to other users.
+
+    ipc://            <runtime dir>/<name>.sock
+    ipc://x.sock      <runtime dir>/x.sock
+    ipc:///abs/x.sock that path; its directory must be ours and not group/world-writable
+    tcp://host:port   loopback only unless allow_remote (see prefetchd.control.server)
+
+The runtime dir is $XDG_RUNTIME_DIR/prefetchd, else /tmp/prefetchd-<uid>, 0700.
+"""
+import ipaddress
+import os
+import socket
+import stat
+
+from ..config import ConfigError
+
+IPC_PATH_MAX = 107          # sun_path is 108 bytes with the terminating NUL
+
+
+def ensure_private_dir(path):
+    """Create `path` as a 0700 directory, or check that the existing one is ours and
+    make it private (the runtime directory is ours to fix)."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"endpoint directory {path} exists and is not a directory")
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"endpoint directory {path} belongs to uid {st.st_uid}, not to us "
+                          f"({os.getuid()}); refusing to put a socket there")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def check_private_dir(path):
+    """Refuse a directory the user named for an ipc socket unless it is ours and not
+    group/world-writable: anyone who can write there could replace our socket file
+    with theirs. Unlike `ensure_private_dir` it never changes the directory."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"endpoint directory {path} is not a directory")
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"endpoint directory {path} belongs to uid {st.st_uid}, not to us "
+                          f"({os.getuid()}); put the socket in a directory of our own "
+                          f"(e.g. ipc://name.sock for the runtime directory)")
+    if stat.S_IMODE(st.st_mode) & 0o022:
+        raise ConfigError(f"endpoint directory {path} is group- or world-writable "
+                          f"(mode {stat.S_IMODE(st.st_mode):o}); put the socket in a private "
+                          f"directory (e.g. ipc://name.sock for the runtime directory)")
+    return path
+
+
+def runtime_dir():
+    """$XDG_RUNTIME_DIR/prefetchd, or /tmp/prefetchd-<uid>; created 0700."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = os.path.join(base, "prefetchd") if base else f"/tmp/prefetchd-{os.getuid()}"
+    return ensure_private_dir(path)
+
+
+def default_endpoint(name="default"):
+    return f"ipc://{os.path.join(runtime_dir(), name + '.sock')}"
+
+
+def ipc_path(endpoint, name):
+    """The socket path of an ipc endpoint: 'ipc://' -> <runtime>/<name>.sock, 'ipc://x' -> <runtime>/x."""
+    rest = endpoint[len("ipc://"):]
+    if not rest:
+        return os.path.join(runtime_dir(), f"{name}.sock")
+    if "/" not in rest:
+        return os.path.join(runtime_dir(), rest)
+    return rest
+
+
+def split_tcp(endpoint):
+    """(host, port) of a tcp:// endpoint; brackets of an IPv6 host removed."""
+    rest = endpoint[len("tcp://"):]
+    host, sep, port = rest.rpartition(":")
+    if not sep:
+        raise ConfigError(f"endpoint {endpoint!r}: tcp endpoints need a port (tcp://127.0.0.1:5555)")
+    return host.strip("[]"), port
+
+
+def is_loopback(host):
+    if host in ("", "localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def join_tcp(host, port):
+    return f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+def resolve_endpoint(endpoint, name="default", *, bind=False, allow_remote=False):
+    """A zmq address for `endpoint` (see the module docstring); tcp defaults to loopback."""
+    if endpoint in (None, "", "ipc", "default"):
+        endpoint = "ipc://"
+    if endpoint.startswith("ipc://"):
+        path = ipc_path(endpoint, name)
+        if len(path.encode()) > IPC_PATH_MAX:
+            raise ConfigError(f"endpoint {endpoint!r}: ipc path {path} is longer than "
+                              f"{IPC_PATH_MAX} bytes; use a shorter name or directory")
+        return "ipc://" + path
+    if endpoint.startswith("tcp://"):
+        host, port = split_tcp(endpoint)
+        if host in ("", "localhost"):
+            host = "127.0.0.1"
+        if bind:
+            if not is_loopback(host) and not allow_remote:
+                raise ConfigError(f"endpoint {endpoint!r}: tcp binds loopback unless told otherwise; "
+                                  f"pass allow_remote=True (and set curve_keys_dir) to listen on {host}")
+            if port in ("0", ""):
+                port = "*"
+        return join_tcp(host, port)
+    raise ConfigError(f"endpoint {endpoint!r}: expected ipc://[path] or tcp://host:port")
+
+
+def bind(sock, address):
+    """Bind `sock`; for ipc returns (path, inode) of the socket file so that the
+    owner can remove exactly that file later (libzmq leaves it behind), else None.
+
+    ipc: the directory must be private (created 0700 if missing), the bind runs
+    under umask 0177 (no chmod race), and a path a live server listens on is refused.
+    """
+    if not address.startswith("ipc://"):
+        sock.bind(address)
+        return None
+    path = address[len("ipc://"):]
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        os.makedirs(os.path.dirname(parent), exist_ok=True)
+        ensure_private_dir(parent)
+    else:
+        check_private_dir(parent)
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(0.5)
+            probe.connect(path)
+        except OSError:
+            pass            # stale file of a dead server; libzmq replaces it
+        else:
+            raise ConfigError(f"endpoint {address}: another server is listening there")
+        finally:
+            probe.close()
+    old = os.umask(0o177)
+    try:
+        sock.bind(address)
+    finally:
+        os.umask(old)
+    return path, os.stat(path).st_ino
+
+
+def unlink_ipc_files(files):
+    """Remove the socket files `bind` returned, if they are still the same files."""
+    for path, inode in files:
+        try:
+            if os.stat(path).st_ino == inode:
+                os.unlink(path)
+        except OSError:
+            pass

@@ -1,0 +1,12 @@
+"""`prefetchd serve`: a multi-process inference server with prefetch hints.
+
+    spec     ServeSpec, model factories (--model module:function), worker Configs
+    worker   the worker process: a Daemon, its control Server, the offloaded models
+    pool     worker processes and which one takes the next request
+    front    the front's op table (infer, status, ping) and routing
+    metrics  the front's Prometheus collector
+"""
+from .front import Front
+from .spec import ServeSpec, worker_config
+
+__all__ = ["Front", "ServeSpec", "worker_config"]

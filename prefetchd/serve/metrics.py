@@ -1,0 +1,108 @@
+"""Prometheus metrics of a `prefetchd serve` front: its own prefetchd_serve_*
+series (from Front.snapshot()) plus every worker's daemon series, fetched over
+the workers' control endpoints at scrape time (one `stats` request each) and
+merged; the `daemon` label tells workers apart. A worker that does not answer
+within a second is left out of that scrape and shows as prefetchd_serve_worker_up 0."""
+import threading
+
+from ..control.client import Client
+from ..control.stats_codec import stats_from_json
+
+
+class FrontCollector:
+    def __init__(self, front, timeout=1.0):
+        self._front = front
+        self._timeout = timeout
+        self._clients = {}
+        self._lock = threading.Lock()
+
+    def _client(self, endpoint):
+        with self._lock:
+            if endpoint not in self._clients:
+                self._clients[endpoint] = Client(endpoint, timeout=self._timeout)
+            return self._clients[endpoint]
+
+    def close(self):
+        with self._lock:
+            for c in self._clients.values():
+                c.close()
+            self._clients.clear()
+
+    def _worker_families(self, workers, up):
+        merged = {}
+        from ..metrics import DaemonCollector
+        for w in workers:
+            doc = None
+            if w["ready"]:
+                try:
+                    doc = self._client(w["control"]).stats()
+                except Exception:  # noqa: BLE001 - a scrape reports what it can
+                    doc = None
+            up.add_metric([str(w["index"])], 1 if doc else 0)
+            if not doc:
+                continue
+            for fam in DaemonCollector.families(doc["status"], stats_from_json(doc["stats"])):
+                if fam.name in merged:
+                    merged[fam.name].samples.extend(fam.samples)
+                else:
+                    merged[fam.name] = fam
+        return list(merged.values())
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snap = self._front.snapshot()
+        counters = snap["counters"]
+        up = GaugeMetricFamily("prefetchd_serve_worker_up",
+                               "1 if the worker answered this scrape's stats request.",
+                               labels=["worker"])
+        workers = self._worker_families(snap["workers"], up)
+        requests = CounterMetricFamily("prefetchd_serve_requests",
+                                       "Inference requests accepted by the front.")
+        requests.add_metric([], counters.get("requests", 0))
+        errors = CounterMetricFamily("prefetchd_serve_errors",
+                                     "Error replies of the front, by code.", labels=["code"])
+        for key, n in sorted(counters.items()):
+            if key.startswith("error:"):
+                errors.add_metric([key[len("error:"):]], n)
+        hints = CounterMetricFamily("prefetchd_serve_hints",
+                                    "Prefetch hints sent to workers, by outcome.", labels=["outcome"])
+        for outcome in ("sent", "ok", "failed", "dropped"):
+            hints.add_metric([outcome], counters.get(f"hints_{outcome}", 0))
+        deaths = CounterMetricFamily("prefetchd_serve_worker_deaths",
+                                     "Worker processes that exited unexpectedly.")
+        deaths.add_metric([], counters.get("worker_deaths", 0))
+        queue = GaugeMetricFamily("prefetchd_serve_queue_depth",
+                                  "Requests waiting in the front for a worker.")
+        queue.add_metric([], snap["queued"])
+        ready = GaugeMetricFamily("prefetchd_serve_workers_ready", "Workers ready to serve.")
+        ready.add_metric([], sum(1 for w in snap["workers"] if w["ready"]))
+        return [requests, errors, hints, deaths, queue, ready, up, *workers]
+
+
+def start_front_exporter(front, addr="127.0.0.1", port=0):
+    """Serve the front's and its workers' metrics on http://addr:port/metrics; the
+    returned Exporter's close() also closes the collector's clients."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from ..metrics import Exporter
+
+    collector = FrontCollector(front)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    server, thread = start_http_server(int(port), addr=addr or "127.0.0.1", registry=registry)
+    thread.name = f"prefetchd-metrics-{front.name}"
+    return _FrontExporter(Exporter(registry, server, thread), collector)
+
+
+class _FrontExporter:
+    """An Exporter plus the collector whose clients it must close."""
+
+    def __init__(self, exporter, collector):
+        self._exporter = exporter
+        self._collector = collector
+        self.port = exporter.port
+
+    def close(self, timeout=5.0):
+        self._exporter.close(timeout)
+        self._collector.close()

@@ -1,0 +1,147 @@
+"""The workers of a front: their processes (spawn), their control sockets, and
+which one takes the next request. Used on the front's I/O thread only."""
+import dataclasses
+import logging
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from .worker import worker_main
+
+log = logging.getLogger("prefetchd.serve.pool")
+
+MAX_START_FAILURES = 3          # deaths before READY, in a row, before a slot gives up
+
+
+@dataclass
+class WorkerSlot:
+    index: int
+    control: str                   # the worker daemon's control endpoint
+    generation: int = 0
+    process: object = None
+    identity: bytes = b""
+    ctl: object = None             # DEALER to the worker's control Server
+    ready: bool = False
+    pid: int | None = None
+    hints: dict = field(default_factory=dict)   # model -> tensor names of its first units
+    inflight: dict = field(default_factory=dict)
+    last_model: str | None = None
+    served: int = 0
+    failed: int = 0
+    deaths: int = 0
+    start_failures: int = 0
+    spawned_at: float = 0.0
+
+    def public(self):
+        """A JSON-able snapshot (what status and metrics report)."""
+        return {"index": self.index, "pid": self.pid, "ready": self.ready,
+                "generation": self.generation, "control": self.control,
+                "inflight": len(self.inflight), "served": self.served, "failed": self.failed,
+                "deaths": self.deaths, "last_model": self.last_model}
+
+
+class WorkerPool:
+    """`n` worker slots; `work_endpoint` is the front's ROUTER the workers connect to."""
+
+    def __init__(self, n, control_endpoint, work_endpoint, spec, max_inflight):
+        self.slots = [WorkerSlot(i, control_endpoint(i)) for i in range(n)]
+        self.work_endpoint = work_endpoint
+        self.spec = spec
+        self.max_inflight = max_inflight
+        self._mp = multiprocessing.get_context("spawn")
+        self._ctx = None
+
+    def start(self, ctx):
+        self._ctx = ctx
+        for slot in self.slots:
+            self.spawn(slot)
+
+    def spawn(self, slot):
+        slot.generation += 1
+        slot.ready, slot.pid, slot.last_model = False, None, None
+        slot.identity = f"w{slot.index}-{slot.generation}".encode()
+        slot.process = self._mp.Process(
+            target=worker_main, name=f"prefetchd-worker-{slot.index}", daemon=True,
+            args=(slot.index, slot.generation, dataclasses.asdict(self.spec), self.work_endpoint,
+                  slot.control, os.getpid()))
+        slot.process.start()
+        slot.spawned_at = time.monotonic()
+        if slot.ctl is not None:
+            slot.ctl.close(linger=0)
+        slot.ctl = self._ctx.socket(zmq.DEALER)
+        slot.ctl.linger = 0
+        slot.ctl.connect(slot.control)
+
+    def by_identity(self, identity):
+        return next((s for s in self.slots if s.identity == identity), None)
+
+    def on_ready(self, slot, info):
+        slot.ready, slot.pid, slot.start_failures = True, info["pid"], 0
+        slot.hints = info.get("hints", {})
+        log.info("prefetchd serve: worker %d ready (pid %d)", slot.index, slot.pid)
+
+    def all_ready(self):
+        return all(s.ready for s in self.slots)
+
+    def pick(self, model):
+        """The ready worker with the fewest requests in flight, preferring one whose
+        last model is `model`; None if all are full."""
+        best, best_key = None, None
+        for s in self.slots:
+            if not s.ready or len(s.inflight) >= self.max_inflight:
+                continue
+            key = (len(s.inflight), s.last_model != model, s.index)
+            if best_key is None or key < best_key:
+                best, best_key = s, key
+        return best
+
+    def on_death(self, slot, respawn):
+        """Account for a dead worker; returns (reason, failed jobs). Respawns it unless
+        `respawn` is false or it failed to start too often."""
+        slot.process.join(1.0)        # the sentinel fires just before the child is reapable
+        code = slot.process.exitcode
+        if not slot.ready:
+            slot.start_failures += 1
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
+        reason = f"worker {slot.index} (pid {slot.pid}) died ({how}) while serving the request"
+        jobs = list(slot.inflight.values())
+        log.warning("prefetchd serve: worker %d (pid %s) died (%s); %d requests failed",
+                    slot.index, slot.pid, how, len(jobs))
+        slot.inflight.clear()
+        slot.deaths += 1
+        if slot.start_failures >= MAX_START_FAILURES:
+            log.error("prefetchd serve: worker %d failed to start %d times in a row; giving up "
+                      "(see its log above)", slot.index, MAX_START_FAILURES)
+        if respawn and slot.start_failures < MAX_START_FAILURES:
+            self.spawn(slot)
+        else:
+            slot.process, slot.ready = None, False
+        return reason, jobs
+
+    def none_alive(self):
+        return all(s.process is None for s in self.slots)
+
+    def close_sockets(self):
+        for s in self.slots:
+            if s.ctl is not None:
+                s.ctl.close(linger=0)
+                s.ctl = None
+
+    def stop(self, deadline):
+        """Wait for the workers (they got STOP), then SIGTERM, then SIGKILL, by `deadline`."""
+        procs = [s.process for s in self.slots if s.process is not None]
+        grace = time.monotonic() + min(3.0, max(0.0, deadline - time.monotonic()) / 2)
+        for p in procs:
+            p.join(max(0.0, grace - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.terminate()              # SIGTERM: the worker closes its daemon and exits
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+        return procs

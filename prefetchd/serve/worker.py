@@ -1,0 +1,160 @@
+"""A `prefetchd serve` worker process (spawn): its own Daemon and control Server,
+`spec.models` weight sets of the served model offloaded through it, one request
+at a time from the front's work socket.
+
+Messages on the work socket (a DEALER, identity w<index>-<generation>):
+    -> [READY, JSON {index, generation, pid, control, models, hints}]
+    <- [job id, JSON {model, seed, delay}]    -> [job id, JSON reply {ok, result|code,reason}]
+    <- [STOP]
+`hints` maps each model to the names of its first parameters (definition order:
+what its first forward steps read), up to a quarter of the device budget; the
+front asks the worker to prefetch them before it routes a request for that model
+there.
+"""
+import logging
+import os
+import signal
+import time
+
+import zmq
+
+from ..control import protocol as P
+from .spec import ServeSpec, build_weight_set, worker_config
+
+log = logging.getLogger("prefetchd.serve.worker")
+
+READY = b"READY"
+STOP = b"STOP"
+MAX_DELAY = 60.0
+
+_ready = False
+_stopping = False
+
+
+def make_inputs(input_spec, seed):
+    """Seeded random inputs (mindspore Tensors) of an input spec (see prefetchd.serve.spec)."""
+    import mindspore as ms
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    inputs = []
+    for entry in input_spec:
+        shape, dtype = tuple(entry[0]), np.dtype(entry[1])
+        if np.issubdtype(dtype, np.integer):
+            high = entry[2] if len(entry) > 2 else 2
+            inputs.append(ms.Tensor(rng.integers(0, high, size=shape).astype(dtype)))
+        else:
+            inputs.append(ms.Tensor(rng.standard_normal(shape).astype(dtype)))
+    return inputs
+
+
+def first_parameters(cell, max_bytes):
+    """Names of `cell`'s parameters in definition order, up to `max_bytes` (at least one)."""
+    names, total = [], 0
+    for param in cell.get_parameters():
+        nbytes = param.size * param.itemsize if hasattr(param, "itemsize") else param.nbytes
+        if names and total + nbytes > max_bytes:
+            break
+        names.append(param.name)
+        total += nbytes
+    return names
+
+
+def build_models(spec, daemon):
+    """{name: (cell, input_spec, offload handle, hint names)}: one weight set per model name.
+
+    The one place that decides what a worker runs; everything else treats a model
+    as `cell(*inputs) -> tensor`.
+    """
+    from ..hooks import offload
+
+    models = {}
+    for i, name in enumerate(spec.model_names()):
+        cell, input_spec = build_weight_set(spec, spec.seed + i)
+        cell.update_parameters_name(f"{name}.")
+        hints = first_parameters(cell, spec.device_budget() // 4)
+        # auto_fetch: another model may have evicted this one's next units; a server
+        # fetches them on demand (a stall) rather than failing the request.
+        handle = offload(cell, daemon, lookahead=spec.lookahead, tier=spec.tier, auto_fetch=True)
+        models[name] = (cell, input_spec, handle, hints)
+    return models
+
+
+def _exit_on_sigterm(signum, frame):
+    if _stopping:
+        return                # already closing the daemon: let it finish (its close is bounded)
+    if not _ready:
+        os._exit(0)           # mid-import or mid-build: nothing worth saving, and unwinding
+                              # through MindSpore's initialisation aborts noisily
+    raise SystemExit(0)       # unwinds through the finally that closes the daemon
+
+
+def _run_job(spec, models, inputs, job, index):
+    import numpy as np
+
+    started = time.perf_counter()
+    if job.get("delay"):
+        time.sleep(min(float(job["delay"]), MAX_DELAY))
+    cell, input_spec, _, _ = models[job["model"]]
+    seed = int(job.get("seed", 0))
+    key = (job["model"], seed)
+    if key not in inputs:
+        inputs[key] = make_inputs(input_spec, seed + 1)
+    out = cell(*inputs[key]).asnumpy()
+    return {"model": job["model"], "worker": index, "pid": os.getpid(),
+            "checksum": float(np.float64(out.astype(np.float64).sum())),
+            "compute_seconds": time.perf_counter() - started}
+
+
+def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, parent_pid):
+    """Entry point of a worker process (spawn)."""
+    global _ready, _stopping
+    import faulthandler
+    faulthandler.enable()        # a native crash leaves Python tracebacks in the worker's stderr
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # the front decides when we stop
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # ...and says so with SIGTERM
+    spec = ServeSpec(**spec_dict)
+    logging.basicConfig(level=spec.log_level.upper(),
+                        format=f"%(asctime)s worker-{index} %(name)s %(levelname)s %(message)s")
+    from ..daemon import Daemon
+
+    store = os.path.join(spec.store_dir, f"worker-{index}-{generation}")
+    os.makedirs(store, exist_ok=True)
+    daemon = Daemon(worker_config(spec, index, store)).start()
+    ctx = zmq.Context()
+    models = {}
+    try:
+        daemon.serve(control_endpoint)
+        models = build_models(spec, daemon)
+        inputs = {}
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.identity = f"w{index}-{generation}".encode()
+        sock.connect(work_endpoint)
+        sock.send_multipart([READY, P.dumps({
+            "index": index, "generation": generation, "pid": os.getpid(),
+            "control": control_endpoint, "models": sorted(models),
+            "hints": {name: m[3] for name, m in models.items()}})])
+        _ready = True
+        while True:
+            if not sock.poll(250):
+                if os.getppid() != parent_pid:
+                    log.warning("worker %d: the front is gone; exiting", index)
+                    return
+                continue
+            frames = sock.recv_multipart()
+            if frames[0] == STOP:
+                return
+            job_id, body = frames
+            try:
+                reply = {"ok": True, "result": _run_job(spec, models, inputs, P.loads(body), index)}
+            except Exception as e:  # noqa: BLE001 - the front answers the client
+                log.exception("worker %d: request failed", index)
+                reply = {"ok": False, "code": P.INTERNAL, "reason": f"worker {index}: {e}"}
+            sock.send_multipart([job_id, P.dumps(reply)])
+    finally:
+        _stopping = True
+        for model in models.values():
+            model[2].close()
+        daemon.close(5)
+        ctx.destroy(linger=0)
