@@ -1,0 +1,76 @@
+"""The `prefetchd` command's contract, run as a user would (real subprocesses):
+--version, one-line errors with exit code 2 for a bad command line and 1 for a
+failure, tracebacks only with --debug, and help text for every flag."""
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "prefetchd.cli", *args], capture_output=True,
+                          text=True, cwd=REPO, timeout=120)
+
+
+def one_error_line(out):
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("prefetchd: error: "), out.stderr
+    return lines[0]
+
+
+def test_version():
+    from prefetchd import __version__
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"prefetchd {__version__}"
+
+
+def test_usage_errors_are_one_line_and_exit_2():
+    for args, named in ((["--log-level", "LOUD", "status"], "LOUD"),
+                        (["demo", "--budget", "lots"], "lots"),
+                        (["serve", "--workers", "zero"], "zero"),
+                        (["frobnicate"], "frobnicate")):
+        out = run(*args)
+        assert out.returncode == 2, (args, out.stderr)
+        assert named in one_error_line(out)
+
+
+def test_failures_are_one_line_exit_1_and_traceback_only_with_debug(tmp_path):
+    missing = tmp_path / "nope.ckpt"
+    out = run("stage", str(missing), "--store", str(tmp_path / "s"))
+    assert out.returncode == 1 and str(missing) in one_error_line(out)
+    assert "Traceback" not in out.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[prefetchd]\nlookahead = "many"\n')
+    out = run("config", "validate", "--config", str(bad))
+    assert out.returncode == 1 and "lookahead" in one_error_line(out)
+    out = run("--debug", "config", "validate", "--config", str(bad))
+    assert out.returncode == 1 and "Traceback" in out.stderr
+    out = run("serve", "--model", "no_such_module_x:build")
+    assert out.returncode == 1 and "no_such_module_x" in one_error_line(out)
+
+
+# prefetchd/bench/runner.py defines `bench KIND` without help (not this package's file;
+# reported to its owner). Every other flag and argument must have help.
+OWNED_BY_BENCH_RUNNER = {("bench", "kind")}
+
+
+def test_every_flag_has_help_and_budget_means_the_same_everywhere():
+    import argparse
+
+    from prefetchd.cli import build_parser
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    verbs = {"root": parser, **subs.choices}
+    for verb, p in verbs.items():
+        for action in p._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            if (verb, action.dest) in OWNED_BY_BENCH_RUNNER:
+                continue
+            assert action.help, f"{verb}: {action.option_strings or action.dest} has no help"
+    for verb in ("demo", "bench", "serve"):
+        out = run(verb, "--help")
+        assert out.returncode == 0 and "25%" in out.stdout and "2GiB" in out.stdout, verb
