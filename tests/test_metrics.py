@@ -1,11 +1,17 @@
 """prefetchd.metrics: exposition names, types and labels; values that follow the
 daemon's work; per-daemon registries; the HTTP exporter's lifecycle; and the
 dashboard/alert files only referring to metrics that exist."""
+import gzip
 import importlib.metadata
 import json
+import logging
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -32,8 +38,17 @@ UNIT_SUFFIXES = ("_bytes", "_seconds", "_ratio", "_info", "_total", "_depth", "_
                  "_in_flight")
 
 
+PROCESS = {"process_cpu_seconds", "process_open_fds", "process_max_fds", "process_resident_memory_bytes",
+           "process_virtual_memory_bytes", "process_start_time_seconds"}
+
+
 def parse(text):
     return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def ours(families):
+    """The daemon's own families (the standard process_* ones are checked on their own)."""
+    return {n: f for n, f in families.items() if not n.startswith("process_")}
 
 
 def value(families, family, **labels):
@@ -77,14 +92,29 @@ def test_every_declared_metric_is_exposed_with_its_type(daemon):
     for name, (kind, _doc, _labels) in metrics.METRICS.items():
         assert name in fams, name
         assert fams[name].type == kind, name
-    assert set(fams) == set(metrics.METRICS)
+    assert set(fams) == set(metrics.METRICS) | PROCESS
+    # Transfer seconds are the duration histogram's _sum, not a second counter.
+    assert "prefetchd_transfer_seconds" not in fams
+
+
+def test_process_metrics_describe_this_process(daemon):
+    import os
+    import resource
+    fams = parse(metrics.render(daemon))
+    assert fams["process_cpu_seconds"].type == "counter"
+    (fds,) = fams["process_open_fds"].samples
+    assert abs(fds.value - len(os.listdir("/proc/self/fd"))) <= 3
+    (max_fds,) = fams["process_max_fds"].samples
+    assert max_fds.value == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    (rss,) = fams["process_resident_memory_bytes"].samples
+    assert rss.value > 10 << 20
 
 
 def test_names_follow_prometheus_conventions(daemon):
     register_remote(daemon, 2)
     text = metrics.render(daemon)
     assert ":" not in "".join(line.split("{")[0] for line in text.splitlines() if not line.startswith("#"))
-    for fam in text_string_to_metric_families(text):
+    for fam in ours(parse(text)).values():
         assert NAME_RE.match(fam.name), fam.name
         assert fam.documentation, fam.name
         assert not re.search(r"_(ms|milliseconds|kib|mib|gib|kb|mb|percent|perc)(_|$)", fam.name), fam.name
@@ -102,7 +132,7 @@ def test_names_follow_prometheus_conventions(daemon):
 def test_labels_are_bounded_and_carry_the_daemon(daemon):
     handles = register_remote(daemon, 3, prefix="secret_tensor_")
     daemon.prefetch(handles).result(timeout=30)
-    fams = parse(metrics.render(daemon))
+    fams = ours(parse(metrics.render(daemon)))
     tensor_names = {h.name for h in handles}
     for name, fam in fams.items():
         allowed = {"daemon", *metrics.METRICS[name][2]}
@@ -177,8 +207,13 @@ def test_info_metrics(daemon):
 # ---------------------------------------------------------------------------------- values move
 
 def test_bytes_loaded_equal_bytes_read_from_the_store(daemon):
-    loaded = []
-    daemon.add_listener(lambda e: loaded.append(e["nbytes"]) if e["event"] == "loaded" else None)
+    loaded, load_seconds = [], []
+
+    def listen(event):
+        if event["event"] == "loaded":
+            loaded.append(event["nbytes"])
+            load_seconds.append(event["seconds"])
+    daemon.add_listener(listen)
     handles = register_remote(daemon, 3)
     before = parse(metrics.render(daemon))
     assert value(before, "prefetchd_transfer_bytes", direction="load") == 0
@@ -193,8 +228,7 @@ def test_bytes_loaded_equal_bytes_read_from_the_store(daemon):
     _, count, total = hist(fams, "prefetchd_transfer_size_bytes", direction="load")
     assert (count, total) == (3, read_from_store)
     _, dcount, dsum = hist(fams, "prefetchd_transfer_duration_seconds", direction="load")
-    assert dcount == 3 and dsum == pytest.approx(
-        value(fams, "prefetchd_transfer_seconds", direction="load"))
+    assert dcount == 3 and dsum == pytest.approx(sum(load_seconds)) and dsum > 0
     assert value(fams, "prefetchd_tensors", state="resident") == 3
     status = daemon.status()
     assert value(fams, "prefetchd_device_memory_used_bytes", device="cpu") == status["device"]["used"] > 0
@@ -329,6 +363,104 @@ def test_start_exporter_direct(daemon):
     assert again.closed
 
 
+# An exporter in its own process with a low file-descriptor limit, as a
+# deployment with `ulimit -n 256` would run it.
+IDLE_CHILD = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+import prefetchd
+d = prefetchd.Daemon(device_budget=1 << 20, store_dir=sys.argv[1], metrics_port=0, name="idle").start()
+print(d.metrics_port, flush=True)
+sys.stdin.readline()
+d.close()
+"""
+
+
+def _fds(pid):
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_idle_connections_are_bounded_and_a_scrape_still_succeeds(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", IDLE_CHILD, str(tmp_path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    idle = []
+    try:
+        port = int(child.stdout.readline())
+        url = f"http://127.0.0.1:{port}/metrics"
+        assert "prefetchd_queue_depth" in _scrape(url)
+        baseline = _fds(child.pid)
+        for _ in range(1000):            # four times the child's fd limit, all idle
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        time.sleep(0.5)                  # let the exporter accept what it will
+        for _ in range(3):
+            started = time.monotonic()
+            with urllib.request.urlopen(url, timeout=1) as r:
+                assert r.status == 200 and b"prefetchd_queue_depth" in r.read()
+            assert time.monotonic() - started < 1.0
+        assert child.poll() is None
+        # Accepted sockets never exceed the cap: fds stay bounded, not 1000 more.
+        assert _fds(child.pid) <= baseline + 64 + 2, (baseline, _fds(child.pid))
+    finally:
+        for s in idle:
+            s.close()
+        child.stdin.write("\n")
+        child.stdin.close()
+        child.wait(30)
+    assert child.returncode == 0
+
+
+def test_an_idle_connection_is_closed_after_the_timeout(daemon):
+    with metrics.start_exporter(daemon, "127.0.0.1", 0, timeout=0.3) as exporter:
+        with socket.create_connection(("127.0.0.1", exporter.port), timeout=5) as s:
+            started = time.monotonic()
+            assert s.recv(1) == b""           # the server hung up on us
+            assert 0.2 < time.monotonic() - started < 3.0
+        # a slow client that sent half a request is closed the same way
+        with socket.create_connection(("127.0.0.1", exporter.port), timeout=5) as s:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            assert s.recv(1) == b""
+        assert "prefetchd_queue_depth" in _scrape(exporter.url)
+
+
+def _raw(port, request):
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(request)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    return head.decode("latin-1"), body
+
+
+def test_exporter_speaks_http_as_prometheus_expects(daemon):
+    with metrics.start_exporter(daemon, "127.0.0.1", 0) as exporter:
+        port = exporter.port
+        head, body = _raw(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept-Encoding: gzip\r\n\r\n")
+        assert head.startswith("HTTP/1.1 200") and "Content-Encoding: gzip" in head
+        assert b"prefetchd_queue_depth" in gzip.decompress(body)
+        head, body = _raw(port, b"GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text; "
+                                b"version=1.0.0\r\n\r\n")
+        assert "application/openmetrics-text" in head and body.rstrip().endswith(b"# EOF")
+        head, body = _raw(port, b"HEAD /metrics HTTP/1.1\r\n\r\n")
+        assert head.startswith("HTTP/1.1 200") and body == b""
+        assert _raw(port, b"POST /metrics HTTP/1.1\r\n\r\n")[0].startswith("HTTP/1.1 405")
+        assert _raw(port, b"GET /secrets HTTP/1.1\r\n\r\n")[0].startswith("HTTP/1.1 404")
+        assert _raw(port, b"garbage\r\n\r\n")[0].startswith("HTTP/1.1 400")
+        assert _raw(port, b"GET /" + b"a" * (20 << 10))[0].startswith("HTTP/1.1 431")
+
+
+def test_a_non_loopback_address_is_logged_loudly(daemon, caplog):
+    with caplog.at_level(logging.WARNING, logger="prefetchd.metrics"):
+        with metrics.start_exporter(daemon, "127.0.0.1", 0):
+            pass
+        assert not caplog.records
+        with metrics.start_exporter(daemon, "0.0.0.0", 0) as exporter:
+            assert "prefetchd_queue_depth" in _scrape(f"http://127.0.0.1:{exporter.port}/metrics")
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "0.0.0.0" in record.getMessage() and "NOT loopback" in record.getMessage()
+
+
 def test_two_daemons_in_one_process_do_not_collide(tmp_path):
     a = prefetchd.Daemon(device_budget=256 * KiB, store_dir=str(tmp_path / "a"), name="alpha", metrics_port=0)
     b = prefetchd.Daemon(device_budget=512 * KiB, store_dir=str(tmp_path / "b"), name="beta", metrics_port=0)
@@ -338,7 +470,7 @@ def test_two_daemons_in_one_process_do_not_collide(tmp_path):
         fa = parse(_scrape(f"http://127.0.0.1:{a.metrics_port}/metrics"))
         fb = parse(_scrape(f"http://127.0.0.1:{b.metrics_port}/metrics"))
         for fams, name in ((fa, "alpha"), (fb, "beta")):
-            assert {s.labels["daemon"] for f in fams.values() for s in f.samples} == {name}
+            assert {s.labels["daemon"] for f in ours(fams).values() for s in f.samples} == {name}
         assert value(fa, "prefetchd_transfer_bytes", direction="load") == 2 * TENSOR_BYTES
         assert value(fb, "prefetchd_transfer_bytes", direction="load") == 0
         assert value(fa, "prefetchd_device_memory_capacity_bytes", device="cpu") == 256 * KiB
