@@ -411,3 +411,30 @@ def test_cpu_backend_reserve_home_attach_bind_once(tmp_path):
         be.free_host(back)
     finally:
         be.close()
+
+
+def test_dlpack_capsule_over_a_home_is_a_mindspore_tensor_without_copy():
+    """The capsule layout the Ascend backend binds homes with, checked against real MindSpore on CPU."""
+    ms = pytest.importorskip("mindspore")
+    from mindspore.utils.dlpack import from_dlpack
+
+    from prefetchd.backend import dlpack
+
+    arena = n.Arena(1 << 20)
+    home = n.VirtualRange(1 << 20).slice(0, 6 * 4)
+    old, new = arena.alloc(24), arena.alloc(24)
+    np.frombuffer(old, np.float32)[:] = np.arange(6)
+    np.frombuffer(new, np.float32)[:] = -np.arange(6) * 10
+    arena.attach(old, home)
+    capsule = dlpack.dlpack_capsule(home.address, (2, 3), np.float32, dlpack.KDL_CPU, owner=home)
+    assert dlpack.read_capsule(capsule) == (home.address, (2, 3), np.dtype(np.float32), dlpack.KDL_CPU, 0)
+    tensor = from_dlpack(capsule)
+    assert tensor.shape == (2, 3)
+    np.testing.assert_array_equal((tensor * 2).asnumpy(), np.arange(6).reshape(2, 3) * 2)
+    ms.hal.synchronize()
+    arena.detach(home, old)
+    arena.attach(new, home)
+    np.testing.assert_array_equal((tensor * 2).asnumpy(), -np.arange(6).reshape(2, 3) * 20)
+    ms.hal.synchronize()
+    del tensor
+    arena.detach(home, new)

@@ -14,6 +14,9 @@ the copy stream and synchronises it before reporting the completion, so a
 completion means the bytes have landed. This file cannot run without an
 Ascend device; tests replace the MindSpore API (`AscendApi`) and say so in
 their names.
+
+ascend_vmm.AscendVmmBackend extends this backend with stable tensor addresses
+(reserve/home/attach/detach over ACL's virtual memory calls).
 """
 import collections
 import queue
@@ -39,13 +42,15 @@ class AscendApi:
     Event: object            # mindspore.hal.Event
     StreamCtx: object        # mindspore.hal.StreamCtx
     synchronize: object      # mindspore.hal.synchronize
+    from_dlpack: object = None   # mindspore.utils.dlpack.from_dlpack: a tensor over device memory
 
     @classmethod
     def real(cls):
         import mindspore as ms
         from mindspore.ops import auto_generate as ag
+        from mindspore.utils.dlpack import from_dlpack
         return cls(ms.Tensor, ag.CopyToDevice, ag.CopyToHost, ag.Free, ag.SetData,
-                   ms.hal.Stream, ms.hal.Event, ms.hal.StreamCtx, ms.hal.synchronize)
+                   ms.hal.Stream, ms.hal.Event, ms.hal.StreamCtx, ms.hal.synchronize, from_dlpack)
 
 
 class DeviceBlock:

@@ -49,6 +49,8 @@ class Backend(Protocol):
 
     # stable addresses (docs/stable-addresses.md): a tensor's framework view
     # points at its home for life; residency maps a block's pages there or not
+    granularity: int                                  # home offsets/sizes are multiples of it
+                                                      # (CPU: 4 KiB page; Ascend VMM: 2 MiB)
     def reserve(self, nbytes: int): ...               # -> a virtual range: address space, no memory
     def home(self, vrange, offset: int, nbytes: int): ...  # -> Home at page-aligned offset of vrange
     def attach(self, home, block) -> None: ...        # block's bytes now read/written at home

@@ -22,6 +22,7 @@ RANGE_ALIGN = 2 << 20   # virtual ranges start on a huge-page boundary
 
 class CpuBackend(HostAndStoreTiers):
     name = "cpu"
+    granularity = _ALIGN     # home offsets are multiples of it (the page size)
 
     def __init__(self, config):
         # The arena and pool are faulted lazily: refuse a budget the machine
