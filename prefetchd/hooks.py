@@ -258,8 +258,9 @@ class Offloaded:
                 break
             # Nearer units first: priority falls with distance.
             future = self.daemon.prefetch(unit.records, priority=self.lookahead - ahead + 1)
-            if future.done() and future.exception() is not None:
-                log.debug("prefetch of %s failed: %s", unit.name, future.exception())
+            # A refused prefetch (e.g. no free range large enough) shows up as a miss later.
+            future.add_done_callback(lambda f, name=unit.name: f.exception() is not None and log.debug(
+                "prefetch of %s failed: %s", name, f.exception()))
 
     # ---------------------------------------------------------------- teardown
     def stats(self):
