@@ -15,7 +15,7 @@ _LAZY = {
     "TensorHandle": "prefetchd.daemon",
     "offload": "prefetchd.hooks",
     "offloaded": "prefetchd.hooks",
-    "Client": "prefetchd.service",
+    "Client": "prefetchd.control",
     "tier": "prefetchd.ops",
     "ops": "prefetchd.ops",
 }

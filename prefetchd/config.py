@@ -5,6 +5,7 @@ Sizes accept integers (bytes) or strings with IEC or SI units ("2GiB", "512MiB",
 value raises ConfigError naming the key and where the value came from.
 """
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -18,6 +19,7 @@ _UNITS = {"": 1, "b": 1,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
           "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
           "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
+_MAX_SIZE = 1 << 60          # 1 EiB: larger is a typo, not a budget
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -32,6 +34,8 @@ def parse_size(value, key="size"):
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"{key}: size must be >= 0, got {value}")
+        if value >= _MAX_SIZE:
+            raise ConfigError(f"{key}: {value} bytes is beyond any machine (limit {_MAX_SIZE >> 50} PiB)")
         return value
     if isinstance(value, float) and value.is_integer() and value >= 1:
         return int(value)
@@ -39,6 +43,8 @@ def parse_size(value, key="size"):
         m = _SIZE_RE.match(value)
         if m and m.group(2).lower() in _UNITS:
             n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            if n >= _MAX_SIZE:
+                raise ConfigError(f"{key}: {value!r} is beyond any machine (limit {_MAX_SIZE >> 50} PiB)")
             if n == int(n):
                 return int(n)
         raise ConfigError(f"{key}: cannot read {value!r} as a size (examples: 1048576, '512MiB', '2GiB')")
@@ -46,14 +52,19 @@ def parse_size(value, key="size"):
 
 
 def parse_fraction_or_size(value, budget, key):
-    """A watermark: a float fraction 0 < f <= 1 of `budget` ("0.9", 0.9), or a size ("900MiB", 943718400)."""
+    """A watermark: a fraction 0 < f <= 1 of `budget` ("90%", "0.9", 0.9), or a size ("900MiB", 943718400)."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            value = float(value.strip()[:-1]) / 100
+        except ValueError:
+            raise ConfigError(f"{key}: cannot read {value!r} as a percentage") from None
     if isinstance(value, str):
         try:
             value = float(value)
         except ValueError:
             return parse_size(value, key)
     if isinstance(value, float):
-        if not 0 < value <= 1:
+        if not math.isfinite(value) or not 0 < value <= 1:
             raise ConfigError(f"{key}: a fraction of the budget must be in (0, 1], got {value}")
         return int(budget * value)
     return parse_size(value, key)
@@ -84,17 +95,54 @@ def _parse_int(value, key, minimum=None):
 def _parse_port(value, key):
     if value in (None, "", "none", "off"):
         return None
-    return _parse_int(value, key, minimum=0)
+    port = _parse_int(value, key, minimum=0)
+    if port > 65535:
+        raise ConfigError(f"{key}: a TCP port is at most 65535, got {port}")
+    return port
 
 
 def _parse_seconds(value, key):
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected seconds, got a boolean")
     try:
         seconds = float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{key}: expected seconds, got {value!r}") from None
-    if seconds < 0:
-        raise ConfigError(f"{key}: must be >= 0, got {seconds}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ConfigError(f"{key}: must be a finite number of seconds >= 0, got {value!r}")
     return seconds
+
+
+def _parse_io_block(value, key):
+    size = parse_size(value, key)
+    if size < 4096 or size % 4096:
+        raise ConfigError(f"{key}: must be a multiple of 4 KiB (direct I/O), at least 4096; got {size}")
+    return size
+
+
+def _parse_verify(value, key):
+    if not _parse_bool(value, key):
+        raise ConfigError(f"{key}: reads from the store are always verified (CRC32C); "
+                          f"turning verification off is not supported")
+    return True
+
+
+def _parse_min_size(value, key, minimum):
+    size = parse_size(value, key)
+    if size < minimum:
+        raise ConfigError(f"{key}: must be at least {minimum} bytes, got {size}")
+    return size
+
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def _parse_name(value, key):
+    name = _optional_str(value, key) or "default"
+    if not _NAME_RE.match(name):
+        raise ConfigError(f"{key}: {name!r} must be 1-64 characters of letters, digits, '_', '.', '-' "
+                          f"(it names metrics labels and socket files)")
+    return name
 
 
 def _choice(*allowed):
@@ -140,6 +188,8 @@ class Config:
     curve_keys_dir: str | None = None     # tcp: CURVE keys from `prefetchd keys` (server + authorized clients)
     allow_remote: bool = False            # tcp: bind addresses other than loopback
     max_message_size: int = 1 << 20       # control-plane request size limit
+    allow_insecure_remote: bool = False   # allow_remote without CURVE: every peer on the network may connect
+    trace: str | None = None              # write a Chrome/Perfetto timeline of the scheduler here at close()
     name: str = "default"
     shutdown_timeout: float = 10.0
 
@@ -150,15 +200,7 @@ class Config:
         raw, origin = {}, {}
         path = path or env.get(ENV_PREFIX + "CONFIG")
         if path:
-            try:
-                with open(path, "rb") as f:
-                    doc = tomllib.load(f)
-            except OSError as e:
-                raise ConfigError(f"config file {path}: {e.strerror}") from None
-            except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"config file {path}: {e}") from None
-            doc = doc.get("prefetchd", doc)
-            for key, value in doc.items():
+            for key, value in cls.load_section(path, "prefetchd").items():
                 raw[key], origin[key] = value, f"file {path}"
         for key in cls.keys():
             name = ENV_PREFIX + key.upper()
@@ -168,6 +210,27 @@ class Config:
             if value is not None:
                 raw[key], origin[key] = value, "argument"
         return cls.from_dict(raw, origin)
+
+    @staticmethod
+    def load_section(path, section):
+        """The `[section]` table of a TOML file ({} if the file has none): the one TOML
+        reader. For "prefetchd", a file without a [prefetchd] table is read flat (its
+        top-level keys), as Config.load does. ConfigError names the file on any failure."""
+        try:
+            with open(path, "rb") as f:
+                doc = tomllib.load(f)
+        except OSError as e:
+            raise ConfigError(f"config file {path}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path}: {e}") from None
+        if section in doc:
+            table = doc[section]
+            if not isinstance(table, dict):
+                raise ConfigError(f"config file {path}: [{section}] must be a table")
+            return table
+        if section == "prefetchd":
+            return {k: v for k, v in doc.items() if not isinstance(v, dict)}
+        return {}
 
     @classmethod
     def keys(cls):
@@ -237,11 +300,11 @@ _PARSERS.update({
     "copy_streams": lambda v, k: _parse_int(v, k, minimum=1),
     "io_engine": _choice("auto", "aio", "threads", "buffered"),
     "direct_io": _parse_bool,
-    "io_block_size": parse_size,
+    "io_block_size": _parse_io_block,
     "io_queue_depth": lambda v, k: _parse_int(v, k, minimum=1),
     "io_threads": lambda v, k: _parse_int(v, k, minimum=1),
     "fsync": _parse_bool,
-    "verify_reads": _parse_bool,
+    "verify_reads": _parse_verify,
     "lookahead": lambda v, k: _parse_int(v, k, minimum=0),
     "policy": _choice("lru", "belady"),
     "auto_fetch": _parse_bool,
@@ -250,7 +313,9 @@ _PARSERS.update({
     "endpoint": _optional_str,
     "curve_keys_dir": _optional_str,
     "allow_remote": _parse_bool,
-    "max_message_size": parse_size,
-    "name": lambda v, k: _optional_str(v, k) or "default",
+    "allow_insecure_remote": _parse_bool,
+    "trace": _optional_str,
+    "max_message_size": lambda v, k: _parse_min_size(v, k, 1024),
+    "name": _parse_name,
     "shutdown_timeout": lambda v, k: _parse_seconds(v, k),
 })

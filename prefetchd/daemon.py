@@ -26,6 +26,7 @@ from .config import Config, parse_fraction_or_size
 from .core import policy as policies
 from .core.binding import Binding
 from .core.events import Events
+from .core.homes import HomeSpace
 from .core.records import ManagedTensor, State
 from .core.registry import Registry, check_name
 from .core.requests import DONE, Kind, Request
@@ -91,6 +92,7 @@ class Daemon:
         self._events = Events()
         self._core = None             # the Scheduler, from start()
         self._binding = None
+        self._homes = None            # stable addresses, where the backend has them
         self._thread = None
         self._exporter = None
         self._server = None
@@ -105,7 +107,8 @@ class Daemon:
             if self._state != "new":
                 raise ShutdownError("cannot start a daemon after close()")
             self.backend = self._backend_arg or backends.create(self.config)
-            self._binding = Binding(self._lock, self.backend)
+            self._binding = Binding(self._lock, self.backend, self.stats)
+            self._homes = HomeSpace(self.backend) if HomeSpace.supported(self.backend) else None
             self._core = Scheduler(self.config, self.backend, self._registry, self._policy, self.stats,
                                    self._lock, emit=self._events.emit, guard=self._binding.guard,
                                    name=self.name)
@@ -238,6 +241,7 @@ class Daemon:
                             nbytes=array.nbytes, target=tensor)
         with self._lock:
             self._registry.add(rec)
+            rec.home = self._carve_home(rec.nbytes)
         future = Future()
         try:
             self._submit(Request(Kind.REGISTER, (rec,), future, args=(array, tier)))
@@ -247,6 +251,8 @@ class Daemon:
                 self._registry.forget(rec)
             raise
         if tier == "device":
+            if rec.home is not None:
+                self._binding.bind_home(rec)
             self._binding.bind_for_compute(rec)
             self._binding.track(rec)
         else:
@@ -269,6 +275,7 @@ class Daemon:
                             target=target, remote_valid=True)
         with self._lock:
             self._registry.add(rec)
+            rec.home = self._carve_home(nbytes)
         if target is not None:
             self._binding.placeholder(rec)
         return TensorHandle(rec)
@@ -295,6 +302,9 @@ class Daemon:
                                  f"the model expects {tuple(p.shape)}")
             handles.append(self.register_remote(p.name, shape, dtype, target=p))
         return handles
+
+    def _carve_home(self, nbytes):
+        return self._homes.carve(nbytes) if self._homes is not None else None
 
     def handle(self, name):
         return TensorHandle(self.record(name))

@@ -80,6 +80,8 @@ class Stats:
     io_errors: dict = field(default_factory=lambda: {"read": 0, "write": 0})
     writebacks: int = 0
     fences: int = 0
+    rebinds: int = 0         # framework tensors pointed at new storage after registration
+    reclaims: int = 0        # dropped replicas taken back before their pages left (no I/O)
 
     def count(self, op, outcome):
         """Count one request outcome (registrations are not counted as requests)."""
@@ -107,4 +109,6 @@ class Stats:
             io_errors=dict(self.io_errors),
             writebacks=self.writebacks,
             fences=self.fences,
+            rebinds=self.rebinds,
+            reclaims=self.reclaims,
         )

@@ -10,7 +10,9 @@ import tempfile
 
 
 def add_arguments(parser):
-    parser.add_argument("kind", choices=["io", "sched", "model", "serve", "soak"])
+    parser.add_argument("kind", choices=["io", "sched", "model", "serve", "soak"],
+                        help="io: store vs fio; sched: scheduler throughput; model: offloaded vs resident passes; "
+                             "serve: the multi-process server with and without hints; soak: mixed load with faults")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--dir", help="scratch directory on the disk to measure (default: a temp dir under cwd)")
     parser.add_argument("--size", default="1GiB", help="io: file size; model: weight bytes")
@@ -32,8 +34,8 @@ def add_arguments(parser):
 def run(args):
     from ..config import parse_size
     if args.kind == "serve":
-        from .. import service_cli
-        return service_cli.bench_serve(args)
+        from .serve import bench_serve
+        return bench_serve(args)
     scratch = args.dir or tempfile.mkdtemp(prefix=".prefetchd-bench-", dir=os.getcwd())
     try:
         return _run(args, scratch, parse_size)

@@ -122,10 +122,7 @@ def _streamer(ms, daemon, stop, counters):
 
 
 def _remote_client(daemon, stop, counters, directory):
-    try:
-        from ..service import Client
-    except ImportError:
-        return "service unavailable"
+    from ..control import Client
     endpoint = f"ipc://{directory}/soak.sock"
     try:
         daemon.serve(endpoint)

@@ -13,9 +13,16 @@ from .records import State
 
 
 class Binding:
-    def __init__(self, lock, backend):
+    def __init__(self, lock, backend, stats):
         self._lock = lock
         self._backend = backend
+        self._stats = stats
+
+    def bind_home(self, rec):
+        """Point the framework tensor at its home, once for its life (no copy)."""
+        if rec.target is not None:
+            self._backend.bind(rec.target, rec.home, rec.shape, rec.dtype)
+            rec.bound_address = rec.home.address
 
     def bind_for_compute(self, rec):
         """Point the framework tensor at the device replica (on the calling thread)."""
@@ -25,11 +32,14 @@ class Binding:
             block = rec.block
             if block is None:
                 raise NotResidentError(rec.name, ",".join(rec.tiers), rec.state.value)
-            rebind = rec.bound_address != block.address
+            rebind = rec.home is None and rec.bound_address != block.address
             rec.exposed = True
             rec.compute_epoch = None     # read by compute from now on, until a fence says otherwise
         if rebind:
             self._backend.bind(rec.target, block, rec.shape, rec.dtype)
+            if rec.bound_address:
+                with self._lock:
+                    self._stats.rebinds += 1
             rec.bound_address = block.address
         if guards.is_guarded(rec.target):
             self.track(rec)
@@ -44,8 +54,13 @@ class Binding:
                 rec.name, ",".join(rec.tiers), rec.state.value))
 
     def placeholder(self, rec):
-        """A registered tensor whose data lives elsewhere: a 0-element stand-in, guarded."""
-        framework.bind_placeholder(rec.target, rec.dtype)
+        """A registered tensor whose data lives elsewhere: bound to its home (which
+        faults on reads until a replica is attached), or to a 0-element stand-in on
+        a backend without homes; guarded either way."""
+        if rec.home is not None:
+            self.bind_home(rec)
+        else:
+            framework.bind_placeholder(rec.target, rec.dtype)
         self.guard(rec)
 
     def on_user_write(self, rec, method):
@@ -62,15 +77,15 @@ class Binding:
         replica and point the tensor back at it, so the write-back keeps them."""
         values = framework.host_copy(rec.target)
         with self._lock:
-            block = rec.block
-            if block is None or values.nbytes != rec.nbytes:
+            replica = rec.replica if rec.block is not None else None
+            if replica is None or values.nbytes != rec.nbytes:
                 raise PrefetchdError(
                     f"{rec.name!r} is managed by prefetchd: set_data must keep its shape and dtype "
                     f"({rec.shape}, {rec.dtype}); got {values.shape}, {values.dtype}")
-            view = self._backend.view(block, rec.shape, rec.dtype)
+            view = self._backend.view(replica, rec.shape, rec.dtype)
         view[...] = values.reshape(rec.shape)
-        self._backend.bind(rec.target, block, rec.shape, rec.dtype)
-        rec.bound_address = block.address
+        self._backend.bind(rec.target, replica, rec.shape, rec.dtype)
+        rec.bound_address = replica.address
 
     @staticmethod
     def release_all(records):

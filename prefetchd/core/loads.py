@@ -28,6 +28,7 @@ class Loads:
         missing = []
         for rec in req.recs:
             rec.requested = False      # from here on, waiters and the load queue say it
+            self.reclaim(rec)
             if rec.state in (State.RESIDENT, State.STORING):
                 if req.kind is Kind.PIN:
                     rec.pins += 1
@@ -81,6 +82,9 @@ class Loads:
             if rec.state is not State.ABSENT or not rec.waiters:
                 heapq.heappop(self.queue)   # satisfied, or every waiter gone
                 continue
+            if self.reclaim(rec):
+                heapq.heappop(self.queue)
+                continue
             try:
                 block = s.memory.reserve(rec.nbytes, demand=req.demand, incoming=rec)
             except BudgetError as e:
@@ -99,6 +103,19 @@ class Loads:
                 continue
             heapq.heappop(self.queue)
             self.start(rec, block)
+
+    def reclaim(self, rec):
+        """An ABSENT tensor whose pages still sit at its home, waiting for a compute
+        fence before they leave, is resident again at no cost. True if so."""
+        if rec.state is not State.ABSENT or rec.home is None:
+            return False
+        block = self.s.memory.reclaim(rec.home)
+        if block is None:
+            return False
+        rec.block = block
+        self.s.stats.reclaims += 1
+        self.arrived(rec)
+        return True
 
     def start(self, rec, block):
         s = self.s
@@ -127,14 +144,21 @@ class Loads:
         if c.status:
             self._failed(rec, s.transfer_error("read", rec, c), seconds)
             return
+        if rec.home is not None:
+            s.backend.attach(rec.home, rec.block)   # page tables only: the bytes appear at the home
+        self.arrived(rec)
+        s.stats.record_transfer(kind.value if kind is TransferKind.H2D else "load", rec.nbytes, seconds)
+        s.emit("loaded", rec, seconds)
+
+    def arrived(self, rec):
+        """rec is RESIDENT now (loaded, or reclaimed before its pages left): wake its waiters."""
+        s = self.s
         registering = any(req.kind is Kind.REGISTER for req in rec.waiters)
         rec.state = State.RESIDENT
         rec.dirty = registering
         rec.error = None
         rec.last_use = s.tick()
         rec.prefetched_unused = not any(req.kind in (Kind.PIN, Kind.REGISTER) for req in rec.waiters)
-        s.stats.record_transfer(kind.value if kind is TransferKind.H2D else "load", rec.nbytes, seconds)
-        s.emit("loaded", rec, seconds)
         waiters, rec.waiters = rec.waiters, []
         for req in waiters:
             if req.future.done():

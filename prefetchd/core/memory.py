@@ -26,7 +26,7 @@ class DeviceMemory:
         self.high = config.high_watermark
         self.low = config.low_watermark
         self.peak = 0
-        self.unfenced = []         # (block, compute epoch or None): released, maybe still read
+        self.unfenced = []         # (block, compute epoch or None, home or None): released, maybe still read
         self.reserve_checks = []   # test hooks: fn(used_after, high) on every reservation
         self.evict = None          # fn(record, reason), set by the scheduler (residency moves)
         self._watcher = None
@@ -62,7 +62,8 @@ class DeviceMemory:
             return None
         # Where the framework tensor still points (if anywhere): landing there again
         # saves a rebind, which in MindSpore waits for the whole op queue to drain.
-        prefer = incoming.bound_address if incoming is not None and incoming.bound_address else None
+        prefer = incoming.bound_address if incoming is not None and incoming.home is None \
+            and incoming.bound_address else None
         while True:
             try:
                 block = be.alloc_device(nbytes, prefer)
@@ -79,12 +80,26 @@ class DeviceMemory:
         self.peak = max(self.peak, used)
         return block
 
-    def release(self, block, exposed, epoch):
-        """Give a dropped replica's block back: now, or after compute that read it."""
+    def release(self, block, exposed, epoch, home=None):
+        """Give a dropped replica's block back: now, or after compute that read it.
+        With a home, its pages leave the home first (which then faults on reads)."""
         if exposed:
-            self.unfenced.append((block, epoch))
+            self.unfenced.append((block, epoch, home))
         else:
-            self.backend.free_device(block)
+            self._free(block, home)
+
+    def reclaim(self, home):
+        """The block whose pages still sit at `home` waiting for a fence, taken back; or None."""
+        for i, (block, _epoch, h) in enumerate(self.unfenced):
+            if h is home:
+                del self.unfenced[i]
+                return block
+        return None
+
+    def _free(self, block, home):
+        if home is not None:
+            self.backend.detach(home, block)
+        self.backend.free_device(block)
 
     # ------------------------------------------------------------------ victims
     def victims(self, demand, incoming):
@@ -107,7 +122,7 @@ class DeviceMemory:
         if be.device_used() <= goal:
             return True
         # Blocks already released wait only for a compute fence: count them as free.
-        projected = be.device_used() - sum(block.capacity for block, _ in self.unfenced)
+        projected = be.device_used() - sum(entry[0].capacity for entry in self.unfenced)
         for victim in self.victims(demand, incoming):
             if projected <= goal:
                 break
@@ -144,15 +159,16 @@ class DeviceMemory:
         marker = self.backend.marker
         if marker is not None:
             pending = []
-            for block, epoch in self.unfenced:
+            for entry in self.unfenced:
+                block, epoch, home = entry
                 if epoch is not None and marker.reached(epoch):
-                    self.backend.free_device(block)
+                    self._free(block, home)
                 else:
-                    pending.append((block, epoch))
+                    pending.append(entry)
             self.unfenced = pending
         if not self.unfenced or not condition():
             return
-        epochs = [e for _, e in self.unfenced]
+        epochs = [entry[1] for entry in self.unfenced]
         if marker is not None and None not in epochs:
             if self._fence_watcher(marker).want(max(epochs)):
                 self.stats.fences += 1   # memory reuse now waits on compute (without blocking)
@@ -164,8 +180,8 @@ class DeviceMemory:
         finally:
             self._lock.acquire()
         self.stats.fences += 1
-        for block, _ in entries:
-            self.backend.free_device(block)
+        for block, _epoch, home in entries:
+            self._free(block, home)
 
     def _fence_watcher(self, marker):
         if self._watcher is None:

@@ -33,6 +33,7 @@ class ManagedTensor:
     target: object = None    # the framework Tensor/Parameter bound to the device replica
     state: State = State.ABSENT
     block: object = None     # device replica (backend block) while LOADING/RESIDENT/STORING
+    home: object = None      # stable address the framework tensor views for life (None: rebinding backend)
     host_block: object = None  # host replica, valid when host_valid
     host_valid: bool = False
     remote_valid: bool = False
@@ -64,6 +65,11 @@ class ManagedTensor:
         if self.remote_valid:
             out.append("remote")
         return out
+
+    @property
+    def replica(self):
+        """The buffer holding the device replica's bytes: the home once attached, else the block."""
+        return self.home if self.home is not None else self.block
 
     @property
     def substate(self):

@@ -29,7 +29,7 @@ class WriteBacks:
         block, rec.block = rec.block, None
         rec.state = State.ABSENT
         rec.prefetched_unused = False
-        s.memory.release(block, rec.exposed, rec.compute_epoch)
+        s.memory.release(block, rec.exposed, rec.compute_epoch, rec.home)
         if rec.bound_address:
             s.guard(rec)   # the framework tensor still views the old block
         rec.exposed = False
@@ -43,7 +43,7 @@ class WriteBacks:
         rec.store_generation = rec.generation
         tag = s.transfers.add(TransferKind.STORE, rec)
         try:
-            s.backend.start_store(rec.name, rec.block, rec.nbytes, b"", tag)
+            s.backend.start_store(rec.name, rec.replica, rec.nbytes, b"", tag)
         except Exception as e:   # e.g. no memory for the snapshot: stay resident, dirty, held
             s.transfers.discard(tag)
             self._held(rec, StorageError(f"cannot start writing back {rec.name!r}: {e}"))

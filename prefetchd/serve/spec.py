@@ -97,19 +97,8 @@ def demo_model(seed=0, spec=None):
 
 
 def load_section(path, section):
-    """The [section] table of a TOML file ({} if absent) via Config.load_section, the
-    one TOML reader. Until every Config has it, read the file here with the same
-    contract (ConfigError on an unreadable or invalid file)."""
-    if hasattr(Config, "load_section"):
-        return Config.load_section(path, section)
-    import tomllib
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f).get(section, {})
-    except OSError as e:
-        raise ConfigError(f"config file {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path}: {e}") from None
+    """The [section] table of a TOML file ({} if absent): Config.load_section, the one TOML reader."""
+    return Config.load_section(path, section)
 
 
 def _configured(path, key):

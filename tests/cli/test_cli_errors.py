@@ -51,11 +51,6 @@ def test_failures_are_one_line_exit_1_and_traceback_only_with_debug(tmp_path):
     assert out.returncode == 1 and "no_such_module_x" in one_error_line(out)
 
 
-# prefetchd/bench/runner.py defines `bench KIND` without help (not this package's file;
-# reported to its owner). Every other flag and argument must have help.
-OWNED_BY_BENCH_RUNNER = {("bench", "kind")}
-
-
 def test_every_flag_has_help_and_budget_means_the_same_everywhere():
     import argparse
 
@@ -67,8 +62,6 @@ def test_every_flag_has_help_and_budget_means_the_same_everywhere():
     for verb, p in verbs.items():
         for action in p._actions:
             if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
-                continue
-            if (verb, action.dest) in OWNED_BY_BENCH_RUNNER:
                 continue
             assert action.help, f"{verb}: {action.option_strings or action.dest} has no help"
     for verb in ("demo", "bench", "serve"):
