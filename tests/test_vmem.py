@@ -84,13 +84,13 @@ def test_attach_detach_round_trip_keeps_bytes():
     for _ in range(3):
         for home, (block, data) in zip(homes, blocks):
             arena.attach(block, home)
-            assert home.attached and home.block.address == block.address
+            assert home.attached and home.block.address == block.address and block.attached
             assert bytes(memoryview(home)) == data
             # the block's own range now holds fresh, untouched (zero) pages
             assert not np.frombuffer(block, np.uint8).any()
         for home, (block, data) in zip(homes, blocks):
             arena.detach(home, block)
-            assert not home.attached and bytes(memoryview(block)) == data
+            assert not home.attached and not block.attached and bytes(memoryview(block)) == data
     assert arena.num_blocks == len(sizes)
 
 
@@ -155,6 +155,17 @@ def test_attach_detach_errors_leave_mappings_intact():
     arena.close()
     with pytest.raises(n.Closed, match="arena is closed"):
         arena.attach(wrong, home)
+
+
+def test_detach_after_the_arena_is_closed_keeps_bytes():
+    arena = n.Arena(1 << 20)
+    home = n.VirtualRange(1 << 20).slice(0, 2 * PAGE)
+    block, data = filled(arena, 2 * PAGE, 6)
+    arena.attach(block, home)
+    arena.close()                             # the block keeps the arena's mapping alive
+    arena.detach(home, block)
+    assert bytes(memoryview(block)) == data and not block.attached
+    block.release()
 
 
 def test_dropping_an_attached_home_returns_its_block():

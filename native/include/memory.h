@@ -41,14 +41,16 @@ class Block {
     size_t nbytes() const { return nbytes_; }
     size_t capacity() const { return capacity_; }
     int64_t offset() const { return offset_; }
-    bool released() const { return released_.load(); }
+    bool released() const { return state_.load() == kReleased; }
+    bool attached() const { return state_.load() == kAttached; }
     void release();           // Closed("block already released") the second time;
                               // NativeError while attached to a Home (its pages live there)
     void check_live() const;  // Closed if released
     const BlockOwner *owner() const { return owner_.get(); }
-    // Set while the block's pages are mapped at a Home (vmem.h); guarded by the
-    // Home's reservation lock, read without it by release().
-    std::atomic<bool> attached{false};
+    // Live -> attached (its pages are mapped at a Home, vmem.h) and back. One
+    // atomic state, so a release racing an attach cannot both win.
+    void claim_for_attach();  // Closed if released, ValueError if already attached
+    void mark_detached() { state_.store(kLive); }
 
   private:
     std::shared_ptr<Mapping> mapping_;
@@ -56,7 +58,8 @@ class Block {
     char *ptr_;
     size_t nbytes_, capacity_;
     int64_t offset_;
-    std::atomic<bool> released_{false};
+    static constexpr int kLive = 0, kAttached = 1, kReleased = 2;
+    std::atomic<int> state_{kLive};
 };
 
 // Best-fit allocator over one lazily faulted mapping; the free list is ordered by offset so

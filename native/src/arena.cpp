@@ -36,19 +36,32 @@ Mapping::~Mapping() {
 }
 
 Block::~Block() {
-    // A Block dropped without release() still returns its bytes.
-    if (!released_.exchange(true) && owner_) owner_->give_back(offset_, capacity_, nbytes_);
+    // A Block dropped without release() still returns its bytes. (An attached
+    // block is owned by its Home, which marks it detached before dropping it.)
+    int s = kLive;
+    if (state_.compare_exchange_strong(s, kReleased) && owner_) owner_->give_back(offset_, capacity_, nbytes_);
 }
 
 void Block::release() {
-    if (attached.load() && !released_.load())
+    int s = kLive;
+    if (state_.compare_exchange_strong(s, kReleased)) {
+        if (owner_) owner_->give_back(offset_, capacity_, nbytes_);
+        return;
+    }
+    if (s == kAttached)
         throw Error(ErrKind::Native, "block is attached to a home (its pages are mapped there); detach it first");
-    if (released_.exchange(true)) throw Error(ErrKind::Closed, "block already released");
-    if (owner_) owner_->give_back(offset_, capacity_, nbytes_);
+    throw Error(ErrKind::Closed, "block already released");
 }
 
 void Block::check_live() const {
-    if (released_.load()) throw Error(ErrKind::Closed, "block already released");
+    if (released()) throw Error(ErrKind::Closed, "block already released");
+}
+
+void Block::claim_for_attach() {
+    int s = kLive;
+    if (state_.compare_exchange_strong(s, kAttached)) return;
+    if (s == kReleased) throw Error(ErrKind::Closed, "block already released");
+    throw Error(ErrKind::Value, "attach: the block is already attached to another home");
 }
 
 ArenaImpl::ArenaImpl(size_t capacity, size_t alignment) : capacity_(capacity), alignment_(alignment) {

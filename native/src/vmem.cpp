@@ -138,7 +138,7 @@ Home::~Home() {
             reserve_none(ptr_, len_);
         } catch (...) {
         }
-        attached_->attached.store(false);
+        attached_->mark_detached();
         attached_.reset();
     }
     res_->slices.erase(offset_);
@@ -157,7 +157,7 @@ std::shared_ptr<Block> Home::block() const {
 void Home::attach(ArenaImpl &arena, const std::shared_ptr<Block> &b) {
     if (arena.closed()) throw Error(ErrKind::Closed, "arena is closed");
     if (!arena.owns(*b)) throw Error(ErrKind::Value, "attach: the block does not belong to this arena");
-    b->check_live();
+    b->check_live();  // early, clear error; claim_for_attach below is the race-free check
     size_t page = page_size();
     if (!is_aligned(b->data(), page))
         throw Error(ErrKind::Value, "attach: block address " + hex(b->data()) + " is not page-aligned (arena alignment " +
@@ -168,11 +168,14 @@ void Home::attach(ArenaImpl &arena, const std::shared_ptr<Block> &b) {
                                         std::to_string(nbytes_) + " bytes (" + std::to_string(len_) + " mapped)");
     std::lock_guard<std::mutex> g(res_->mu);
     if (attached_) throw Error(ErrKind::Value, "attach: the home at " + hex(ptr_) + " already has a block attached");
-    if (b->attached.load())
-        throw Error(ErrKind::Value, "attach: the block at " + hex(b->data()) + " is already attached to another home");
-    move_pages(b->data(), ptr_, len_);
+    b->claim_for_attach();  // from here on release() refuses, another attach too
+    try {
+        move_pages(b->data(), ptr_, len_);
+    } catch (...) {
+        b->mark_detached();
+        throw;
+    }
     attached_ = b;
-    b->attached.store(true);
 }
 
 void Home::detach(const std::shared_ptr<Block> &b) {
@@ -183,7 +186,7 @@ void Home::detach(const std::shared_ptr<Block> &b) {
                                         hex(attached_->data()) + ", not of the block at " + hex(b->data()));
     move_pages(ptr_, b->data(), len_);
     reserve_none(ptr_, len_);
-    b->attached.store(false);
+    b->mark_detached();
     attached_.reset();
 }
 
@@ -224,6 +227,9 @@ void bind_vmem(py::module_ &m) {
             return "<Home nbytes=" + std::to_string(h.nbytes()) + " offset=" + std::to_string(h.offset()) +
                    (h.attached() ? " attached>" : " detached>");
         });
+
+    auto block_cls = py::reinterpret_borrow<py::class_<Block, std::shared_ptr<Block>>>(m.attr("Block"));
+    block_cls.def_property_readonly("attached", &Block::attached, "its pages are mapped at a Home");
 
     py::object arena = m.attr("Arena");
     arena.attr("attach") = py::cpp_function(
