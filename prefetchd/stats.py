@@ -80,6 +80,9 @@ class Stats:
     io_errors: dict = field(default_factory=lambda: {"read": 0, "write": 0})
     writebacks: int = 0
     fences: int = 0
+    loads_from: dict = field(default_factory=lambda: {"host": 0, "remote": 0})      # device loads by source
+    load_bytes_from: dict = field(default_factory=lambda: {"host": 0, "remote": 0})
+    host_drops: int = 0      # cached host replicas dropped for room (free: the remote copy is the truth)
     rebinds: int = 0         # framework tensors pointed at new storage after registration
     reclaims: int = 0        # dropped replicas taken back before their pages left (no I/O)
 
@@ -109,6 +112,9 @@ class Stats:
             io_errors=dict(self.io_errors),
             writebacks=self.writebacks,
             fences=self.fences,
+            loads_from=dict(self.loads_from),
+            load_bytes_from=dict(self.load_bytes_from),
+            host_drops=self.host_drops,
             rebinds=self.rebinds,
             reclaims=self.reclaims,
         )

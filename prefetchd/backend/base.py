@@ -119,6 +119,9 @@ class HostAndStoreTiers:
     def host_used(self):
         return self.host.used
 
+    def host_capacity(self):
+        return self.host.budget
+
     def store_contains(self, key):
         return self.store.contains(key)
 

@@ -7,7 +7,8 @@ and a compiled graph that captured the address keeps reading the right
 bytes. Homes are carved in registration order out of large address-space
 reservations (no memory behind them), so a unit's tensors, registered
 together, sit side by side; tensors of 2 MiB or more start on a 2 MiB
-boundary (huge pages).
+boundary (huge pages). Offsets and sizes are multiples of the backend's
+`granularity` (a page on CPU; 2 MiB under ACL/CUDA virtual memory).
 """
 PAGE = 4096
 HUGE = 2 << 20
@@ -34,8 +35,9 @@ class HomeSpace:
         an empty tensor (nothing to map; it keeps the rebinding path)."""
         if nbytes <= 0:
             return None
-        size = _round_up(nbytes, PAGE)
-        offset = _round_up(self._next, HUGE if size >= HUGE else PAGE)
+        grain = getattr(self._backend, "granularity", PAGE)
+        size = _round_up(nbytes, grain)
+        offset = _round_up(self._next, max(grain, HUGE) if size >= HUGE else grain)
         if self._range is None or offset + size > self._size:
             self._size = max(CHUNK, _round_up(size, HUGE))
             self._range = self._backend.reserve(self._size)

@@ -118,21 +118,42 @@ class Loads:
         return True
 
     def start(self, rec, block):
+        """Fill a reserved device block: from register()'s values, from the host
+        replica, or from the remote tier — through a new host replica when the host
+        cache admits it (so later loads copy from RAM), else straight from disk."""
         s = self.s
         rec.state = State.LOADING
         rec.block = block
         rec.exposed = False
-        source = rec.initial if rec.initial is not None else rec.host_block if rec.host_valid else None
-        if source is not None:
-            tag = s.transfers.add(TransferKind.H2D, rec)
-            issue = lambda: s.backend.start_copy(TransferKind.H2D, block, source, rec.nbytes, tag,  # noqa: E731
-                                                 shape=rec.shape, dtype=rec.dtype)
+        if rec.initial is not None:
+            self._copy_in(rec, rec.initial)
+        elif rec.host_valid:
+            s.stats.loads_from["host"] += 1
+            s.stats.load_bytes_from["host"] += rec.nbytes
+            self._copy_in(rec, rec.host_block)
         else:
-            tag = s.transfers.add(TransferKind.LOAD, rec)
-            issue = lambda: s.backend.start_load(rec.name, block, rec.nbytes, tag,  # noqa: E731
-                                                 s.config.verify_reads, shape=rec.shape, dtype=rec.dtype)
+            s.stats.loads_from["remote"] += 1
+            s.stats.load_bytes_from["remote"] += rec.nbytes
+            if rec.host_block is None and s.hostcache.admit(rec) and self._try_alloc_host(rec):
+                self._issue(rec, TransferKind.STAGE, lambda tag: s.backend.start_load(
+                    rec.name, rec.host_block, rec.nbytes, tag, s.config.verify_reads))
+            else:
+                self._issue(rec, TransferKind.LOAD, lambda tag: s.backend.start_load(
+                    rec.name, block, rec.nbytes, tag, s.config.verify_reads, shape=rec.shape,
+                    dtype=rec.dtype))
+
+    def _copy_in(self, rec, source):
+        s = self.s
+        rec.reading_host = source is rec.host_block
+        self._issue(rec, TransferKind.H2D, lambda tag: s.backend.start_copy(
+            TransferKind.H2D, rec.block, source, rec.nbytes, tag, shape=rec.shape, dtype=rec.dtype))
+
+    def _issue(self, rec, kind, start):
+        """Start one transfer of a load; if it cannot start, the load fails (nothing lost)."""
+        s = self.s
+        tag = s.transfers.add(kind, rec)
         try:
-            issue()
+            start(tag)
         except Exception as e:   # nothing was started: back to ABSENT, the waiters learn why
             s.transfers.discard(tag)
             self._failed(rec, StorageError(f"cannot start loading {rec.name!r}: {e}"))
@@ -141,6 +162,7 @@ class Loads:
     def done(self, rec, kind, c, seconds):
         s = self.s
         rec.initial = None
+        rec.reading_host = False
         if c.status:
             self._failed(rec, s.transfer_error("read", rec, c), seconds)
             return
@@ -176,6 +198,7 @@ class Loads:
 
     def _failed(self, rec, error, seconds=0.0):
         s = self.s
+        rec.reading_host = False
         s.backend.free_device(rec.block)
         rec.block = None
         rec.state = State.ABSENT
@@ -209,8 +232,11 @@ class Loads:
                 s.outcomes.fail(req, StorageError(f"cannot stage {rec.name!r}: {e}"))
                 return
 
-    def stage_done(self, rec, req, c):
+    def stage_done(self, rec, req, c, seconds=0.0):
         s = self.s
+        if req is None:           # the first half of a load through the host cache
+            self._filled(rec, c, seconds)
+            return
         if c.status:
             self.free_host(rec)
             s.outcomes.fail(req, s.transfer_error("read", rec, c))
@@ -220,8 +246,28 @@ class Loads:
         if req.remaining == 0:
             s.outcomes.resolve(req)
 
+    def _filled(self, rec, c, seconds):
+        """A disk read into a new host replica landed: copy it on to the device block."""
+        s = self.s
+        if c.status:
+            self.free_host(rec)
+            self._failed(rec, s.transfer_error("read", rec, c), seconds)
+            return
+        rec.host_valid = True
+        s.stats.record_transfer("load", rec.nbytes, seconds)
+        self._copy_in(rec, rec.host_block)
+
+    def _try_alloc_host(self, rec):
+        try:
+            rec.host_block = self.s.backend.alloc_host(rec.nbytes)
+            return True
+        except Exception:          # room was made, but e.g. the pool's mapping failed
+            return False
+
     def alloc_host(self, rec, req):
-        """Give rec a host block, or fail req saying why (the host budget is exact)."""
+        """Give rec a host block, dropping cached replicas if needed, or fail req saying
+        why (the host budget is exact)."""
+        self.s.hostcache.make_room(rec.nbytes)
         try:
             rec.host_block = self.s.backend.alloc_host(rec.nbytes)
             return True

@@ -45,6 +45,11 @@ class Policy:
         """Trace steps until `name` is next used (inf if unknown)."""
         return float("inf")
 
+    def reuse_distance(self, name):
+        """Trace steps until `name` is used again after its next use (inf if unknown):
+        what a cache filled now, for that next use, would have to keep it for."""
+        return float("inf")
+
 
 @register("lru")
 class LruPolicy(Policy):
@@ -96,6 +101,19 @@ class BeladyPolicy(Policy):
         if i < len(positions):
             return positions[i] - position
         return positions[0] + length - position
+
+    def reuse_distance(self, name):
+        trace = self._traces.get(self._owner.get(name, object()))
+        if trace is None:
+            return float("inf")
+        uses, length, position = trace
+        positions = uses.get(name)
+        if not positions:
+            return float("inf")
+        n = len(positions)
+        i = bisect.bisect_right(positions, position)   # the next use is the i-th, counting on cyclically
+        k = i + 1                                       # the one after it
+        return positions[k % n] + (k // n) * length - position
 
     def rank(self, candidates):
         if not self._traces:

@@ -49,6 +49,7 @@ class ManagedTensor:
     initial: object = None   # register(): the values to place, until placed
     requested: bool = False  # a prefetch was submitted and the scheduler has not taken it yet
     prefetched_unused: bool = False  # loaded ahead of use and not used yet
+    reading_host: bool = False   # a load is copying from the host replica (do not drop it)
     writeback_failed: bool = False   # last write-back failed: keep in place, do not pick as victim
     evict_after_store: str | None = None  # eviction reason waiting for the write-back
     evict_after_load: bool = False

@@ -20,6 +20,7 @@ import time
 from .. import _native
 from ..backend.base import TransferKind
 from ..errors import BudgetError, IntegrityError, PinnedError, PrefetchdError, ShutdownError, StorageError
+from .hostcache import HostCache
 from .loads import Loads
 from .memory import DeviceMemory
 from .records import State
@@ -48,6 +49,7 @@ class Scheduler:
         self.outcomes = Outcomes(stats)
         self.transfers = Transfers()
         self.memory = DeviceMemory(config, backend, registry, policy, stats, lock, name)
+        self.hostcache = HostCache(backend, registry, policy, stats, config.host_budget)
         self.loads = Loads(self)
         self.writebacks = WriteBacks(self)
         self.memory.evict = self.writebacks.evict
@@ -70,7 +72,7 @@ class Scheduler:
             TransferKind.H2D: lambda rec, req, c, s: self.loads.done(rec, TransferKind.H2D, c, s),
             TransferKind.STORE: self.writebacks.store_done,
             TransferKind.VERIFY: lambda rec, req, c, s: self.writebacks.verify_done(rec, req, c),
-            TransferKind.STAGE: lambda rec, req, c, s: self.loads.stage_done(rec, req, c),
+            TransferKind.STAGE: self.loads.stage_done,
             TransferKind.D2H: self.writebacks.host_copy_done,
         }
 

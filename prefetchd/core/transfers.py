@@ -11,6 +11,12 @@ from ..backend.base import TransferKind
 LOAD_KINDS = (TransferKind.LOAD, TransferKind.H2D)
 
 
+def _is_load(kind, req):
+    """Loads into the device tier, including a disk read into the host cache on the
+    way to the device (a STAGE with no request of its own)."""
+    return kind in LOAD_KINDS or (kind is TransferKind.STAGE and req is None)
+
+
 class Transfers:
     """tag -> (kind, record, request or None). Scheduler thread only."""
 
@@ -23,14 +29,14 @@ class Transfers:
         """Register a transfer about to start; returns its tag."""
         tag = next(self._tags)
         self._entries[tag] = (kind, rec, req)
-        if kind in LOAD_KINDS:
+        if _is_load(kind, req):
             self.loads += 1
         return tag
 
     def pop(self, tag):
         """The transfer a completion belongs to, or None if it is unknown (already settled)."""
         entry = self._entries.pop(tag, None)
-        if entry is not None and entry[0] in LOAD_KINDS:
+        if entry is not None and _is_load(entry[0], entry[2]):
             self.loads -= 1
         return entry
 

@@ -85,7 +85,8 @@ class WriteBacks:
             return
         s.stats.writebacks += 1
         rec.remote_valid = True
-        rec.host_valid = False     # the host replica, if any, is older now
+        if rec.host_valid:         # the host replica, if any, is older now
+            s.loads.free_host(rec)
         rec.state = State.RESIDENT
         rec.dirty = rec.generation != rec.store_generation   # written again while storing
         s.emit("written_back", rec)
