@@ -150,14 +150,21 @@ def test_ascend_dispatch_without_hardware_budget_is_enforced(ascend, make_param)
 
 def test_ascend_dispatch_without_hardware_failure_is_reported(ascend, make_param):
     daemon, log, bound = ascend
-    h = daemon.register(make_param(np.ones(1024, np.float32), "w"), tier="remote")
+    p = make_param(np.arange(1024, dtype=np.float32), "w")
+    h = daemon.register(p, tier="remote")
 
     def broken(*a, **k):
         raise RuntimeError("device copy failed (simulated)")
+    working = daemon.backend.api.CopyToDevice
     daemon.backend.api.CopyToDevice = lambda: broken
     with pytest.raises(Exception, match="simulated"):
         daemon.prefetch(h).result(10)
-    assert h.tiers == ["remote"]
+    # not on the device; the remote copy (and a host replica staged on the way, if any) intact
+    assert "device" not in h.tiers and "remote" in h.tiers
+    daemon.backend.api.CopyToDevice = working
+    daemon.prefetch(h).result(10)
+    with daemon.use(h):
+        np.testing.assert_array_equal(bound[id(p)].array, np.arange(1024, dtype=np.float32))
 
 
 # ---------------------------------------------------------------- stable addresses over ACL VMM

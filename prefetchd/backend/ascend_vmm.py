@@ -300,6 +300,9 @@ class AscendVmmBackend(AscendBackend):
 
     # transfers (run on the copy thread) ---------------------------------------------
     def _load(self, key, block, nbytes, verify, shape, dtype):
+        if not isinstance(block, _DEVICE):          # a host destination (STAGE): read straight in
+            self.store.read_sync(key, block, verify)
+            return nbytes
         staging = self.host.alloc(nbytes)
         try:
             self.store.read_sync(key, staging, verify)
