@@ -3,14 +3,22 @@
 1. Describe the model without allocating its weights, and stage each weight
    (deterministic values) into a store, one tensor at a time.
 2. Run the fully resident model for reference outputs and timing.
-3. Build it again without weights, offload it onto a daemon whose device
-   budget is a fraction of the model, run the same passes.
+3. Build it again without weights and offload it exactly as the README does
+   (`Daemon(device_budget=..., store_dir=...)`, `offload(model, daemon,
+   lookahead=k, checkpoint=True)`: no private switches), run the same passes.
 4. Compare outputs bit for bit; print time per pass, stall time, hit rate,
-   bytes moved, bandwidth and peak device bytes against the watermark.
+   bytes moved, bandwidth and peak device bytes against the watermark, and
+   where the time went (compute, stall, I/O per track).
 
-Exits 1 if any output differs from the resident model's.
+    run_demo(size=2 << 30, budget=0.25, trace="run.json", plot="run.png")
+
+Returns 0, or 1 if any output differs from the resident model's or the peak
+device bytes exceeded the high watermark. Long phases (building the model,
+staging) report progress on stderr: a `\\r` line on a terminal, a line every
+few seconds otherwise.
 """
-import json
+import json as _json
+import os
 import shutil
 import sys
 import tempfile
@@ -18,14 +26,57 @@ import time
 
 import numpy as np
 
-from .staging import stage_tensors, tensor_meta, write_index
+from .staging import Progress, stage_tensors, write_index
+from .timeline import plot as plot_timeline, summarize
+
+DEFAULTS = dict(size=2 << 30, hidden=1024, budget=0.25, batch=8, seq=16, lookahead=2, passes=3,
+                tier="remote", store=None, metrics_port=None, hold=0.0, json=False, trace=None, plot=None,
+                quiet=False)
 
 
 def _mib(n):
     return f"{n / 2**20:,.1f} MiB"
 
 
-def run_demo(args):
+def run_demo(args=None, /, **options):
+    """Run the demo; keyword options as in `DEFAULTS` (budget: a fraction of the model).
+
+    trace: write a Chrome trace (Perfetto, chrome://tracing) of the offloaded
+    passes to this path; plot: draw it to this PNG (needs the `plot` extra).
+    json: print one JSON report instead of text; quiet: no text at all.
+    `args`: an argparse namespace with the same names (the CLI's way in).
+    """
+    if args is not None:
+        options = {**{k: v for k, v in vars(args).items() if k in DEFAULTS}, **options}
+    unknown = set(options) - set(DEFAULTS)
+    if unknown:
+        raise TypeError(f"run_demo: unknown option(s) {', '.join(sorted(unknown))}")
+    o = {**DEFAULTS, **options}
+    if not 0 < o["budget"] <= 1:
+        raise ValueError(f"run_demo: budget is a fraction of the model in (0, 1], got {o['budget']!r}")
+    if o["tier"] not in ("remote", "host"):
+        raise ValueError(f"run_demo: tier must be 'remote' or 'host', got {o['tier']!r}")
+    quiet = o["quiet"] or o["json"]
+    say = (lambda *a: None) if quiet else print
+    report, timeline = _run(o, say, quiet)
+
+    if o["json"]:
+        print(_json.dumps(report, indent=2))
+    elif not quiet:
+        _print_report(report)
+        print(summarize(timeline) if timeline is not None and len(timeline) else _stats_table(report))
+    if timeline is not None and o["plot"]:
+        say(f"timeline plot: {plot_timeline(timeline, o['plot'])}")
+    if timeline is not None and o["trace"]:
+        say(f"trace: {o['trace']} (open in https://ui.perfetto.dev or chrome://tracing)")
+    return 0 if report["outputs_match"] and report["watermark_respected"] else 1
+
+
+def _progress(label, quiet, total_bytes=None, total_tensors=None):
+    return None if quiet else Progress(total_bytes, total_tensors, label=f"prefetchd demo: {label}")
+
+
+def _run(o, say, quiet):
     from . import _native, offload
     from .backend.framework import mindspore
     from .daemon import Daemon
@@ -33,102 +84,142 @@ def run_demo(args):
 
     ms = mindspore()
     ms.set_device("CPU")
-    hidden = args.hidden
-    layers = layers_for(args.size, hidden)
+    hidden = o["hidden"]
+    layers = layers_for(o["size"], hidden)
     model_bytes = estimate_bytes(hidden, layers)
-    budget = max(int(model_bytes * args.budget), 1 << 20)
-    say = (lambda *a: None) if args.json else print
-    say(f"prefetchd demo: {layers} transformer blocks, hidden {hidden}, {_mib(model_bytes)} of fp32 weights; "
-        f"device budget {_mib(budget)} ({args.budget:.0%}); weights on the {args.tier} tier")
+    budget = max(int(model_bytes * o["budget"]), 1 << 20)
+    say(f"prefetchd demo: {layers} transformer blocks + tied embedding, hidden {hidden}, "
+        f"{_mib(model_bytes)} of fp32 weights; device budget {_mib(budget)} ({o['budget']:.0%}); "
+        f"weights on the {o['tier']} tier")
 
-    own_store = args.store is None
-    store_dir = args.store or tempfile.mkdtemp(prefix="prefetchd-demo-")
+    own_store = o["store"] is None
+    store_dir = o["store"] or tempfile.mkdtemp(prefix="prefetchd-demo-")
+    scratch = tempfile.mkdtemp(prefix="prefetchd-demo-trace-")
+    timeline = None
     try:
         # 1. stage: one tensor in RAM at a time
         t0 = time.perf_counter()
         skeleton = build_model(hidden, layers, materialize=False)
+        params = list(skeleton.get_parameters())
         store = _native.FileStore(store_dir)
         index = stage_tensors(store, ((p.name, tuple(p.shape), np.dtype(np.float32),
-                                       init_values(p.name, tuple(p.shape)))
-                                      for p in skeleton.get_parameters()))
+                                       init_values(p.name, tuple(p.shape))) for p in params),
+                              progress=_progress("staging", quiet, model_bytes, len(params)) or False)
         engine = store.engine
         store.close()
         write_index(store_dir, index)
-        stage_s = time.perf_counter() - t0
-        say(f"staged {len(index)} tensors into {store_dir} in {stage_s:.1f}s (I/O engine: {engine})")
+        say(f"staged {len(index)} tensors into {store_dir} in {time.perf_counter() - t0:.1f}s "
+            f"(I/O engine: {engine})")
 
-        x = make_inputs(args.batch, args.seq, hidden)
+        x = make_inputs(o["batch"], o["seq"], hidden)
 
         # 2. reference: fully resident
-        reference = build_model(hidden, layers)
+        building = _progress("building the resident model", quiet, model_bytes, len(params))
+        sizes = [int(np.prod(p.shape)) * 4 for p in params]
+        reference = build_model(hidden, layers, progress=building and (
+            lambda done, total: building.update(done, sum(sizes[:done]))))
+        if building:
+            building.finish()
         want, resident_times = [], []
-        for _ in range(args.passes):
+        for _ in range(o["passes"]):
             t = time.perf_counter()
             want.append(reference(x).asnumpy())
             resident_times.append(time.perf_counter() - t)
         del reference
         say(f"resident:  {np.median(resident_times):.3f}s per pass")
 
-        # 3. offloaded
+        # 3. offloaded, as the README shows it
         model = build_model(hidden, layers, materialize=False)
-        daemon = Daemon(device_budget=budget, store_dir=store_dir, lookahead=args.lookahead,
-                        metrics_port=args.metrics_port, name="demo").start()
+        # Always record a timeline (the where-the-time-went table reads it); without
+        # --trace its file goes to scratch space removed at the end.
+        trace_path = o["trace"] or os.path.join(scratch, "trace.json")
+        daemon = Daemon(device_budget=budget, store_dir=store_dir, metrics_port=o["metrics_port"],
+                        name="demo", trace=trace_path).start()
+        timeline = getattr(daemon, "timeline", None)
+        if timeline is None or not timeline.enabled:
+            timeline = None     # a daemon that records no timeline: the table comes from counters
+            if o["trace"] or o["plot"]:
+                say("note: this daemon records no timeline: --trace/--plot have nothing to draw")
         try:
             if daemon.metrics_port:
                 say(f"metrics: http://127.0.0.1:{daemon.metrics_port}/metrics")
-            # auto_fetch: at budgets below two blocks nothing can be prefetched, and
-            # the demo should still run (the misses are reported).
-            offload(model, daemon, lookahead=args.lookahead, checkpoint=True, auto_fetch=True)
-            if args.tier == "host":
+            offload(model, daemon, lookahead=o["lookahead"], checkpoint=True)
+            if o["tier"] == "host":
                 daemon.stage_to_host(daemon.names()).result()
             got, times = [], []
-            for _ in range(args.passes):
+            for _ in range(o["passes"]):
                 t = time.perf_counter()
                 got.append(model(x).asnumpy())
                 times.append(time.perf_counter() - t)
             status, stats = daemon.snapshot()
-            if args.hold:
-                say(f"holding {args.hold:.0f}s for metrics scrapes")
-                time.sleep(args.hold)
+            if o["hold"]:
+                say(f"holding {o['hold']:.0f}s for metrics scrapes")
+                time.sleep(o["hold"])
         finally:
-            daemon.close()
+            daemon.close()      # writes the trace file
     finally:
         if own_store:
             shutil.rmtree(store_dir, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
 
-    # 4. report
     mismatches = [i for i, (a, b) in enumerate(zip(want, got)) if not np.array_equal(a, b)]
-    moved = stats.transfer_bytes["load"] + stats.transfer_bytes["h2d"]
-    moved_s = stats.transfer_seconds["load"] + stats.transfer_seconds["h2d"]
+    return _report(o, status, stats, layers, hidden, model_bytes, budget, resident_times, times,
+                   mismatches), timeline
+
+
+def _report(o, status, stats, layers, hidden, model_bytes, budget, resident_times, times, mismatches):
+    directions = ("load", "h2d")
+    moved = sum(stats.transfer_bytes[d] for d in directions)
+    moved_s = sum(stats.transfer_duration[d].sum for d in directions)
     hits = stats.requests["fetch", "hit"]          # a unit's tensors were resident when it ran
     misses = stats.requests["fetch", "miss"]       # it had to wait for (or fetch) them
-    report = {
-        "model_bytes": model_bytes, "layers": layers, "hidden": hidden, "batch": args.batch,
+    steady = times[1:] if len(times) > 1 else times
+    return {
+        "model_bytes": model_bytes, "layers": layers, "hidden": hidden, "batch": o["batch"],
         "device_budget": budget, "high_watermark": status["device"]["high_watermark"],
         "peak_device_bytes": status["device"]["peak"],
         "watermark_respected": status["device"]["peak"] <= status["device"]["high_watermark"],
-        "tier": args.tier, "lookahead": args.lookahead, "io_engine": status["io_engine"],
+        "tier": o["tier"], "lookahead": o["lookahead"], "io_engine": status["io_engine"],
         "resident_seconds_per_pass": float(np.median(resident_times)),
-        "offloaded_seconds_per_pass": float(np.median(times[1:] if len(times) > 1 else times)),
-        "first_pass_seconds": times[0],
+        "offloaded_seconds_per_pass": float(np.median(steady)),
+        "first_pass_seconds": times[0], "offloaded_seconds_total": float(sum(times)),
         "stall_seconds": stats.stall.sum, "hit_rate": hits / max(1, hits + misses),
         "bytes_moved": moved, "bandwidth_MBps": moved / max(moved_s, 1e-9) / 1e6,
+        "transfer_seconds": {d: stats.transfer_duration[d].sum for d in stats.transfer_duration},
+        "transfer_bytes": dict(stats.transfer_bytes),
         "evictions": sum(stats.evictions.values()), "fences": stats.fences,
-        "outputs_match": not mismatches, "passes": args.passes,
+        "outputs_match": not mismatches, "mismatched_passes": mismatches, "passes": o["passes"],
+        "trace": o["trace"],
     }
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        r = report
-        print(f"offloaded: {r['offloaded_seconds_per_pass']:.3f}s per pass "
-              f"(first pass {r['first_pass_seconds']:.3f}s records the trace); "
-              f"{r['offloaded_seconds_per_pass'] / r['resident_seconds_per_pass']:.2f}x resident")
-        print(f"stall {r['stall_seconds']:.3f}s total, hit rate {r['hit_rate']:.1%}, "
-              f"moved {_mib(r['bytes_moved'])} at {r['bandwidth_MBps']:,.0f} MB/s, "
-              f"{r['evictions']} evictions, {r['fences']} compute fences")
-        print(f"peak device {_mib(r['peak_device_bytes'])} vs high watermark {_mib(r['high_watermark'])}: "
-              f"{'respected' if r['watermark_respected'] else 'EXCEEDED'}")
-        print("outputs: identical to the resident model" if not mismatches else
-              f"outputs: DIFFER from the resident model in pass(es) {mismatches}")
-    return 0 if not mismatches and report["watermark_respected"] else 1
 
+
+def _print_report(r):
+    print(f"offloaded: {r['offloaded_seconds_per_pass']:.3f}s per pass "
+          f"(first pass {r['first_pass_seconds']:.3f}s records the trace); "
+          f"{r['offloaded_seconds_per_pass'] / r['resident_seconds_per_pass']:.2f}x resident")
+    print(f"stall {r['stall_seconds']:.3f}s total, hit rate {r['hit_rate']:.1%}, "
+          f"moved {_mib(r['bytes_moved'])} at {r['bandwidth_MBps']:,.0f} MB/s, "
+          f"{r['evictions']} evictions, {r['fences']} compute fences")
+    print(f"peak device {_mib(r['peak_device_bytes'])} vs high watermark {_mib(r['high_watermark'])}: "
+          f"{'respected' if r['watermark_respected'] else 'EXCEEDED'}")
+    print("outputs: identical to the resident model" if r["outputs_match"] else
+          f"outputs: DIFFER from the resident model in pass(es) {r['mismatched_passes']}")
+
+
+def _stats_table(r):
+    """Where the time went, from the daemon's counters (when no timeline was recorded):
+    transfer rows are summed durations, so overlapping transfers count twice."""
+    total = r["offloaded_seconds_total"] or 1e-12
+    stall = r["stall_seconds"]
+    lines = [f"where the time went ({r['passes']} offloaded passes, {total:.3f} s; from counters)",
+             f"  {'compute':<20} {total - stall:>9.3f} s {(total - stall) / total:>6.1%}  passes minus stalls",
+             f"  {'stall':<20} {stall:>9.3f} s {stall / total:>6.1%}  compute waiting for weights"]
+    for d, seconds in r["transfer_seconds"].items():
+        if r["transfer_bytes"].get(d):
+            lines.append(f"  {d + ' transfers':<20} {seconds:>9.3f} s {seconds / total:>6.1%}  "
+                         f"{_mib(r['transfer_bytes'][d])}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(run_demo())

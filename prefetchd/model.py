@@ -1,11 +1,21 @@
-"""The demo model: a transformer-style stack of MindSpore blocks.
+"""The demo model: a small language-model-shaped transformer of MindSpore blocks.
 
-Each block is pre-norm self-attention (one fused QKV projection, one output
-projection) followed by a pre-norm MLP (4x expansion), with residuals. Weights
-are fp32; `estimate_bytes` tells the size before anything is allocated, and
-`build_model(..., materialize=False)` builds it without allocating parameter
-memory (MindSpore's `no_init_parameters`), so a model larger than RAM can be
-described and then streamed from the remote tier.
+Laid out the way public model zoos do, with parameters outside the blocks:
+
+- a tied embedding table (`embedding`, vocab x hidden): token ids are looked
+  up in it at the input, and the same table is the output projection
+  (`logits = h @ embedding.T`), both read in the top-level construct;
+- a positional embedding (`pos_embed`) and a final norm (`final_norm.gamma`,
+  `final_norm.beta`) owned by the top-level cell itself, not by a child cell;
+- `blocks`: a CellList of pre-norm self-attention (one fused QKV projection,
+  one output projection) + pre-norm MLP (4x expansion) blocks, with residuals.
+
+The input is token ids (int, batch x seq) or, for callers that feed hidden
+states, floats (batch x seq x hidden) that skip the lookup; the output is
+logits (batch x seq x vocab). Weights are fp32; `estimate_bytes` tells the size
+before anything is allocated, and `build_model(..., materialize=False)` builds
+it without allocating parameter memory (MindSpore's `no_init_parameters`), so
+a model larger than RAM can be described and then streamed from the remote tier.
 """
 import math
 import zlib
@@ -14,6 +24,14 @@ import numpy as np
 
 from .backend.framework import mindspore
 
+MAX_SEQ = 128   # positions the positional embedding covers
+
+
+def vocab_for(hidden):
+    """Vocabulary size of the demo model at width `hidden` (scales with it, so the
+    top-level parameters stay a small share of the weights at any size)."""
+    return max(256, 2 * hidden)
+
 
 def block_params(hidden):
     """Parameter count of one block (QKV, out, two MLP projections, two norms)."""
@@ -21,12 +39,18 @@ def block_params(hidden):
         + (hidden * 4 * hidden + 4 * hidden) + (4 * hidden * hidden + hidden) + 4 * hidden
 
 
+def top_params(hidden):
+    """Parameter count outside the blocks: tied embedding, positional embedding, final norm."""
+    return vocab_for(hidden) * hidden + MAX_SEQ * hidden + 2 * hidden
+
+
 def estimate_bytes(hidden, layers, itemsize=4):
-    return (block_params(hidden) * layers + 2 * hidden) * itemsize
+    return (block_params(hidden) * layers + top_params(hidden)) * itemsize
 
 
 def layers_for(total_bytes, hidden, itemsize=4):
-    return max(1, round(total_bytes / (block_params(hidden) * itemsize)))
+    """Blocks that make the model about `total_bytes` (at least one)."""
+    return max(1, round((total_bytes / itemsize - top_params(hidden)) / block_params(hidden)))
 
 
 def _classes():
@@ -59,18 +83,33 @@ def _classes():
             y = self.down(self.act(self.up(self.norm2(x).reshape(b * t, h))))
             return x + y.reshape(b, t, h)
 
-    class DemoModel(nn.Cell):
-        """Blocks in a CellList: each block is one offload unit."""
+    def parameter(name, shape):
+        return ms.Parameter(ms.common.initializer.initializer("zeros", shape, ms.float32), name=name)
 
-        def __init__(self, hidden, layers, heads):
+    class DemoModel(nn.Cell):
+        """Tied embedding and top-level parameters around blocks in a CellList."""
+
+        def __init__(self, hidden, layers, heads, vocab):
             super().__init__()
+            self.embedding = parameter("embedding", (vocab, hidden))
+            self.pos_embed = parameter("pos_embed", (MAX_SEQ, hidden))
             self.blocks = nn.CellList([Block(hidden, heads) for _ in range(layers)])
-            self.norm = nn.LayerNorm((hidden,))
+            self.norm_gamma = parameter("final_norm.gamma", (hidden,))
+            self.norm_beta = parameter("final_norm.beta", (hidden,))
+            self.layer_norm = ops.LayerNorm(begin_norm_axis=-1, begin_params_axis=-1)
 
         def construct(self, x):
+            if x.dtype in (ms.int32, ms.int64):
+                x = ops.gather(self.embedding, x, 0)           # ids -> vectors: the table, read here
+            b, t, h = x.shape
+            if t > self.pos_embed.shape[0]:
+                raise ValueError(f"demo model: sequence length {t} exceeds its {MAX_SEQ} positions")
+            x = x + self.pos_embed[:t]
             for block in self.blocks:
                 x = block(x)
-            return self.norm(x)
+            x, _, _ = self.layer_norm(x, self.norm_gamma, self.norm_beta)
+            logits = ops.matmul(x.reshape(b * t, h), self.embedding.T)   # the same table, tied
+            return logits.reshape(b, t, -1)
 
     return Block, DemoModel
 
@@ -85,21 +124,31 @@ def init_values(name, shape, seed=0):
     return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
 
 
-def build_model(hidden=1024, layers=8, heads=None, seed=0, materialize=True):
-    """A DemoModel. materialize=False allocates no parameter memory (weights come from a store)."""
+def build_model(hidden=1024, layers=8, heads=None, seed=0, materialize=True, progress=None):
+    """A DemoModel. materialize=False allocates no parameter memory (weights come from a store).
+
+    progress: called as progress(done, total) after each parameter is filled in.
+    """
     ms = mindspore()
     heads = heads or max(1, hidden // 128)
     _, DemoModel = _classes()
     from mindspore.nn.utils import no_init_parameters
     with no_init_parameters():
-        model = DemoModel(hidden, layers, heads)
+        model = DemoModel(hidden, layers, heads, vocab_for(hidden))
     if materialize:
-        for p in model.get_parameters():
+        params = list(model.get_parameters())
+        for i, p in enumerate(params):
             p.set_data(ms.Tensor.from_numpy(init_values(p.name, tuple(p.shape), seed)))
+            if progress is not None:
+                progress(i + 1, len(params))
     return model
 
 
-def make_inputs(batch=8, seq=16, hidden=1024, seed=1):
+def make_inputs(batch=8, seq=16, hidden=None, seed=1):
+    """Token ids (int32, batch x seq) for a model of width `hidden` (its vocabulary)."""
     ms = mindspore()
+    if seq > MAX_SEQ:
+        raise ValueError(f"make_inputs: seq {seq} exceeds the demo model's {MAX_SEQ} positions")
+    vocab = vocab_for(hidden) if hidden else 256
     rng = np.random.default_rng(seed)
-    return ms.Tensor.from_numpy(rng.standard_normal((batch, seq, hidden), dtype=np.float32))
+    return ms.Tensor.from_numpy(rng.integers(0, vocab, (batch, seq), dtype=np.int32))
