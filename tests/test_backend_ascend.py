@@ -423,3 +423,29 @@ def test_ascend_vmm_without_hardware_missing_runtime_is_a_clear_error():
     vmm = AclVmm(lib_name="libascendcl-not-installed.so")
     with pytest.raises(_native.NativeError, match="cannot load libascendcl-not-installed.so"):
         vmm.reserve(GRAN)
+
+
+def test_ascend_vmm_without_hardware_daemon_binds_once_and_maps_under_the_home(store_dir, make_param):
+    import dataclasses
+    log = []
+    acl = FakeAcl(log)
+    api, bound = fake_api(log)
+    api = dataclasses.replace(api, from_dlpack=lambda capsule: FakeDeviceView(capsule, acl))
+    config = Config.load(env={}, backend="ascend", device_budget="8MiB", store_dir=store_dir)
+    daemon = Daemon(config, backend=AscendVmmBackend(config, api=api, vmm=AclVmm(lib=acl))).start()
+    try:
+        values = [np.full(256 * 1024, i, np.float32) for i in range(6)]     # 1 MiB each: 2 MiB granules
+        params = [make_param(v, f"t{i}") for i, v in enumerate(values)]
+        handles = [daemon.register(p, tier="remote") for p in params]
+        views = {id(p): bound[id(p)] for p in params}
+        assert log.count(("SetData",)) == len(params)                    # bound once, at registration
+        for _ in range(2):                                                # more than fits: evictions
+            for p, h, v in zip(params, handles, values):
+                daemon.prefetch(h).result(10)
+                with daemon.use(h):
+                    np.testing.assert_array_equal(views[id(p)].values(), v)
+        assert log.count(("SetData",)) == len(params)                    # never rebound
+        assert {id(p): bound[id(p)] for p in params} == views
+        assert daemon.backend.device_used() <= daemon.config.high_watermark
+    finally:
+        daemon.close()

@@ -221,6 +221,11 @@ class AscendVmmBackend(AscendBackend):
         super().__init__(config, api=api)
 
     # memory ------------------------------------------------------------------------
+    @staticmethod
+    def block_bytes(nbytes):
+        """A device block is whole 2 MiB granules (the daemon budgets with this)."""
+        return round_up(nbytes)
+
     def alloc_device(self, nbytes, prefer=None):
         capacity = round_up(nbytes)
         with self._lock:
