@@ -16,9 +16,9 @@ progress.
 from .errors import CheckpointError, StagingError
 from .generations import INDEX_FILE, read_index, stage_checkpoint, write_index
 from .progress import Progress
-from .readers import iter_checkpoint, iter_mindspore_ckpt, iter_safetensors
+from .readers import iter_checkpoint, iter_mindspore_ckpt, iter_safetensors, verify_checkpoint
 from .writer import read_meta, stage_tensors, tensor_meta
 
 __all__ = ["INDEX_FILE", "CheckpointError", "Progress", "StagingError", "iter_checkpoint",
            "iter_mindspore_ckpt", "iter_safetensors", "read_index", "read_meta", "stage_checkpoint",
-           "stage_tensors", "tensor_meta", "write_index"]
+           "stage_tensors", "tensor_meta", "verify_checkpoint", "write_index"]

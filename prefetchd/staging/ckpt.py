@@ -66,6 +66,11 @@ class MindSporeCheckpoint:
     def nbytes(self):
         return sum(e.nbytes for e in self._entries)
 
+    @property
+    def has_checksum(self):
+        """True if the file carries a checksum (verified as iteration ends)."""
+        return self._expected_crc is not None
+
     def __iter__(self):
         return self
 

@@ -79,6 +79,8 @@ def stage_checkpoint(path, store_dir, progress=False, *, config=None, progress_i
     try:
         store_dir = os.path.realpath(store_dir)
         parent, base = os.path.split(store_dir)
+        if not base:
+            raise StagingError(f"{store_dir}: a filesystem root cannot be a store directory")
         os.makedirs(parent, exist_ok=True)
         with _stage_lock(parent, base):
             _remove_leftovers(parent, base)

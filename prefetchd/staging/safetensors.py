@@ -43,6 +43,11 @@ class SafetensorsCheckpoint:
     def nbytes(self):
         return sum(end - start for _, _, _, start, end in self._entries)
 
+    @property
+    def has_checksum(self):
+        """True if the file carries a checksum (verified as iteration ends)."""
+        return self._expected_crc is not None
+
     def __iter__(self):
         return self
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from prefetchd import _native
-from prefetchd.staging import INDEX_FILE, StagingError, iter_checkpoint, read_meta, read_index, stage_checkpoint
+from prefetchd.staging import (INDEX_FILE, StagingError, iter_checkpoint, read_index, read_meta, stage_checkpoint,
+                               verify_checkpoint)
 from ckpt_files import bf16_bits, write_safetensors
 
 
@@ -133,6 +134,7 @@ def test_crc_checked_ckpt_stages_and_a_flipped_byte_is_refused(tmp_path, ms):
     path = str(tmp_path / "crc.ckpt")
     ms.save_checkpoint(list(params), path, crc_check=True)
     store = str(tmp_path / "store")
+    assert verify_checkpoint(path) is True
     assert stage_checkpoint(path, store)["tensors"] == 3
     got, _ = read_back(store, "b")
     np.testing.assert_array_equal(got, params[1].asnumpy())
@@ -144,6 +146,8 @@ def test_crc_checked_ckpt_stages_and_a_flipped_byte_is_refused(tmp_path, ms):
     with open(bad, "wb") as f:
         f.write(raw)
     before = open(os.path.join(store, INDEX_FILE), "rb").read()
+    with pytest.raises(StagingError, match=r"flipped\.ckpt: crc_num .* the file is damaged"):
+        verify_checkpoint(bad)
     with pytest.raises(StagingError, match=r"flipped\.ckpt: crc_num .* the file is damaged"):
         stage_checkpoint(bad, store)
     # refused as a whole: the store still holds the good generation
@@ -157,6 +161,10 @@ def test_crc_checked_safetensors_is_verified(tmp_path, ms):
     path = str(tmp_path / "crc.safetensors")
     ms.save_checkpoint(params, path, format="safetensors", crc_check=True)
     assert stage_checkpoint(path, str(tmp_path / "s1"))["tensors"] == 2
+    assert verify_checkpoint(path) is True
+    plain = str(tmp_path / "plain.safetensors")
+    ms.save_checkpoint(params, plain, format="safetensors")
+    assert verify_checkpoint(plain) is False              # nothing to check: says so
     raw = bytearray(open(path, "rb").read())
     raw[-3] ^= 1
     with open(path, "wb") as f:
