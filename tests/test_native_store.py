@@ -213,7 +213,11 @@ def test_corruption_detected_on_read(tmp_path, engine):
         s.close()
 
 
-def test_corrupted_header_is_dropped_on_open(tmp_path):
+def quarantined_paths(s):
+    return [q["path"] for q in s.recovery_report["quarantined"]]
+
+
+def test_corrupted_header_is_quarantined_on_open(tmp_path):
     d = str(tmp_path)
     s = n.FileStore(d)
     s.write_sync("h", b"data" * 100)
@@ -222,10 +226,18 @@ def test_corrupted_header_is_dropped_on_open(tmp_path):
     with open(path, "r+b") as f:
         f.seek(20)
         f.write(b"\x00\x01")
+    with open(path, "rb") as f:
+        damaged = f.read()
     s = n.FileStore(d)
     try:
         assert not s.contains("h")
-        assert s.recovery_report["removed_corrupt"] == [path]
+        [q] = s.quarantined
+        assert q == {"path": path, "moved_to": os.path.join(d, "quarantine", os.path.basename(path)),
+                     "reason": "header checksum mismatch"}
+        assert s.recovery_report["quarantined"] == [q]
+        assert not os.path.exists(path)
+        with open(q["moved_to"], "rb") as f:  # set aside byte for byte, not deleted
+            assert f.read() == damaged
     finally:
         s.close()
 
@@ -257,8 +269,10 @@ def test_recovery_removes_tmp_and_keeps_newest_valid(tmp_path):
     s = n.FileStore(d)
     try:
         rep = s.recovery_report
-        assert rep == {"kept": 1, "removed_tmp": [tmp], "removed_old": 1, "removed_corrupt": [bad]}
-        assert files(d) == [os.path.basename(new_path)]
+        assert rep == {"kept": 1, "removed_tmp": [tmp], "removed_old": 1,
+                       "quarantined": [{"path": bad, "moved_to": os.path.join(d, "quarantine", os.path.basename(bad)),
+                                        "reason": "bad magic"}]}
+        assert files(d) == [".pfd-lock", os.path.basename(new_path), "quarantine"]
         out = bytearray(3000)
         s.read_sync("k", out)
         assert out == b"new" * 1000
@@ -291,7 +305,8 @@ def test_recovery_falls_back_to_older_version_when_newest_is_torn(tmp_path):
     s = n.FileStore(d)
     try:
         assert s.info("k")["version"] == v1
-        assert s.recovery_report["removed_corrupt"] == [p2]
+        assert quarantined_paths(s) == [p2]
+        assert "does not match its header" in s.quarantined[0]["reason"]
         out = bytearray(10000)
         s.read_sync("k", out)
         assert out == b"A" * 10000
@@ -308,7 +323,8 @@ def test_verify_data_on_open_drops_corrupt_data(tmp_path):
     s = n.FileStore(d, verify_data_on_open=True)
     try:
         assert s.info("k")["version"] == v1
-        assert s.recovery_report["removed_corrupt"] == [p2]
+        assert quarantined_paths(s) == [p2]
+        assert s.quarantined[0]["reason"] == "checksum mismatch in extent 0"
         assert s.recover(verify_data=True)["kept"] == 1
     finally:
         s.close()
@@ -511,7 +527,7 @@ def test_filesystem_without_o_direct_falls_back_to_buffered(ramfs):
     try:
         assert s.engine == "buffered" and not s.direct
         assert "O_DIRECT open failed (EINVAL)" in s.probe_report and "-> buffered" in s.probe_report
-        assert os.listdir(ramfs) == []  # probe scratch file removed
+        assert os.listdir(ramfs) == [".pfd-lock"]  # probe scratch file removed
         roundtrip(s)
     finally:
         s.close()

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "common.h"
 #include "io_engine.h"
 
 namespace pfd {
@@ -31,12 +32,33 @@ struct StoreOptions {
     bool verify_data_on_open = false;
 };
 
+// Longest key (tensor name) a store accepts, in UTF-8 bytes (_native.MAX_KEY_BYTES).
+constexpr size_t kMaxKeyBytes = 1024;
+// Throws Error(Value) naming the limit unless 1 <= key.size() <= kMaxKeyBytes.
+void check_key(const std::string &key);
+
+// Lock file in the store directory: flock'ed for the FileStore's life, holds the owner's pid.
+constexpr const char *kLockName = ".pfd-lock";
+// Subdirectory where recovery moves files it cannot use (never deletes them).
+constexpr const char *kQuarantineDir = "quarantine";
+
+// Another FileStore (this process or another) holds the store directory.
+struct StoreInUse : Error {
+    long pid;
+    StoreInUse(const std::string &msg, long owner) : Error(ErrKind::IOFailure, msg, EBUSY), pid(owner) {}
+};
+
+// One file recovery set aside: where it was, where it is now, why.
+struct Quarantined {
+    std::string path, moved_to, reason;
+};
+
 // What open/recover did (API.md recovery_report).
 struct RecoveryReport {
     long kept = 0;
     std::vector<std::string> removed_tmp;
     long removed_old = 0;
-    std::vector<std::string> removed_corrupt;
+    std::vector<Quarantined> quarantined;
 };
 
 // Everything the header of one version file says.
@@ -50,6 +72,14 @@ struct Entry {
     uint32_t data_crc = 0;  // whole data
     size_t header_size = 0;
     std::string path;
+};
+
+// A key's versions the store keeps: the newest (`current`, what reads get)
+// and, until `current` is verified, the last version known good.
+struct Slot {
+    std::shared_ptr<const Entry> current;
+    bool verified = false;  // current was read back intact (commit) or is the only copy recovery found
+    std::shared_ptr<const Entry> fallback;  // kept on disk until current is verified
 };
 
 // A caller's memory for one transfer: `len` bytes usable, `capacity` >= len
@@ -70,6 +100,10 @@ class FileStore {
     std::vector<std::string> keys() const;
     bool contains(const std::string &key) const;
     std::shared_ptr<const Entry> info(const std::string &key) const;  // NotFound
+    Slot slot(const std::string &key) const;                          // NotFound
+    // `version` of `key` is known good: delete the older version kept as its
+    // fallback. False if `version` is not the current one (nothing done).
+    bool commit(const std::string &key, uint64_t version);
     void remove(const std::string &key);
     uint64_t bytes_stored() const;
     RecoveryReport recover(bool verify_data);
@@ -94,8 +128,12 @@ class FileStore {
         explicit OpGuard(FileStore &st);
         ~OpGuard();
     };
-    std::shared_ptr<Entry> parse_file(const std::string &path, std::string &why) const;
+    void lock_directory();
+    void release_directory(bool failed_open);
+    std::string quarantine(const std::string &name, const std::string &why, RecoveryReport &rep);
+    std::shared_ptr<Entry> parse_file(const std::string &name, std::string &why) const;
     bool verify_file(const Entry &e, std::string &why) const;
+    bool commit_locked(const std::string &key, uint64_t version);
     std::string path_for(const std::string &key, uint64_t version, const char *ext) const;
     void fsync_dir();
 
@@ -106,9 +144,11 @@ class FileStore {
     std::unique_ptr<Engine> engine_;
     RecoveryReport recovery_;
     int dir_fd_ = -1;
+    int lock_fd_ = -1;
+    bool created_dir_ = false, created_lock_ = false;  // undone if open fails
 
     mutable std::mutex mu_;  // guards index_ and the file set on disk
-    std::map<std::string, std::shared_ptr<const Entry>> index_;
+    std::map<std::string, Slot> index_;
     std::set<std::string> writing_;  // .tmp paths of writes in progress (recover() must not delete them)
     std::atomic<uint64_t> next_version_{1};
 

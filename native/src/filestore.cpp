@@ -1,8 +1,7 @@
-// FileStore: crash-safe versioned files, engine probe, recovery, chunked
-// reads verified per extent as they land.
+// FileStore: crash-safe versioned files, engine probe, chunked reads verified
+// per extent as they land. Directory lock and recovery: filestore_recovery.cpp.
 #include "filestore.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -16,35 +15,14 @@
 #include "common.h"
 #include "crc32c.h"
 #include "faults.h"
+#include "filestore_format.h"
 #include "memory.h"
 
 namespace pfd {
-namespace {
 
-constexpr char kMagic[4] = {'P', 'F', 'D', '1'};
-constexpr uint32_t kFormat = 1;
-constexpr size_t kFixed = 56;  // fixed header fields before key/meta/crc table
-constexpr size_t kMaxKey = 1024;
-constexpr size_t kMaxMeta = 64 << 10;
-const char *kProbePrefix = ".pfd-probe-";
+using namespace fmt;
 
-template <class T> void put(std::string &b, size_t at, T v) { memcpy(&b[at], &v, sizeof(T)); }
-template <class T> T get(const char *p) {
-    T v;
-    memcpy(&v, p, sizeof(T));
-    return v;
-}
-bool ends_with(const std::string &s, const char *suf) {
-    size_t n = strlen(suf);
-    return s.size() >= n && s.compare(s.size() - n, n, suf) == 0;
-}
-size_t header_size_for(size_t key, size_t meta, size_t n_ext) {
-    return round_up(kFixed + key + meta + 4 * n_ext + 4, kDirectAlign);
-}
-size_t n_extents(uint64_t nbytes, uint64_t ext) { return ext ? size_t((nbytes + ext - 1) / ext) : 0; }
-
-// Header bytes (padded to its size) for an entry whose crcs are filled in.
-std::string encode_header(const Entry &e) {
+std::string fmt::encode_header(const Entry &e) {
     std::string b(e.header_size, '\0');
     memcpy(&b[0], kMagic, 4);
     put<uint32_t>(b, 4, kFormat);
@@ -66,6 +44,14 @@ std::string encode_header(const Entry &e) {
     put<uint32_t>(b, at, crc32c(b.data(), at));
     return b;
 }
+
+void check_key(const std::string &key) {
+    if (key.empty() || key.size() > kMaxKeyBytes)
+        throw Error(ErrKind::Value, "key is " + std::to_string(key.size()) + " bytes; a store key must be 1.." +
+                                        std::to_string(kMaxKeyBytes) + " bytes of UTF-8 (MAX_KEY_BYTES)");
+}
+
+namespace {
 
 // Counts bytes landing per extent; the chunk that completes an extent runs
 // `fn(extent)` (checksum or verify) right away, on whichever thread landed it.
@@ -100,21 +86,6 @@ std::string hex32(uint32_t v) {
     char b[16];
     snprintf(b, sizeof b, "0x%08x", v);
     return b;
-}
-
-// The version in "<stem>.<16 hex>.pfd|tmp", 0 if the name has another shape.
-// New writes start above every version seen, even in files being deleted.
-uint64_t version_in_name(const std::string &n) {
-    size_t last = n.rfind('.');
-    if (last == std::string::npos || last < 17 || n[last - 17] != '.') return 0;
-    uint64_t v = 0;
-    for (size_t i = last - 16; i < last; i++) {
-        char c = n[i];
-        int d = (c >= '0' && c <= '9') ? c - '0' : (c >= 'a' && c <= 'f') ? c - 'a' + 10 : -1;
-        if (d < 0) return 0;
-        v = v * 16 + uint64_t(d);
-    }
-    return v;
 }
 
 void sleep_ms(int ms) {
@@ -156,16 +127,23 @@ FileStore::FileStore(const std::string &directory, const StoreOptions &opt) : di
     const std::string &en = opt_.engine;
     if (en != "auto" && en != "aio" && en != "threads" && en != "buffered")
         throw Error(ErrKind::Value, "engine must be auto|aio|threads|buffered, got '" + en + "'");
-    if (mkdir(dir_.c_str(), 0755) != 0 && errno != EEXIST)
+    // 0700: weights are nobody else's business (an existing directory keeps its mode; files are 0600 anyway).
+    if (mkdir(dir_.c_str(), 0700) == 0) created_dir_ = true;
+    else if (errno != EEXIST)
         throw Error(ErrKind::IOFailure, "cannot create store directory " + dir_ + ": " + errno_name(errno), errno);
     dir_fd_ = open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dir_fd_ < 0) throw Error(ErrKind::IOFailure, "cannot open store directory " + dir_ + ": " + errno_name(errno), errno);
+    if (dir_fd_ < 0) {
+        int err = errno;
+        if (created_dir_) rmdir(dir_.c_str());
+        throw Error(ErrKind::IOFailure, "cannot open store directory " + dir_ + ": " + errno_name(err), err);
+    }
     try {
+        lock_directory();
         probe();
         recovery_ = recover(opt_.verify_data_on_open);
     } catch (...) {
         engine_.reset();
-        ::close(dir_fd_);
+        release_directory(true);
         throw;
     }
 }
@@ -179,8 +157,7 @@ void FileStore::close() {
         ops_cv_.wait(g, [&] { return active_ops_ == 0; });
     }
     engine_.reset();  // joins engine threads, destroys io contexts
-    if (dir_fd_ >= 0) ::close(dir_fd_);
-    dir_fd_ = -1;
+    release_directory(false);
 }
 
 void FileStore::check_open() const {
@@ -198,6 +175,22 @@ FileStore::OpGuard::~OpGuard() {
 }
 
 void FileStore::probe() {
+    // A plain file first: an unwritable directory is an error now, not at the first write-back.
+    const std::string scratch = std::string(kProbePrefix) + std::to_string(getpid()) + "-" +
+                                std::to_string(reinterpret_cast<uintptr_t>(this));
+    int fd = openat(dir_fd_, scratch.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        int err = errno;
+        throw Error(ErrKind::IOFailure, "store directory " + dir_ + " is not writable: creating a file there failed: " +
+                                            errno_name(err), err);
+    }
+    ::close(fd);
+    struct ScratchRemover {
+        int dfd;
+        const std::string &name;
+        ~ScratchRemover() { unlinkat(dfd, name.c_str(), 0); }
+    } remover{dir_fd_, scratch};
+
     const std::string &want = opt_.engine;
     std::string name;
     if (want == "buffered" || !opt_.direct) {
@@ -205,13 +198,10 @@ void FileStore::probe() {
         name = (want == "auto") ? "buffered" : want;
         probe_report_ = want + ": direct=False requested -> " + name + " (page cache)";
     } else {
-        std::string scratch = dir_ + "/" + kProbePrefix + std::to_string(getpid()) + "-" +
-                              std::to_string(reinterpret_cast<uintptr_t>(this));
-        int fd = open(scratch.c_str(), O_RDWR | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0600);
+        fd = openat(dir_fd_, scratch.c_str(), O_RDWR | O_DIRECT | O_CLOEXEC);
         std::string why;
         if (fd < 0) {
             why = "O_DIRECT open failed (" + errno_name(errno) + ")";
-            if (errno == EINVAL) unlink(scratch.c_str());
         } else {
             Mapping buf(kDirectAlign, kDirectAlign);
             if (pwrite(fd, buf.base, kDirectAlign, 0) != ssize_t(kDirectAlign))
@@ -234,10 +224,7 @@ void FileStore::probe() {
                                 " -> threads";
             }
         }
-        if (fd >= 0) {
-            ::close(fd);
-            unlink(scratch.c_str());
-        }
+        if (fd >= 0) ::close(fd);
     }
     engine_name_ = name;
     if (name == "aio") {
@@ -251,134 +238,13 @@ void FileStore::probe() {
     }
 }
 
-// ---------------------------------------------------------------- recovery
-
-std::shared_ptr<Entry> FileStore::parse_file(const std::string &path, std::string &why) const {
-    int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        why = "open: " + errno_name(errno);
-        return nullptr;
-    }
-    struct stat st;
-    std::string h(kDirectAlign, '\0');
-    std::shared_ptr<Entry> e;
-    do {
-        if (fstat(fd, &st) != 0) { why = "fstat: " + errno_name(errno); break; }
-        ssize_t got = full_io(false, fd, &h[0], h.size(), 0);
-        if (got < ssize_t(kFixed)) { why = "truncated header"; break; }
-        if (memcmp(h.data(), kMagic, 4) != 0) { why = "bad magic"; break; }
-        if (get<uint32_t>(&h[4]) != kFormat) { why = "unknown format version"; break; }
-        size_t hsize = get<uint32_t>(&h[8]), klen = get<uint32_t>(&h[12]), nex = get<uint32_t>(&h[40]),
-               mlen = get<uint32_t>(&h[44]);
-        if (klen == 0 || klen > kMaxKey || mlen > kMaxMeta || hsize != header_size_for(klen, mlen, nex)) {
-            why = "bad header sizes";
-            break;
-        }
-        if (hsize > h.size()) {
-            h.resize(hsize);
-            if (full_io(false, fd, &h[0], hsize, 0) != ssize_t(hsize)) { why = "truncated header"; break; }
-        }
-        size_t at = kFixed + klen + mlen + 4 * nex;
-        if (get<uint32_t>(&h[at]) != crc32c(h.data(), at)) { why = "header checksum mismatch"; break; }
-        e = std::make_shared<Entry>();
-        e->nbytes = get<uint64_t>(&h[16]);
-        e->version = get<uint64_t>(&h[24]);
-        e->extent_size = get<uint64_t>(&h[32]);
-        e->data_crc = get<uint32_t>(&h[48]);
-        e->key.assign(&h[kFixed], klen);
-        e->meta.assign(&h[kFixed + klen], mlen);
-        e->crcs.resize(nex);
-        if (nex) memcpy(e->crcs.data(), &h[kFixed + klen + mlen], 4 * nex);
-        e->header_size = hsize;
-        e->path = path;
-        if (e->extent_size == 0 || n_extents(e->nbytes, e->extent_size) != nex) { why = "bad extent table"; e.reset(); break; }
-        if (uint64_t(st.st_size) != hsize + round_up(e->nbytes, kDirectAlign)) {
-            why = "size " + std::to_string(st.st_size) + " does not match header";
-            e.reset();
-            break;
-        }
-    } while (false);
-    ::close(fd);
-    return e;
-}
-
-bool FileStore::verify_file(const Entry &e, std::string &why) const {
-    int fd = open(e.path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) { why = "open: " + errno_name(errno); return false; }
-    std::vector<char> buf(size_t(std::min<uint64_t>(e.extent_size, 64 << 20)));
-    bool ok = true;
-    for (size_t i = 0; ok && i < e.crcs.size(); i++) {
-        uint64_t off = i * e.extent_size, len = std::min(e.extent_size, e.nbytes - off), done = 0;
-        uint32_t c = 0;
-        while (done < len) {  // extents larger than the buffer are checksummed in pieces
-            size_t n = size_t(std::min<uint64_t>(buf.size(), len - done));
-            if (full_io(false, fd, buf.data(), n, e.header_size + off + done) != ssize_t(n)) {
-                why = "read error in extent " + std::to_string(i);
-                ok = false;
-                break;
-            }
-            c = crc32c(buf.data(), n, c);
-            done += n;
-        }
-        if (ok && c != e.crcs[i]) { why = "checksum mismatch in extent " + std::to_string(i); ok = false; }
-    }
-    ::close(fd);
-    return ok;
-}
-
-RecoveryReport FileStore::recover(bool verify_data) {
-    RecoveryReport rep;
-    std::lock_guard<std::mutex> g(mu_);
-    DIR *d = opendir(dir_.c_str());
-    if (!d) throw Error(ErrKind::IOFailure, "cannot list store directory " + dir_ + ": " + errno_name(errno), errno);
-    std::map<std::string, std::vector<std::shared_ptr<Entry>>> found;
-    std::vector<std::string> names;
-    while (dirent *de = readdir(d)) names.push_back(de->d_name);
-    closedir(d);
-    uint64_t max_version = 0;
-    for (auto &n : names) {
-        if (n.rfind(kProbePrefix, 0) == 0) continue;  // another store's live probe
-        std::string path = dir_ + "/" + n;
-        max_version = std::max(max_version, version_in_name(n));
-        if (ends_with(n, ".tmp")) {
-            if (writing_.count(path)) continue;  // our own write in progress
-            if (unlink(path.c_str()) == 0) rep.removed_tmp.push_back(path);
-        } else if (ends_with(n, ".pfd")) {
-            std::string why;
-            auto e = parse_file(path, why);
-            if (!e) {
-                if (unlink(path.c_str()) == 0) rep.removed_corrupt.push_back(path);
-                continue;
-            }
-            max_version = std::max(max_version, e->version);
-            found[e->key].push_back(e);
-        }
-    }
-    std::map<std::string, std::shared_ptr<const Entry>> index;
-    for (auto &kv : found) {
-        auto &v = kv.second;
-        std::sort(v.begin(), v.end(), [](auto &a, auto &b) { return a->version > b->version; });
-        for (auto &e : v) {
-            if (index.count(kv.first)) {
-                if (unlink(e->path.c_str()) == 0) rep.removed_old++;
-                continue;
-            }
-            std::string why;
-            if (verify_data && !verify_file(*e, why)) {
-                if (unlink(e->path.c_str()) == 0) rep.removed_corrupt.push_back(e->path);
-                continue;
-            }
-            index[kv.first] = e;
-        }
-    }
-    index_ = std::move(index);
-    rep.kept = long(index_.size());
-    if (max_version + 1 > next_version_) next_version_ = max_version + 1;
-    if (dir_fd_ >= 0) fsync(dir_fd_);
-    return rep;
-}
-
 // ---------------------------------------------------------------- queries
+
+namespace {
+[[noreturn]] void not_found(const std::string &key) {
+    throw Error(ErrKind::NotFound, "key not found: '" + key + "'", STATUS_NOT_FOUND);
+}
+}  // namespace
 
 std::vector<std::string> FileStore::keys() const {
     std::lock_guard<std::mutex> g(mu_);
@@ -388,23 +254,50 @@ std::vector<std::string> FileStore::keys() const {
 }
 
 bool FileStore::contains(const std::string &key) const {
+    check_key(key);
     std::lock_guard<std::mutex> g(mu_);
     return index_.count(key) != 0;
 }
 
-std::shared_ptr<const Entry> FileStore::info(const std::string &key) const {
+std::shared_ptr<const Entry> FileStore::info(const std::string &key) const { return slot(key).current; }
+
+Slot FileStore::slot(const std::string &key) const {
+    check_key(key);
     std::lock_guard<std::mutex> g(mu_);
     auto it = index_.find(key);
-    if (it == index_.end()) throw Error(ErrKind::NotFound, "key not found: '" + key + "'", STATUS_NOT_FOUND);
+    if (it == index_.end()) not_found(key);
     return it->second;
 }
 
+bool FileStore::commit(const std::string &key, uint64_t version) {
+    check_key(key);
+    OpGuard guard(*this);
+    std::lock_guard<std::mutex> g(mu_);
+    if (!index_.count(key)) not_found(key);
+    return commit_locked(key, version);
+}
+
+bool FileStore::commit_locked(const std::string &key, uint64_t version) {
+    auto it = index_.find(key);
+    if (it == index_.end() || it->second.current->version != version) return false;
+    Slot &s = it->second;
+    s.verified = true;
+    if (s.fallback) {
+        unlink(s.fallback->path.c_str());
+        s.fallback.reset();
+        fsync_dir();
+    }
+    return true;
+}
+
 void FileStore::remove(const std::string &key) {
-    check_open();
+    check_key(key);
+    OpGuard guard(*this);
     std::lock_guard<std::mutex> g(mu_);
     auto it = index_.find(key);
-    if (it == index_.end()) throw Error(ErrKind::NotFound, "key not found: '" + key + "'", STATUS_NOT_FOUND);
-    unlink(it->second->path.c_str());
+    if (it == index_.end()) not_found(key);
+    unlink(it->second.current->path.c_str());
+    if (it->second.fallback) unlink(it->second.fallback->path.c_str());
     index_.erase(it);
     fsync_dir();
 }
@@ -412,7 +305,7 @@ void FileStore::remove(const std::string &key) {
 uint64_t FileStore::bytes_stored() const {
     std::lock_guard<std::mutex> g(mu_);
     uint64_t n = 0;
-    for (auto &kv : index_) n += kv.second->nbytes;
+    for (auto &kv : index_) n += kv.second.current->nbytes;
     return n;
 }
 
@@ -423,6 +316,7 @@ void FileStore::fsync_dir() {
 // ---------------------------------------------------------------- read
 
 size_t FileStore::read(const std::string &key, MemRef dst, bool verify) {
+    check_key(key);
     OpGuard guard(*this);
     FaultAction fault = check_fault("read", key);
     if (fault.kind == FaultKind::Delay) sleep_ms(fault.delay_ms);
@@ -434,9 +328,9 @@ size_t FileStore::read(const std::string &key, MemRef dst, bool verify) {
         // right after, but our descriptor keeps the data readable.
         std::lock_guard<std::mutex> g(mu_);
         auto it = index_.find(key);
-        if (it == index_.end()) throw Error(ErrKind::NotFound, "key not found: '" + key + "'", STATUS_NOT_FOUND);
-        e = it->second;
-        fd = open(e->path.c_str(), O_RDONLY | O_CLOEXEC | (direct_ ? O_DIRECT : 0));
+        if (it == index_.end()) not_found(key);
+        e = it->second.current;
+        fd = open(e->path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | (direct_ ? O_DIRECT : 0));
         if (fd < 0) {
             int err = errno;
             throw Error(ErrKind::IOFailure, "read failed: key '" + key + "': open: " + errno_name(err) + " (" + e->path + ")", err);
@@ -483,14 +377,18 @@ size_t FileStore::read(const std::string &key, MemRef dst, bool verify) {
                         " at offset " + std::to_string(r.offset) + " (" + e->path + ")" +
                         (fault.kind != FaultKind::None ? " [injected]" : ""),
                     r.status);
+    if (verify) {  // every extent matched: this version is known good, its fallback can go
+        std::lock_guard<std::mutex> g(mu_);
+        commit_locked(key, e->version);
+    }
     return size_t(e->nbytes);
 }
 
 // ---------------------------------------------------------------- write
 
 uint64_t FileStore::write(const std::string &key, MemRef src, const std::string &meta) {
+    check_key(key);
     OpGuard guard(*this);
-    if (key.empty() || key.size() > kMaxKey) throw Error(ErrKind::Value, "key must be 1..1024 bytes");
     if (meta.size() > kMaxMeta) throw Error(ErrKind::Value, "meta must be at most 64 KiB");
     FaultAction fault = check_fault("write", key);
     if (fault.kind == FaultKind::Delay) sleep_ms(fault.delay_ms);
@@ -510,7 +408,7 @@ uint64_t FileStore::write(const std::string &key, MemRef src, const std::string 
         std::lock_guard<std::mutex> g(mu_);
         writing_.insert(tmp);
     }
-    int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (direct_ ? O_DIRECT : 0), 0644);
+    int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (direct_ ? O_DIRECT : 0), 0600);
     int err = fd < 0 ? errno : 0;
     std::string what = fd < 0 ? "open" : "";
     TransferResult r;
@@ -573,23 +471,29 @@ uint64_t FileStore::write(const std::string &key, MemRef src, const std::string 
     if (::close(fd_to_close) != 0) fail(errno, "close: " + errno_name(errno) + " (" + tmp + ")");
     if (rename(tmp.c_str(), e.path.c_str()) != 0) fail(errno, "rename: " + errno_name(errno) + " (" + tmp + ")");
 
-    std::string old;
-    {
-        std::lock_guard<std::mutex> g(mu_);
-        writing_.erase(tmp);
-        fsync_dir();  // the rename is durable before the old version goes
-        auto it = index_.find(key);
-        const uint64_t version = e.version;
-        auto fresh = std::make_shared<const Entry>(std::move(e));
-        if (it == index_.end() || it->second->version < fresh->version) {
-            if (it != index_.end()) old = it->second->path;
-            index_[key] = fresh;
-        } else {
-            old = fresh->path;  // a newer concurrent write already won
-        }
-        if (!old.empty()) unlink(old.c_str());
+    std::lock_guard<std::mutex> g(mu_);
+    writing_.erase(tmp);
+    fsync_dir();  // the rename is durable before any older version goes
+    const uint64_t version = e.version;
+    auto fresh = std::make_shared<const Entry>(std::move(e));
+    Slot &slot = index_[key];
+    if (slot.current && slot.current->version >= version) {
+        // A newer concurrent write already won (or a runtime recover() indexed this very file).
+        if (slot.current->version > version) unlink(fresh->path.c_str());
         return version;
     }
+    // The previous version stays as the fallback only if it was known good;
+    // an unverified one that is superseded is just deleted (the known-good
+    // fallback before it, if any, stays).
+    if (slot.current && slot.verified) {
+        if (slot.fallback) unlink(slot.fallback->path.c_str());
+        slot.fallback = slot.current;
+    } else if (slot.current) {
+        unlink(slot.current->path.c_str());
+    }
+    slot.current = fresh;
+    slot.verified = false;
+    return version;
 }
 
 }  // namespace pfd

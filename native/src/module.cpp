@@ -147,14 +147,29 @@ Event submit(Stream &s, Op op, int64_t tag, const py::object &cq) {
     return ev;
 }
 
-py::dict entry_dict(const Entry &e) {
+py::dict entry_dict(const Slot &s) {
+    const Entry &e = *s.current;
     py::dict d;
     d["nbytes"] = e.nbytes;
     d["version"] = e.version;
     d["meta"] = py::bytes(e.meta);
     d["path"] = e.path;
     d["crc"] = e.data_crc;
+    d["verified"] = s.verified;
+    d["fallback_version"] = s.fallback ? py::cast(s.fallback->version) : py::none();
     return d;
+}
+
+py::list quarantine_list(const std::vector<Quarantined> &v) {
+    py::list out;
+    for (auto &q : v) {
+        py::dict d;
+        d["path"] = q.path;
+        d["moved_to"] = q.moved_to;
+        d["reason"] = q.reason;
+        out.append(d);
+    }
+    return out;
 }
 
 py::dict report_dict(const RecoveryReport &r) {
@@ -162,8 +177,25 @@ py::dict report_dict(const RecoveryReport &r) {
     d["kept"] = r.kept;
     d["removed_tmp"] = r.removed_tmp;
     d["removed_old"] = r.removed_old;
-    d["removed_corrupt"] = r.removed_corrupt;
+    d["quarantined"] = quarantine_list(r.quarantined);
     return d;
+}
+
+// A store key from Python: a str whose UTF-8 form is 1..MAX_KEY_BYTES bytes.
+// ValueError (limit named) otherwise, before anything touches the store.
+std::string store_key(py::handle key) {
+    if (!PyUnicode_Check(key.ptr()))
+        throw py::type_error(std::string("store key must be str, got ") + Py_TYPE(key.ptr())->tp_name);
+    Py_ssize_t n = 0;
+    const char *utf8 = PyUnicode_AsUTF8AndSize(key.ptr(), &n);
+    if (!utf8) {
+        PyErr_Clear();
+        std::string shown = py::repr(key).cast<std::string>().substr(0, 80);
+        throw Error(ErrKind::Value, "store key " + shown + " cannot be encoded as UTF-8 (lone surrogate?)");
+    }
+    std::string k(utf8, size_t(n));
+    check_key(k);
+    return k;
 }
 
 }  // namespace
@@ -185,8 +217,19 @@ PYBIND11_MODULE(_native, m) {
     sub(ErrKind::OutOfSpace, "OutOfSpace");
     sub(ErrKind::IOFailure, "IOFailure");
     sub(ErrKind::Checksum, "ChecksumMismatch");
-    sub(ErrKind::NotFound, "NotFound");
+    {
+        // NotFound is also a KeyError (`except KeyError` works); str() is the
+        // plain message, not KeyError's repr-quoted one.
+        py::dict ns;
+        ns["__str__"] = py::module_::import("builtins").attr("BaseException").attr("__str__");
+        py::tuple bases = py::make_tuple(py::handle(native_error.ptr()), py::handle(PyExc_KeyError));
+        PyObject *cls = PyErr_NewException("prefetchd._native.NotFound", bases.ptr(), ns.ptr());
+        m.add_object("NotFound", py::handle(cls));
+        g_exc[int(ErrKind::NotFound)] = cls;
+    }
     sub(ErrKind::Closed, "Closed");
+    static PyObject *store_in_use = PyErr_NewException("prefetchd._native.StoreInUse", g_exc[int(ErrKind::IOFailure)], nullptr);
+    m.add_object("StoreInUse", py::handle(store_in_use));
     py::register_exception_translator([](std::exception_ptr p) {
         try {
             if (p) std::rethrow_exception(p);
@@ -195,11 +238,23 @@ PYBIND11_MODULE(_native, m) {
             PyErr_SetObject(exc_class(e.kind), inst.ptr());
         }
     });
+    // Registered later, so tried first: a StoreInUse is also an Error.
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const StoreInUse &e) {
+            py::object inst = py::reinterpret_borrow<py::object>(store_in_use)(e.what());
+            inst.attr("status") = e.status;
+            inst.attr("pid") = e.pid;
+            PyErr_SetObject(store_in_use, inst.ptr());
+        }
+    });
     m.attr("STATUS_OK") = STATUS_OK;
     m.attr("STATUS_CHECKSUM") = STATUS_CHECKSUM;
     m.attr("STATUS_SHORT_READ") = STATUS_SHORT_READ;
     m.attr("STATUS_NOT_FOUND") = STATUS_NOT_FOUND;
     m.attr("STATUS_CANCELLED") = STATUS_CANCELLED;
+    m.attr("MAX_KEY_BYTES") = kMaxKeyBytes;
     m.def("status_error", [](int status, const std::string &message) {
         return make_exc(kind_of_status(status), status, message);
     }, py::arg("status"), py::arg("message") = "");
@@ -310,6 +365,9 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("direct", &FileStore::direct)
         .def_property_readonly("probe_report", &FileStore::probe_report)
         .def_property_readonly("recovery_report", [](const FileStore &s) { return report_dict(s.recovery_report()); })
+        .def_property_readonly("quarantined", [](const FileStore &s) {
+            return quarantine_list(s.recovery_report().quarantined);
+        })
         .def_property_readonly("block_size", [](const FileStore &s) { return s.options().block_size; })
         .def_property_readonly("queue_depth", [](const FileStore &s) { return s.options().queue_depth; })
         .def_property_readonly("io_threads", [](const FileStore &s) { return s.options().io_threads; })
@@ -317,10 +375,19 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("directory", &FileStore::directory)
         .def_property_readonly("closed", &FileStore::closed)
         .def("keys", &FileStore::keys)
-        .def("contains", &FileStore::contains, py::arg("key"))
-        .def("__contains__", &FileStore::contains)
-        .def("info", [](const FileStore &s, const std::string &k) { return entry_dict(*s.info(k)); }, py::arg("key"))
-        .def("remove", &FileStore::remove, py::arg("key"))
+        .def("contains", [](const FileStore &s, py::handle k) { return s.contains(store_key(k)); }, py::arg("key"))
+        .def("__contains__", [](const FileStore &s, py::handle k) { return s.contains(store_key(k)); })
+        .def("info", [](const FileStore &s, py::handle k) { return entry_dict(s.slot(store_key(k))); }, py::arg("key"))
+        .def("commit", [](FileStore &s, py::handle k, uint64_t version) {
+            std::string key = store_key(k);
+            py::gil_scoped_release nogil;
+            return s.commit(key, version);
+        }, py::arg("key"), py::arg("version"))
+        .def("remove", [](FileStore &s, py::handle k) {
+            std::string key = store_key(k);
+            py::gil_scoped_release nogil;
+            s.remove(key);
+        }, py::arg("key"))
         .def("bytes_stored", &FileStore::bytes_stored)
         .def("recover", [](FileStore &s, bool verify_data) {
             RecoveryReport r;
@@ -330,12 +397,14 @@ PYBIND11_MODULE(_native, m) {
             }
             return report_dict(r);
         }, py::arg("verify_data") = false)
-        .def("read_sync", [](FileStore &s, const std::string &key, py::handle dst, bool verify) {
+        .def("read_sync", [](FileStore &s, py::handle k, py::handle dst, bool verify) {
+            std::string key = store_key(k);
             BufRef d = get_buffer(dst, true);
             py::gil_scoped_release nogil;
             return s.read(key, d.mem, verify);
         }, py::arg("key"), py::arg("dst"), py::arg("verify") = true)
-        .def("write_sync", [](FileStore &s, const std::string &key, py::handle src, long long nbytes, py::bytes meta) {
+        .def("write_sync", [](FileStore &s, py::handle k, py::handle src, long long nbytes, py::bytes meta) {
+            std::string key = store_key(k);
             BufRef b = get_buffer(src, false);
             b.mem.len = pick_len(nbytes, b.mem.len, "src");
             std::string mt = meta;
@@ -453,9 +522,10 @@ PYBIND11_MODULE(_native, m) {
             return submit(s, std::move(op), tag, cq);
         }, py::arg("dst"), py::arg("src"), py::arg("nbytes") = -1, py::kw_only(), py::arg("tag") = 0,
            py::arg("cq") = py::none())
-        .def("read", [](Stream &s, std::shared_ptr<FileStore> store, const std::string &key, py::handle dst,
+        .def("read", [](Stream &s, std::shared_ptr<FileStore> store, py::handle k, py::handle dst,
                         bool verify, int64_t tag, py::object cq) {
             if (store->closed()) throw Error(ErrKind::Closed, "store is closed: " + store->directory());
+            std::string key = store_key(k);
             BufRef d = get_buffer(dst, true);
             MemRef mem = d.mem;
             Op op;
@@ -464,9 +534,10 @@ PYBIND11_MODULE(_native, m) {
             return submit(s, std::move(op), tag, cq);
         }, py::arg("store"), py::arg("key"), py::arg("dst"), py::kw_only(), py::arg("verify") = true,
            py::arg("tag") = 0, py::arg("cq") = py::none())
-        .def("write", [](Stream &s, std::shared_ptr<FileStore> store, const std::string &key, py::handle src,
+        .def("write", [](Stream &s, std::shared_ptr<FileStore> store, py::handle k, py::handle src,
                          long long nbytes, py::bytes meta, int64_t tag, py::object cq) {
             if (store->closed()) throw Error(ErrKind::Closed, "store is closed: " + store->directory());
+            std::string key = store_key(k);
             BufRef b = get_buffer(src, false);
             MemRef mem = b.mem;
             mem.len = pick_len(nbytes, mem.len, "src");
