@@ -26,7 +26,7 @@ from ..backend.base import open_store
 from .errors import StagingError
 from .progress import Progress
 from .readers import iter_checkpoint
-from .writer import read_meta, stage_tensors
+from .writer import meta_fields, stage_tensors
 
 INDEX_FILE = "prefetchd-index.json"
 INDEX_FORMAT = 1
@@ -112,11 +112,12 @@ def _stage_into(work, checkpoint, config, progress, interval, stream, generation
             if key in staged:
                 index[key] = staged[key]
                 continue
+            info = store.info(key)
             try:
-                shape, dtype = read_meta(store.info(key))
+                shape, dtype = meta_fields(info)
             except StagingError:
                 continue                     # not a prefetchd tensor: kept, not indexed
-            index[key] = {"shape": list(shape), "dtype": dtype.name, "nbytes": store.info(key)["nbytes"]}
+            index[key] = {"shape": list(shape), "dtype": dtype, "nbytes": info["nbytes"]}
     finally:
         store.close()
     write_index(work, index, generation=generation, source=source)

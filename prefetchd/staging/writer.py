@@ -21,6 +21,12 @@ def read_meta(info):
     entry and the field if the metadata is not prefetchd's or contradicts the
     entry's size.
     """
+    shape, name = meta_fields(info)
+    return shape, dtypes.numpy_dtype(name)
+
+
+def meta_fields(info):
+    """(shape tuple, prefetchd dtype name) of a store entry, checked; no numpy dtype (no MindSpore import)."""
     where = f"store entry {info.get('path') or info.get('key') or '?'}"
     try:
         meta = json.loads(bytes(info["meta"]).decode())
@@ -30,14 +36,12 @@ def read_meta(info):
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                               for d in shape):
         raise StagingError(f"{where}: meta shape {shape!r} is not a list of non-negative integers")
-    try:
-        dtype = dtypes.numpy_dtype(name)
-    except TypeError:
-        raise StagingError(f"{where}: meta dtype {name!r} has no numpy equivalent") from None
-    if "nbytes" in info and name in dtypes.ITEMSIZE and info["nbytes"] != dtypes.nbytes(shape, name):
+    if name not in dtypes.ITEMSIZE:
+        raise StagingError(f"{where}: meta dtype {name!r} has no numpy equivalent")
+    if "nbytes" in info and info["nbytes"] != dtypes.nbytes(shape, name):
         raise StagingError(f"{where}: holds {info['nbytes']} bytes, meta shape {shape} of {name} "
                            f"needs {dtypes.nbytes(shape, name)}")
-    return tuple(shape), dtype
+    return tuple(shape), name
 
 
 def _byte_size(data):

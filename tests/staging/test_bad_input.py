@@ -5,6 +5,7 @@ import os
 import struct
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import pytest
@@ -73,6 +74,13 @@ def test_sliced_parameter_pieces_are_concatenated_in_order(tmp_path, ms):
                  + ckpt_value("w", [4, 3], "Float32", whole[5:].tobytes()) + ckpt_value("v", [], "Int8", b"\x07"))
     items = [(n, s, d, bytes(b)) for n, s, d, b in iter_checkpoint(path)]
     assert items == [("w", (4, 3), np.dtype(np.float32), whole.tobytes()), ("v", (), np.dtype(np.int8), b"\x07")]
+    # with a crc_num trailer (as crc_check=True writes it): the CRC spans every slice
+    body = open(path, "rb").read()
+    write(path, body + b"crc_num" + zlib.crc32(body).to_bytes(10, "big"))
+    assert [bytes(b) for *_, b in iter_checkpoint(path)] == [whole.tobytes(), b"\x07"]
+    write(path, body[:30] + bytes([body[30] ^ 1]) + body[31:] + b"crc_num" + zlib.crc32(body).to_bytes(10, "big"))
+    with pytest.raises(StagingError, match="s.ckpt: crc_num trailer says CRC-32"):
+        list(iter_checkpoint(path))
 
 
 @pytest.mark.parametrize("spec, field", [
