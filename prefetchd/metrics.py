@@ -19,41 +19,26 @@ histograms rather than summaries, no unbounded labels (never a tensor name).
     exporter.close()                                     # stop serving, join the thread
     render(daemon)                                       # exposition text, for tests and the CLI
 
-Transfer time is the `prefetchd_transfer_duration_seconds` histogram's `_sum`
-(there is no separate seconds counter: it would be the same number twice).
-The registry also carries the standard `process_*` metrics (CPU seconds, RSS,
-open and max file descriptors) of the process the daemon runs in.
-
-The exporter is `MetricsServer`: one thread, a selector loop, a cap on open
-connections and a deadline per connection, so idle or slow clients cannot use
-up file descriptors or threads and lock the scraper out.
+Transfer time is the duration histogram's `_sum` (a seconds counter beside it
+would be the same number twice). The registry also carries the standard
+`process_*` metrics (CPU, RSS, open/max fds). The exporter (`metrics_server.py`)
+bounds connections and their lifetime: idle clients cannot exhaust fds.
 """
-import collections
-import gzip
 import importlib.metadata
-import ipaddress
-import logging
-import selectors
-import socket
 import sys
-import threading
-import time
 import weakref
-from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
-from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import (
     CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from . import __version__
+from .metrics_server import Exporter, MetricsServer, serve_registry
 
 __all__ = ["DaemonCollector", "Exporter", "MetricsServer", "make_registry", "render", "serve_registry",
            "start_exporter", "build_info"]
-
-log = logging.getLogger("prefetchd.metrics")
 
 # name -> (type, help, label names besides `daemon`). The one list both
 # `describe()` and the dashboard/alert authors read; `collect()` fills it in.
@@ -246,248 +231,6 @@ def make_registry(daemon, process=True):
 def render(daemon):
     """The exposition text a scrape of `daemon` would return right now."""
     return generate_latest(make_registry(daemon)).decode("utf-8")
-
-
-class _Connection:
-    __slots__ = ("sock", "inbox", "outbox", "deadline")
-
-    def __init__(self, sock, deadline):
-        self.sock, self.inbox, self.outbox, self.deadline = sock, bytearray(), None, deadline
-
-
-class MetricsServer:
-    """Serves one registry over HTTP from one thread (a selector loop).
-
-    Bounded: at most `max_connections` accepted sockets -- to admit a new one
-    at the cap, the oldest connection still waiting for its request is closed,
-    so a flood of idle connections never locks out a scrape -- and each
-    connection gets `timeout` seconds to send its request and again to take
-    the response. One response per connection (`Connection: close`). GET/HEAD
-    of /metrics (or /); content negotiation (OpenMetrics) and gzip as
-    prometheus_client does. Same surface as socketserver for `Exporter`:
-    `server_address`, `serve_forever()`, `shutdown()`, `server_close()`.
-    """
-
-    MAX_REQUEST = 16 << 10   # bytes of request line + headers
-
-    def __init__(self, registry, addr="127.0.0.1", port=0, *, max_connections=64, timeout=10.0):
-        if max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
-        self.registry, self.max_connections, self.timeout = registry, int(max_connections), float(timeout)
-        family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM,
-                                                       flags=socket.AI_PASSIVE)[0]
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._listener.bind(sockaddr)
-            self._listener.listen(128)
-        except OSError:
-            self._listener.close()
-            raise
-        self._listener.setblocking(False)
-        self.server_address = self._listener.getsockname()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._listener, selectors.EVENT_READ)
-        self._selector.register(self._wake_r, selectors.EVENT_READ)
-        self._conns = collections.OrderedDict()   # socket -> _Connection, oldest first
-        self._stop = threading.Event()
-        self._stopped = threading.Event()
-        self.scrapes = 0
-        self.evicted = 0
-
-    def serve_forever(self):
-        try:
-            while not self._stop.is_set():
-                now = time.monotonic()
-                wait = min((c.deadline for c in self._conns.values()), default=now + 1.0) - now
-                for key, events in self._selector.select(max(0.0, min(wait, 1.0))):
-                    if key.fileobj is self._listener:
-                        self._accept()
-                    elif key.fileobj is self._wake_r:
-                        self._wake_r.recv(64)
-                    elif key.fileobj in self._conns:
-                        self._service(self._conns[key.fileobj], events)
-                self._expire(time.monotonic())
-        finally:
-            self._stopped.set()
-
-    def shutdown(self):
-        """Stop the loop and wait until it has left (the thread may then be joined)."""
-        self._stop.set()
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        self._stopped.wait(5.0)
-
-    def server_close(self):
-        """Close every socket (after shutdown())."""
-        for sock in list(self._conns):
-            self._drop(sock)
-        for sock in (self._listener, self._wake_r, self._wake_w):
-            try:
-                self._selector.unregister(sock)
-            except (KeyError, ValueError):
-                pass
-            sock.close()
-        self._selector.close()
-
-    # ------------------------------------------------------------ connections
-    def _accept(self):
-        for _ in range(64):   # a batch per wake-up; the rest on the next turn of the loop
-            try:
-                sock, _ = self._listener.accept()
-            except BlockingIOError:
-                return
-            except OSError as e:   # EMFILE/ENFILE: make room, try again on the next turn
-                log.warning("metrics exporter: accept failed (%s); closing the oldest idle connection", e)
-                if not self._evict_one():
-                    time.sleep(0.05)
-                return
-            if len(self._conns) >= self.max_connections:
-                self._evict_one()
-            sock.setblocking(False)
-            self._conns[sock] = _Connection(sock, time.monotonic() + self.timeout)
-            self._selector.register(sock, selectors.EVENT_READ)
-
-    def _evict_one(self):
-        """Close the oldest connection still waiting for its request (else the oldest)."""
-        victim = next((s for s, c in self._conns.items() if c.outbox is None), None)
-        victim = victim if victim is not None else next(iter(self._conns), None)
-        if victim is None:
-            return False
-        self._drop(victim)
-        self.evicted += 1
-        return True
-
-    def _expire(self, now):
-        for sock in [s for s, c in self._conns.items() if c.deadline <= now]:
-            self._drop(sock)
-
-    def _drop(self, sock):
-        self._conns.pop(sock, None)
-        try:
-            self._selector.unregister(sock)
-        except (KeyError, ValueError):
-            pass
-        sock.close()
-
-    def _service(self, conn, events):
-        try:
-            if conn.outbox is None:
-                data = conn.sock.recv(8192)
-                if not data:
-                    self._drop(conn.sock)
-                    return
-                conn.inbox += data
-                end = conn.inbox.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(conn.inbox) > self.MAX_REQUEST:
-                        self._reply(conn, 431, "text/plain", b"request header too large\n")
-                    return
-                self._respond(conn, bytes(conn.inbox[:end]))
-            else:
-                sent = conn.sock.send(conn.outbox)
-                conn.outbox = conn.outbox[sent:]
-                if not conn.outbox:
-                    self._drop(conn.sock)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._drop(conn.sock)
-
-    def _respond(self, conn, head):
-        lines = head.decode("latin-1").split("\r\n")
-        parts = lines[0].split()
-        headers = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
-            return self._reply(conn, 400, "text/plain", b"bad request line\n")
-        method, target = parts[0], urlsplit(parts[1]).path
-        if method not in ("GET", "HEAD"):
-            return self._reply(conn, 405, "text/plain", b"only GET and HEAD\n")
-        if target not in ("/metrics", "/"):
-            return self._reply(conn, 404, "text/plain", b"not found: try /metrics\n")
-        try:
-            encoder, content_type = choose_encoder(headers.get("accept", ""))
-            body = encoder(self.registry)
-        except Exception as e:  # noqa: BLE001 - a failed collection is a 500, not a dead exporter
-            log.exception("metrics exporter: collecting failed")
-            return self._reply(conn, 500, "text/plain", f"collecting metrics failed: {e}\n".encode())
-        self.scrapes += 1
-        gzipped = "gzip" in headers.get("accept-encoding", "")
-        self._reply(conn, 200, content_type, gzip.compress(body) if gzipped else body,
-                    gzipped=gzipped, head_only=method == "HEAD")
-
-    def _reply(self, conn, status, content_type, body, gzipped=False, head_only=False):
-        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-                  431: "Request Header Fields Too Large", 500: "Internal Server Error"}[status]
-        head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n"
-                + ("Content-Encoding: gzip\r\n" if gzipped else "") + "\r\n").encode("latin-1")
-        conn.outbox = memoryview(head + (b"" if head_only else body))
-        conn.deadline = time.monotonic() + self.timeout
-        self._selector.modify(conn.sock, selectors.EVENT_WRITE)
-        self._service(conn, selectors.EVENT_WRITE)   # most responses fit the socket buffer at once
-
-
-class Exporter:
-    """A running HTTP exporter; `close()` stops it and joins its thread (idempotent)."""
-
-    def __init__(self, registry, server, thread):
-        self.registry = registry
-        self._server = server
-        self._thread = thread
-        self.addr, self.port = server.server_address[:2]
-        host = f"[{self.addr}]" if ":" in self.addr else self.addr
-        self.url = f"http://{host}:{self.port}/metrics"
-        self.closed = False
-
-    def close(self, timeout=5.0):
-        if self.closed:
-            return
-        self.closed = True
-        self._server.shutdown()      # returns once serve_forever has left its loop
-        self._server.server_close()  # frees the port
-        self._thread.join(timeout)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __repr__(self):
-        return f"<Exporter {self.url}{' closed' if self.closed else ''}>"
-
-
-def _is_loopback(host):
-    try:
-        return ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        return False
-
-
-def serve_registry(registry, addr="127.0.0.1", port=0, *, name="", max_connections=64, timeout=10.0):
-    """Serve `registry` on http://addr:port/metrics from a daemon thread -> Exporter.
-
-    A bound address that is not loopback is logged at WARNING: the metrics are
-    readable by anyone who can reach it.
-    """
-    server = MetricsServer(registry, addr or "127.0.0.1", int(port), max_connections=max_connections,
-                           timeout=timeout)
-    thread = threading.Thread(target=server.serve_forever, daemon=True,
-                              name=f"prefetchd-metrics-{name or server.server_address[1]}")
-    thread.start()
-    exporter = Exporter(registry, server, thread)
-    if not _is_loopback(exporter.addr):
-        log.warning("metrics exporter listening on %s (address %r), which is NOT loopback: anyone who can "
-                    "reach it can read these metrics; bind 127.0.0.1 unless that is intended",
-                    exporter.url, addr)
-    return exporter
 
 
 def start_exporter(daemon, addr="127.0.0.1", port=0, **limits):
