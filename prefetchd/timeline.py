@@ -194,12 +194,19 @@ class Timeline(NullTimeline):
             self._compute_span(unit, start, time.monotonic_ns(), fenced=False)
             return
         with self._lock:
-            if self._observer is None and not self._closing:
-                self._fences = queue.SimpleQueue()
-                self._observer = threading.Thread(target=self._observe_fences,
-                                                  name="prefetchd-timeline-fences", daemon=True)
-                self._observer.start()
-        self._fences.put((unit, start, marker, epoch))
+            if self._closing:     # no observer after close(): end the span now
+                fences = None
+            else:
+                if self._observer is None:
+                    self._fences = queue.SimpleQueue()
+                    self._observer = threading.Thread(target=self._observe_fences,
+                                                      name="prefetchd-timeline-fences", daemon=True)
+                    self._observer.start()
+                fences = self._fences
+        if fences is None:
+            self._compute_span(unit, start, time.monotonic_ns(), fenced=False)
+        else:
+            fences.put((unit, start, marker, epoch))
 
     def _compute_span(self, unit, start, end, fenced):
         # One executor runs the units in order: a unit's kernels start no

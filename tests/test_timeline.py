@@ -250,3 +250,15 @@ def test_trace_of_a_real_demo_run_shows_copies_overlapping_compute(tmp_path):
         {e["tid"] for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == LOAD_STREAM}
     # Prefetch at work: weights stream in while earlier units compute.
     assert breakdown(str(trace))["copy_overlapping_compute"] > 0
+
+
+def test_compute_after_close_ends_at_once_without_a_thread(ms):
+    from prefetchd.backend.framework import ComputeMarker
+    marker = ComputeMarker()
+    tl = Timeline()
+    tl.close()
+    tl.compute_begin("late")
+    tl.compute_end("late", marker, marker.mark(ms.Tensor(np.zeros(4, np.float32))))
+    (span,) = spans(tl)[COMPUTE]
+    assert span[2] == "late" and span[3]["fenced"] is False
+    assert tl._observer is None
