@@ -33,6 +33,8 @@ INDEX_FORMAT = 1
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 _PROBE_PREFIX = ".pfd-probe-"
+_STORE_LOCK = ".pfd-lock"         # a FileStore's flock: held while a daemon has the store open
+_QUARANTINE = "quarantine"        # files a FileStore's recovery could not use, kept for people
 
 
 def write_index(directory, index, generation=None, source=None):
@@ -85,7 +87,9 @@ def stage_checkpoint(path, store_dir, progress=False, *, config=None, progress_i
         with _stage_lock(parent, base):
             _remove_leftovers(parent, base)
             work = os.path.join(parent, f".{base}.staging-{os.getpid()}")
+            store_lock = None
             try:
+                store_lock = _hold_store_lock(store_dir)
                 previous = _link_current(store_dir, work)
                 config = (config or Config.load()).replace(store_dir=work)
                 report = _stage_into(work, checkpoint, config, progress, progress_interval, progress_stream,
@@ -93,6 +97,8 @@ def stage_checkpoint(path, store_dir, progress=False, *, config=None, progress_i
                 _swap_in(work, store_dir, parent, base)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
+                if store_lock is not None:
+                    os.close(store_lock)
     finally:
         checkpoint.close()
     seconds = time.monotonic() - started
@@ -135,15 +141,42 @@ def _link_current(store_dir, work):
     if os.path.ismount(store_dir):
         raise StagingError(f"{store_dir}: is a mount point; stage into a directory inside it "
                            f"(a generation is swapped in by renaming)")
-    for entry in os.scandir(store_dir):
-        if entry.is_dir(follow_symlinks=False):
-            raise StagingError(f"{store_dir}: holds a subdirectory {entry.name!r}; "
-                               f"a store directory holds only prefetchd files")
-        if entry.name in (INDEX_FILE, INDEX_FILE + ".tmp") or entry.name.endswith(".tmp") \
-                or entry.name.startswith(_PROBE_PREFIX):
-            continue
-        os.link(entry.path, os.path.join(work, entry.name), follow_symlinks=False)
+    _link_files(store_dir, work)
     return read_index(store_dir)
+
+
+def _link_files(src, dst, top=True):
+    for entry in os.scandir(src):
+        if entry.is_dir(follow_symlinks=False):
+            if top and entry.name == _QUARANTINE:
+                os.mkdir(os.path.join(dst, entry.name))
+                _link_files(entry.path, os.path.join(dst, entry.name), top=False)
+                continue
+            raise StagingError(f"{src}: holds a subdirectory {entry.name!r}; "
+                               f"a store directory holds only prefetchd files")
+        if top and (entry.name in (INDEX_FILE, INDEX_FILE + ".tmp", _STORE_LOCK) or entry.name.endswith(".tmp")
+                    or entry.name.startswith(_PROBE_PREFIX)):
+            continue
+        os.link(entry.path, os.path.join(dst, entry.name), follow_symlinks=False)
+
+
+def _hold_store_lock(store_dir):
+    """Take the store's own FileStore lock (None if it has none yet): refuse if a daemon has it open,
+    and keep any from opening the generation being replaced until the swap is done."""
+    try:
+        fd = os.open(os.path.join(store_dir, _STORE_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None                   # no store yet, or not a directory (_link_current says so)
+    except OSError as e:
+        raise StagingError(f"{store_dir}: cannot open its lock {_STORE_LOCK}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise StagingError(f"{store_dir}: in use by pid {holder} (a daemon has this store open); "
+                           f"close it before staging into it") from None
+    return fd
 
 
 def _swap_in(work, store_dir, parent, base):

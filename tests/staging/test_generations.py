@@ -82,6 +82,29 @@ def test_a_second_stager_of_the_same_store_is_refused(tmp_path):
     assert stage_checkpoint(str(tmp_path / "a.safetensors"), store)["tensors"] == 1
 
 
+def test_a_store_open_in_a_daemon_is_refused_and_its_quarantine_is_kept(tmp_path):
+    store = str(tmp_path / "store")
+    write_safetensors(str(tmp_path / "a.safetensors"), {"x": np.ones(4, np.float32)})
+    stage_checkpoint(str(tmp_path / "a.safetensors"), store)
+    os.mkdir(os.path.join(store, "quarantine"))
+    with open(os.path.join(store, "quarantine", "torn.pfd"), "wb") as f:
+        f.write(b"evidence")
+    index_before = open(os.path.join(store, INDEX_FILE), "rb").read()
+    held = _native.FileStore(store)                       # what a running daemon holds
+    try:
+        with pytest.raises(StagingError, match=rf"{store}: in use by pid {os.getpid()} \(a daemon has"):
+            stage_checkpoint(str(tmp_path / "a.safetensors"), store)
+    finally:
+        held.close()
+    assert open(os.path.join(store, INDEX_FILE), "rb").read() == index_before
+    assert stage_checkpoint(str(tmp_path / "a.safetensors"), store)["generation"] == 2
+    assert open(os.path.join(store, "quarantine", "torn.pfd"), "rb").read() == b"evidence"
+    assert_index_matches_store(store)
+    os.mkdir(os.path.join(store, "mine"))
+    with pytest.raises(StagingError, match=r"store: holds a subdirectory 'mine'"):
+        stage_checkpoint(str(tmp_path / "a.safetensors"), store)
+
+
 STAGE_SLOWLY = """
 import sys
 from prefetchd.staging import stage_checkpoint
