@@ -110,9 +110,11 @@ class BeladyPolicy(Policy):
         positions = uses.get(name)
         if not positions:
             return float("inf")
+        # The use being served is the first at or after `position` (the unit computing
+        # now, or one prefetched ahead of it); the reuse is the one after that.
         n = len(positions)
-        i = bisect.bisect_right(positions, position)   # the next use is the i-th, counting on cyclically
-        k = i + 1                                       # the one after it
+        i = bisect.bisect_left(positions, position)
+        k = i + 1
         return positions[k % n] + (k // n) * length - position
 
     def rank(self, candidates):

@@ -24,7 +24,7 @@ from .hostcache import HostCache
 from .loads import Loads
 from .memory import DeviceMemory
 from .records import State
-from .requests import Kind, Outcomes, settle
+from .requests import Kind, Outcomes, Request, settle
 from .transfers import Transfers
 from .writeback import WriteBacks
 
@@ -119,18 +119,11 @@ class Scheduler:
             log.exception("prefetchd %s: scheduler step %s failed", self.name, getattr(fn, "__name__", fn))
             self._recover(arg, e)
 
-    def _recover(self, item, error):
-        """Return what a failed step touched to a consistent state and fail its requests."""
+    def _recover(self, item, error, recs=None):
+        """Return what a failed step touched to a consistent state and fail its request."""
         err = PrefetchdError(f"internal error while scheduling: {error!r}")
-        recs, req = (), None
-        if hasattr(item, "kind") and hasattr(item, "future"):          # a request
-            req, recs = item, item.recs or ()
-        elif hasattr(item, "tag"):                                       # a completion
-            entry = self.transfers.pop(item.tag)
-            if entry is not None:
-                _, rec, req = entry
-                recs = (rec,)
-        for rec in recs:
+        req = item if isinstance(item, Request) else None
+        for rec in recs if recs is not None else (req.recs or () if req is not None else ()):
             self._settle_record(rec, err)
         if req is not None and req.future is not None:
             self.outcomes.fail(req, err)
@@ -156,7 +149,11 @@ class Scheduler:
             return
         kind, rec, req = entry
         seconds = max(0.0, (c.end_ns - c.start_ns) / 1e9)
-        self._completions[kind](rec, req, c, seconds)
+        try:
+            self._completions[kind](rec, req, c, seconds)
+        except Exception as e:
+            log.exception("prefetchd %s: applying a %s completion of %r failed", self.name, kind.value, rec.name)
+            self._recover(req, e, recs=(rec,))
 
     def _handle(self, req):
         if req.future is not None and req.future.cancelled():

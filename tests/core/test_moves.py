@@ -1,0 +1,297 @@
+"""The scheduler core driven step by step: no threads, no I/O, a fake backend.
+
+Each test builds a Scheduler over tests/core/fake_backend.py, submits requests
+into its inbox, runs `step()` with completions it chooses, and checks the
+residency invariants after every step.
+"""
+import errno
+import random
+import threading
+from concurrent.futures import Future
+
+import pytest
+
+from prefetchd.config import Config
+from prefetchd.core import policy as policies
+from prefetchd.core.records import ManagedTensor, State
+from prefetchd.core.registry import Registry
+from prefetchd.core.requests import Kind, Request, settle
+from prefetchd.core.scheduler import Scheduler
+from prefetchd.errors import PrefetchdError, StorageError
+from prefetchd.stats import Stats
+
+from .fake_backend import FakeBackend
+
+KiB = 1 << 10
+
+
+class Core:
+    """A scheduler over a fake backend, with the daemon's submit/settle glue."""
+
+    def __init__(self, device=64 * KiB, host=0, policy="belady", store_dir="/nonexistent/store"):
+        self.config = Config(device_budget=device, host_budget=host, policy=policy, store_dir=store_dir)
+        self.backend = FakeBackend(device, host)
+        self.registry = Registry("test")
+        self.policy = policies.create(policy)
+        self.stats = Stats()
+        self.lock = threading.Lock()
+        self.s = Scheduler(self.config, self.backend, self.registry, self.policy, self.stats, self.lock,
+                           emit=lambda *a, **k: None, guard=lambda rec: None, name="test")
+        self.futures = []
+        self.violations = []            # invariant 1 is checked at every reservation
+        self.s.memory.reserve_checks.append(
+            lambda used, high: used > high and self.violations.append((used, high)))
+
+    def tensor(self, name, nbytes=4 * KiB, fill=None):
+        rec = ManagedTensor(name=name, shape=(nbytes,), dtype="uint8", nbytes=nbytes, remote_valid=True)
+        self.backend.store[name] = bytes([fill if fill is not None else len(self.registry) % 251]) * nbytes
+        self.registry.add(rec)
+        return rec
+
+    def submit(self, kind, recs=(), **kw):
+        req = Request(kind, tuple(recs) if recs is not None else None,
+                      None if kind is Kind.UNPIN else Future(), **kw)
+        req.seq = self.s.next_seq()
+        self.s.inbox.append(req)
+        if req.future is not None:
+            self.futures.append(req.future)
+        return req.future
+
+    def step(self, pick=None):
+        """Complete queued transfers (all, or those of the kinds in `pick`), then one step."""
+        with self.lock:
+            done = self.s.step(self.backend.complete(pick))
+            settled = self.s.outcomes.take()
+        for req, error in settled:
+            settle(req, error, lambda recs: self.submit(Kind.UNPIN, recs))
+        self.check()
+        return done
+
+    def drain(self, limit=100):
+        for _ in range(limit):
+            self.step()
+            if not self.backend.queued and not self.s.inbox and not self.s.loads.queue:
+                self.step()
+                return
+        raise AssertionError("the core did not settle")
+
+    def check(self):
+        assert not self.violations
+        for rec in self.registry:
+            if rec.pins:
+                assert rec.state in (State.RESIDENT, State.STORING), rec
+
+
+def test_prefetch_loads_and_pin_holds_until_unpinned():
+    c = Core()
+    a = c.tensor("a", fill=7)
+    f = c.submit(Kind.PREFETCH, [a])
+    c.step()
+    assert a.state is State.LOADING and not f.done()
+    c.step()
+    assert a.state is State.RESIDENT and f.result(0) is None
+    assert bytes(a.replica) == bytes([7]) * a.nbytes
+    pin = c.submit(Kind.PIN, [a])
+    c.step()
+    assert pin.done() and a.pins == 1
+    ev = c.submit(Kind.EVICT, [a])
+    c.step()
+    assert a.state is State.RESIDENT and isinstance(ev.exception(0), PrefetchdError)
+    c.submit(Kind.UNPIN, [a])
+    c.drain()
+    assert c.submit(Kind.EVICT, [a]) and (c.drain() or True)
+    assert a.state is State.ABSENT and c.backend.used == 0
+
+
+def test_a_dirty_replica_is_dropped_only_after_a_verified_write_back():
+    c = Core()
+    a = c.tensor("a", fill=1)
+    c.submit(Kind.PREFETCH, [a])
+    c.drain()
+    a.replica[:] = bytes([9]) * a.nbytes
+    a.dirty, a.generation = True, 1
+    ev = c.submit(Kind.EVICT, [a])
+    c.step()
+    assert a.state is State.STORING and not ev.done()
+    c.step(pick={"store"})                       # written, not yet verified
+    assert a.state is State.STORING and c.backend.store["a"] == bytes([9]) * a.nbytes
+    c.drain()
+    assert a.state is State.ABSENT and ev.result(0) is None and not a.dirty
+
+
+def test_a_failed_write_back_keeps_the_replica_in_place_and_says_so():
+    c = Core()
+    a = c.tensor("a", fill=1)
+    c.submit(Kind.PREFETCH, [a])
+    c.drain()
+    a.replica[:] = bytes([5]) * a.nbytes
+    a.dirty, a.generation = True, 1
+    c.backend.fail_next("store", errno.ENOSPC)
+    ev = c.submit(Kind.EVICT, [a])
+    c.drain()
+    assert a.state is State.RESIDENT and a.writeback_failed and a.dirty
+    assert isinstance(ev.exception(0), StorageError)
+    assert bytes(a.replica) == bytes([5]) * a.nbytes        # nothing the user wrote was lost
+    fl = c.submit(Kind.FLUSH, None)                          # the fault passed: flush retries
+    c.drain()
+    assert fl.result(0) is None and not a.dirty and c.backend.store["a"] == bytes([5]) * a.nbytes
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_watermark_and_pins_hold_under_random_steps(seed):
+    rnd = random.Random(seed)
+    c = Core(device=40 * KiB, policy=rnd.choice(["lru", "belady"]))
+    recs = [c.tensor(f"t{i}", nbytes=rnd.choice([4, 8, 12]) * KiB) for i in range(12)]
+    pinned = []
+    for _ in range(300):
+        op = rnd.random()
+        if op < 0.35:
+            c.submit(Kind.PREFETCH, rnd.sample(recs, rnd.randint(1, 2)), priority=rnd.randint(0, 3))
+        elif op < 0.5 and len(pinned) < 2:
+            rec = rnd.choice(recs)
+            c.submit(Kind.PIN, [rec])
+            pinned.append(rec)
+        elif op < 0.6 and pinned:
+            c.submit(Kind.UNPIN, [pinned.pop(rnd.randrange(len(pinned)))])
+        elif op < 0.7:
+            c.submit(Kind.EVICT, [rnd.choice(recs)])
+        elif op < 0.75:
+            rec = rnd.choice(recs)
+            if rec.state is State.RESIDENT:
+                rec.dirty, rec.generation = True, rec.generation + 1
+        elif op < 0.8:
+            c.submit(Kind.FLUSH, None)
+        c.step(pick=None if rnd.random() < 0.7 else {rnd.choice(["load", "store", "verify"])})
+    for rec in pinned:
+        c.submit(Kind.UNPIN, [rec])
+    c.drain()
+    assert all(f.done() for f in c.futures)
+    assert c.s.transfers.loads == 0 and not c.s.transfers
+    assert all(r.state in (State.ABSENT, State.RESIDENT) for r in recs)
+
+
+def _scenario(c):
+    a, b, d = c.tensor("a"), c.tensor("b"), c.tensor("d")
+    c.submit(Kind.PREFETCH, [a, b])
+    c.step()
+    c.submit(Kind.PIN, [d])
+    c.step()
+    a.dirty = True
+    c.submit(Kind.EVICT, [a])
+    c.submit(Kind.FLUSH, None)
+    c.submit(Kind.WATERMARKS, (), args=(8 * KiB, 4 * KiB))
+    c.step()
+    c.submit(Kind.UNPIN, [d])
+    c.drain()
+    return a, b, d
+
+
+def test_an_exception_at_every_backend_call_settles_every_future_and_leaves_usable_tensors():
+    calls = _counted_calls()
+    assert len(calls) > 8
+    for k, method in enumerate(calls):
+        c = Core(device=64 * KiB)
+        c.backend.raise_at = k                     # the k-th call of the scenario raises
+        recs = _scenario(c)
+        assert all(f.done() for f in c.futures), f"a future hung with {method} failing"
+        assert not c.s.transfers
+        for rec in recs:
+            assert rec.state in (State.ABSENT, State.RESIDENT), (method, rec)
+        # Usable: each tensor can be made resident and evicted again.
+        c.backend.raise_at = None
+        c.submit(Kind.WATERMARKS, (), args=(60 * KiB, 50 * KiB))
+        again = c.submit(Kind.PREFETCH, list(recs))
+        c.drain()
+        assert again.result(0) is None, method
+        assert all(r.state is State.RESIDENT for r in recs)
+
+
+def _counted_calls():
+    c = Core(device=64 * KiB)
+    _scenario(c)
+    return list(c.backend.calls)
+
+
+def test_host_cache_hits_match_the_trace_optimal_count_for_a_repeated_trace():
+    n, capacity, cycles = 8, 3, 5
+    c = Core(device=16 * KiB, host=capacity * 4 * KiB)
+    recs = [c.tensor(f"t{i}") for i in range(n)]
+    c.policy.set_trace([[r.name] for r in recs])
+    hits = []
+    for cycle in range(cycles):
+        before = c.stats.loads_from["host"]
+        for pos, rec in enumerate(recs):
+            c.policy.advance(pos)
+            c.submit(Kind.PIN, [rec])
+            c.drain()
+            c.submit(Kind.UNPIN, [rec])
+            c.submit(Kind.EVICT, [rec])
+            c.drain()
+        hits.append(c.stats.loads_from["host"] - before)
+    assert hits[0] == 0 and hits[1:] == [_belady_hits(n, capacity)] * (cycles - 1)
+    assert c.backend.host_in_use <= c.backend.host_budget
+
+
+def _belady_hits(n, capacity):
+    """Hits per cycle of an optimal cache (Belady's MIN with bypass) on the cyclic
+    sequence 0..n-1, in steady state: simulated, independently of prefetchd."""
+    seq = list(range(n)) * 6
+    cache, per_cycle = set(), []
+    for i, item in enumerate(seq):
+        if i % n == 0:
+            per_cycle.append(0)
+        if item in cache:
+            per_cycle[-1] += 1
+            continue
+
+        def next_use(x, i=i):
+            return next((j for j in range(i + 1, len(seq)) if seq[j] == x), float("inf"))
+        if len(cache) < capacity:
+            cache.add(item)
+            continue
+        far = max(cache, key=next_use)
+        if next_use(far) > next_use(item):
+            cache.remove(far)
+            cache.add(item)
+    return per_cycle[3]
+
+
+def test_a_host_only_copy_is_never_dropped_for_the_cache():
+    c = Core(device=16 * KiB, host=8 * KiB)
+    only = c.tensor("only")
+    only.remote_valid, only.host_valid = False, True          # register(tier="host")
+    only.host_block = c.backend.alloc_host(only.nbytes)
+    others = [c.tensor(f"t{i}") for i in range(4)]
+    for rec in others:
+        c.submit(Kind.PIN, [rec])
+        c.drain()
+        c.submit(Kind.UNPIN, [rec])
+        c.submit(Kind.EVICT, [rec])
+        c.drain()
+    assert only.host_valid and only.host_block is not None
+    assert c.backend.host_in_use <= c.backend.host_budget
+
+
+@pytest.mark.parametrize("kind", ["load", "store", "verify"])
+@pytest.mark.parametrize("nth", [0, 1, 2])
+def test_an_exception_while_applying_a_completion_fails_its_request_and_settles_its_tensor(kind, nth):
+    c = Core(device=64 * KiB)
+    handlers = c.s._completions
+    original, seen = handlers[kind], []
+
+    def failing(rec, req, completion, seconds):
+        seen.append(rec.name)
+        if len(seen) == nth + 1:
+            raise RuntimeError(f"injected failure applying {kind} #{nth}")
+        return original(rec, req, completion, seconds)
+    handlers[kind] = failing
+    recs = _scenario(c)
+    assert all(f.done() for f in c.futures)
+    assert not c.s.transfers
+    for rec in recs:
+        assert rec.state in (State.ABSENT, State.RESIDENT), rec
+    handlers[kind] = original
+    c.submit(Kind.WATERMARKS, (), args=(60 * KiB, 50 * KiB))
+    again = c.submit(Kind.PREFETCH, list(recs))
+    c.drain()
+    assert again.result(0) is None and all(r.state is State.RESIDENT for r in recs)
