@@ -1,10 +1,14 @@
 """Child process of the crash test: write-backs to a store until killed.
 
-argv: STORE_DIR KEYS SEED FIRST_VERSION. Prints "begin KEY VERSION" before each
-write and "ack KEY VERSION" once write_sync returned (durable), flushing each.
+argv: STORE_DIR KEYS SEED FIRST_VERSION [verify]. Prints "begin KEY VERSION"
+before each write and "ack KEY VERSION" once write_sync returned (durable),
+flushing each. With "verify", each write is read back checksum-verified before
+its ack, like the daemon's write-back: the previous version of the key stays
+on disk until that read succeeds (a short pause widens that window).
 """
 import random
 import sys
+import time
 
 import numpy as np
 
@@ -25,12 +29,16 @@ def size_of(key):
 
 def main():
     directory, keys, seed, version = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    verify = sys.argv[5:] == ["verify"]
     store = _native.FileStore(directory)
     rng = random.Random(seed)
     while True:
         key = rng.randrange(keys)
         print(f"begin {key} {version}", flush=True)
         store.write_sync(f"t{key}", value(key, version, size_of(key)), -1, b"")
+        if verify:
+            time.sleep(0.002)
+            store.read_sync(f"t{key}", _native.aligned_buffer(size_of(key)), True)
         print(f"ack {key} {version}", flush=True)
         version += 1
 

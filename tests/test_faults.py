@@ -28,24 +28,45 @@ def no_faults_left():
 
 
 # ---------------------------------------------------------------- crash safety
-def test_sigkill_at_random_points_never_loses_an_acknowledged_write(tmp_path):
-    """Kill a writer with SIGKILL at random points, hundreds of times; after each
-    kill, reopening the store (recovery) must give every key at its last
-    acknowledged version or at the one in flight — intact by checksum."""
+def _pfd_files_by_key(directory, keys):
+    """{key: [(store version, path)] oldest first} of the version files on disk."""
+    out = {}
+    for name in os.listdir(directory):
+        if name.endswith(".pfd"):
+            key = int(name.split("-")[0][1:])          # "t3-<hash>.<version>.pfd"
+            out.setdefault(key, []).append((int(name.split(".")[-2], 16), os.path.join(directory, name)))
+    return {k: sorted(v) for k, v in out.items() if k < keys}
+
+
+def _flip_data_byte(path, nbytes):
+    at = os.path.getsize(path) - (-(-nbytes // 4096) * 4096) + nbytes // 2   # middle of the data
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+def _kill_loop(tmp_path, verify, max_iterations, seconds, seed):
+    """Run the crash writer, SIGKILL it at random points, reopen and check every key.
+
+    Returns (iterations, how many kills landed in a verify window whose new
+    version was then corrupted on disk)."""
     directory, keys = str(tmp_path / "store"), 6
     os.makedirs(directory)
-    rng = random.Random(20261130)
+    rng = random.Random(seed)
     # acked: last acknowledged version per key; unacked: versions begun since
     # that ack whose fate is unknown (a write can land and the kill come
     # before its ack is printed) — on disk must be one of these.
     acked, unacked, version = {}, {}, 0
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
                                                        os.environ.get("PYTHONPATH", "")]))
-    deadline = time.monotonic() + 120
-    iterations = 0
-    while iterations < 150 and time.monotonic() < deadline:
+    deadline = time.monotonic() + seconds
+    iterations = corrupted_windows = 0
+    while iterations < max_iterations and time.monotonic() < deadline:
         child = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "_crash_writer.py"),
-                                  directory, str(keys), str(rng.randrange(1 << 30)), str(version)],
+                                  directory, str(keys), str(rng.randrange(1 << 30)), str(version)]
+                                 + (["verify"] if verify else []),
                                  stdout=subprocess.PIPE, text=True, env=env)
         lines = []
         reader = threading.Thread(target=lambda: lines.extend(child.stdout), daemon=True)
@@ -63,10 +84,22 @@ def test_sigkill_at_random_points_never_loses_an_acknowledged_write(tmp_path):
             else:
                 acked[key] = v
                 unacked.pop(key, None)
+        # Killed between a write and its verify read: the previous version is
+        # still on disk. Corrupt the new one (bit rot, a lying disk): recovery
+        # must come back with the previous, acknowledged version.
+        window = {}
+        if verify:
+            for key, on_disk in _pfd_files_by_key(directory, keys).items():
+                if len(on_disk) >= 2:
+                    assert key in acked, f"t{key}: two versions on disk but none acknowledged"
+                    _flip_data_byte(on_disk[-1][1], size_of(key))
+                    window[key] = on_disk[-1][1]
+            corrupted_windows += len(window)
         store = _native.FileStore(directory)        # recovery runs here
         try:
+            quarantined = {q["path"]: q["reason"] for q in store.quarantined}
             for key in range(keys):
-                allowed = {acked.get(key)} | unacked.get(key, set())
+                allowed = {acked[key]} if key in window else {acked.get(key)} | unacked.get(key, set())
                 allowed.discard(None)
                 if not store.contains(f"t{key}"):
                     assert key not in acked, f"t{key}: acknowledged version {acked[key]} lost"
@@ -77,17 +110,39 @@ def test_sigkill_at_random_points_never_loses_an_acknowledged_write(tmp_path):
                 got_version = int(np.frombuffer(got[:8].tobytes(), np.int64)[0])
                 assert got_version in allowed, (f"t{key}: read version {got_version}, "
                                                 f"acknowledged {acked.get(key)}, unacknowledged "
-                                                f"{sorted(unacked.get(key, ()))}")
+                                                f"{sorted(unacked.get(key, ()))}, corrupted window {key in window}")
+                if key in window:
+                    assert quarantined.get(window[key], "").startswith("checksum mismatch"), quarantined
+                    unacked.pop(key, None)            # that write is gone for good
                 if got_version != acked.get(key):     # an unacknowledged write landed: now the truth
                     acked[key] = got_version
                     unacked.pop(key, None)
                 np.testing.assert_array_equal(got, value(key, got_version, size_of(key)))
             assert not [f for f in os.listdir(directory) if f.endswith(".tmp")], "recovery left torn files"
+            assert all(len(v) == 1 for v in _pfd_files_by_key(directory, keys).values()), "old versions left"
         finally:
             store.close()
         iterations += 1
-    assert iterations >= 100, f"only {iterations} kill iterations ran in the time bound"
     assert acked, "the writer never acknowledged a write"
+    return iterations, corrupted_windows
+
+
+def test_sigkill_at_random_points_never_loses_an_acknowledged_write(tmp_path):
+    """Kill a writer with SIGKILL at random points, hundreds of times; after each
+    kill, reopening the store (recovery) must give every key at its last
+    acknowledged version or at the one in flight — intact by checksum."""
+    iterations, _ = _kill_loop(tmp_path, verify=False, max_iterations=150, seconds=120, seed=20261130)
+    assert iterations >= 100, f"only {iterations} kill iterations ran in the time bound"
+
+
+def test_sigkill_before_verify_with_a_corrupt_new_version_recovers_the_old_one(tmp_path):
+    """The writer verifies each write like the daemon does; kills that land
+    between a write and its verify read leave the new version unverified.
+    Corrupting that new version on disk must not lose the tensor: recovery
+    quarantines it and serves the last acknowledged (verified) version."""
+    iterations, windows = _kill_loop(tmp_path, verify=True, max_iterations=80, seconds=80, seed=13)
+    assert iterations >= 40, f"only {iterations} kill iterations ran in the time bound"
+    assert windows >= 5, f"only {windows} kills landed between a write and its verify read"
 
 
 def test_recovery_reports_torn_writes(tmp_path):

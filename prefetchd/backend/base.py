@@ -89,15 +89,39 @@ ALIGN = 4096   # device blocks, host blocks and store extents are 4 KiB aligned 
 
 
 def open_store(config):
-    """The remote tier of a backend: a native FileStore in config.store_dir (or a temp dir)."""
+    """The remote tier of a backend: a native FileStore in config.store_dir (or a private temp dir).
+
+    The directory is created 0700. One FileStore per directory at a time: a
+    directory another store holds (this process or another) is refused.
+    Raises StorageError (in use, unwritable, cannot be created) or ConfigError
+    (a value the store refuses), both naming `store_dir`; a temp dir made here
+    is removed again when the open fails.
+    """
     import os
+    import shutil
     import tempfile
     from .. import _native
-    directory = config.store_dir or tempfile.mkdtemp(prefix="prefetchd-store-")
-    os.makedirs(directory, exist_ok=True)
-    return _native.FileStore(directory, engine=config.io_engine, direct=config.direct_io,
-                             block_size=config.io_block_size, queue_depth=config.io_queue_depth,
-                             io_threads=config.io_threads, fsync=config.fsync)
+    from ..config import ConfigError
+    from ..errors import StorageError
+    temporary = not config.store_dir
+    directory = tempfile.mkdtemp(prefix="prefetchd-store-") if temporary else config.store_dir
+    try:
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"store_dir {directory}: cannot create it: {e.strerror}") from None
+        try:
+            return _native.FileStore(directory, engine=config.io_engine, direct=config.direct_io,
+                                     block_size=config.io_block_size, queue_depth=config.io_queue_depth,
+                                     io_threads=config.io_threads, fsync=config.fsync)
+        except ValueError as e:
+            raise ConfigError(f"store_dir {directory}: {e}") from None
+        except _native.NativeError as e:
+            raise StorageError(f"store_dir {directory}: {e}") from e
+    except BaseException:
+        if temporary:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
 
 
 class HostAndStoreTiers:

@@ -1,0 +1,487 @@
+"""prefetchd._native.FileStore safety: the directory lock, recovery that never hangs and
+quarantines instead of deleting, the last good version kept until the new one is
+verified, permissions, key validation, the missing-key error, clean failed opens."""
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+n = pytest.importorskip("prefetchd._native")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+
+
+@pytest.fixture(autouse=True)
+def _no_faults():
+    n.clear_faults()
+    yield
+    n.clear_faults()
+
+
+def data_offset(path, nbytes):
+    return os.path.getsize(path) - (-(-nbytes // 4096) * 4096)
+
+
+def flip_byte(path, at):
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def mode(path):
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+# ---------------------------------------------------------------- the directory lock
+
+HOLDER = textwrap.dedent("""
+    import sys
+    from prefetchd import _native as n
+    s = n.FileStore(sys.argv[1], engine="threads")
+    s.write_sync("held", b"x" * 100)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    s.close()
+""")
+
+
+def start_holder(d):
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, d], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, env=ENV, cwd=REPO)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_second_process_is_refused_with_the_owner_pid(tmp_path):
+    d = str(tmp_path / "store")
+    holder = start_holder(d)
+    try:
+        with pytest.raises(n.StoreInUse, match=rf"^store {d} is in use by pid {holder.pid}$") as ei:
+            n.FileStore(d)
+        assert isinstance(ei.value, n.IOFailure) and ei.value.pid == holder.pid
+        with open(os.path.join(d, ".pfd-lock")) as f:
+            assert f.read().strip() == str(holder.pid)
+        assert sorted(f for f in os.listdir(d) if f.endswith(".pfd")) != []   # the holder's data untouched
+    finally:
+        holder.communicate("\n", timeout=30)
+    s = n.FileStore(d)   # released at close
+    try:
+        assert s.contains("held")
+    finally:
+        s.close()
+
+
+def test_lock_is_released_when_the_owner_is_killed(tmp_path):
+    d = str(tmp_path / "store")
+    holder = start_holder(d)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(30)
+    s = n.FileStore(d)   # the kernel dropped the flock with the process
+    try:
+        assert s.contains("held")
+    finally:
+        s.close()
+
+
+def test_second_open_in_the_same_process_is_refused(tmp_path):
+    """Documented choice: one FileStore per directory, in this process as in any other."""
+    d = str(tmp_path)
+    s = n.FileStore(d)
+    try:
+        with pytest.raises(n.StoreInUse, match=rf"in use by pid {os.getpid()} \(this process"):
+            n.FileStore(d)
+        s.write_sync("k", b"still mine")   # the refused open touched nothing
+        out = bytearray(10)
+        s.read_sync("k", out)
+        assert out == b"still mine"
+    finally:
+        s.close()
+    n.FileStore(d).close()
+
+
+def test_hard_linked_lock_file_does_not_share_the_lock(tmp_path):
+    """A staging copy hard-links every file of a store into a new directory; the
+    copy must not be 'in use' because the original is open."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    n.FileStore(a).close()
+    os.mkdir(b)
+    os.link(os.path.join(a, ".pfd-lock"), os.path.join(b, ".pfd-lock"))
+    sa = n.FileStore(a)
+    try:
+        sb = n.FileStore(b)
+        sb.write_sync("k", b"1")
+        sb.close()
+        assert os.stat(os.path.join(b, ".pfd-lock")).st_ino != os.stat(os.path.join(a, ".pfd-lock")).st_ino
+        with pytest.raises(n.StoreInUse):
+            n.FileStore(a)
+    finally:
+        sa.close()
+
+
+# ---------------------------------------------------------------- recovery: never block, quarantine
+
+OPEN_AND_REPORT = textwrap.dedent("""
+    import json, sys
+    from prefetchd import _native as n
+    s = n.FileStore(sys.argv[1])
+    print(json.dumps({"keys": s.keys(), "quarantined": s.quarantined}))
+    s.close()
+""")
+
+
+def open_in_child(d, timeout=60):
+    """Open the store in a child process so a hang fails the test instead of hanging it."""
+    import json
+    r = subprocess.run([sys.executable, "-c", OPEN_AND_REPORT, d], capture_output=True, text=True, env=ENV,
+                       cwd=REPO, timeout=timeout)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_fifo_symlink_and_directory_named_pfd_are_quarantined_without_blocking(tmp_path):
+    d = str(tmp_path / "store")
+    s = n.FileStore(d)
+    s.write_sync("good", b"g" * 5000)
+    good = s.info("good")["path"]
+    s.close()
+    outside = str(tmp_path / "outside.pfd")
+    with open(good, "rb") as f, open(outside, "wb") as g:
+        g.write(f.read())
+    fifo = os.path.join(d, "fifo-0.0000000000000070.pfd")
+    os.mkfifo(fifo)
+    link = os.path.join(d, "link-0.0000000000000071.pfd")
+    os.symlink(outside, link)
+    subdir = os.path.join(d, "dir-0.0000000000000072.pfd")
+    os.mkdir(subdir)
+    rep = open_in_child(d)                    # used to hang forever on the FIFO
+    assert rep["keys"] == ["good"]
+    reasons = {q["path"]: q["reason"] for q in rep["quarantined"]}
+    assert reasons == {fifo: "not a regular file (fifo)", link: "not a regular file (symlink)",
+                       subdir: "not a regular file (directory)"}
+    for q in rep["quarantined"]:
+        assert q["moved_to"] == os.path.join(d, "quarantine", os.path.basename(q["path"]))
+        assert os.path.lexists(q["moved_to"]) and not os.path.lexists(q["path"])
+    assert os.path.isfile(outside)            # a symlink is moved, never followed
+    s = n.FileStore(d)
+    try:
+        assert s.quarantined == [] and s.keys() == ["good"]   # quarantine/ itself is left alone
+        s.write_sync("next", b"n")
+    finally:
+        s.close()
+
+
+def write_and_close(d, key, data):
+    s = n.FileStore(d)
+    s.write_sync(key, data)
+    path = s.info(key)["path"]
+    s.close()
+    return path
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("newer_format", "format version 2 is newer than this build reads (1)"),
+    ("extra_bytes", "size 12288 does not match its header (8192)"),
+    ("header_bitflip", "header checksum mismatch"),
+])
+def test_unreadable_files_are_quarantined_with_the_reason(tmp_path, damage, reason):
+    d = str(tmp_path)
+    path = write_and_close(d, "k", b"v" * 4000)
+    if damage == "newer_format":
+        with open(path, "r+b") as f:
+            f.seek(4)
+            f.write((2).to_bytes(4, "little"))
+    elif damage == "extra_bytes":
+        with open(path, "ab") as f:
+            f.write(b"\0" * 4096)
+    else:
+        flip_byte(path, 60)                   # inside the key bytes
+    with open(path, "rb") as f:
+        before = f.read()
+    s = n.FileStore(d)
+    try:
+        assert not s.contains("k")
+        [q] = s.quarantined
+        assert q["path"] == path and q["reason"] == reason
+        with open(q["moved_to"], "rb") as f:
+            assert f.read() == before           # kept for inspection, unchanged
+    finally:
+        s.close()
+
+
+def test_quarantine_never_overwrites_an_earlier_quarantined_file(tmp_path):
+    d = str(tmp_path)
+    moved = []
+    for i in range(2):
+        path = write_and_close(d, "k", b"x" * 100)
+        flip_byte(path, 60)
+        os.rename(path, os.path.join(d, "same.0000000000000001.pfd"))
+        s = n.FileStore(d)
+        moved.append(s.quarantined[0]["moved_to"])
+        s.close()
+    assert moved == [os.path.join(d, "quarantine", "same.0000000000000001.pfd"),
+                     os.path.join(d, "quarantine", "same.0000000000000001.pfd.1")]
+
+
+# ---------------------------------------------------------------- the last good version
+
+def test_previous_version_is_kept_until_the_new_one_is_verified(tmp_path):
+    d = str(tmp_path)
+    s = n.FileStore(d)
+    try:
+        v1 = s.write_sync("k", b"1" * 5000)
+        s.read_sync("k", bytearray(5000))                # verified read: v1 is known good
+        assert s.info("k")["verified"] and s.info("k")["fallback_version"] is None
+        p1 = s.info("k")["path"]
+        v2 = s.write_sync("k", b"2" * 5000)
+        info = s.info("k")
+        assert info["version"] == v2 and not info["verified"] and info["fallback_version"] == v1
+        assert os.path.exists(p1)                        # not deleted before v2 is verified
+        s.read_sync("k", bytearray(5000), verify=False)  # an unverified read proves nothing
+        assert os.path.exists(p1)
+        s.read_sync("k", bytearray(5000))                # the daemon's verify read
+        assert not os.path.exists(p1) and s.info("k")["fallback_version"] is None
+        # explicit commit, for callers that verify some other way
+        v3 = s.write_sync("k", b"3" * 5000)
+        assert s.commit("k", v2) is False                # not the current version: nothing happens
+        assert s.info("k")["fallback_version"] == v2
+        assert s.commit("k", v3) is True
+        assert s.info("k")["fallback_version"] is None and s.info("k")["verified"]
+        assert sorted(f for f in os.listdir(d) if f.endswith(".pfd")) == [os.path.basename(s.info("k")["path"])]
+        with pytest.raises(n.NotFound):
+            s.commit("nope", 1)
+    finally:
+        s.close()
+
+
+def test_unverified_versions_do_not_pile_up(tmp_path):
+    """Superseded unverified versions go at once; the known-good fallback stays."""
+    d = str(tmp_path)
+    s = n.FileStore(d)
+    try:
+        v1 = s.write_sync("k", b"a")
+        s.commit("k", v1)
+        for i in range(5):
+            s.write_sync("k", bytes([i]))
+        assert s.info("k")["fallback_version"] == v1
+        assert len([f for f in os.listdir(d) if f.endswith(".pfd")]) == 2
+        s.remove("k")
+        assert [f for f in os.listdir(d) if f.endswith(".pfd")] == []
+    finally:
+        s.close()
+
+
+CRASH_IN_WINDOW = textwrap.dedent("""
+    import sys, time
+    from prefetchd import _native as n
+    s = n.FileStore(sys.argv[1])
+    s.write_sync("w", b"OLD!" * 25000)
+    s.read_sync("w", bytearray(100000))        # verified: the old version is known good
+    s.write_sync("w", b"NEW!" * 25000)
+    print(s.info("w")["path"], flush=True)     # killed before its verify read
+    time.sleep(600)
+""")
+
+
+def test_corrupt_new_version_and_a_crash_before_verify_recover_the_old_version(tmp_path):
+    d = str(tmp_path)
+    p = subprocess.Popen([sys.executable, "-c", CRASH_IN_WINDOW, d], stdout=subprocess.PIPE, text=True,
+                         env=ENV, cwd=REPO)
+    new_path = p.stdout.readline().strip()
+    p.send_signal(signal.SIGKILL)
+    p.wait(30)
+    flip_byte(new_path, data_offset(new_path, 100000) + 77777)
+    s = n.FileStore(d)
+    try:
+        out = bytearray(100000)
+        s.read_sync("w", out)
+        assert out == b"OLD!" * 25000
+        [q] = s.quarantined
+        assert q["path"] == new_path and q["reason"] == "checksum mismatch in extent 0"
+        assert s.info("w")["verified"]
+    finally:
+        s.close()
+
+
+def test_intact_new_version_wins_after_a_crash_before_verify(tmp_path):
+    d = str(tmp_path)
+    p = subprocess.Popen([sys.executable, "-c", CRASH_IN_WINDOW, d], stdout=subprocess.PIPE, text=True,
+                         env=ENV, cwd=REPO)
+    new_path = p.stdout.readline().strip()
+    p.send_signal(signal.SIGKILL)
+    p.wait(30)
+    s = n.FileStore(d)
+    try:
+        assert s.info("w")["path"] == new_path and s.recovery_report["removed_old"] == 1
+        out = bytearray(100000)
+        s.read_sync("w", out)
+        assert out == b"NEW!" * 25000
+    finally:
+        s.close()
+
+
+# ---------------------------------------------------------------- permissions, unwritable directories
+
+def test_store_files_0600_and_directories_0700(tmp_path):
+    d = str(tmp_path / "new")
+    s = n.FileStore(d)
+    try:
+        s.write_sync("k", b"secret weights")
+        assert mode(d) == 0o700
+        assert mode(s.info("k")["path"]) == 0o600
+        assert mode(os.path.join(d, ".pfd-lock")) == 0o600
+    finally:
+        s.close()
+    path = write_and_close(d, "q", b"q")
+    flip_byte(path, 60)
+    s = n.FileStore(d)
+    try:
+        assert mode(os.path.join(d, "quarantine")) == 0o700
+    finally:
+        s.close()
+
+
+def test_world_readable_files_of_older_builds_are_tightened_at_open(tmp_path):
+    d = str(tmp_path)
+    path = write_and_close(d, "k", b"x")
+    os.chmod(path, 0o644)
+    n.FileStore(d).close()
+    assert mode(path) == 0o600
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    d = str(tmp_path / "ro")
+    os.mkdir(d)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", d], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip("cannot mount a read-only tmpfs here: " + r.stderr.decode(errors="replace").strip())
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", d], check=True)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_unwritable_store_directory_is_an_error_at_open(read_only_dir, direct):
+    with pytest.raises(n.IOFailure, match=rf"store directory {read_only_dir} is not writable.*EROFS"):
+        n.FileStore(read_only_dir, direct=direct)
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A tmpfs with room for 3 inodes: its root, one directory and one file."""
+    d = str(tmp_path / "tiny")
+    os.mkdir(d)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "nr_inodes=3,size=1m", "tmpfs", d], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip("cannot mount tmpfs here: " + r.stderr.decode(errors="replace").strip())
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", d], check=True)
+
+
+def test_failed_open_leaves_nothing_behind(tiny_fs):
+    target = os.path.join(tiny_fs, "store")
+    with pytest.raises(n.IOFailure, match=rf"store directory {target} is not writable.*ENOSPC"):
+        n.FileStore(target)     # directory and lock file fit, the probe file does not
+    assert os.listdir(tiny_fs) == []
+
+
+# ---------------------------------------------------------------- keys
+
+def test_key_limit_is_a_module_constant_and_checked_everywhere(tmp_path):
+    assert n.MAX_KEY_BYTES == 1024
+    s = n.FileStore(str(tmp_path))
+    st = n.Stream()
+    try:
+        fits = "ü" * 512                        # 512 characters, 1024 bytes
+        s.write_sync(fits, b"ok")
+        assert s.contains(fits)
+        too_long = "ü" * 513                    # fewer than 1024 characters, 1026 bytes
+        msg = r"key is 1026 bytes; a store key must be 1\.\.1024 bytes of UTF-8 \(MAX_KEY_BYTES\)"
+        for call in (lambda: s.write_sync(too_long, b"x"), lambda: s.read_sync(too_long, bytearray(1)),
+                     lambda: s.info(too_long), lambda: s.contains(too_long), lambda: too_long in s,
+                     lambda: s.remove(too_long), lambda: s.commit(too_long, 1),
+                     lambda: st.read(s, too_long, bytearray(1)), lambda: st.write(s, too_long, b"x")):
+            with pytest.raises(ValueError, match=msg):
+                call()
+        with pytest.raises(ValueError, match="key is 0 bytes"):
+            s.write_sync("", b"x")
+        with pytest.raises(ValueError, match=r"cannot be encoded as UTF-8"):
+            s.write_sync("bad\udcff", b"x")
+        with pytest.raises(TypeError, match="store key must be str, got bytes"):
+            s.info(b"k")
+        assert s.keys() == [fits] and st.pending == 0
+    finally:
+        st.close()
+        s.close()
+
+
+# ---------------------------------------------------------------- missing keys
+
+def test_missing_key_raises_not_found_which_is_a_key_error(tmp_path):
+    s = n.FileStore(str(tmp_path))
+    st = n.Stream()
+    try:
+        for call in (lambda: s.info("ghost"), lambda: s.read_sync("ghost", bytearray(1)),
+                     lambda: s.remove("ghost")):
+            with pytest.raises(KeyError) as ei:
+                call()
+            assert isinstance(ei.value, n.NotFound) and isinstance(ei.value, n.NativeError)
+            assert str(ei.value) == "key not found: 'ghost'"        # not KeyError's quoted repr
+            assert ei.value.status == n.STATUS_NOT_FOUND
+        ev = st.read(s, "ghost", bytearray(1))
+        with pytest.raises(KeyError, match="key not found: 'ghost'"):
+            ev.synchronize(timeout=30)
+        assert ev.status == n.STATUS_NOT_FOUND
+    finally:
+        st.close()
+        s.close()
+
+
+# ---------------------------------------------------------------- open_store (prefetchd.backend.base)
+
+def test_open_store_creates_a_private_directory(tmp_path):
+    from prefetchd.backend.base import open_store
+    from prefetchd.config import Config
+    d = str(tmp_path / "a" / "store")
+    s = open_store(Config.load(store_dir=d))
+    try:
+        assert mode(d) == 0o700 and s.directory == d
+    finally:
+        s.close()
+
+
+def test_open_store_errors_name_store_dir(tmp_path, read_only_dir):
+    from prefetchd.backend.base import open_store
+    from prefetchd.config import Config
+    from prefetchd.errors import StorageError
+    d = str(tmp_path / "store")
+    first = open_store(Config.load(store_dir=d))
+    try:
+        with pytest.raises(StorageError, match=rf"^store_dir {d}: store {d} is in use by pid {os.getpid()}"):
+            open_store(Config.load(store_dir=d))
+    finally:
+        first.close()
+    with pytest.raises(StorageError, match=rf"^store_dir {read_only_dir}: store directory .* is not writable"):
+        open_store(Config.load(store_dir=read_only_dir))
+
+
+def test_open_store_removes_its_temp_dir_when_the_open_fails(tiny_fs, monkeypatch):
+    import tempfile
+    from prefetchd.backend.base import open_store
+    from prefetchd.config import Config
+    from prefetchd.errors import StorageError
+    monkeypatch.setattr(tempfile, "tempdir", tiny_fs)
+    with pytest.raises(StorageError, match=r"^store_dir .*prefetchd-store-.* is not writable"):
+        open_store(Config.load(store_dir=None))
+    assert os.listdir(tiny_fs) == []
