@@ -95,6 +95,13 @@ METRICS = {
         "counter", "Times the recorded execution order changed and was re-synchronised.", ()),
     "prefetchd_writebacks": (
         "counter", "Dirty device replicas written back to the remote tier and verified.", ()),
+    "prefetchd_device_loads": (
+        "counter", "Loads into the device tier, by the tier they came from (host: the host "
+                   "cache in RAM; remote: the store on disk).", ("source",)),
+    "prefetchd_device_load_bytes": (
+        "counter", "Bytes loaded into the device tier, by the tier they came from.", ("source",)),
+    "prefetchd_host_cache_drops": (
+        "counter", "Cached host replicas dropped to make room (free: the store holds the data).", ()),
     "prefetchd_fences": (
         "counter", "Compute fences waited on before device memory was reused.", ()),
     # Errors.
@@ -209,6 +216,10 @@ class DaemonCollector(Collector):
         add("prefetchd_trace_resyncs", stats.trace_resyncs)
         add("prefetchd_writebacks", stats.writebacks)
         add("prefetchd_fences", stats.fences)
+        for source in ("host", "remote"):
+            add("prefetchd_device_loads", getattr(stats, "loads_from", {}).get(source, 0), source)
+            add("prefetchd_device_load_bytes", getattr(stats, "load_bytes_from", {}).get(source, 0), source)
+        add("prefetchd_host_cache_drops", getattr(stats, "host_drops", 0))
         add("prefetchd_checksum_failures", stats.checksum_failures)
         for op, n in sorted(stats.io_errors.items()):
             add("prefetchd_io_errors", n, op)

@@ -222,6 +222,7 @@ def test_bytes_loaded_equal_bytes_read_from_the_store(daemon):
     read_from_store = sum(h.nbytes for h in handles)
     assert read_from_store == sum(loaded) == 3 * TENSOR_BYTES
     assert value(fams, "prefetchd_transfer_bytes", direction="load") == read_from_store
+    assert value(fams, "prefetchd_device_load_bytes", source="remote") == read_from_store
     _, count, total = hist(fams, "prefetchd_transfer_size_bytes", direction="load")
     assert (count, total) == (3, read_from_store)
     _, dcount, dsum = hist(fams, "prefetchd_transfer_duration_seconds", direction="load")
@@ -244,7 +245,14 @@ def test_bytes_loaded_equal_bytes_read_from_the_store(daemon):
     daemon.prefetch(handles).result(timeout=30)
     daemon.prefetch(handles).result(timeout=30)   # all resident: a hit
     fams = parse(metrics.render(daemon))
-    assert value(fams, "prefetchd_transfer_bytes", direction="load") == 2 * read_from_store == sum(loaded)
+    # The reload came from the store again or from the host cache: either way the
+    # bytes into the device add up, and only the store's share was read from disk.
+    from_remote = value(fams, "prefetchd_device_load_bytes", source="remote")
+    from_host = value(fams, "prefetchd_device_load_bytes", source="host")
+    assert from_remote + from_host == 2 * read_from_store == sum(loaded)
+    assert value(fams, "prefetchd_device_loads", source="remote") * TENSOR_BYTES == from_remote
+    assert value(fams, "prefetchd_device_loads", source="host") * TENSOR_BYTES == from_host
+    assert value(fams, "prefetchd_transfer_bytes", direction="load") == from_remote >= read_from_store
     assert value(fams, "prefetchd_requests", op="prefetch", outcome="hit") >= 1
     _, qcount, _ = hist(fams, "prefetchd_queue_wait_seconds")
     assert qcount >= 3
