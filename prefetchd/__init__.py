@@ -22,7 +22,7 @@ _LAZY = {
 _ERRORS = (
     "PrefetchdError", "NotResidentError", "UnknownTensorError", "DoubleRegisterError",
     "BudgetError", "PinnedError", "ShutdownError", "UseAfterFreeError", "IntegrityError",
-    "StorageError",
+    "StorageError", "StagingError",
 )
 
 __all__ = sorted([*_LAZY, *_ERRORS, "__version__"])

@@ -168,7 +168,8 @@ class Config:
     device_budget: int = 1 << 30          # bytes of the device tier prefetchd may reserve
     high_watermark: int = 0               # reservations never exceed this (0 -> 95% of budget)
     low_watermark: int = 0                # eviction stops here (0 -> 85% of the high watermark)
-    host_budget: int = 4 << 30            # bytes of pinned/aligned host staging
+    host_budget: int | None = None        # bytes of host RAM (cache of the remote tier, host-tier
+                                          # tensors); None: auto, see _auto_host_budget
     store_dir: str | None = None          # remote tier directory (None -> a private temp dir)
     backend: str = "cpu"
     copy_streams: int = 2
@@ -272,12 +273,25 @@ class Config:
             raise ConfigError(f"low_watermark: {low} bytes is above high_watermark {high}")
         object.__setattr__(self, "high_watermark", high)
         object.__setattr__(self, "low_watermark", low)
+        if self.host_budget is None:
+            object.__setattr__(self, "host_budget", _auto_host_budget(self))
 
     def replace(self, **changes):
         return Config.from_dict({**self.as_dict(), **changes})
 
     def as_dict(self):
         return dataclasses.asdict(self)
+
+
+def _auto_host_budget(config):
+    """The default host budget: half the memory this machine or its cgroup makes
+    available, less the device budget where the device tier is itself host RAM
+    (the cpu backend); never negative."""
+    from .limits import available_memory
+    half = available_memory().nbytes // 2
+    if config.backend == "cpu":
+        half -= config.device_budget
+    return max(0, half)
 
 
 _PARSERS = {}
@@ -294,9 +308,9 @@ _PARSERS.update({
     "device_budget": parse_size,
     "high_watermark": _keep_watermark,
     "low_watermark": _keep_watermark,
-    "host_budget": parse_size,
+    "host_budget": lambda v, k: None if v in (None, "auto") else parse_size(v, k),
     "store_dir": _optional_str,
-    "backend": _choice("cpu", "ascend"),
+    "backend": _choice("cpu", "ascend", "ascend-vmm"),
     "copy_streams": lambda v, k: _parse_int(v, k, minimum=1),
     "io_engine": _choice("auto", "aio", "threads", "buffered"),
     "direct_io": _parse_bool,

@@ -291,6 +291,9 @@ class Daemon:
         from . import staging
         self._check_open()
         if checkpoint is not None:
+            # The file's checksum (if it has one) is checked before anything reaches
+            # the live store: a corrupt checkpoint must not half-replace good tensors.
+            staging.verify_checkpoint(checkpoint)
             staging.stage_tensors(self.backend.store, staging.iter_checkpoint(checkpoint))
         handles = []
         for p in model.get_parameters():

@@ -36,6 +36,14 @@ class IntegrityError(StorageError):
     """Data read back from the remote tier failed its checksum."""
 
 
+class StagingError(PrefetchdError, ValueError):
+    """A checkpoint or store that cannot be staged or read back.
+
+    The message is one line naming the file (or store entry) and the field at
+    fault, e.g. "model.ckpt: tensor 'w': dims[1] is -3 (negative)".
+    """
+
+
 class NotResidentError(PrefetchdError):
     """Compute needed a tensor that is not on the device tier."""
 

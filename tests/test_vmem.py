@@ -336,7 +336,7 @@ def test_mindspore_reads_new_weights_through_a_fixed_home_pynative_and_jit():
 # ---------------------------------------------------------------- memory limit
 
 def test_available_memory_reads_ram_and_cgroup_limits(tmp_path):
-    from prefetchd.backend import limits
+    from prefetchd import limits
 
     proc = tmp_path / "proc"
     (proc / "self").mkdir(parents=True)
@@ -362,7 +362,8 @@ def test_available_memory_reads_ram_and_cgroup_limits(tmp_path):
 
 
 def test_a_budget_beyond_available_memory_is_refused_with_the_numbers(tmp_path):
-    from prefetchd.backend import create, limits
+    from prefetchd import limits
+    from prefetchd.backend import create
     from prefetchd.config import Config, ConfigError
 
     available = limits.available_memory()

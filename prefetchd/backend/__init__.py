@@ -1,7 +1,9 @@
 """Backends: where the device tier lives and how bytes move between tiers.
 
 `cpu` runs everywhere on the native engine (the arena is the device tier);
-`ascend` builds the same moves from MindSpore's unified-addressing operators.
+`ascend` builds the same moves from MindSpore's unified-addressing operators
+(rebinding a tensor on each load); `ascend-vmm` keeps stable addresses over
+ACL's virtual-memory calls instead.
 """
 from .base import Backend, Completion, TransferKind
 
@@ -13,6 +15,11 @@ def create(config):
     if config.backend == "ascend":
         from .ascend import AscendBackend
         return AscendBackend(config)
+    if config.backend == "ascend-vmm":
+        # Stable addresses over ACL virtual memory (docs/stable-addresses.md); each
+        # tensor's home is whole 2 MiB granules, so small tensors cost a granule each.
+        from .ascend_vmm import AscendVmmBackend
+        return AscendVmmBackend(config)
     raise ValueError(f"unknown backend {config.backend!r}")
 
 

@@ -14,7 +14,7 @@ import shutil
 import numpy as np
 
 from .. import _native
-from . import limits
+from .. import limits
 from .base import ALIGN as _ALIGN, HostAndStoreTiers, TransferKind, open_store
 
 RANGE_ALIGN = 2 << 20   # virtual ranges start on a huge-page boundary

@@ -1,6 +1,5 @@
 """Verbs that run in this process: demo, bench, stage, config, collect-env."""
 import os
-import sys
 
 from .common import BUDGET_HELP, budget, budget_fraction, emit, positive_int, size
 
@@ -99,10 +98,9 @@ def cmd_demo(args):
 
 def cmd_stage(args):
     from ..staging import stage_checkpoint
-    if not os.path.isfile(args.checkpoint):
-        raise FileNotFoundError(f"checkpoint {args.checkpoint}: no such file")
-    report = stage_checkpoint(args.checkpoint, args.store,
-                              progress=not args.quiet and sys.stderr.isatty())
+    # Staging picks the progress style itself: a \r line on a terminal, whole lines
+    # every few seconds in a log file or pipe.
+    report = stage_checkpoint(args.checkpoint, args.store, progress=not args.quiet)
     emit(report, args.json)
 
 
