@@ -19,7 +19,7 @@ _UNITS = {"": 1, "b": 1,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
           "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
           "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
-_MAX_SIZE = 1 << 60          # 1 EiB: larger is a typo, not a budget
+_MAX_SIZE = 1 << 50          # 1 PiB: larger is a typo, not a budget
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -35,7 +35,7 @@ def parse_size(value, key="size"):
         if value < 0:
             raise ConfigError(f"{key}: size must be >= 0, got {value}")
         if value >= _MAX_SIZE:
-            raise ConfigError(f"{key}: {value} bytes is beyond any machine (limit {_MAX_SIZE >> 50} PiB)")
+            raise ConfigError(f"{key}: {value} bytes is beyond any machine (limit 1 PiB)")
         return value
     if isinstance(value, float) and value.is_integer() and value >= 1:
         return int(value)
@@ -44,7 +44,7 @@ def parse_size(value, key="size"):
         if m and m.group(2).lower() in _UNITS:
             n = float(m.group(1)) * _UNITS[m.group(2).lower()]
             if n >= _MAX_SIZE:
-                raise ConfigError(f"{key}: {value!r} is beyond any machine (limit {_MAX_SIZE >> 50} PiB)")
+                raise ConfigError(f"{key}: {value!r} is beyond any machine (limit 1 PiB)")
             if n == int(n):
                 return int(n)
         raise ConfigError(f"{key}: cannot read {value!r} as a size (examples: 1048576, '512MiB', '2GiB')")

@@ -294,11 +294,12 @@ def run(daemon_ref, scheduler, release_targets):
             settled = scheduler.outcomes.take()
             if stop:
                 release_targets()
-        daemon = daemon_ref()
-        unpin = daemon.unpin if daemon is not None else (lambda recs: None)
-        for req, error in settled:
-            settle(req, error, unpin)
-        del daemon
+        if settled:
+            daemon = daemon_ref()
+            unpin = daemon.unpin if daemon is not None else (lambda recs: None)
+            for req, error in settled:
+                settle(req, error, unpin)
+            del daemon, unpin     # no strong reference between iterations
         if stop:
             try:
                 backend.close()

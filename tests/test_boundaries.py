@@ -1,0 +1,126 @@
+"""Hostile input at the Daemon's boundary: refused at once with a reason, and the
+daemon stays usable (each case here was accepted, hung or crashed before)."""
+import gc
+import logging
+import math
+import threading
+
+import numpy as np
+import pytest
+
+from prefetchd import Daemon
+from prefetchd.config import Config, ConfigError
+from prefetchd.errors import BudgetError, UnknownTensorError
+
+MiB = 1 << 20
+
+
+def values(seed, n=MiB // 4):
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+def still_usable(daemon, make_param):
+    """The daemon answers tensors(), flush() and a round trip after the refusal."""
+    daemon.tensors()
+    daemon.flush().result(10)
+    h = daemon.register(make_param(values(99), "after"), tier="remote")
+    with daemon.use(h):
+        np.testing.assert_array_equal(h.target.asnumpy(), values(99))
+
+
+@pytest.mark.parametrize("name", [123, b"bytes", 1.5])
+def test_a_name_that_is_not_a_string_is_refused(daemon, make_param, name):
+    with pytest.raises(TypeError, match="name must be a str"):
+        daemon.register(make_param(values(1), "w"), name)
+    assert daemon.names() == []
+    still_usable(daemon, make_param)
+
+
+@pytest.mark.parametrize("name, why", [("bad\ud800name", "UTF-8"), ("x" * 1025, "at most"),
+                                       ("", "empty"), ("nul\0", "NUL")])
+def test_a_name_the_store_cannot_hold_is_refused_before_anything_moves(daemon, make_param, name, why):
+    with pytest.raises(ValueError, match=why):
+        daemon.register(make_param(values(1), "w"), name, tier="remote")
+    assert daemon.names() == [] and daemon.status()["states"]["storing"] == 0
+    still_usable(daemon, make_param)
+
+
+@pytest.mark.parametrize("thing", [np.zeros(4, np.float32), [1.0, 2.0], None])
+def test_register_of_a_non_tensor_is_refused(daemon, make_param, thing):
+    with pytest.raises(TypeError, match="mindspore Tensor or Parameter"):
+        daemon.register(thing, "x")
+    still_usable(daemon, make_param)
+
+
+@pytest.mark.parametrize("priority", ["x", None, math.nan, math.inf, True])
+def test_a_bad_priority_is_refused_on_the_callers_thread(daemon, make_param, priority):
+    h = daemon.register(make_param(values(1), "w"), tier="remote")
+    with pytest.raises(TypeError, match="priority"):
+        daemon.prefetch(h, priority=priority)
+    with pytest.raises(TypeError, match="priority"):
+        daemon.pin(h, priority=priority)
+    still_usable(daemon, make_param)
+
+
+@pytest.mark.parametrize("deadline", ["soon", math.nan])
+def test_a_bad_deadline_is_refused(daemon, make_param, deadline):
+    h = daemon.register(make_param(values(1), "w"), tier="remote")
+    with pytest.raises(TypeError, match="deadline"):
+        daemon.prefetch(h, deadline=deadline)
+
+
+def test_watermarks_below_the_pinned_bytes_are_refused(make_daemon, make_param):
+    daemon = make_daemon(device_budget=8 * MiB)
+    hs = [daemon.register(make_param(values(i), f"t{i}"), tier="remote") for i in range(3)]
+    with daemon.use(hs):
+        with pytest.raises(BudgetError, match="pinned"):
+            daemon.set_watermarks(MiB, MiB // 2).result(10)
+        assert daemon.status()["device"]["high_watermark"] > 3 * MiB
+    daemon.set_watermarks(MiB + 64 * 1024).result(10)     # unpinned now: fine
+    still_usable(daemon, make_param)
+
+
+def test_register_remote_of_a_missing_key_raises_unknown_tensor(daemon):
+    with pytest.raises(UnknownTensorError, match="no tensor named 'nope'"):
+        daemon.register_remote("nope", (4,), np.float32)
+
+
+def test_a_dropped_daemon_is_shut_down_with_a_warning(store_dir, make_param, caplog):
+    def scope():
+        d = Daemon(store_dir=store_dir, device_budget="16MiB").start()
+        d.register(make_param(values(1), "w"), tier="device")
+        return d._thread
+    thread = scope()
+    with caplog.at_level(logging.WARNING, logger="prefetchd"):
+        gc.collect()
+        thread.join(15)
+    assert not thread.is_alive(), "the scheduler thread of a dropped daemon kept running"
+    assert any("dropped without close()" in r.getMessage() for r in caplog.records)
+    assert not [t for t in threading.enumerate() if t.name.startswith("prefetchd-scheduler-default")]
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("io_block_size", 0, "multiple of 4 KiB"),
+    ("io_block_size", "12345", "multiple of 4 KiB"),
+    ("metrics_port", 70000, "at most 65535"),
+    ("shutdown_timeout", "nan", "finite"),
+    ("shutdown_timeout", "inf", "finite"),
+    ("device_budget", "1000000TiB", "beyond any machine"),
+    ("verify_reads", "false", "always verified"),
+    ("name", "a b/c", "letters, digits"),
+    ("max_message_size", 10, "at least 1024"),
+    ("high_watermark", "nan", "(0, 1]"),
+])
+def test_every_config_value_is_checked_at_load_naming_the_key_and_source(key, value, says):
+    env = {f"PREFETCHD_{key.upper()}": str(value)}
+    with pytest.raises(ConfigError, match=f"{key}.*{says}.*PREFETCHD_{key.upper()}"
+                       if key != "high_watermark" else f"{key}.*") as err:
+        Config.load(env=env)
+    assert key in str(err.value)
+    with pytest.raises(ConfigError, match=key):
+        Config.load(env={}, **{key: value})
+
+
+def test_a_budget_beyond_the_machine_is_refused_at_start_with_the_numbers(store_dir):
+    with pytest.raises(ConfigError, match="exceeds the .* that"):
+        Daemon(store_dir=store_dir, device_budget="100TiB").start()
