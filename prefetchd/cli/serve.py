@@ -8,10 +8,7 @@ import sys
 from ..config import ENV_PREFIX, ConfigError
 from .common import BUDGET_HELP, budget, positive_int, seconds
 
-SERVE_DEFAULTS = {"endpoint": None, "workers": 2, "models": 2, "hidden": 256, "layers": 4,
-                  "batch": 4, "seq": 16, "budget": None, "lookahead": 2, "store": None,
-                  "hints": True, "request_timeout": 30.0, "metrics_port": None,
-                  "metrics_addr": "127.0.0.1", "model": None, "model_bytes": None}
+from ..serve.spec import SERVE_OPTIONS as SERVE_DEFAULTS
 
 
 def register(sub):
@@ -25,7 +22,8 @@ def register(sub):
                                    "set, called as function(seed=N) (default: the demo model)")
     p.add_argument("--model-bytes", type=_size, help="weight bytes of one --model weight set, for "
                                                      "a fractional --budget (e.g. 512MiB)")
-    p.add_argument("--models", type=positive_int, help="weight sets per worker, m0, m1, ... (2)")
+    p.add_argument("--models", type=positive_int, help="weight sets per worker, m0, m1, ... (2; 1 with "
+                                                             "--checkpoint-store)")
     p.add_argument("--hidden", type=positive_int, help="demo model width (256)")
     p.add_argument("--layers", type=positive_int, help="demo model blocks (4)")
     p.add_argument("--batch", type=positive_int, help="demo model: batch of a request (4)")
@@ -35,6 +33,11 @@ def register(sub):
     p.add_argument("--lookahead", type=positive_int, help="units prefetched ahead, and covered by a hint (2)")
     p.add_argument("--store", help="root of the workers' stores (default: the configured store_dir, "
                                    "else a temporary directory)")
+    p.add_argument("--checkpoint-store", metavar="DIR",
+                   help="serve the weights in DIR, a store made by `prefetchd stage`: --model's "
+                        "parameters (built without initialising them) are read from it by name; "
+                        "one weight set (m0); worker stores hard-link its files, so --store must "
+                        "be on its filesystem (default: a temporary directory beside DIR)")
     p.add_argument("--no-hints", dest="hints", action="store_false", default=None,
                    help="do not send prefetch hints to workers")
     p.add_argument("--request-timeout", type=seconds, help="seconds before a request gets TIMEOUT (30)")
@@ -76,13 +79,17 @@ def serve_spec(o, log_level="WARNING"):
     from ..serve.spec import DEMO_FACTORY, ServeSpec, load_factory
     model = o["model"] or DEMO_FACTORY
     load_factory(model)                 # a bad --model fails here, not in every worker
-    if (model != DEMO_FACTORY and isinstance(o["budget"], float) and not o["model_bytes"]):
+    checkpoint = o["checkpoint_store"]
+    models = o["models"] or (1 if checkpoint else 2)   # ServeSpec refuses more than 1 from a store
+    # A staged store knows its own size (its index); a fraction of it needs nothing more.
+    if (model != DEMO_FACTORY and not checkpoint and isinstance(o["budget"], float)
+            and not o["model_bytes"]):
         raise ConfigError("--budget as a fraction of a --model needs --model-bytes "
                           "(or give the budget as a size, e.g. 2GiB)")
-    return ServeSpec(models=o["models"], hidden=o["hidden"], layers=o["layers"], batch=o["batch"],
+    return ServeSpec(models=models, hidden=o["hidden"], layers=o["layers"], batch=o["batch"],
                      seq=o["seq"], budget=o["budget"], lookahead=o["lookahead"],
                      store_dir=o["store"], log_level=log_level, config_path=o["config"],
-                     model=model, model_bytes_hint=o["model_bytes"])
+                     model=model, model_bytes_hint=o["model_bytes"], checkpoint_store=checkpoint)
 
 
 def cmd_serve(args):

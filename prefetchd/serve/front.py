@@ -16,6 +16,8 @@ The front never blocks on a worker: it polls every worker's process sentinel
 with its sockets (one prefetchd.control.ioloop.IOLoop thread), so a worker that
 dies fails its in-flight requests at once (INTERNAL, "worker ... died") and is
 respawned; a request that outlives `request_timeout` is answered TIMEOUT.
+The `status` op's fan-out to the workers' daemons is prefetchd.serve.status;
+requests and their deadlines are prefetchd.serve.jobs.
 
 Request (PFD1 frames, see prefetchd.control.protocol), op "infer":
     {"model": "m1", "seed": 0, "hint": true}
@@ -25,7 +27,6 @@ Reply result:
 """
 import collections
 import dataclasses
-import heapq
 import itertools
 import logging
 import os
@@ -35,7 +36,6 @@ import signal
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 
 import zmq
 
@@ -44,43 +44,13 @@ from ..control.codes import BadArguments
 from ..control.endpoints import bind, ensure_private_dir, resolve_endpoint, runtime_dir, unlink_ipc_files
 from ..control.ioloop import IOLoop
 from ..control.ops import Op, flag, integer, number
+from .jobs import Deadlines, Job, model_name
 from .pool import WorkerPool
-from .spec import ServeSpec
+from .spec import ServeSpec, check_checkpoint_store
+from .status import StatusGathers, status_document
 from .worker import MAX_DELAY, READY, STOP
 
 log = logging.getLogger("prefetchd.serve.front")
-
-STATUS_WAIT = 2.0               # seconds a status request waits for the workers' daemons
-
-
-@dataclass
-class Job:
-    envelope: list
-    rid: bytes
-    model: str
-    body: dict
-    hint: bool
-    deadline: float
-    received: float
-    worker: object = None
-    job_id: bytes = b""
-    hinted: bool = False
-
-
-@dataclass
-class Gather:
-    """A status request waiting for the workers' daemons."""
-    envelope: list
-    rid: bytes
-    deadline: float
-    waiting: set
-    results: dict = field(default_factory=dict)
-
-
-def _model_name(key, value):
-    if not isinstance(value, str):
-        raise BadArguments(f"'{key}' must be a model name")
-    return value
 
 
 class Front:
@@ -112,6 +82,8 @@ class Front:
             if configured:
                 self.spec = dataclasses.replace(self.spec, store_dir=configured)
         self._owns_store = self.spec.store_dir is None    # a temporary one, made by start()
+        if self.spec.checkpoint_store:     # refused here, not by every worker as it starts
+            check_checkpoint_store(self.spec, self.spec.store_dir)
         tag = f"{os.getpid()}-{secrets.token_hex(2)}"
         base = runtime_dir()
         self._pool = WorkerPool(
@@ -121,15 +93,15 @@ class Front:
         self._loop = IOLoop(self, f"prefetchd-front-{name}", max_poll=0.5)
         self._ops = {"ping": Op(self._op_ping), "status": Op(self._op_status),
                      "infer": Op(self._op_infer, {
-                         "model": (_model_name, None), "seed": (integer(0, 2 ** 31 - 1), 0),
+                         "model": (model_name, None), "seed": (integer(0, 2 ** 31 - 1), 0),
                          "hint": (flag, None), "delay": (number(0, MAX_DELAY), 0)})}
         self._router = self._work = None
         self._queue = collections.deque()
-        self._timers = []
+        self._deadlines = Deadlines()
         self._job_ids = itertools.count(1)
         self._ctl_ids = itertools.count(1)
-        self._ctl_waiting = {}         # control rid -> ("hint", slot) | ("status", slot, gather)
-        self._gathers = []
+        self._hints_waiting = {}       # control rid -> slot, for hints
+        self._status = StatusGathers(self._send, lambda: P.new_rid(next(self._ctl_ids)))
         self._ready_event = threading.Event()
         self._start_error = None
         self._closed = False
@@ -142,8 +114,11 @@ class Front:
             return self
         ensure_private_dir(runtime_dir())
         if self._owns_store:
-            self.spec = dataclasses.replace(self.spec,
-                                            store_dir=tempfile.mkdtemp(prefix="prefetchd-serve-"))
+            # Beside a checkpoint store: worker stores hard-link its files, so same filesystem.
+            near = (os.path.dirname(os.path.realpath(self.spec.checkpoint_store))
+                    if self.spec.checkpoint_store else None)
+            self.spec = dataclasses.replace(self.spec, store_dir=tempfile.mkdtemp(
+                prefix=".prefetchd-serve-" if near else "prefetchd-serve-", dir=near))
             self._pool.spec = self.spec
         try:
             self._loop.start(30)
@@ -240,8 +215,8 @@ class Front:
         self._run_timers()
 
     def poll_timeout(self):
-        nearest = min([t[0] for t in self._timers[:1]] + [g.deadline for g in self._gathers],
-                      default=None)
+        nearest = min((t for t in (self._deadlines.nearest(), self._status.nearest_deadline())
+                       if t is not None), default=None)
         return None if nearest is None else nearest - time.monotonic()
 
     def teardown(self):
@@ -336,7 +311,7 @@ class Front:
         job = Job(envelope, rid, model, {"model": model, "seed": args["seed"],
                                          "delay": args["delay"]}, hint, now + wait, now)
         self._queue.append(job)
-        heapq.heappush(self._timers, (job.deadline, next(self._job_ids), job))
+        self._deadlines.add(job)
         self.counters["requests"] += 1
 
     # -- routing
@@ -373,7 +348,7 @@ class Front:
         except zmq.ZMQError:
             self.counters["hints_dropped"] += 1
             return
-        self._ctl_waiting[rid] = ("hint", s)
+        self._hints_waiting[rid] = s
         self.counters["hints_sent"] += 1
 
     # -- workers
@@ -408,83 +383,39 @@ class Front:
         for job in jobs:
             self._reply_error(job, P.INTERNAL, reason)
         self.counters["worker_deaths"] += 1
-        for rid, entry in list(self._ctl_waiting.items()):
-            if entry[1] is s:
-                self._ctl_waiting.pop(rid)
-        for g in self._gathers:
-            if s.index in g.waiting:
-                g.waiting.discard(s.index)
-                g.results[s.index] = {"error": "worker died"}
+        for rid, slot in list(self._hints_waiting.items()):
+            if slot is s:
+                self._hints_waiting.pop(rid)
+        self._status.on_death(s)
         if self._pool.none_alive():
             self._start_error = RuntimeError("prefetchd serve: no worker could be started")
             self._ready_event.set()
 
-    # -- status
+    # -- status (prefetchd.serve.status)
 
     def _op_status(self, envelope, rid, args, timeout):
-        now = time.monotonic()
-        g = Gather(envelope, rid, now + STATUS_WAIT, set())
-        for s in self._pool.slots:
-            if not s.ready:
-                continue
-            crid = P.new_rid(next(self._ctl_ids))
-            try:
-                s.ctl.send_multipart(P.encode_request(crid, "status", {}, STATUS_WAIT * 0.75),
-                                     zmq.NOBLOCK)
-            except zmq.ZMQError:
-                continue
-            self._ctl_waiting[crid] = ("status", s, g)
-            g.waiting.add(s.index)
-        self._gathers.append(g)
-        self._finish_gathers(now)
+        self._status.start(envelope, rid, self._pool.slots, self._status_document)
+
+    def _status_document(self, results):
+        return status_document({"endpoint": self.endpoint, "hints": self.hints,
+                                "queued": len(self._queue), "models": self.spec.model_names(),
+                                "counters": dict(self.counters)}, self._pool.slots, results)
 
     def _on_control_reply(self, s, frames):
         try:
             rid, doc = P.decode_reply(frames)
         except P.ProtocolError:
             return
-        entry = self._ctl_waiting.pop(rid, None)
-        if entry is None:
-            return
-        if entry[0] == "hint":
+        if self._hints_waiting.pop(rid, None) is not None:
             self.counters["hints_ok" if doc.get("ok") else "hints_failed"] += 1
             return
-        g = entry[2]
-        g.waiting.discard(s.index)
-        g.results[s.index] = doc.get("result") if doc.get("ok") else {"error": doc.get("reason")}
-        self._finish_gathers(time.monotonic())
-
-    def _finish_gathers(self, now):
-        for g in [g for g in self._gathers if not g.waiting or g.deadline <= now]:
-            self._gathers.remove(g)
-            for crid, entry in list(self._ctl_waiting.items()):
-                if entry[0] == "status" and entry[2] is g:
-                    self._ctl_waiting.pop(crid)
-            self._send(g.envelope, P.encode_ok(g.rid, self._status(g.results)))
-
-    def _status(self, results):
-        workers = []
-        total = collections.Counter()
-        for s in self._pool.slots:
-            daemon = results.get(s.index)
-            workers.append(dict(s.public(),
-                                daemon=daemon if daemon is not None else {"error": "no reply"}))
-            if daemon and "device" in daemon:
-                total["device_used"] += daemon["device"]["used"]
-                total["device_capacity"] += daemon["device"]["capacity"]
-                total["resident"] += daemon["states"].get("resident", 0)
-                total["tensors"] += daemon["tensors"]
-        return {"front": {"endpoint": self.endpoint, "pid": os.getpid(), "hints": self.hints,
-                          "queued": len(self._queue), "models": self.spec.model_names(),
-                          "counters": dict(self.counters)},
-                "workers": workers, "total": dict(total)}
+        self._status.on_reply(s, rid, doc)
 
     # -- timers
 
     def _run_timers(self):
         now = time.monotonic()
-        while self._timers and self._timers[0][0] <= now:
-            _, _, job = heapq.heappop(self._timers)
+        for job in self._deadlines.expired(now):
             if job.worker is not None:
                 if job.worker.inflight.pop(job.job_id, None) is None:
                     continue                # answered
@@ -496,5 +427,4 @@ class Front:
             where = f"on worker {job.worker.index}" if job.worker else "waiting for a worker"
             self._reply_error(job, P.TIMEOUT, f"infer did not complete within "
                                               f"{job.deadline - job.received:.3g}s ({where})")
-        if self._gathers:
-            self._finish_gathers(now)
+        self._status.finish(now)

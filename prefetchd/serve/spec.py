@@ -7,6 +7,12 @@ list of (shape, dtype name) pairs, one per positional input, e.g.
 [((4, 16, 256), "float32")], or (shape, integer dtype, high) for ids drawn from
 [0, high). Workers feed it seeded random inputs of that spec.
 The default factory builds the demo model (prefetchd.model).
+
+With a checkpoint store (`checkpoint_store`, a directory made by `prefetchd
+stage`) the factory's parameters are not its own: it is called inside
+MindSpore's `no_init_parameters()` (so a large model's weights never need to
+exist in RAM), and every parameter is served from the store under its own
+name, which must match the checkpoint's. One weight set, m0, is served then.
 """
 import importlib
 import os
@@ -15,6 +21,13 @@ from dataclasses import dataclass
 from ..config import ENV_PREFIX, Config, ConfigError
 
 DEMO_FACTORY = "prefetchd.serve.spec:demo_model"
+
+# The options of `prefetchd serve` and their defaults: the keys its [serve] table may set.
+SERVE_OPTIONS = {"endpoint": None, "workers": 2, "models": None, "hidden": 256, "layers": 4,
+                 "batch": 4, "seq": 16, "budget": None, "lookahead": 2, "store": None,
+                 "hints": True, "request_timeout": 30.0, "metrics_port": None,
+                 "metrics_addr": "127.0.0.1", "model": None, "model_bytes": None,
+                 "checkpoint_store": None}
 
 
 @dataclass
@@ -38,6 +51,12 @@ class ServeSpec:
     config_path: str | None = None  # prefetchd TOML file for the workers' daemons
     model: str = DEMO_FACTORY  # "module:function" returning (cell, input_spec)
     model_bytes_hint: int | None = None  # bytes of one weight set of a custom model (for budget)
+    checkpoint_store: str | None = None  # a `prefetchd stage` store the weights are served from
+
+    def __post_init__(self):
+        if self.checkpoint_store and self.models != 1:
+            raise ConfigError(f"--checkpoint-store serves the one weight set the store holds; "
+                              f"--models {self.models} would need {self.models} (use --models 1)")
 
     def model_names(self):
         return [f"m{i}" for i in range(self.models)]
@@ -48,6 +67,8 @@ class ServeSpec:
     def model_bytes(self):
         if self.model_bytes_hint:
             return self.model_bytes_hint
+        if self.checkpoint_store:
+            return sum(t["nbytes"] for t in checkpoint_tensors(self.checkpoint_store).values())
         from ..model import estimate_bytes
         return estimate_bytes(self.hidden, self.layers)
 
@@ -77,11 +98,49 @@ def load_factory(path):
     return factory
 
 
+def checkpoint_tensors(path):
+    """{name: {shape, dtype, nbytes}} of a store made by `prefetchd stage` (its index);
+    ConfigError saying why `path` is not one."""
+    from ..staging import INDEX_FILE, read_index
+    if not os.path.isdir(path):
+        raise ConfigError(f"--checkpoint-store {path}: not a directory (make one with "
+                          f"`prefetchd stage CKPT --store {path}`)")
+    tensors = read_index(path).get("tensors")
+    if not isinstance(tensors, dict) or not tensors:
+        raise ConfigError(f"--checkpoint-store {path}: no {INDEX_FILE} listing tensors, so not a "
+                          f"store made by `prefetchd stage` (or it holds nothing)")
+    return tensors
+
+
+def check_checkpoint_store(spec, store_root=None):
+    """Refuse a checkpoint store the workers could not link their stores to: worker
+    stores are hard links to its files (no copy), in `store_root` (None: a temporary
+    directory beside the checkpoint store, made by the front)."""
+    checkpoint_tensors(spec.checkpoint_store)
+    if store_root is None:
+        return
+    src, root = os.path.realpath(spec.checkpoint_store), os.path.realpath(store_root)
+    if os.path.commonpath([src, root]) in (src, root):
+        raise ConfigError(f"--checkpoint-store {spec.checkpoint_store} and --store {store_root}: one "
+                          f"is inside the other; worker stores are rebuilt under --store, so keep "
+                          f"them apart")
+    if os.path.isdir(root) and os.stat(src).st_dev != os.stat(root).st_dev:
+        raise ConfigError(f"--store {store_root} is on another filesystem than --checkpoint-store "
+                          f"{spec.checkpoint_store}: worker stores are hard links to the checkpoint's "
+                          f"files (no copy); put --store on the same filesystem")
+
+
 def build_weight_set(spec, seed):
     """(cell, input_spec) of one weight set, checked."""
     factory = load_factory(spec.model)
     kwargs = {"spec": spec} if spec.is_demo() else {}
-    made = factory(seed=seed, **kwargs)
+    if spec.checkpoint_store:
+        # The store holds the weights: the factory's own would be allocated for nothing.
+        from mindspore.nn.utils import no_init_parameters
+        with no_init_parameters():
+            made = factory(seed=seed, **kwargs)
+    else:
+        made = factory(seed=seed, **kwargs)
     if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], (list, tuple))):
         raise ConfigError(f"--model {spec.model}: the factory must return (cell, input_spec), "
                           f"got {type(made).__name__}")
@@ -92,7 +151,8 @@ def demo_model(seed=0, spec=None):
     """The default factory: prefetchd.model's demo model at the spec's size."""
     from ..model import build_model
     spec = spec or ServeSpec()
-    cell = build_model(hidden=spec.hidden, layers=spec.layers, heads=spec.heads, seed=seed)
+    cell = build_model(hidden=spec.hidden, layers=spec.layers, heads=spec.heads, seed=seed,
+                       materialize=not spec.checkpoint_store)
     return cell, [((spec.batch, spec.seq, spec.hidden), "float32")]
 
 

@@ -10,14 +10,23 @@ Messages on the work socket (a DEALER, identity w<index>-<generation>):
 what its first forward steps read), up to a quarter of the device budget; the
 front asks the worker to prefetch them before it routes a request for that model
 there.
+
+Each worker's daemon has a store of its own (a FileStore is locked by the
+daemon that opens it). With a checkpoint store, the worker's store is made of
+hard links to the checkpoint store's tensor files: no data is copied, and that
+is safe because a FileStore never writes into an existing file (it writes a new
+version and renames it in), so the worker can never change the checkpoint.
 """
+import errno
 import logging
 import os
+import shutil
 import signal
 import time
 
 import zmq
 
+from ..config import ConfigError
 from ..control import protocol as P
 from .spec import ServeSpec, build_weight_set, worker_config
 
@@ -71,13 +80,53 @@ def build_models(spec, daemon):
     models = {}
     for i, name in enumerate(spec.model_names()):
         cell, input_spec = build_weight_set(spec, spec.seed + i)
-        cell.update_parameters_name(f"{name}.")
+        if not spec.checkpoint_store:    # the store's names are the checkpoint's: keep them
+            cell.update_parameters_name(f"{name}.")
         hints = first_parameters(cell, spec.device_budget() // 4)
         # auto_fetch: another model may have evicted this one's next units; a server
         # fetches them on demand (a stall) rather than failing the request.
-        handle = offload(cell, daemon, lookahead=spec.lookahead, tier=spec.tier, auto_fetch=True)
+        handle = offload(cell, daemon, lookahead=spec.lookahead, tier=spec.tier, auto_fetch=True,
+                         checkpoint=True if spec.checkpoint_store else None)
         models[name] = (cell, input_spec, handle, hints)
     return models
+
+
+def link_checkpoint_store(src, dst):
+    """Make `dst` (new) a store holding the tensors of the store `src`: a hard link per
+    tensor file (*.pfd). ConfigError if it cannot, saying why."""
+    from ..staging import read_index
+    before = read_index(src).get("generation")
+    os.mkdir(dst, 0o700)
+    vanished = False
+    try:
+        for entry in os.scandir(src):
+            if entry.name.endswith(".pfd") and entry.is_file(follow_symlinks=False):
+                os.link(entry.path, os.path.join(dst, entry.name), follow_symlinks=False)
+    except FileNotFoundError:
+        vanished = True          # a file went away mid-scan: a stage retired this generation
+    except OSError as e:
+        if e.errno == errno.EXDEV:
+            raise ConfigError(f"worker store {dst}: cannot hard-link the checkpoint store {src} "
+                              f"(another filesystem); put --store on its filesystem") from None
+        raise ConfigError(f"worker store {dst}: linking the checkpoint store {src} failed: "
+                          f"{e.strerror}") from None
+    if vanished or read_index(src).get("generation") != before:
+        raise ConfigError(f"checkpoint store {src}: a `prefetchd stage` replaced it while worker "
+                          f"store {dst} was linked to it; restart the server")
+
+
+def worker_store(spec, index, generation):
+    """The store directory of worker `index`'s daemon (see the module docstring)."""
+    store = os.path.join(spec.store_dir, f"worker-{index}-{generation}")
+    if not spec.checkpoint_store:
+        os.makedirs(store, exist_ok=True)
+        return store
+    # Left by an earlier run under the same --store: derived from the checkpoint only,
+    # and it must hold exactly what the checkpoint holds now.
+    shutil.rmtree(store, ignore_errors=True)
+    os.makedirs(spec.store_dir, exist_ok=True)
+    link_checkpoint_store(spec.checkpoint_store, store)
+    return store
 
 
 def _exit_on_sigterm(signum, frame):
@@ -118,8 +167,7 @@ def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, p
                         format=f"%(asctime)s worker-{index} %(name)s %(levelname)s %(message)s")
     from ..daemon import Daemon
 
-    store = os.path.join(spec.store_dir, f"worker-{index}-{generation}")
-    os.makedirs(store, exist_ok=True)
+    store = worker_store(spec, index, generation)
     daemon = Daemon(worker_config(spec, index, store)).start()
     ctx = zmq.Context()
     models = {}

@@ -1,0 +1,162 @@
+"""`prefetchd serve --checkpoint-store DIR`: a model factory's parameters served
+from a store made by `prefetchd stage`, in real processes (stage, serve, infer,
+status, SIGTERM), plus what is refused before any worker starts."""
+import argparse
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import wait_until
+from prefetchd.config import ConfigError
+from prefetchd.control import Client, RequestTimeout
+from prefetchd.serve.spec import ServeSpec, check_checkpoint_store, demo_model
+from prefetchd.serve.worker import link_checkpoint_store, make_inputs
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMALL = dict(hidden=64, layers=2, batch=2, seq=8)
+STAGED_SEED = 7          # the factory alone would build seed 0: a match proves the store's weights
+REQUEST_SEED = 3
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([REPO] + sys.path))
+
+
+def _checksum(cell, input_spec, seed):
+    out = cell(*make_inputs(input_spec, seed + 1)).asnumpy()      # as the worker feeds it
+    return float(np.float64(out.astype(np.float64).sum()))
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory):
+    """A demo-model checkpoint staged with the real `prefetchd stage`; the checksums a
+    request must and must not produce."""
+    import mindspore as ms
+    d = tmp_path_factory.mktemp("ckpt")
+    spec = ServeSpec(models=1, **SMALL)
+    cell, input_spec = demo_model(seed=STAGED_SEED, spec=spec)
+    ckpt = str(d / "model.ckpt")
+    ms.save_checkpoint(cell, ckpt)
+    want = _checksum(cell, input_spec, REQUEST_SEED)
+    unstaged = _checksum(*demo_model(seed=0, spec=spec), REQUEST_SEED)
+    store = str(d / "store")
+    out = subprocess.run([sys.executable, "-m", "prefetchd.cli", "stage", ckpt, "--store", store,
+                          "--quiet"], env=_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    params = list(cell.get_parameters())
+    return {"store": store, "want": want, "unstaged": unstaged, "params": len(params),
+            "bytes": sum(int(np.prod(p.shape)) * 4 for p in params)}
+
+
+def _tensor_files(store):
+    return sorted(os.path.join(store, f) for f in os.listdir(store) if f.endswith(".pfd"))
+
+
+def test_serve_answers_with_the_staged_weights(staged):
+    store = staged["store"]
+    files = _tensor_files(store)
+    assert len(files) == staged["params"] and all(os.stat(f).st_nlink == 1 for f in files)
+    before = {f: os.stat(f).st_ino for f in files}
+    parent = os.path.dirname(store)
+    endpoint = f"ipc://ckpt-serve-{os.getpid()}.sock"
+    cmd = [sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint", endpoint, "--workers", "1",
+           "--checkpoint-store", store, "--hidden", "64", "--layers", "2", "--batch", "2",
+           "--seq", "8"]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        with Client(endpoint, timeout=1) as c:
+            def up():
+                try:
+                    return c.ping()["workers"] == 1
+                except RequestTimeout:
+                    return proc.poll() is not None
+            assert wait_until(up, 120, 0.2) and proc.poll() is None, proc.stderr.read().decode()
+            assert c.ping()["models"] == ["m0"]                 # one weight set: the store's
+            r = c.call("infer", model="m0", seed=REQUEST_SEED, timeout=60)
+            assert r["checksum"] == pytest.approx(staged["want"], rel=1e-5, abs=1e-5)
+            assert r["checksum"] != pytest.approx(staged["unstaged"], rel=1e-3)
+            worker = c.status()["workers"][0]["daemon"]
+            assert worker["tensors"] == staged["params"]
+        # The worker's store is hard links to the staged files (no copy), beside the store.
+        assert all(os.stat(f).st_nlink == 2 for f in files)
+        scratch = [e for e in os.listdir(parent) if e.startswith(".prefetchd-serve-")]
+        assert len(scratch) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    # The temporary worker stores are gone; the staged store is exactly as it was.
+    assert not [e for e in os.listdir(parent) if e.startswith(".prefetchd-serve-")]
+    assert {f: os.stat(f).st_ino for f in _tensor_files(store)} == before
+    assert all(os.stat(f).st_nlink == 1 for f in files)
+
+
+def test_more_than_one_weight_set_from_a_store_is_refused(staged):
+    with pytest.raises(ConfigError, match="one weight set"):
+        ServeSpec(models=2, checkpoint_store=staged["store"])
+    from prefetchd.cli.serve import register, serve_options, serve_spec
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--checkpoint-store", staged["store"]])
+    assert serve_spec(serve_options(args)).model_names() == ["m0"]
+    args = parser.parse_args(["serve", "--checkpoint-store", staged["store"], "--models", "3"])
+    with pytest.raises(ConfigError, match="--models 3"):
+        serve_spec(serve_options(args))
+
+
+def test_fractional_budget_of_a_custom_model_uses_the_store_size(staged):
+    from prefetchd.cli.serve import register, serve_options, serve_spec
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    custom = ["serve", "--model", "prefetchd.model:build_model", "--budget", "50%"]
+    with pytest.raises(ConfigError, match="needs --model-bytes"):       # nothing to size it by
+        serve_spec(serve_options(parser.parse_args(custom)))
+    spec = serve_spec(serve_options(parser.parse_args(
+        custom + ["--checkpoint-store", staged["store"]])))
+    assert spec.model_bytes() == staged["bytes"]          # the index's tensor bytes
+    assert spec.device_budget() == staged["bytes"] // 2
+
+
+def test_stores_that_cannot_serve_are_refused(tmp_path, staged):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="not a store made by `prefetchd stage`"):
+        check_checkpoint_store(ServeSpec(models=1, checkpoint_store=str(empty)))
+    with pytest.raises(ConfigError, match="not a directory"):
+        check_checkpoint_store(ServeSpec(models=1, checkpoint_store=str(tmp_path / "missing")))
+    spec = ServeSpec(models=1, checkpoint_store=staged["store"])
+    with pytest.raises(ConfigError, match="one is inside the other"):
+        check_checkpoint_store(spec, os.path.join(staged["store"], "workers"))
+    with pytest.raises(ConfigError, match="one is inside the other"):
+        check_checkpoint_store(spec, os.path.dirname(staged["store"]))
+    check_checkpoint_store(spec, str(tmp_path))          # a sibling on the same filesystem
+
+
+def test_store_on_another_filesystem_is_refused(staged):
+    other = "/dev/shm"
+    if not os.path.isdir(other) or os.stat(other).st_dev == os.stat(staged["store"]).st_dev:
+        pytest.skip("no directory on another filesystem than the test's tmp_path")
+    spec = ServeSpec(models=1, checkpoint_store=staged["store"])
+    with pytest.raises(ConfigError, match="another filesystem"):
+        check_checkpoint_store(spec, other)
+    dst = os.path.join(other, f"pfd-link-{os.getpid()}")
+    try:
+        with pytest.raises(ConfigError, match="another filesystem"):
+            link_checkpoint_store(staged["store"], dst)
+    finally:
+        import shutil
+        shutil.rmtree(dst, ignore_errors=True)
+
+
+def test_link_takes_only_tensor_files(tmp_path, staged):
+    dst = str(tmp_path / "w0")
+    link_checkpoint_store(staged["store"], dst)
+    assert sorted(os.listdir(dst)) == [os.path.basename(f) for f in _tensor_files(staged["store"])]
+    assert all(os.path.samefile(os.path.join(dst, os.path.basename(f)), f)
+               for f in _tensor_files(staged["store"]))
