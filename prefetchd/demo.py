@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from .staging import Progress, stage_tensors, write_index
-from .timeline import plot as plot_timeline, summarize
+from .timeline import plot as plot_timeline, require_plot, summarize
 
 DEFAULTS = dict(size=2 << 30, hidden=1024, budget=0.25, batch=8, seq=16, lookahead=2, passes=3,
                 tier="remote", store=None, metrics_port=None, hold=0.0, json=False, trace=None, plot=None,
@@ -56,6 +56,8 @@ def run_demo(args=None, /, **options):
         raise ValueError(f"run_demo: budget is a fraction of the model in (0, 1], got {o['budget']!r}")
     if o["tier"] not in ("remote", "host"):
         raise ValueError(f"run_demo: tier must be 'remote' or 'host', got {o['tier']!r}")
+    if o["plot"]:
+        require_plot()       # before the long run, not after it
     quiet = o["quiet"] or o["json"]
     say = (lambda *a: None) if quiet else print
     report, timeline = _run(o, say, quiet)

@@ -31,7 +31,8 @@ import queue
 import threading
 import time
 
-__all__ = ["Timeline", "NullTimeline", "TRACKS", "KIND_TRACKS", "breakdown", "plot", "spans", "summarize"]
+__all__ = ["Timeline", "NullTimeline", "TRACKS", "KIND_TRACKS", "breakdown", "plot", "require_plot", "spans",
+           "summarize"]
 
 COMPUTE, LOAD_STREAM, STORE_STREAM = "compute", "load copy stream", "store copy stream"
 DISK_READS, DISK_WRITES, SCHEDULER = "disk reads", "disk writes", "scheduler"
@@ -401,15 +402,21 @@ def summarize(source):
     return "\n".join(lines)
 
 
-def plot(source, path):
-    """Draw the timeline's tracks to a PNG at `path` (needs the `plot` extra: matplotlib)."""
+def require_plot():
+    """Raise ImportError naming the `plot` extra unless matplotlib can be imported."""
     try:
         import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
     except ImportError:
-        raise ImportError("prefetchd.timeline.plot needs matplotlib, which is not installed: "
+        raise ImportError("drawing a timeline needs matplotlib, which is not installed: "
                           "pip install 'prefetchd[plot]'") from None
+    return matplotlib
+
+
+def plot(source, path):
+    """Draw the timeline's tracks to a PNG at `path` (needs the `plot` extra: matplotlib)."""
+    matplotlib = require_plot()
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     by_track = spans(source)
     every = [s for v in by_track.values() for s, *_ in v]
     origin = min(every) if every else 0

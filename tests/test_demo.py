@@ -3,6 +3,8 @@ README's usage, outputs checked against the resident model, a where-the-time-
 went table, progress lines when not on a terminal, bad options refused."""
 import argparse
 import json
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -117,3 +119,11 @@ def test_demo_takes_the_cli_namespace(ms, capsys):
 def test_bad_demo_options_are_refused_by_name(options, error, needle):
     with pytest.raises(error, match=needle):
         demo_mod.run_demo(**options)
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    started = time.monotonic()
+    with pytest.raises(ImportError, match=r"prefetchd\[plot\]"):
+        demo_mod.run_demo(plot="t.png", **SMALL)
+    assert time.monotonic() - started < 1.0     # nothing was staged or run
