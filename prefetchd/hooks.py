@@ -170,6 +170,10 @@ class Offloaded:
         unit.ran.add(id(cell))
         if len(unit.ran) == len(unit.cells):
             self._release(unit, _first_tensor(output))
+            if not self._recording:
+                # Its memory is free once its kernels ran: a prefetch refused a moment
+                # ago for want of a free range can be placed now, before it would miss.
+                self._prefetch_from(self._position + 1, self._held_bytes())
 
     # ---------------------------------------------------------------- pin / release
     def _acquire(self, unit):

@@ -35,12 +35,16 @@ def test_offloaded_equals_resident(make_daemon, reference, budget, lookahead):
     assert status["device"]["peak"] <= status["device"]["high_watermark"]
     plan = handle.plan()
     assert handle.stats()["trace"] == len(plan.units) + 1        # the root, then every unit once
-    assert plan.root.param_names == ["norm.gamma", "norm.beta"]     # the final norm is the root
+    # the root holds exactly the parameters outside the blocks (final norm, embeddings if any)
+    assert set(plan.root.param_names) == {p.name for p in model.get_parameters()
+                                          if not p.name.startswith("blocks.")}
     if block_params(H) * 4 <= plan.unit_share:   # blocks fit their share: the units are the blocks
         assert [u.name for u in plan.units] == [f"blocks.{i}" for i in range(L)]
     else:               # a block is above its share: split so root + two units stay under the watermark
         assert len(plan.units) > L
-        assert all(u.nbytes <= plan.unit_share for u in plan.units)
+        # every unit fits its share, or is a single layer that cannot be split further
+        assert all(u.nbytes <= plan.unit_share or (len(u.cells) == 1 and not u.cells[0][1].name_cells())
+                   for u in plan.units)
     if budget == 1.0:
         assert len(plan.units) == L
 
@@ -59,28 +63,23 @@ def test_changed_order_resyncs_and_keeps_prefetching(make_daemon, reference, min
     model, handle, daemon = offloaded(make_daemon, 0.4, lookahead=2, auto_fetch=True)
     np.testing.assert_array_equal(model(x).asnumpy(), want)
 
-    def skipping_construct(inp, skip=2):
-        for i, block in enumerate(model.blocks):
-            if i != skip:
-                inp = block(inp)
-        return model.norm(inp)
-
-    def ref_skipping(inp, skip=2):
-        for i, block in enumerate(ref_model.blocks):
-            if i != skip:
-                inp = block(inp)
-        return ref_model.norm(inp)
-
-    want_skip = ref_skipping(x).asnumpy()
-    model.construct = skipping_construct
-    loads_before = daemon.stats.transfer_bytes["load"]
+    # Block 2 computes nothing (identity): the units inside it never run. The block is
+    # split at this budget, so block 2 itself carries no hooks.
+    assert "blocks.2" not in [u.name for u in handle.plan().units]
+    ref_model.blocks[2].construct = lambda inp: inp
+    want_skip = ref_model(x).asnumpy()
+    del ref_model.blocks[2].construct
+    model.blocks[2].construct = lambda inp: inp
+    def loaded():      # bytes brought to the device tier, from the store or from a host replica
+        return daemon.stats.transfer_bytes["load"] + daemon.stats.transfer_bytes["h2d"]
+    loads_before = loaded()
     np.testing.assert_array_equal(model(x).asnumpy(), want_skip)
     assert handle.resyncs >= 1
     assert daemon.stats.trace_resyncs == handle.resyncs
-    del model.construct                          # back to the recorded order
+    del model.blocks[2].construct                # back to the recorded order
     np.testing.assert_array_equal(model(x).asnumpy(), want)
     # prefetch kept working after the re-sync: later units were loaded ahead, not on demand
-    assert daemon.stats.transfer_bytes["load"] > loads_before
+    assert loaded() > loads_before
     assert daemon.stats.requests["prefetch", "issued"] > 0
 
 
@@ -115,7 +114,7 @@ def test_strict_raises_not_resident_naming_the_tensor(make_daemon, reference):
     daemon.evict(daemon.names()).result(10)
     with pytest.raises(NotResidentError) as err:
         model(x)
-    assert err.value.tier == "remote" and err.value.state == "absent"
+    assert "device" not in err.value.tier.split(",") and err.value.state == "absent"
     assert err.value.name in {r.name for u in [handle.root, *handle.units] for r in u.records}
     assert handle.stats()["misses"] == 1
 
@@ -140,7 +139,7 @@ def test_a_miss_is_fetched_counted_and_the_next_pass_is_normal(make_daemon, refe
     assert handle.stats()["misses"] == missed
 
 
-def test_lookahead_and_auto_fetch_come_from_the_config(make_daemon, reference):
+def test_lookahead_and_auto_fetch_come_from_the_config(make_daemon, reference, tmp_path):
     x, want, _ = reference
     daemon = make_daemon(device_budget=int(estimate_bytes(H, L) * 0.5), lookahead=1, auto_fetch=True)
     model = build_model(H, L, seed=3)
@@ -148,7 +147,8 @@ def test_lookahead_and_auto_fetch_come_from_the_config(make_daemon, reference):
     assert (handle.lookahead, handle.auto_fetch) == (1, True)
     assert handle.plan().lookahead == 1
     np.testing.assert_array_equal(model(x).asnumpy(), want)
-    handle2 = prefetchd.offload(build_model(H, L, seed=3), make_daemon(lookahead=3), lookahead=0)
+    handle2 = prefetchd.offload(build_model(H, L, seed=3), make_daemon(lookahead=3, store_dir=str(tmp_path / "second")),
+                                lookahead=0)
     assert (handle2.lookahead, handle2.auto_fetch) == (0, False)   # arguments beat the config
 
 
