@@ -37,7 +37,7 @@ def main():
         print(f"begin {key} {version}", flush=True)
         store.write_sync(f"t{key}", value(key, version, size_of(key)), -1, b"")
         if verify:
-            time.sleep(0.002)
+            time.sleep(0.01)
             store.read_sync(f"t{key}", _native.aligned_buffer(size_of(key)), True)
         print(f"ack {key} {version}", flush=True)
         version += 1
