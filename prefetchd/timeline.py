@@ -358,10 +358,17 @@ def _overlap(a, b):
     return total
 
 
-def breakdown(source):
+def breakdown(source, since_ns=None):
     """Where the time went, in seconds: {"wall", "compute", "stall", "tracks": {track:
-    {"busy", "spans", "bytes"}}, "copy", "copy_overlapping_compute"} (busy = union of spans)."""
+    {"busy", "spans", "bytes"}}, "copy", "copy_overlapping_compute"} (busy = union of spans).
+
+    since_ns: count only time after this instant (spans clipped to it; a transfer
+    that ended after it counts its bytes) -- e.g. the steady passes after the first.
+    """
     by_track = spans(source)
+    if since_ns is not None:
+        by_track = {t: [(max(s, since_ns), e, n, a) for s, e, n, a in v if e > since_ns]
+                    for t, v in by_track.items()}
     every = [(s, e) for track in by_track.values() for s, e, _, _ in track]
     wall = (max(e for _, e in every) - min(s for s, _ in every)) if every else 0
     unions = {t: _union((s, e) for s, e, name, _ in v if not (t == SCHEDULER and name != "stall"))
@@ -380,15 +387,15 @@ def breakdown(source):
             "copy": _length(copy) / 1e9, "copy_overlapping_compute": _overlap(copy, compute) / 1e9}
 
 
-def summarize(source):
-    """`breakdown(source)` as a small table string."""
-    b = breakdown(source)
+def summarize(source, since_ns=None, what="first to last event"):
+    """`breakdown(source, since_ns)` as a small table string; `what` names the span of time."""
+    b = breakdown(source, since_ns)
     wall = b["wall"] or 1e-12
 
     def row(what, seconds, extra=""):
         return f"  {what:<20} {seconds:>9.3f} s {seconds / wall:>6.1%}  {extra}".rstrip()
 
-    lines = [f"where the time went (wall {b['wall']:.3f} s, first to last event; busy time per track)",
+    lines = [f"where the time went (wall {b['wall']:.3f} s, {what}; busy time per track)",
              row("compute", b["compute"], f"{b['compute_spans']} unit runs"),
              row("stall", b["stall"], "compute waiting for weights")]
     for track, t in b["tracks"].items():

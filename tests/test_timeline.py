@@ -158,6 +158,14 @@ def test_breakdown_measures_busy_time_stalls_and_overlap():
     for needle in ("compute", "0.020 s", "stall", "0.010 s", LOAD_STREAM, "2.0 MiB", "(45%)"):
         assert needle in table, (needle, table)
 
+    # From 20 ms on: spans clipped there, transfers that ended before left out.
+    late = breakdown(tl, since_ns=20 * MS)
+    assert late["wall"] == pytest.approx(0.022) and late["compute"] == pytest.approx(0.010)
+    assert late["stall"] == 0 and late["compute_spans"] == 1
+    assert late["tracks"][LOAD_STREAM] == {"busy": pytest.approx(0.005), "spans": 1, "bytes": 1 << 20}
+    assert late["copy_overlapping_compute"] == pytest.approx(0.005)
+    assert "passes 2-3" in summarize(tl, 20 * MS, what="passes 2-3")
+
 
 def test_a_written_trace_reads_back_to_the_same_breakdown(tmp_path):
     tl = Timeline(tmp_path / "rt.json")
