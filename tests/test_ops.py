@@ -147,7 +147,7 @@ def test_set_data_changes_through_both_are_seen_by_both(ms):
 
 
 def test_mindspore_add_inplace_is_still_a_silent_noop_on_cpu(ms):
-    """Pins MindSpore 2.10 behaviour the SetData tests work around (MINDSPORE-NOTES.md).
+    """Pins MindSpore 2.10 behaviour the SetData tests work around (docs/mindspore-notes.md).
 
     If this fails, Tensor.add_ started working: the SetData tests may use it.
     """

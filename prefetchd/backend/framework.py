@@ -1,4 +1,4 @@
-"""The few MindSpore calls prefetchd makes, in one place (see MINDSPORE-NOTES.md).
+"""The few MindSpore calls prefetchd makes, in one place (see docs/mindspore-notes.md).
 
 - `Tensor.from_numpy` is zero-copy, so a framework tensor can view an arena block.
 - `Parameter.set_data(t, slice_shape=True)` rebinds storage; it blocks until

@@ -2,7 +2,7 @@
 
 Every method reads the same file in the same run, interleaved repeat by repeat, with the page
 cache dropped before each cold read, because this machine's virtual disk drifts a lot between
-runs (see shared/reference/io-measurements.md): only numbers from one interleaved run compare.
+runs (see docs/performance.md): only numbers from one interleaved run compare.
 
     python -m prefetchd.bench.io DIR [--size 1G] [--engines auto] [--block-sizes 8M] [--queue-depths 4]
                                      [--repeats 3] [--sweep] [--no-fio] [--no-drop-caches]
