@@ -485,3 +485,35 @@ def test_open_store_removes_its_temp_dir_when_the_open_fails(tiny_fs, monkeypatc
     with pytest.raises(StorageError, match=r"^store_dir .*prefetchd-store-.* is not writable"):
         open_store(Config.load(store_dir=None))
     assert os.listdir(tiny_fs) == []
+
+
+def test_open_store_logs_each_quarantined_file(tmp_path, caplog):
+    from prefetchd.backend.base import open_store
+    from prefetchd.config import Config
+    d = str(tmp_path / "store")
+    path = write_and_close(d, "k", b"x")
+    flip_byte(path, 60)
+    with caplog.at_level("WARNING", logger="prefetchd.store"):
+        open_store(Config.load(store_dir=d)).close()
+    [record] = [r for r in caplog.records if r.name == "prefetchd.store"]
+    assert record.levelname == "WARNING"
+    assert record.getMessage() == (f"store_dir {d}: recovery quarantined {path} (header checksum mismatch); "
+                                   f"moved to {os.path.join(d, 'quarantine', os.path.basename(path))}")
+
+
+def test_header_key_that_is_not_utf8_is_quarantined(tmp_path):
+    """A header whose checksum is right but whose key is not UTF-8 could never be listed as a str."""
+    d = str(tmp_path)
+    path = write_and_close(d, "ab", b"x")
+    with open(path, "r+b") as f:
+        header = bytearray(f.read(4096))
+        header[57] = 0xFF                                 # key bytes start at 56
+        crc_at = 56 + 2 + 0 + 4 * 1                       # key, meta, one extent crc
+        header[crc_at:crc_at + 4] = n.crc32c(bytes(header[:crc_at])).to_bytes(4, "little")
+        f.seek(0)
+        f.write(header)
+    s = n.FileStore(d)
+    try:
+        assert s.keys() == [] and s.quarantined[0]["reason"] == "key is not valid UTF-8"
+    finally:
+        s.close()

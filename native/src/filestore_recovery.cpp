@@ -47,6 +47,26 @@ const char *file_kind(mode_t m) {
     return "regular file";
 }
 
+// Keys come back to Python as str: a header whose key is not UTF-8 is unusable.
+bool valid_utf8(const std::string &s) {
+    size_t i = 0, n = s.size();
+    while (i < n) {
+        unsigned char c = s[i];
+        size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+        if (len == 0 || i + len > n) return false;
+        uint32_t cp = len == 1 ? c : len == 2 ? (c & 0x1F) : len == 3 ? (c & 0x0F) : (c & 0x07);
+        for (size_t k = 1; k < len; k++) {
+            unsigned char cc = s[i + k];
+            if ((cc >> 6) != 0x2) return false;
+            cp = (cp << 6) | (cc & 0x3F);
+        }
+        static const uint32_t min_for_len[5] = {0, 0, 0x80, 0x800, 0x10000};
+        if (cp < min_for_len[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+        i += len;
+    }
+    return true;
+}
+
 long read_pid(int fd) {
     char buf[32] = {};
     ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
@@ -211,6 +231,7 @@ std::shared_ptr<Entry> FileStore::parse_file(const std::string &name, std::strin
         e->header_size = hsize;
         e->path = dir_ + "/" + name;
         if (e->extent_size == 0 || n_extents(e->nbytes, e->extent_size) != nex) { why = "bad extent table"; e.reset(); break; }
+        if (!valid_utf8(e->key)) { why = "key is not valid UTF-8"; e.reset(); break; }
         uint64_t want = hsize + round_up(e->nbytes, kDirectAlign);
         if (uint64_t(st.st_size) != want) {
             why = "size " + std::to_string(st.st_size) + " does not match its header (" + std::to_string(want) + ")";

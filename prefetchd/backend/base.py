@@ -95,8 +95,10 @@ def open_store(config):
     directory another store holds (this process or another) is refused.
     Raises StorageError (in use, unwritable, cannot be created) or ConfigError
     (a value the store refuses), both naming `store_dir`; a temp dir made here
-    is removed again when the open fails.
+    is removed again when the open fails. Each file the store's recovery set
+    aside (`FileStore.quarantined`) is logged as a WARNING on "prefetchd.store".
     """
+    import logging
     import os
     import shutil
     import tempfile
@@ -111,9 +113,14 @@ def open_store(config):
         except OSError as e:
             raise StorageError(f"store_dir {directory}: cannot create it: {e.strerror}") from None
         try:
-            return _native.FileStore(directory, engine=config.io_engine, direct=config.direct_io,
-                                     block_size=config.io_block_size, queue_depth=config.io_queue_depth,
-                                     io_threads=config.io_threads, fsync=config.fsync)
+            store = _native.FileStore(directory, engine=config.io_engine, direct=config.direct_io,
+                                      block_size=config.io_block_size, queue_depth=config.io_queue_depth,
+                                      io_threads=config.io_threads, fsync=config.fsync)
+            for q in store.quarantined:
+                logging.getLogger("prefetchd.store").warning(
+                    "store_dir %s: recovery quarantined %s (%s)%s", directory, q["path"], q["reason"],
+                    f"; moved to {q['moved_to']}" if q["moved_to"] else "")
+            return store
         except ValueError as e:
             raise ConfigError(f"store_dir {directory}: {e}") from None
         except _native.NativeError as e:
