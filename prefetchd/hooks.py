@@ -38,15 +38,19 @@ ROOT = -1        # the root unit's step in the trace
 
 class Unit:
     """A planned unit at run time: its cells, the daemon records of its parameters, pin state."""
-    __slots__ = ("index", "name", "cells", "records", "nbytes", "held", "ran")
+    __slots__ = ("index", "name", "cells", "records", "nbytes", "held", "ran", "params", "compiled",
+                 "addresses")
 
-    def __init__(self, index, planned, records):
+    def __init__(self, index, planned, records, compiled):
         self.index, self.name = index, planned.name
         self.cells = [cell for _, cell in planned.cells]
         self.records = records
         self.nbytes = planned.nbytes
         self.held = False
         self.ran = set()          # ids of its cells that finished since it was pinned
+        self.params = planned.params
+        self.compiled = compiled  # cells whose compiled graphs would read these parameters
+        self.addresses = None     # the parameters' storage when they were last bound
 
 
 class Offloaded:
@@ -75,8 +79,9 @@ class Offloaded:
         log.info("prefetchd.offload(%s):\n%s", type(model).__name__, self._plan.format_table())
         self._invalidate_compiled()
         records = self._register(tier, checkpoint)
-        self.root = Unit(ROOT, self._plan.root, [records[id(p)] for p in self._plan.root.params])
-        self.units = [Unit(i, planned, [records[id(p)] for p in planned.params])
+        self.root = Unit(ROOT, self._plan.root, [records[id(p)] for p in self._plan.root.params], [model])
+        self.units = [Unit(i, planned, [records[id(p)] for p in planned.params],
+                           [c for _, cell in planned.cells for _, c in cell.cells_and_names()])
                       for i, planned in enumerate(self._plan.units)]
         self._by_cell = {id(cell): unit for unit in self.units for cell in unit.cells}
         self.trace = []                # steps in execution order: ROOT, then unit indices
@@ -194,7 +199,19 @@ class Offloaded:
                     self._prefetch_from(self._position + 1, self._held_bytes() + unit.nbytes)
         self.stall_seconds += stall
         unit.held = True
+        self._recompile_if_moved(unit)
         unit.ran.clear()
+
+    def _recompile_if_moved(self, unit):
+        """A graph compiled (@jit) while the unit's parameters lived elsewhere must not run:
+        when their storage moved since they were last bound, drop the graphs of the unit's
+        cells so the call about to run recompiles against the current storage (correct,
+        slow; with stable addresses the storage never moves and nothing recompiles)."""
+        addresses = tuple(p.data_ptr() for p in unit.params)
+        if unit.addresses is not None and addresses != unit.addresses:
+            for cell in unit.compiled:
+                framework.invalidate_compiled(cell)
+        unit.addresses = addresses
 
     def _note_miss(self, unit, miss):
         if unit.name not in self._warned:

@@ -28,6 +28,9 @@ compute. `plan_units(model, high_watermark, lookahead)` walks the cell tree
   (no split, no merge); `no_split=` (cell classes, like Accelerate's
   no_split_module_classes) keeps cells of those classes whole.
 - A parameter shared by several units is listed in each (each pins it).
+- A cell whose construct is compiled (@jit) is never split or searched: its
+  children run inside its graph, where their hooks cannot run. It is a unit
+  whole (or part of the root: a compiled model is all root).
 
 `Plan.check_fits()` raises BudgetError for what can never run: a tensor or a
 unit larger than the high watermark, or a root plus two consecutive units
@@ -167,8 +170,15 @@ def _join(prefix, name):
     return f"{prefix}.{name}" if prefix else name
 
 
+def _is_compiled(cell):
+    """True if `cell.construct` is decorated with mindspore.jit (MindSpore marks the wrapper)."""
+    return bool(getattr(type(cell).construct, "__wrapped_by_jit__", False))
+
+
 def _find_blocks(cell, prefix):
     """(name, cell) of the repeated blocks under `cell`, top-down, in definition order."""
+    if _is_compiled(cell):
+        return []
     children = [(n, c) for n, c in cell.name_cells().items() if c is not None and _has_params(c)]
     if _is_container(cell):
         found = []
@@ -194,7 +204,8 @@ def _split(name, cell, share, no_split):
     """Units for block `cell`: itself if it fits `share`, else its children's units."""
     unit = _make_unit(name, [(name, cell)])
     children = [(n, c) for n, c in cell.name_cells().items() if c is not None and _has_params(c)]
-    if unit.nbytes <= share or not children or (no_split and isinstance(cell, no_split)):
+    if unit.nbytes <= share or not children or (no_split and isinstance(cell, no_split)) \
+            or _is_compiled(cell):
         return [unit]
     parts = []
     for child_name, child in children:

@@ -125,3 +125,35 @@ def test_refusals_name_the_tensor_and_the_units(nets, ms):
     with pytest.raises(BudgetError, match=r"units 'transformer\.h\.0' .* and 'transformer\.h\.1'"):
         tight.check_fits()
     plan_units(model, pair, 0, no_split=(type(model.transformer.h[0]),)).check_fits()   # fits exactly
+
+
+def test_a_compiled_cell_is_never_split_or_searched(ms):
+    """@jit: a compiled cell's children run inside its graph, where hooks cannot run."""
+    nn = ms.nn
+
+    class CompiledBlock(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Dense(32, 32), nn.Dense(32, 32)
+
+        @ms.jit
+        def construct(self, x):
+            return self.b(self.a(x))
+
+    class CompiledModel(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.CellList([nn.Dense(32, 32) for _ in range(4)])
+
+        @ms.jit
+        def construct(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    model = nn.CellList([CompiledBlock() for _ in range(4)])
+    block = nbytes(model[0])
+    plan = plan_units(model, 3 * block, 2)                 # share = block * 3 / 4: would split
+    assert [u.name for u in plan.units] == ["0", "1", "2", "3"]
+    everything_root = plan_units(CompiledModel(), 1 << 30, 2)
+    assert everything_root.units == [] and len(everything_root.root.params) == 8
