@@ -34,6 +34,7 @@ from .core.scheduler import Scheduler, run
 from .core.session import ComputeSession
 from .errors import NotResidentError, ShutdownError, UnknownTensorError
 from .stats import Stats
+from .timeline import Timeline
 
 log = logging.getLogger("prefetchd")
 
@@ -83,6 +84,7 @@ class Daemon:
         self.config = config
         self.name = config.name
         self.stats = Stats()
+        self.timeline = Timeline.from_config(config.trace)   # NullTimeline unless trace/PREFETCHD_TRACE
         self._backend_arg = backend
         self.backend = None
         self._lock = threading.Lock()
@@ -112,6 +114,7 @@ class Daemon:
             self._core = Scheduler(self.config, self.backend, self._registry, self._policy, self.stats,
                                    self._lock, emit=self._events.emit, guard=self._binding.guard,
                                    name=self.name)
+            self._core.timeline = self.timeline
             self._core.memory.reserve_checks = self._reserve_checks
             self._state = "running"
             live_daemons.add(self)
@@ -195,6 +198,7 @@ class Daemon:
         with self._lock:
             self._state = "closed"
             live_daemons.discard(self)
+        self.timeline.close()      # writes config.trace once the scheduler has stopped
 
     def _detach(self, deadline):
         stops = []
@@ -403,9 +407,11 @@ class Daemon:
                     self.stats.count("fetch", "miss")
             if missing is not None:
                 raise NotResidentError(missing.name, ",".join(missing.tiers), missing.state.value)
-        started = time.perf_counter()
+        started = time.monotonic_ns()
         self.pin(recs).result(timeout=stall_timeout)
-        stall = time.perf_counter() - started
+        ended = time.monotonic_ns()
+        stall = (ended - started) / 1e9
+        self.timeline.stall(recs[0].name, started, ended, tensors=len(recs))
         for rec in recs:
             self._binding.bind_for_compute(rec)
         self.note_stall(stall)

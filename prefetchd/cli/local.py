@@ -30,6 +30,10 @@ def register(sub):
     p.add_argument("--store", help="store directory (default: a temporary directory)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT while running")
     p.add_argument("--hold", type=float, default=0.0, help="keep serving metrics this many seconds at the end")
+    p.add_argument("--trace", metavar="FILE",
+                   help="write a Chrome/Perfetto trace (compute, copy streams, disk, scheduler) to FILE")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw the timeline to a PNG (needs matplotlib: pip install 'prefetchd[plot]')")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=cmd_demo)
 

@@ -125,6 +125,8 @@ class Loads:
         rec.state = State.LOADING
         rec.block = block
         rec.exposed = False
+        s.timeline.decision("load", rec.name, rec.nbytes, source="register" if rec.initial is not None
+                            else "host" if rec.host_valid else "remote")
         if rec.initial is not None:
             self._copy_in(rec, rec.initial)
         elif rec.host_valid:

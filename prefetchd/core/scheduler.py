@@ -20,6 +20,7 @@ import time
 from .. import _native
 from ..backend.base import TransferKind
 from ..errors import BudgetError, IntegrityError, PinnedError, PrefetchdError, ShutdownError, StorageError
+from ..timeline import NullTimeline
 from .hostcache import HostCache
 from .loads import Loads
 from .memory import DeviceMemory
@@ -57,6 +58,7 @@ class Scheduler:
         self._seq = itertools.count()
         self._tick = itertools.count(1)
         self.shutdown_deadline = None
+        self.timeline = NullTimeline()   # the daemon sets its own when tracing is on
         self._requests = {
             Kind.PREFETCH: self.loads.want_resident,
             Kind.PIN: self.loads.want_resident,
@@ -148,6 +150,7 @@ class Scheduler:
         if entry is None:
             return
         kind, rec, req = entry
+        self.timeline.transfer(kind.value, rec.name, rec.nbytes, c.start_ns, c.end_ns, ok=not c.status)
         seconds = max(0.0, (c.end_ns - c.start_ns) / 1e9)
         try:
             self._completions[kind](rec, req, c, seconds)

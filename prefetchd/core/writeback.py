@@ -34,6 +34,7 @@ class WriteBacks:
             s.guard(rec)   # the framework tensor still views the old block
         rec.exposed = False
         s.stats.evictions[reason] = s.stats.evictions.get(reason, 0) + 1
+        s.timeline.eviction(rec.name, rec.nbytes, reason)
         s.emit("evicted", rec)
 
     # ------------------------------------------------------------------ write-back

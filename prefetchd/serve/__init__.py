@@ -4,6 +4,8 @@
     worker   the worker process: a Daemon, its control Server, the offloaded models
     pool     worker processes and which one takes the next request
     front    the front's op table (infer, status, ping) and routing
+    jobs     requests in flight and their deadlines
+    status   the status op: the front's and every worker's status
     metrics  the front's Prometheus collector
 """
 from .front import Front

@@ -83,16 +83,16 @@ class FrontCollector:
 def start_front_exporter(front, addr="127.0.0.1", port=0):
     """Serve the front's and its workers' metrics on http://addr:port/metrics; the
     returned Exporter's close() also closes the collector's clients."""
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry
 
-    from ..metrics import Exporter
+    from ..metrics_server import serve_registry
 
     collector = FrontCollector(front)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
-    server, thread = start_http_server(int(port), addr=addr or "127.0.0.1", registry=registry)
-    thread.name = f"prefetchd-metrics-{front.name}"
-    return _FrontExporter(Exporter(registry, server, thread), collector)
+    # The daemon's bounded server: idle connections cannot exhaust the front's fds.
+    return _FrontExporter(serve_registry(registry, addr or "127.0.0.1", int(port), name=front.name),
+                          collector)
 
 
 class _FrontExporter:
