@@ -15,7 +15,10 @@ forward hooks:
 - first forward: records the execution order (the trace), fetching on demand;
 - afterwards, before a unit runs: prefetch the next `lookahead` units of the
   trace that fit beside what is pinned, then wait for the unit (the wait is
-  the stall time), pin and bind it; after its cells ran: fence and unpin.
+  the stall time), pin and bind it; after its cells ran: fence and unpin, and
+  re-issue the lookahead prefetches (one refused for want of a free range
+  can be placed now). If the unit's storage moved since it last ran, graphs
+  compiled (@jit) for its cells are dropped so they recompile, never stale.
 
 A unit that is not resident in time (a *miss*) is fetched on demand, counted
 (`stats()["misses"]`, a WARNING the first time per unit) and the run goes on;
