@@ -204,6 +204,7 @@ class Offloaded:
         unit.held = True
         self._recompile_if_moved(unit)
         unit.ran.clear()
+        self.daemon.timeline.compute_begin(unit.name)
 
     def _recompile_if_moved(self, unit):
         """A graph compiled (@jit) while the unit's parameters lived elsewhere must not run:
@@ -229,8 +230,12 @@ class Offloaded:
             return
         # A fence behind this unit's kernels lets its memory be reused as soon as
         # they ran, without draining later units' compute.
+        epoch = None
         if self._marker is not None and dependency is not None:
-            self.daemon.compute_done(unit.records, self._marker.mark(dependency))
+            epoch = self._marker.mark(dependency)
+            self.daemon.compute_done(unit.records, epoch)
+        # The compute span ends when MindSpore reaches the fence (or now, without one).
+        self.daemon.timeline.compute_end(unit.name, self._marker if epoch is not None else None, epoch)
         self.daemon.unpin(unit.records)
 
     def _release_all(self, dependency):

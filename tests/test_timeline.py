@@ -241,7 +241,6 @@ def test_plot_draws_a_png(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="needs daemon wiring")
 def test_trace_of_a_real_demo_run_shows_copies_overlapping_compute(tmp_path):
     from prefetchd.demo import run_demo
     trace = tmp_path / "demo.json"
