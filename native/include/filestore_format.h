@@ -35,6 +35,8 @@ inline size_t n_extents(uint64_t nbytes, uint64_t ext) { return ext ? size_t((nb
 
 // Header bytes (padded to its size) for an entry whose crcs are filled in.
 std::string encode_header(const Entry &e);
+// Error(NotFound) for `key`, the one message every lookup uses.
+[[noreturn]] void not_found(const std::string &key);
 // The version in "<stem>.<16 hex>.pfd|tmp", 0 if the name has another shape.
 uint64_t version_in_name(const std::string &n);
 
