@@ -1,0 +1,184 @@
+"""prefetchd.plan: the cost model on synthetic inputs (no MindSpore)."""
+import sys
+import threading
+import time
+
+import pytest
+
+from prefetchd import plan as P
+
+MiB = 1 << 20
+
+
+def inputs(n=8, unit=64 * MiB, compute=0.05, disk=1e9, h2d=4e9, high=None, host=None, **kw):
+    return P.Inputs(unit_bytes=[unit] * n, compute_seconds=[compute] * n, disk_rate=disk, h2d_rate=h2d,
+                    high_watermark=high if high is not None else 6 * unit,
+                    host_budget=host if host is not None else 0, **kw)
+
+
+def test_no_mindspore_import():
+    code = "import sys, prefetchd.plan; print('mindspore' in sys.modules)"
+    import subprocess
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_compute_bound_gets_lookahead_one():
+    # I/O of a unit (16 ms from disk) well under its compute (50 ms): one ahead hides it.
+    p = P.plan(inputs(unit=16 * MiB, compute=0.05, high=6 * 16 * MiB))
+    assert p.lookahead == 1
+    assert p.bound == "compute"
+    assert p.pass_seconds == pytest.approx(8 * 0.05, rel=0.1)
+
+
+def test_io_bound_gets_a_larger_lookahead_than_compute_bound():
+    # One expensive unit in four (200 ms), three cheap ones (1 ms); a load is 67 ms. To hide
+    # the loads behind the expensive unit, the three after it must load during it.
+    n, unit = 16, 64 * MiB
+    compute = [0.2 if i % 4 == 0 else 0.001 for i in range(n)]
+
+    def make(dispatch_ahead):
+        return P.Inputs(unit_bytes=[unit] * n, compute_seconds=compute, disk_rate=1e9, h2d_rate=4e9,
+                        high_watermark=8 * unit, host_budget=0, dispatch_ahead=dispatch_ahead)
+    sync = P.plan(make(False))              # ops run synchronously: only the hooks prefetch
+    assert sync.bound == "io"
+    assert sync.lookahead == 3
+    assert sync.by_lookahead[2] > sync.by_lookahead[3] * (1 + P.TOLERANCE)
+    assert sync.pass_seconds == pytest.approx(min(sync.by_lookahead.values()))
+    # With PyNative's asynchronous dispatch the next unit's pre-hook fires while the
+    # expensive one still computes: dispatch itself runs ahead, less lookahead is needed.
+    ahead = P.plan(make(True))
+    assert ahead.lookahead < sync.lookahead
+    assert ahead.pass_seconds <= sync.pass_seconds
+
+
+def test_io_bound_pass_is_the_copy_stream():
+    p = P.plan(inputs(compute=0.001, disk=1e9, host=0))
+    disk = 8 * 64 * MiB / 1e9
+    assert p.bound == "io"
+    assert p.disk_seconds == pytest.approx(disk)
+    assert disk <= p.pass_seconds <= disk * 1.1
+
+
+def test_host_budget_covering_the_model_reads_disk_once():
+    inp = inputs(host=8 * 64 * MiB)
+    p = P.plan(inp)
+    assert p.host_cached == tuple(range(8))
+    assert p.disk_seconds == 0.0
+    assert p.io_seconds == pytest.approx(8 * 64 * MiB / 4e9)
+    # The first pass reads the disk (and fills the cache); later passes only copy.
+    assert p.first_pass_seconds > 8 * 64 * MiB / 1e9
+    assert p.pass_seconds < p.first_pass_seconds
+
+
+def test_partial_host_budget_keeps_the_last_units_that_fit():
+    p = P.plan(inputs(host=3 * 64 * MiB + 100))
+    assert p.host_cached == (5, 6, 7)
+    assert p.disk_seconds == pytest.approx(5 * 64 * MiB / 1e9)
+    # Remote with a host copy of everything is as fast as the host tier.
+    full = P.plan(inputs(host=8 * 64 * MiB))
+    host = P.plan(inputs(host=8 * 64 * MiB, tier="host"))
+    assert full.pass_seconds == pytest.approx(host.pass_seconds)
+    assert p.pass_seconds > full.pass_seconds
+
+
+def test_budget_too_small_for_lookahead_is_clamped():
+    inp = inputs(high=3 * 64 * MiB + 4096)        # root 0: three units fit -> two ahead at most
+    assert P.max_lookahead(inp) == 2
+    p = P.plan(inp, lookahead=5)
+    assert p.lookahead == 2 and p.clamped
+    assert P.plan(inp, lookahead=1).clamped is False
+    tight = inputs(high=64 * MiB + 4096)           # room for the unit computing only
+    assert P.plan(tight).lookahead == 0
+    with_root = inputs(high=3 * 64 * MiB + 4096, root_bytes=64 * MiB)
+    assert P.max_lookahead(with_root) == 1
+
+
+def test_model_that_fits_the_device_has_no_steady_io():
+    p = P.plan(inputs(high=9 * 64 * MiB))
+    assert p.io_seconds == 0 and p.disk_seconds == 0
+    assert p.pass_seconds == pytest.approx(8 * 0.05)
+
+
+def test_lookahead_zero_without_async_dispatch_serialises_io_and_compute():
+    sync = inputs(compute=0.05, dispatch_ahead=False)
+    on_demand = P.simulate(sync, 0, [0.064] * 8, warm=False)[0]
+    assert on_demand == pytest.approx(8 * (0.05 + 0.064))
+    ahead = P.simulate(inputs(compute=0.05), 0, [0.064] * 8, warm=False)[0]
+    assert ahead < on_demand
+
+
+def test_inputs_are_checked():
+    with pytest.raises(ValueError, match="unit sizes"):
+        P.Inputs(unit_bytes=[1, 2], compute_seconds=[1.0], disk_rate=1, h2d_rate=1, high_watermark=1,
+                 host_budget=0)
+    with pytest.raises(ValueError, match="disk_rate"):
+        inputs(disk=0)
+    inputs(disk=None, tier="host")                # the host tier never reads the disk
+    with pytest.raises(ValueError, match="lookahead"):
+        P.plan(inputs(), lookahead=-1)
+
+
+def test_compute_seconds_from_fences_excludes_stalls():
+    ms = 1_000_000
+    # unit 0: 0..10; unit 1 waited for weights until 30, ran 30..45; unit 2 queued behind it.
+    dispatch = [0, 30 * ms, 31 * ms]
+    fences = [10 * ms, 45 * ms, 60 * ms]
+    assert P.compute_seconds_from_fences(dispatch, fences) == pytest.approx([0.010, 0.015, 0.015])
+
+
+def test_measure_takes_rates_from_stats():
+    from prefetchd.stats import Stats
+    s = Stats()
+    s.record_transfer("load", 100 * MiB, 0.1)
+    s.record_transfer("h2d", 100 * MiB, 0.025)
+    inp = P.measure([MiB], [0], [5_000_000], stats=s, high_watermark=4 * MiB, host_budget=0)
+    assert inp.disk_rate == pytest.approx(100 * MiB / 0.1)
+    assert inp.h2d_rate == pytest.approx(100 * MiB / 0.025)
+    assert inp.compute_seconds == pytest.approx((0.005,))
+    with pytest.raises(ValueError, match="disk"):
+        P.measure([MiB], [0], [1], stats=Stats(), high_watermark=4 * MiB, host_budget=0)
+
+
+class FakeMarker:
+    """A fence word advanced by a 'compute' thread."""
+
+    def __init__(self):
+        self.word = 0
+        self.cond = threading.Condition()
+
+    def reach(self, epoch):
+        with self.cond:
+            self.word = epoch
+            self.cond.notify_all()
+
+    def wait(self, epoch, timeout):
+        with self.cond:
+            self.cond.wait_for(lambda: self.word >= epoch, timeout)
+            return self.word
+
+
+def test_fence_clock_times_fences_as_compute_reaches_them():
+    marker = FakeMarker()
+    clock = P.FenceClock(marker)
+    for epoch in (1, 2, 3):
+        clock.unit(epoch, time.monotonic_ns())
+
+    def compute():
+        for epoch in (1, 2, 3):
+            time.sleep(0.03)
+            marker.reach(epoch)
+    t = threading.Thread(target=compute)
+    t.start()
+    t.join()
+    dispatch, fences = clock.stop()
+    seconds = P.compute_seconds_from_fences(dispatch, fences)
+    assert len(seconds) == 3
+    assert all(0.02 < s < 0.2 for s in seconds), seconds
+
+
+def test_fence_clock_reports_fences_never_reached():
+    clock = P.FenceClock(FakeMarker())
+    clock.unit(1, time.monotonic_ns())
+    with pytest.raises(TimeoutError, match="0 of 1"):
+        clock.stop(timeout=0.3)
