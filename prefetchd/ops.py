@@ -62,9 +62,14 @@ class _Runtime:
         from .backend.base import open_store
         from .config import Config
         config = Config.load()
+        if config.store_dir:
+            # A store directory is locked by the one FileStore that opens it; a
+            # Daemon of this process may hold PREFETCHD_STORE_DIR, so the operators
+            # keep their replicas beside it.
+            config = config.replace(store_dir=config.store_dir.rstrip("/") + ".ops")
         self.device = _native.Arena(config.device_budget, _ALIGN)
         self.host = _native.HostPool(config.host_budget, _ALIGN)
-        self.store = open_store(config)   # the same remote tier, and I/O settings, a daemon uses
+        self.store = open_store(config)   # the same I/O settings a daemon uses
         self.stream = _native.Stream("ops")
         self.entries = {}         # id(tensor) -> _Entry
         self.lock = threading.Lock()

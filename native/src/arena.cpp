@@ -136,6 +136,11 @@ void ArenaImpl::give_back(int64_t offset, size_t cap, size_t) {
     used_ -= cap;
     if (closed_) return;  // free list is gone; nothing to coalesce into
     size_t off = size_t(offset), len = cap;
+    // The pages stay (reused without a fault or zeroing when this range is taken
+    // again) but the kernel may reclaim them under memory pressure: an arena with
+    // more address space than budget (the CPU backend's, against fragmentation)
+    // then costs no more memory than the bytes in use.
+    madvise(mapping_->base + off, len, MADV_FREE);
     auto next = free_.lower_bound(off);
     if (next != free_.end() && off + len == next->first) {  // merge with right neighbour
         len += next->second;

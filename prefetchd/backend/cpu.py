@@ -17,7 +17,8 @@ from .. import _native
 from .. import limits
 from .base import ALIGN as _ALIGN, HostAndStoreTiers, TransferKind, open_store
 
-RANGE_ALIGN = 2 << 20   # virtual ranges start on a huge-page boundary
+RANGE_ALIGN = 2 << 20
+ARENA_SPACE = 2          # arena address space per byte of device budget   # virtual ranges start on a huge-page boundary
 
 
 class CpuBackend(HostAndStoreTiers):
@@ -29,7 +30,11 @@ class CpuBackend(HostAndStoreTiers):
         # could never back now, not with an OOM kill once it fills.
         limits.check_budgets(config.device_budget, config.host_budget)
         self._own_dir = config.store_dir is None
-        self.device = _native.Arena(config.device_budget, _ALIGN)
+        # Twice the budget in address space: with stable addresses a block's place in
+        # the arena means nothing to the framework, so the spare range only keeps
+        # fragmentation from refusing a load that fits the budget. The watermark
+        # still bounds the bytes reserved, and released ranges are MADV_FREE.
+        self.device = _native.Arena(ARENA_SPACE * config.device_budget, _ALIGN)
         probe = self.device.alloc(0)
         self._base = probe.address   # arena offset = address - base
         probe.release()
@@ -57,7 +62,7 @@ class CpuBackend(HostAndStoreTiers):
         return self.device.used
 
     def device_capacity(self):
-        return self.device.capacity
+        return self.device.capacity // ARENA_SPACE
 
     # stable addresses -----------------------------------------------------------
     @staticmethod

@@ -3,11 +3,12 @@
 Readers on any thread hold the daemon's lock; records are added by the
 registering thread and removed only when a registration fails.
 """
+from .. import _native
 from ..errors import DoubleRegisterError, UnknownTensorError
 from .records import ManagedTensor
 
 # The longest tensor name the remote tier can store (its key limit).
-MAX_NAME_BYTES = 1024
+MAX_NAME_BYTES = _native.MAX_KEY_BYTES
 
 
 def check_name(name):
