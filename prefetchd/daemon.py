@@ -32,7 +32,8 @@ from .core.registry import Registry, check_name
 from .core.requests import DONE, Kind, Request
 from .core.scheduler import Scheduler, run
 from .core.session import ComputeSession
-from .errors import NotResidentError, ShutdownError, UnknownTensorError
+from .core.status import describe
+from .errors import ShutdownError, UnknownTensorError
 from .stats import Stats
 from .timeline import Timeline
 
@@ -96,8 +97,7 @@ class Daemon:
         self._binding = None
         self._homes = None            # stable addresses, where the backend has them
         self._thread = None
-        self._exporter = None
-        self._server = None
+        self._attachments = _Attachments()
         self._shutdown_sent = False
         self._reserve_checks = []     # test hooks: fn(used_after, high) on every reservation
 
@@ -142,21 +142,18 @@ class Daemon:
     def _attach(self):
         """Build the optional attachments the config asks for."""
         if self.config.metrics_port is not None:
-            from .metrics import start_exporter
-            self._exporter = start_exporter(self, self.config.metrics_addr, self.config.metrics_port)
+            self._attachments.export_metrics(self, self.config.metrics_addr, self.config.metrics_port)
         if self.config.endpoint:
             self.serve(self.config.endpoint)
 
     def serve(self, endpoint, **kwargs):
         """Answer other processes over ZeroMQ at `endpoint` (see docs/control-plane.md)."""
-        from .control.server import Server
         self._check_open()
-        self._server = Server(self, endpoint, **kwargs).start()
-        return self._server
+        return self._attachments.serve(self, endpoint, **kwargs)
 
     @property
     def metrics_port(self):
-        return self._exporter.port if self._exporter else None
+        return self._attachments.metrics_port
 
     @property
     def closed(self):
@@ -184,7 +181,7 @@ class Daemon:
             started = self._core is not None
             self._state = "closing"
         if first:
-            self._detach(deadline)
+            self._attachments.close(deadline, self.name)
         if started:
             if not self._shutdown_sent:
                 self._shutdown_sent = True
@@ -199,18 +196,6 @@ class Daemon:
             self._state = "closed"
             live_daemons.discard(self)
         self.timeline.close()      # writes config.trace once the scheduler has stopped
-
-    def _detach(self, deadline):
-        stops = []
-        if self._server is not None:
-            stops.append(lambda: self._server.close(max(0.1, (deadline - time.monotonic()) / 2)))
-        if self._exporter is not None:
-            stops.append(self._exporter.close)
-        for stop in stops:
-            try:
-                stop()
-            except Exception:   # keep closing: the scheduler and memory matter more
-                log.exception("prefetchd %s: stopping the server or exporter failed", self.name)
 
     def _check_open(self):
         if self._state != "running":
@@ -393,34 +378,15 @@ class Daemon:
             self.unpin(recs)
 
     def acquire(self, recs, *, auto_fetch=True, stall_timeout=None):
-        """Pin and bind records for compute on the calling thread; returns stall seconds.
-
-        With auto_fetch=False a tensor that is neither resident nor on its way
-        raises NotResidentError instead of being fetched.
-        """
-        if not auto_fetch:
-            # A miss: absent, and no load queued or in flight for it.
-            with self._lock:
-                missing = next((r for r in recs if r.state is State.ABSENT and not r.requested
-                                and not r.waiters), None)
-                if missing is not None:
-                    self.stats.count("fetch", "miss")
-            if missing is not None:
-                raise NotResidentError(missing.name, ",".join(missing.tiers), missing.state.value)
-        started = time.monotonic_ns()
-        self.pin(recs).result(timeout=stall_timeout)
-        ended = time.monotonic_ns()
-        stall = (ended - started) / 1e9
-        self.timeline.stall(recs[0].name, started, ended, tensors=len(recs))
-        for rec in recs:
-            self._binding.bind_for_compute(rec)
-        self.note_stall(stall)
-        return stall
+        """Pin and bind records for compute on the calling thread; returns stall seconds
+        (see ComputeSession.acquire)."""
+        return self.compute_session().acquire(recs, auto_fetch=auto_fetch, stall_timeout=stall_timeout)
 
     # ------------------------------------------------------------------ compute (the layer hooks)
-    def compute_session(self, owner):
-        """The per-unit calls of one offloaded model (core/session.py)."""
-        return ComputeSession(self, owner)
+    def compute_session(self, owner=None):
+        """What one model's layer hooks call per unit (core/session.py); `owner` keys its trace."""
+        self._check_open()
+        return ComputeSession(self, self._core, self._binding, owner)
 
     def set_trace(self, steps, owner=None):
         """A recorded execution order (one collection of tensor names per unit run) of `owner`."""
@@ -431,61 +397,14 @@ class Daemon:
         with self._lock:
             self._policy.advance(position, owner)
 
-    def status_watermark(self):
-        """The high watermark in bytes (cheap; no lock)."""
-        return self._core.memory.high if self._core else self.config.high_watermark
-
-    def compute_marker(self):
-        """Per-unit compute fences for the layer hooks (None: whole-queue fences only)."""
-        return self.backend.compute_marker()
-
-    def compute_done(self, recs, epoch):
-        """Every read of these tensors so far is covered by compute-fence `epoch`."""
-        with self._lock:
-            for rec in recs:
-                rec.compute_epoch = epoch
-
-    def note_stall(self, seconds):
-        with self._lock:
-            self.stats.stall.observe(seconds)
-
-    def note_resync(self):
-        with self._lock:
-            self.stats.trace_resyncs += 1
-
     # ------------------------------------------------------------------ introspection
     def status(self):
         with self._lock:
             return self._status()
 
     def _status(self):
-        states = dict.fromkeys((s.value for s in State), 0)
-        pinned = pinned_bytes = 0
-        for rec in self._registry:
-            states[rec.state.value] += 1
-            if rec.pins:
-                pinned += 1
-                pinned_bytes += rec.nbytes
-        be, core = self.backend, self._core
-        used = be.device_used() if be else 0
-        cap = self.config.device_budget
-        high = core.memory.high if core else self.config.high_watermark
-        low = core.memory.low if core else self.config.low_watermark
-        return {
-            "name": self.name,
-            "closed": self._state in ("closing", "closed"),
-            "backend": self.config.backend,
-            "io_engine": be.io_engine if be else None,
-            "device": {"capacity": cap, "used": used, "peak": core.memory.peak if core else 0,
-                       "high_watermark": high, "low_watermark": low,
-                       "usage_ratio": used / cap if cap else 0.0},
-            "host": {"budget": self.config.host_budget, "used": be.host_used() if be else 0},
-            "remote": {"bytes": be.store_bytes() if be and self._state == "running" else 0},
-            "queue_depth": len(core.inbox) + len(core.loads.queue) if core else 0,
-            "in_flight": len(core.transfers) if core else 0,
-            "pinned": pinned, "pinned_bytes": pinned_bytes,
-            "tensors": len(self._registry), "states": states,
-        }
+        return describe(self.config, self._registry, self._core,
+                        closed=self._state in ("closing", "closed"), running=self._state == "running")
 
     def snapshot(self):
         """(status, stats) copied together under the lock: what one metrics scrape sees."""
@@ -512,6 +431,40 @@ class Daemon:
     def add_reserve_check(self, fn):
         """Test hook: fn(used_after, high) runs at every device reservation."""
         self._reserve_checks.append(fn)
+
+
+class _Attachments:
+    """What the composition root adds around the core: the metrics exporter and the
+    control-plane server (the core never imports either)."""
+
+    def __init__(self):
+        self.exporter = None
+        self.server = None
+
+    @property
+    def metrics_port(self):
+        return self.exporter.port if self.exporter else None
+
+    def export_metrics(self, daemon, addr, port):
+        from .metrics import start_exporter
+        self.exporter = start_exporter(daemon, addr, port)
+
+    def serve(self, daemon, endpoint, **kwargs):
+        from .control.server import Server
+        self.server = Server(daemon, endpoint, **kwargs).start()
+        return self.server
+
+    def close(self, deadline, name):
+        stops = []
+        if self.server is not None:
+            stops.append(lambda: self.server.close(max(0.1, (deadline - time.monotonic()) / 2)))
+        if self.exporter is not None:
+            stops.append(self.exporter.close)
+        for stop in stops:
+            try:
+                stop()
+            except Exception:   # keep closing: the scheduler and memory matter more
+                log.exception("prefetchd %s: stopping the server or exporter failed", name)
 
 
 def _no_name():

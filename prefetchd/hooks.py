@@ -95,7 +95,7 @@ class Offloaded:
         self.stall_seconds = 0.0
         self.misses = 0
         self._warned = set()           # units whose first miss was logged
-        self._marker = daemon.compute_marker()
+        self._session = daemon.compute_session(owner=id(self))   # per-unit calls, this model's trace
         self._handles = []
         for cell in {id(c): c for u in self.units for c in u.cells}.values():
             self._handles.append(cell.register_forward_pre_hook(self._before_unit))
@@ -131,13 +131,13 @@ class Offloaded:
     # ---------------------------------------------------------------- hooks
     def _before_model(self, cell, inputs):
         self._release_all(None)               # a pass that raised midway left pins behind
-        self._high = self.daemon.status()["device"]["high_watermark"]
+        self._high = self._session.high_watermark
         self._ran = 0
         self._position = 0
         if self._recording:
             self.trace = [ROOT]
         else:
-            self.daemon.advance_trace(0, owner=id(self))
+            self._session.at(0)
             self._prefetch_from(1, self.root.nbytes)
         self._acquire(self.root)
 
@@ -149,13 +149,12 @@ class Offloaded:
                 "(@jit or graph mode), where MindSpore skips hooks; weights were not streamed")
         if self._recording:
             self._recording = False
-            self.daemon.set_trace([[r.name for r in self._unit(i).records] for i in self.trace],
-                                  owner=id(self))
+            self._session.set_trace([[r.name for r in self._unit(i).records] for i in self.trace])
         # The next pass starts with the root, then the first units of the trace:
         # the policy sees the pass end (the root is the nearest step, not the farthest).
-        self.daemon.advance_trace(len(self.trace) - 1, owner=id(self))
+        self._session.at(len(self.trace) - 1)
         if self.root.records:
-            self.daemon.prefetch(self.root.records, priority=self.lookahead + 1)
+            self._session.prefetch(self.root.records, priority=self.lookahead + 1)
         self._prefetch_from(1, self.root.nbytes)
 
     def _before_unit(self, cell, inputs):
@@ -167,7 +166,7 @@ class Offloaded:
             self.trace.append(unit.index)
         else:
             self._sync_position(unit)
-            self.daemon.advance_trace(self._position, owner=id(self))
+            self._session.at(self._position)
             self._prefetch_from(self._position + 1, self._held_bytes() + unit.nbytes)
         self._acquire(unit)
 
@@ -188,23 +187,22 @@ class Offloaded:
         if not unit.records:
             return
         if self._recording or self.auto_fetch:
-            stall = self.daemon.acquire(unit.records, auto_fetch=True)
+            stall = self._session.acquire(unit.records, auto_fetch=True, unit=unit.name)
         else:
             try:
-                stall = self.daemon.acquire(unit.records, auto_fetch=False)
+                stall = self._session.acquire(unit.records, auto_fetch=False, unit=unit.name)
             except NotResidentError as miss:
                 self.misses += 1
                 if self.strict:
                     raise
                 self._note_miss(unit, miss)
-                stall = self.daemon.acquire(unit.records, auto_fetch=True)
+                stall = self._session.acquire(unit.records, auto_fetch=True, unit=unit.name)
                 if unit is not self.root:     # the prefetches behind it were issued before the miss
                     self._prefetch_from(self._position + 1, self._held_bytes() + unit.nbytes)
         self.stall_seconds += stall
         unit.held = True
         self._recompile_if_moved(unit)
         unit.ran.clear()
-        self.daemon.timeline.compute_begin(unit.name)
 
     def _recompile_if_moved(self, unit):
         """A graph compiled (@jit) while the unit's parameters lived elsewhere must not run:
@@ -230,13 +228,7 @@ class Offloaded:
             return
         # A fence behind this unit's kernels lets its memory be reused as soon as
         # they ran, without draining later units' compute.
-        epoch = None
-        if self._marker is not None and dependency is not None:
-            epoch = self._marker.mark(dependency)
-            self.daemon.compute_done(unit.records, epoch)
-        # The compute span ends when MindSpore reaches the fence (or now, without one).
-        self.daemon.timeline.compute_end(unit.name, self._marker if epoch is not None else None, epoch)
-        self.daemon.unpin(unit.records)
+        self._session.release(unit.records, dependency, unit=unit.name)
 
     def _release_all(self, dependency):
         for unit in [*self.units, self.root]:
@@ -257,7 +249,7 @@ class Offloaded:
             self._position += 1
             return
         self.resyncs += 1
-        self.daemon.note_resync()
+        self._session.resynced()
         for step in range(1, n + 1):      # nearest occurrence after the current position
             pos = (self._position + step) % n
             if trace[pos] == unit.index:
@@ -286,7 +278,7 @@ class Offloaded:
             if room < 0:
                 break
             # Nearer units first: priority falls with distance.
-            future = self.daemon.prefetch(unit.records, priority=self.lookahead - ahead + 1)
+            future = self._session.prefetch(unit.records, priority=self.lookahead - ahead + 1)
             # A refused prefetch (e.g. no free range large enough) shows up as a miss later.
             future.add_done_callback(lambda f, name=unit.name: f.exception() is not None and log.debug(
                 "prefetch of %s failed: %s", name, f.exception()))

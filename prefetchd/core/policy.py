@@ -89,27 +89,30 @@ class BeladyPolicy(Policy):
     def knows(self, name):
         return name in self._owner
 
-    def distance(self, name):
+    def _uses(self, name):
+        """(sorted positions of name's uses, trace length, current position), or None."""
         trace = self._traces.get(self._owner.get(name, object()))
         if trace is None:
-            return float("inf")
+            return None
         uses, length, position = trace
         positions = uses.get(name)
-        if not positions:
+        return (positions, length, position) if positions else None
+
+    def distance(self, name):
+        found = self._uses(name)
+        if found is None:
             return float("inf")
+        positions, length, position = found
         i = bisect.bisect_right(positions, position)
         if i < len(positions):
             return positions[i] - position
         return positions[0] + length - position
 
     def reuse_distance(self, name):
-        trace = self._traces.get(self._owner.get(name, object()))
-        if trace is None:
+        found = self._uses(name)
+        if found is None:
             return float("inf")
-        uses, length, position = trace
-        positions = uses.get(name)
-        if not positions:
-            return float("inf")
+        positions, length, position = found
         # The use being served is the first at or after `position` (the unit computing
         # now, or one prefetched ahead of it); the reuse is the one after that.
         n = len(positions)

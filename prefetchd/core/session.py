@@ -1,41 +1,92 @@
-"""The compute session: what the layer hooks call per unit, in one place.
+"""The compute session: what the layer hooks (and Daemon.use) call around compute.
 
-One session per offloaded model (its `owner` keys its trace in the policy).
-Per unit: `acquire(records)` before compute (wait, pin, bind; returns the
-stall), `release(records, output)` after (a compute fence behind the unit's
-kernels, then unpin), `at(position)` to tell the policy where compute is.
+One session per offloaded model; its `owner` keys that model's trace in the
+policy. Per unit:
+
+    stall = session.acquire(records)          wait until resident, pin, bind; the stall
+    ...the unit's kernels are dispatched...
+    session.release(records, output)          a compute fence behind `output`, then unpin
+
+and `session.at(position)` tells the policy where compute is in the trace.
+The daemon's submit methods do the queueing; this class only holds what one
+model's compute needs, so the hooks make one call per step instead of several.
 """
+import time
+
+from ..errors import NotResidentError
+from .records import State
 
 
 class ComputeSession:
-    def __init__(self, daemon, owner):
-        self._daemon = daemon
+    def __init__(self, daemon, core, binding, owner):
+        self._daemon = daemon          # pin / unpin / prefetch (its public requests)
+        self._core = core              # lock, stats, policy, memory
+        self._binding = binding
         self.owner = owner
-        self.marker = daemon.compute_marker()   # per-unit compute fences, or None
+        self.timeline = daemon.timeline
+        self.marker = daemon.backend.compute_marker()   # per-unit compute fences, or None
 
-    def acquire(self, records, *, auto_fetch=True):
-        """Pin and bind for compute; returns stall seconds. With auto_fetch=False,
-        a unit neither resident nor on its way raises NotResidentError."""
-        return self._daemon.acquire(records, auto_fetch=auto_fetch)
+    # ------------------------------------------------------------------ per unit
+    def acquire(self, records, *, auto_fetch=True, stall_timeout=None, unit=None):
+        """Pin and bind records for compute on the calling thread; returns stall seconds.
 
-    def release(self, records, output=None):
-        """Compute that read `records` was dispatched: fence it, then unpin."""
+        With auto_fetch=False a tensor that is neither resident nor on its way
+        raises NotResidentError instead of being fetched (counted as a miss).
+        """
+        core = self._core
+        if not auto_fetch:
+            with core.lock:
+                missing = next((r for r in records if r.state is State.ABSENT and not r.requested
+                                and not r.waiters), None)
+                if missing is not None:
+                    core.stats.count("fetch", "miss")
+            if missing is not None:
+                raise NotResidentError(missing.name, ",".join(missing.tiers), missing.state.value)
+        started = time.monotonic_ns()
+        self._daemon.pin(records).result(timeout=stall_timeout)
+        ended = time.monotonic_ns()
+        if records:
+            self.timeline.stall(unit or records[0].name, started, ended, tensors=len(records))
+        for rec in records:
+            self._binding.bind_for_compute(rec)
+        stall = (ended - started) / 1e9
+        with core.lock:
+            core.stats.stall.observe(stall)
+        if unit is not None:
+            self.timeline.compute_begin(unit)
+        return stall
+
+    def release(self, records, output=None, *, unit=None):
+        """Compute that read `records` was dispatched (its result is `output`): put a
+        compute fence behind it, so their memory is reused only once it ran; unpin."""
+        epoch = None
         if self.marker is not None and output is not None:
-            self._daemon.compute_done(records, self.marker.mark(output))
+            epoch = self.marker.mark(output)
+            with self._core.lock:
+                for rec in records:
+                    rec.compute_epoch = epoch
+        if unit is not None:
+            # The compute span ends when MindSpore reaches the fence (or now, without one).
+            self.timeline.compute_end(unit, self.marker if epoch is not None else None, epoch)
         self._daemon.unpin(records)
 
     def prefetch(self, records, priority=0):
         return self._daemon.prefetch(records, priority=priority)
 
+    # ------------------------------------------------------------------ the trace
     def set_trace(self, steps):
-        self._daemon.set_trace(steps, owner=self.owner)
+        """The recorded execution order: one collection of tensor names per unit run."""
+        with self._core.lock:
+            self._core.policy.set_trace(steps, self.owner)
 
     def at(self, position):
-        self._daemon.advance_trace(position, owner=self.owner)
+        with self._core.lock:
+            self._core.policy.advance(position, self.owner)
 
     def resynced(self):
-        self._daemon.note_resync()
+        with self._core.lock:
+            self._core.stats.trace_resyncs += 1
 
     @property
     def high_watermark(self):
-        return self._daemon.status_watermark()
+        return self._core.memory.high

@@ -1,0 +1,39 @@
+"""The daemon's status document (docs/daemon-api.md), read under the daemon's lock."""
+from .records import State
+
+
+def describe(config, registry, core, *, closed, running):
+    """status() of a daemon; `core` is None before start()."""
+    states = dict.fromkeys((s.value for s in State), 0)
+    pinned = pinned_bytes = cached = cached_bytes = 0
+    for rec in registry:
+        states[rec.state.value] += 1
+        if rec.pins:
+            pinned += 1
+            pinned_bytes += rec.nbytes
+        if rec.host_valid and rec.remote_valid:
+            cached += 1
+            cached_bytes += rec.nbytes
+    be = core.backend if core else None
+    used = be.device_used() if be else 0
+    cap = config.device_budget
+    memory = core.memory if core else None
+    return {
+        "name": config.name,
+        "closed": closed,
+        "backend": config.backend,
+        "io_engine": be.io_engine if be else None,
+        "device": {"capacity": cap, "used": used, "peak": memory.peak if memory else 0,
+                   "high_watermark": memory.high if memory else config.high_watermark,
+                   "low_watermark": memory.low if memory else config.low_watermark,
+                   "usage_ratio": used / cap if cap else 0.0},
+        # cached: host replicas kept as a cache of the remote tier (dropped for free)
+        "host": {"budget": config.host_budget, "used": be.host_used() if be else 0,
+                 "cached": cached, "cached_bytes": cached_bytes},
+        "remote": {"bytes": be.store_bytes() if be and running else 0},
+        "loads_from": dict(core.stats.loads_from) if core else {"host": 0, "remote": 0},
+        "queue_depth": len(core.inbox) + len(core.loads.queue) if core else 0,
+        "in_flight": len(core.transfers) if core else 0,
+        "pinned": pinned, "pinned_bytes": pinned_bytes,
+        "tensors": len(registry), "states": states,
+    }
