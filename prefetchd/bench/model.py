@@ -1,16 +1,30 @@
-"""`prefetchd bench model`: a model larger than its device budget, four ways, one run.
+"""`prefetchd bench model`: a model larger than its device budget, every way, one interleaved run.
 
-Same model (a stack of Dense(hidden, hidden) layers, fp32), same inputs:
-  (a) resident     weights in framework memory, no prefetchd
-  (b) on-demand    streamed through prefetchd with lookahead 0: each layer is
-                   loaded synchronously when it runs (Accelerate's offload hooks)
-  (c) prefetchd    streamed with lookahead k
-  (d) io-only      the same bytes read through the file store (remote tier) or
-                   copied from the host tier, no compute
-for the remote tier (weights on disk) and the host tier (weights in RAM), at
-each batch size. Reports (c)/max(a,d) and (b)/(c), and peak device bytes
-against the high watermark. Outputs of (b) and (c) are checked against (a).
+Same model (a stack of Dense(hidden, hidden) layers, fp32), same input, per batch size.
+Methods (prefetchd/bench/model_methods.py):
+  resident    weights in framework memory, no prefetchd
+  on_demand   streamed with lookahead 0: each layer loaded when it runs (Accelerate's hooks)
+  prefetchd   streamed with lookahead k
+  io_only     the same daemon moving the same bytes unit by unit (prefetch k ahead, pin,
+              unpin), nothing computed: the transfer bound of the same placement
+  disk_read / h2d_copy   the raw engine's rates (store reads, host->device memcpy) for the plan
+Cases (the three-level placement):
+  remote             weights on disk, host budget covering the model: disk once, then RAM
+  host               weights registered on the host tier (RAM)
+  remote-small-host  weights on disk, host budget `--host-budget` x the model: partial hits
+
+Every method's passes are interleaved round-robin, pass by pass (the start rotates each
+round). Pass 0 of every method is timed and reported separately (`first_pass`: the streamed
+ones record their trace and read the disk there); the medians are over passes 1..N. A
+streamed pass ends when its outputs are computed and the prefetches it issued for the next
+pass have landed. Cold mode drops the page cache before every pass; `--steady` does not.
+Per pass: rebinds (0 with stable addresses), reclaims, device loads by source tier, host
+hit rate, misses. Outputs of every streamed pass are checked against the resident model's.
+The plan (prefetchd/plan.py), fed with per-layer compute times from compute fences and the
+measured rates, predicts each streamed pass; the report puts prediction and measurement
+side by side.
 """
+import argparse
 import os
 import shutil
 import statistics
@@ -18,81 +32,138 @@ import time
 
 import numpy as np
 
+from .model_methods import DiskRead, HostCopy, IoOnly, Resident, Streamed, build
+from .model_report import case_report, plan_report
 from .sched import _drop_caches
 
 MiB = 1 << 20
+CASES = ("remote", "host", "remote-small-host")
+STREAMED = ("on_demand", "prefetchd", "io_only")
 
 
-def _build(ms, hidden, layers, seed=0):
-    from mindspore.nn.utils import no_init_parameters
-    with no_init_parameters():
-        model = ms.nn.SequentialCell([ms.nn.Dense(hidden, hidden) for _ in range(layers)])
-    rng = np.random.default_rng(seed)
-    for p in model.get_parameters():
-        shape = tuple(p.shape)
-        scale = 1.0 / np.sqrt(hidden) if len(shape) == 2 else 0.01
-        p.set_data(ms.Tensor.from_numpy((rng.standard_normal(shape, dtype=np.float32) * scale)))
-    return model
+def _delta(after, before):
+    if isinstance(after, dict):
+        return {k: _delta(v, before.get(k, 0) if isinstance(before, dict) else 0) for k, v in after.items()}
+    return after - before
 
 
-def _time_passes(fn, passes):
-    times, out = [], None
-    for _ in range(passes):
-        _drop_caches()
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), times, out
+def _case_setup(case, model_bytes, small_host):
+    """(tier, host budget) of a case."""
+    covering = 2 * model_bytes + 64 * MiB          # the whole model plus slack: every unit stays
+    if case == "remote":
+        return "remote", covering
+    if case == "host":
+        return "host", covering
+    if case == "remote-small-host":
+        return "remote", int(model_bytes * small_host)
+    raise ValueError(f"unknown case {case!r}; known: {', '.join(CASES)}")
 
 
-def _streamed(ms, Daemon, offload, hidden, layers, tier, budget, lookahead, x, passes, store_dir):
-    from .. import _native  # noqa: F401  (fail early if the engine is missing)
-    model = _build(ms, hidden, layers)
-    daemon = Daemon(device_budget=budget, store_dir=store_dir, name=f"bench-{tier}-{lookahead}").start()
+def _methods(ms, hidden, layers, x, cases, budget, model_bytes, args, directory, batch):
+    methods = {("", "resident"): Resident(ms, hidden, layers, x)}
     try:
-        offload(model, daemon, lookahead=lookahead, tier=tier, auto_fetch=True)
-        model(x).asnumpy()                      # records the trace
-        median, times, out = _time_passes(lambda: model(x).asnumpy(), passes)
-        status, stats = daemon.snapshot()
-        return median, times, out, {
-            "peak_device_bytes": status["device"]["peak"],
-            "high_watermark": status["device"]["high_watermark"],
-            "stall_seconds": stats.stall.sum, "fences": stats.fences,
-            "loaded_bytes": stats.transfer_bytes["load"] + stats.transfer_bytes["h2d"],
-        }
-    finally:
-        daemon.close()
+        for case in cases:
+            tier, host_budget = _case_setup(case, model_bytes, args.host_budget)
+            common = dict(tier=tier, device_budget=budget, host_budget=host_budget)
+            for name, k in (("on_demand", 0), ("prefetchd", args.lookahead)):
+                methods[case, name] = Streamed(ms, hidden, layers, x, lookahead=k, name=f"bench-{case}-{name}",
+                                               store_dir=os.path.join(directory, f"{batch}-{case}-{name}"),
+                                               **common)
+            methods[case, "io_only"] = IoOnly(ms, hidden, layers, lookahead=args.lookahead,
+                                              name=f"bench-{case}-io",
+                                              store_dir=os.path.join(directory, f"{batch}-{case}-io"), **common)
+        remote_io = next((m for (c, n), m in methods.items()
+                          if n == "io_only" and _case_setup(c, model_bytes, args.host_budget)[0] == "remote"),
+                         None)
+        any_io = next(m for (c, n), m in methods.items() if n == "io_only")
+        if remote_io is not None:
+            methods["", "disk_read"] = DiskRead(remote_io.daemon.backend.store, remote_io.store_keys())
+        methods["", "h2d_copy"] = HostCopy([sum(n for _, n in u) for u in any_io.store_keys()])
+    except BaseException:
+        for m in methods.values():
+            m.close()
+        raise
+    return methods
 
 
-def _io_only(ms, Daemon, hidden, layers, tier, budget, passes, store_dir):
-    """The weight bytes moved through the same tier and engine, nothing computed:
-    the file store's checksummed read (remote) or the copy stream (host) into a
-    device-sized buffer, one tensor after another."""
-    from .. import _native
-    model = _build(ms, hidden, layers)
-    daemon = Daemon(device_budget=budget, store_dir=store_dir, name=f"bench-io-{tier}").start()
+def _interleave(methods, passes, drop):
+    """Every method's passes, round-robin; returns {key: [pass records]} and the resident output."""
+    order = list(methods)
+    log = {key: [] for key in order}
+    want = None
+    for r in range(passes + 1):
+        shift = r % len(order)
+        for key in order[shift:] + order[:shift]:       # round 0 starts with resident
+            method = methods[key]
+            if drop:
+                _drop_caches()
+            before = method.counters()
+            t = time.perf_counter()
+            out = method.one_pass()
+            seconds = time.perf_counter() - t
+            record = {"seconds": seconds, **_delta(method.counters(), before)}
+            if key[1] == "resident":
+                if want is None:
+                    want = out
+                record["outputs_match"] = bool(np.array_equal(out, want))
+            elif out is not None:
+                record["outputs_match"] = bool(np.array_equal(out, want))
+            log[key].append(record)
+    return log, want
+
+
+def _layer_seconds(methods, hidden, layers):
+    """Per-layer compute seconds of the resident model from compute fences (None if unavailable)."""
+    from ..backend.framework import ComputeMarker
+    from ..plan import compute_seconds_from_fences
     try:
-        recs = [daemon.register(p, p.name, tier=tier)._rec for p in model.get_parameters()]
-        backend = daemon.backend
-        dst = _native.aligned_buffer(max(r.nbytes for r in recs))
+        marker = ComputeMarker()
+    except Exception:  # noqa: BLE001 - no fence kernel: the plan spreads the resident time evenly
+        return None
+    seconds = [compute_seconds_from_fences(*methods["", "resident"].compute_profile(marker)) for _ in range(3)]
+    return [statistics.median(s[i] for s in seconds) for i in range(layers)]
 
-        def one_pass():
-            for rec in recs:
-                if tier == "remote":
-                    backend.store.read_sync(rec.name, dst, True)
-                else:
-                    backend.load_stream.copy(dst, rec.host_block, rec.nbytes).synchronize()
-        median, times, _ = _time_passes(one_pass, passes)
-        return median, times
+
+def _run_batch(ms, hidden, layers, batch, cases, budget, model_bytes, args, directory, drop):
+    x = ms.Tensor.from_numpy(np.random.default_rng(batch).standard_normal((batch, hidden), dtype=np.float32))
+    methods = _methods(ms, hidden, layers, x, cases, budget, model_bytes, args, directory, batch)
+    # The process's one-time costs (MindSpore's first ops, the Dense kernels at this shape)
+    # go to a throwaway layer, not to whichever method happens to run first.
+    try:
+        build(ms, hidden, 1, seed=1)(x).asnumpy()
+        log, _ = _interleave(methods, max(1, args.repeats), drop)
+        layer_seconds = _layer_seconds(methods, hidden, layers)
+        rates = {}
+        for name in ("disk_read", "h2d_copy"):
+            m = methods.get(("", name))
+            if m is not None:
+                rates[name] = m.nbytes / statistics.median(m.seconds[1:] or m.seconds)
+        resident = [p["seconds"] for p in log["", "resident"]]
+        results = []
+        for case in cases:
+            tier, host_budget = _case_setup(case, model_bytes, args.host_budget)
+            streamed = {name: methods[case, name] for name in STREAMED}
+            report = case_report(case, tier, batch, host_budget, resident, log["", "resident"],
+                                 {name: log[case, name] for name in STREAMED}, streamed)
+            report["plan"] = plan_report(streamed, report, layer_seconds, rates, args.lookahead, tier,
+                                         resident_seconds=statistics.median(resident[1:]))
+            results.append(report)
+        raw = {name: {"bytes": methods["", name].nbytes, "first_pass": methods["", name].seconds[0],
+                      "seconds": statistics.median(methods["", name].seconds[1:]),
+                      "bytes_per_s": rates[name]}
+               for name in ("disk_read", "h2d_copy") if ("", name) in methods}
+        return results, raw, layer_seconds
     finally:
-        daemon.close()
+        for m in methods.values():
+            m.close()
+        for case in cases:
+            for name in ("on_demand", "prefetchd", "io"):
+                shutil.rmtree(os.path.join(directory, f"{batch}-{case}-{name}"), ignore_errors=True)
 
 
 def run(directory, args):
     from ..backend.framework import mindspore
     from ..config import parse_size
-    from ..daemon import Daemon
-    from ..hooks import offload
     ms = mindspore()
     ms.set_device("CPU")
     hidden = args.hidden
@@ -100,37 +171,38 @@ def run(directory, args):
     layers = args.layers or max(4, round(parse_size(args.size, "--size") / layer_bytes))
     model_bytes = layers * layer_bytes
     budget = int(model_bytes * args.budget)
-    batches = args.batch or [1, 8, 64]
-    passes = max(2, args.repeats)
-    results = []
-    for tier in ("remote", "host"):
-        for batch in batches:
-            store_dir = os.path.join(directory, f"{tier}-{batch}")
-            x = ms.Tensor.from_numpy(np.random.default_rng(batch).standard_normal((batch, hidden), dtype=np.float32))
-            resident_model = _build(ms, hidden, layers)
-            resident_model(x).asnumpy()
-            resident, resident_times, want = _time_passes(lambda: resident_model(x).asnumpy(), passes)
-            del resident_model
-            io, io_times = _io_only(ms, Daemon, hidden, layers, tier, budget, passes, store_dir + "-io")
-            demand, _, out_b, info_b = _streamed(ms, Daemon, offload, hidden, layers, tier, budget, 0, x,
-                                                  passes, store_dir + "-b")
-            pre, pre_times, out_c, info_c = _streamed(ms, Daemon, offload, hidden, layers, tier, budget,
-                                                      args.lookahead, x, passes, store_dir + "-c")
-            for d in (store_dir + "-io", store_dir + "-b", store_dir + "-c"):
-                shutil.rmtree(d, ignore_errors=True)
-            bound = max(resident, io)
-            results.append({
-                "tier": tier, "batch": batch,
-                "seconds": {"resident": resident, "on_demand": demand, "prefetchd": pre, "io_only": io},
-                "prefetchd_over_bound": pre / bound,
-                "bound": "compute" if resident >= io else "io",
-                "speedup_over_on_demand": demand / pre,
-                "outputs_match": bool(np.array_equal(out_b, want) and np.array_equal(out_c, want)),
-                "prefetchd": info_c, "on_demand": info_b,
-                "watermark_respected": info_c["peak_device_bytes"] <= info_c["high_watermark"]
-                and info_b["peak_device_bytes"] <= info_b["high_watermark"],
-            })
-    ok = all(r["outputs_match"] and r["watermark_respected"] for r in results)
-    return {"benchmark": "model", "hidden": hidden, "layers": layers, "model_bytes": model_bytes,
-            "device_budget": budget, "lookahead": args.lookahead, "passes": passes,
-            "results": results, "ok": ok}
+    batches = args.batch or [8]
+    cases = tuple(getattr(args, "cases", None) or CASES)
+    steady = bool(getattr(args, "steady", False))
+    drop = not steady and not getattr(args, "no_drop_caches", False)
+    results, raw, by_batch = [], {}, []
+    for batch in batches:
+        got, rates, layer_seconds = _run_batch(ms, hidden, layers, batch, cases, budget, model_bytes, args,
+                                               directory, drop)
+        results.extend(got)
+        raw[str(batch)] = rates
+        pre = {r["case"]: r["seconds"]["prefetchd"] for r in got}
+        entry = {"batch": batch, "layer_compute_seconds": layer_seconds}
+        if "remote" in pre and "host" in pre:
+            # After the first pass a remote model the host cache covers copies from RAM
+            # like a host-tier model: the target is within ~5%.
+            entry["remote_over_host"] = pre["remote"] / pre["host"]
+        by_batch.append(entry)
+    ok = all(r["ok"] for r in results)
+    return {"benchmark": "model", "mode": "steady" if steady else "cold", "page_cache_dropped": drop,
+            "hidden": hidden, "layers": layers, "model_bytes": model_bytes, "device_budget": budget,
+            "lookahead": args.lookahead, "passes": max(1, args.repeats), "small_host_budget": args.host_budget,
+            "results": results, "batches": by_batch, "raw_rates": raw, "ok": ok}
+
+
+def bench_model(directory, **options):
+    """Python entry point: `bench_model(dir, size="4MiB", hidden=256, batch=[4], repeats=1, steady=True)`.
+    Options are the CLI flags of `prefetchd bench model` (plus `cases`, a subset of CASES)."""
+    args = argparse.Namespace(hidden=256, layers=None, size="64MiB", budget=0.25, batch=None, repeats=3,
+                              lookahead=2, steady=False, no_drop_caches=False, host_budget=0.5, cases=None)
+    unknown = set(options) - set(vars(args))
+    if unknown:
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(vars(args))}")
+    vars(args).update(options)
+    os.makedirs(directory, exist_ok=True)
+    return run(directory, args)

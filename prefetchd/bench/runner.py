@@ -29,6 +29,10 @@ def add_arguments(parser):
     parser.add_argument("--seconds", type=float, default=None, help="soak: duration in seconds (overrides --minutes)")
     parser.add_argument("--workers", type=int, default=2, help="serve: worker processes")
     parser.add_argument("--no-drop-caches", action="store_true", help="do not drop the page cache between runs")
+    parser.add_argument("--steady", action="store_true",
+                        help="model: steady state, no page-cache drop between passes (default: cold, dropped)")
+    parser.add_argument("--host-budget", type=float, default=0.5,
+                        help="model: host budget of the remote-small-host case, as a fraction of the model (0.5)")
 
 
 def run(args):

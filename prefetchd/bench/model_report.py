@@ -1,0 +1,124 @@
+"""`prefetchd bench model`: turning per-pass records into one case's report, and the plan's
+prediction next to the measurement."""
+import statistics
+
+from .. import plan as plans
+
+
+def _hit_rate(host, remote):
+    total = host + remote
+    return host / total if total else None
+
+
+def _pass_summary(record):
+    loads = record.get("loads_from", {})
+    nbytes = record.get("load_bytes_from", {})
+    return {"seconds": record["seconds"], "rebinds": record.get("rebinds", 0),
+            "reclaims": record.get("reclaims", 0), "loads_from": loads, "load_bytes_from": nbytes,
+            "host_hit_rate": _hit_rate(nbytes.get("host", 0), nbytes.get("remote", 0)),
+            "misses": record.get("misses"), "stall_seconds": record.get("stall_seconds", 0.0),
+            "outputs_match": record.get("outputs_match", True)}
+
+
+def _method_info(records, method):
+    first, steady = records[0], records[1:]
+    host = sum(r["load_bytes_from"]["host"] for r in steady)
+    remote = sum(r["load_bytes_from"]["remote"] for r in steady)
+    status = method.daemon.status()
+    return {
+        "first_pass_seconds": first["seconds"],
+        "seconds": statistics.median(r["seconds"] for r in steady),
+        "rebinds_first_pass": first["rebinds"],
+        "rebinds_steady": sum(r["rebinds"] for r in steady),
+        "remote_loads_first_pass": first["loads_from"]["remote"],
+        "remote_loads_steady": sum(r["loads_from"]["remote"] for r in steady),
+        "host_loads_steady": sum(r["loads_from"]["host"] for r in steady),
+        "host_hit_rate": _hit_rate(host, remote),
+        "loaded_bytes": statistics.median(sum(r["load_bytes_from"].values()) for r in steady),
+        "stall_seconds": statistics.median(r["stall_seconds"] for r in steady),
+        "fences": sum(r["fences"] for r in steady),
+        "peak_device_bytes": status["device"]["peak"],
+        "high_watermark": status["device"]["high_watermark"],
+        "host_budget": status["host"]["budget"],
+        "passes": [_pass_summary(r) for r in records],
+    }
+
+
+def case_report(case, tier, batch, host_budget, resident, resident_log, logs, methods):
+    """One case at one batch size: medians over passes 1..N, pass 0 apart, checks."""
+    info = {name: _method_info(logs[name], methods[name]) for name in logs}
+    seconds = {"resident": statistics.median(resident[1:]),
+               **{name: i["seconds"] for name, i in info.items()}}
+    bound = max(seconds["resident"], seconds["io_only"])
+    outputs = all(r["outputs_match"] for r in resident_log) and all(
+        r.get("outputs_match", True) for name in ("on_demand", "prefetchd") for r in logs[name])
+    watermark = all(i["peak_device_bytes"] <= i["high_watermark"] for i in info.values())
+    rebinds = sum(i["rebinds_steady"] for i in info.values())
+    report = {
+        "case": case, "tier": tier, "batch": batch, "host_budget": host_budget,
+        "seconds": seconds, "resident_passes": list(resident),
+        "first_pass": {"resident": resident[0], **{n: i["first_pass_seconds"] for n, i in info.items()}},
+        "prefetchd_over_bound": seconds["prefetchd"] / bound,
+        "bound": "compute" if seconds["resident"] >= seconds["io_only"] else "io",
+        "speedup_over_on_demand": seconds["on_demand"] / seconds["prefetchd"],
+        "prefetchd_over_resident": seconds["prefetchd"] / seconds["resident"],
+        "outputs_match": outputs, "watermark_respected": watermark, "rebinds_steady": rebinds,
+        **info,
+    }
+    checks = [outputs, watermark, rebinds == 0]
+    if case == "remote":
+        # The host cache covers the model: after the first pass the disk is never read.
+        checks.append(all(i["remote_loads_steady"] == 0 for i in info.values()))
+    if tier == "host":
+        checks.append(all(i["remote_loads_first_pass"] == 0 and i["remote_loads_steady"] == 0
+                          for i in info.values()))
+    report["ok"] = all(checks)
+    return report
+
+
+def plan_inputs(method, layer_seconds, rates, tier, resident_seconds):
+    """plan.Inputs for a streamed method: its units in trace order, per-unit compute from the
+    resident model's per-layer fences (or its pass time spread by bytes), the measured rates."""
+    handle = method.handle
+    units = [handle.units[i] for i in handle.trace if i >= 0]
+    index = {id(cell): i for i, cell in enumerate(method.model)}
+    total = sum(u.nbytes for u in units) or 1
+    mapped = layer_seconds is not None and all(id(c) in index for u in units for c in u.cells)
+    compute = [sum(layer_seconds[index[id(c)]] for c in u.cells) if mapped
+               else resident_seconds * u.nbytes / total for u in units]
+    status = method.daemon.status()
+    return plans.Inputs(unit_bytes=[u.nbytes for u in units], compute_seconds=compute,
+                        disk_rate=rates.get("disk_read"), h2d_rate=rates["h2d_copy"],
+                        high_watermark=status["device"]["high_watermark"],
+                        host_budget=method.daemon.config.host_budget, root_bytes=handle.root.nbytes,
+                        tier=tier), mapped
+
+
+def _pair(predicted, measured):
+    return {"predicted": predicted, "measured": measured,
+            "measured_over_predicted": measured / predicted if predicted else None}
+
+
+def plan_report(methods, report, layer_seconds, rates, lookahead, tier, resident_seconds):
+    inputs, from_fences = plan_inputs(methods["prefetchd"], layer_seconds, rates, tier, resident_seconds)
+    p = plans.plan(inputs, lookahead=lookahead)
+    demand = plans.plan(inputs, lookahead=0)
+    auto = plans.plan(inputs)
+    total = sum(inputs.unit_bytes) or 1
+    cached = sum(inputs.unit_bytes[i] for i in p.host_cached)
+    return {
+        "compute_from_fences": from_fences,
+        "units": len(inputs.unit_bytes), "compute_seconds": p.compute_seconds,
+        # Compute measured alone (fences, back to back) against the resident passes of the
+        # interleaved run: above 1 when the cores were busier during the run than alone.
+        "resident_over_compute_profile": resident_seconds / p.compute_seconds if p.compute_seconds else None,
+        "disk_rate": inputs.disk_rate, "h2d_rate": inputs.h2d_rate,
+        "lookahead": p.lookahead, "clamped": p.clamped, "max_lookahead": p.max_lookahead,
+        "auto_lookahead": auto.lookahead, "auto_pass_seconds": auto.pass_seconds, "bound": p.bound,
+        "prefetchd": _pair(p.pass_seconds, report["seconds"]["prefetchd"]),
+        "prefetchd_first_pass": _pair(p.first_pass_seconds, report["first_pass"]["prefetchd"]),
+        "on_demand": _pair(demand.pass_seconds, report["seconds"]["on_demand"]),
+        "host_cached_units": list(p.host_cached),
+        "predicted_host_hit_rate": cached / total if tier == "remote" else 1.0,
+        "measured_host_hit_rate": report["prefetchd"]["host_hit_rate"],
+    }

@@ -1,0 +1,103 @@
+"""`prefetchd bench model` at a tiny size through its Python entry point: the report's
+fields, outputs against the resident model, no rebinds, and loads by tier that add up."""
+import json
+
+import pytest
+
+from prefetchd.bench.model import CASES, bench_model
+
+TENSORS_PER_LAYER = 2          # Dense: weight and bias
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    # 16 layers of Dense(256) (4 MiB), device budget half the model, 2 steady passes.
+    return bench_model(str(tmp_path_factory.mktemp("bench-model")), size="4MiB", hidden=256, batch=[4],
+                       repeats=2, steady=True, budget=0.5, host_budget=0.4)
+
+
+def test_report_fields(report):
+    json.dumps(report)                         # --json prints it as is
+    assert report["benchmark"] == "model" and report["mode"] == "steady"
+    assert report["page_cache_dropped"] is False
+    assert report["ok"] is True
+    assert [r["case"] for r in report["results"]] == list(CASES)
+    for r in report["results"]:
+        for key in ("seconds", "first_pass"):
+            assert set(r[key]) == {"resident", "on_demand", "prefetchd", "io_only"}
+            assert all(v > 0 for v in r[key].values())
+        for key in ("prefetchd_over_bound", "speedup_over_on_demand", "bound", "watermark_respected",
+                    "plan", "tier", "batch", "host_budget"):
+            assert key in r
+        for name in ("on_demand", "prefetchd", "io_only"):
+            passes = r[name]["passes"]
+            assert len(passes) == 1 + report["passes"]         # pass 0 reported apart, then the steady ones
+            for p in passes:
+                assert set(p["loads_from"]) == {"host", "remote"}
+                assert p["rebinds"] >= 0 and p["seconds"] > 0
+        plan = r["plan"]
+        assert plan["prefetchd"]["predicted"] > 0 and plan["prefetchd"]["measured"] == r["seconds"]["prefetchd"]
+        assert plan["compute_from_fences"] is True
+        assert plan["units"] == report["layers"]
+    batch = report["batches"][0]
+    assert batch["remote_over_host"] > 0
+    assert len(batch["layer_compute_seconds"]) == report["layers"]
+    rates = report["raw_rates"]["4"]
+    assert rates["disk_read"]["bytes"] == report["model_bytes"] == rates["h2d_copy"]["bytes"]
+
+
+def test_outputs_match_the_resident_model_every_pass(report):
+    for r in report["results"]:
+        assert r["outputs_match"] is True
+        for name in ("on_demand", "prefetchd"):
+            assert all(p["outputs_match"] for p in r[name]["passes"])
+
+
+def test_no_rebinds_and_the_watermark_holds(report):
+    for r in report["results"]:
+        assert r["rebinds_steady"] == 0
+        for name in ("on_demand", "prefetchd", "io_only"):
+            info = r[name]
+            assert [p["rebinds"] for p in info["passes"][1:]] == [0] * report["passes"]
+            assert info["peak_device_bytes"] <= info["high_watermark"]
+
+
+def _by_case(report):
+    return {r["case"]: r for r in report["results"]}
+
+
+def test_model_within_the_host_budget_reads_the_disk_once(report):
+    r = _by_case(report)["remote"]
+    tensors = report["layers"] * TENSORS_PER_LAYER
+    for name in ("on_demand", "prefetchd", "io_only"):
+        first, *steady = r[name]["passes"]
+        # Every tensor once from disk (through the host cache) in the first pass...
+        assert first["loads_from"]["remote"] == tensors
+        assert first["load_bytes_from"]["remote"] == report["model_bytes"]
+        # ...then only copies from RAM (a unit may also stay on the device between passes).
+        assert all(p["loads_from"]["remote"] == 0 for p in steady)
+        assert sum(p["loads_from"]["host"] for p in steady) > 0
+        assert r[name]["host_hit_rate"] == 1.0
+    assert r["plan"]["host_cached_units"] == list(range(report["layers"]))
+
+
+def test_host_tier_never_reads_the_disk(report):
+    r = _by_case(report)["host"]
+    for name in ("on_demand", "prefetchd", "io_only"):
+        assert all(p["loads_from"]["remote"] == 0 for p in r[name]["passes"])
+        assert r[name]["passes"][0]["loads_from"]["host"] >= report["layers"] * TENSORS_PER_LAYER
+
+
+def test_small_host_budget_hits_part_and_stays_within_it(report):
+    r = _by_case(report)["remote-small-host"]
+    budget = r["host_budget"]
+    assert budget < report["model_bytes"]
+    for name in ("on_demand", "prefetchd", "io_only"):
+        steady = r[name]["passes"][1:]
+        assert sum(p["loads_from"]["remote"] for p in steady) > 0       # the disk is still read
+        assert all(p["load_bytes_from"]["host"] <= budget for p in steady)
+        assert 0.0 < r[name]["host_hit_rate"] < 1.0
+    predicted = r["plan"]["host_cached_units"]
+    assert 0 < len(predicted) < report["layers"]
+    # The plan's cached units are the last ones of the trace that fit the budget.
+    assert predicted == list(range(report["layers"] - len(predicted), report["layers"]))
