@@ -151,7 +151,7 @@ def _run(o, say, quiet):
         try:
             if daemon.metrics_port:
                 say(f"metrics: http://127.0.0.1:{daemon.metrics_port}/metrics")
-            offload(model, daemon, lookahead=o["lookahead"], checkpoint=True)
+            handle = offload(model, daemon, lookahead=o["lookahead"], checkpoint=True)
             if o["tier"] == "host":
                 daemon.stage_to_host(daemon.names()).result()
             got, times = [], []
@@ -164,6 +164,7 @@ def _run(o, say, quiet):
                 got.append(model(x).asnumpy())
                 times.append(time.perf_counter() - t)
             status, stats = daemon.snapshot()
+            estimate = handle.estimate          # the cost model's view of a steady pass
             if o["hold"]:
                 say(f"holding {o['hold']:.0f}s for metrics scrapes")
                 time.sleep(o["hold"])
@@ -177,6 +178,7 @@ def _run(o, say, quiet):
     mismatches = [i for i, (a, b) in enumerate(zip(want, got)) if not np.array_equal(a, b)]
     report = _report(o, status, stats, layers, hidden, model_bytes, budget, resident_times, times, mismatches)
     report["steady_from_ns"] = steady_from
+    report["predicted_seconds_per_pass"] = estimate.pass_seconds if estimate is not None else None
     return report, timeline
 
 
@@ -213,6 +215,9 @@ def _print_report(r):
     print(f"stall {r['stall_seconds']:.3f}s total, hit rate {r['hit_rate']:.1%}, "
           f"moved {_mib(r['bytes_moved'])} at {r['bandwidth_MBps']:,.0f} MB/s, "
           f"{r['evictions']} evictions, {r['fences']} compute fences")
+    if r.get("predicted_seconds_per_pass") is not None:
+        print(f"predicted by the cost model: {r['predicted_seconds_per_pass']:.3f}s per pass "
+              f"(measured {r['offloaded_seconds_per_pass']:.3f}s)")
     print(f"peak device {_mib(r['peak_device_bytes'])} vs high watermark {_mib(r['high_watermark'])}: "
           f"{'respected' if r['watermark_respected'] else 'EXCEEDED'}")
     print("outputs: identical to the resident model" if r["outputs_match"] else

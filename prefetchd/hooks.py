@@ -28,7 +28,9 @@ trace position and is counted. Hooks do not fire under graph mode, so
 offload() refuses it, and the first forward checks that unit hooks ran.
 """
 import logging
+import time
 
+from . import plan as cost_model
 from .backend import framework
 from .daemon import Daemon
 from .errors import NotResidentError, PrefetchdError
@@ -42,7 +44,7 @@ ROOT = -1        # the root unit's step in the trace
 class Unit:
     """A planned unit at run time: its cells, the daemon records of its parameters, pin state."""
     __slots__ = ("index", "name", "cells", "records", "nbytes", "held", "ran", "params", "compiled",
-                 "addresses")
+                 "addresses", "dispatched_ns")
 
     def __init__(self, index, planned, records, compiled):
         self.index, self.name = index, planned.name
@@ -54,6 +56,7 @@ class Unit:
         self.params = planned.params
         self.compiled = compiled  # cells whose compiled graphs would read these parameters
         self.addresses = None     # the parameters' storage when they were last bound
+        self.dispatched_ns = 0    # recording pass: when its kernels started to be dispatched
 
 
 class Offloaded:
@@ -69,7 +72,12 @@ class Offloaded:
         config = daemon.config
         self.model = model
         self.daemon = daemon
-        self.lookahead = config.lookahead if lookahead is None else int(lookahead)
+        # "auto": the cost model (prefetchd.plan) picks it from the recording pass.
+        self._auto = lookahead == "auto"
+        self.lookahead = config.lookahead if lookahead in (None, "auto") else int(lookahead)
+        self.tier = tier
+        self.estimate = None           # prefetchd.plan.Plan measured on the recording pass
+        self._clock = None
         self.auto_fetch = config.auto_fetch if auto_fetch is None else bool(auto_fetch)
         if self.lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
@@ -136,6 +144,8 @@ class Offloaded:
         self._position = 0
         if self._recording:
             self.trace = [ROOT]
+            if self._session.marker is not None and self._clock is None:
+                self._clock = cost_model.FenceClock(self._session.marker)
         else:
             self._session.at(0)
             self._prefetch_from(1, self.root.nbytes)
@@ -148,6 +158,7 @@ class Offloaded:
                 "prefetchd.offload: the model ran but none of its unit hooks fired — it is compiled "
                 "(@jit or graph mode), where MindSpore skips hooks; weights were not streamed")
         if self._recording:
+            self._estimate()
             self._recording = False
             self._session.set_trace([[r.name for r in self._unit(i).records] for i in self.trace])
         # The next pass starts with the root, then the first units of the trace:
@@ -203,6 +214,7 @@ class Offloaded:
         unit.held = True
         self._recompile_if_moved(unit)
         unit.ran.clear()
+        unit.dispatched_ns = time.monotonic_ns()
 
     def _recompile_if_moved(self, unit):
         """A graph compiled (@jit) while the unit's parameters lived elsewhere must not run:
@@ -214,6 +226,29 @@ class Offloaded:
             for cell in unit.compiled:
                 framework.invalidate_compiled(cell)
         unit.addresses = addresses
+
+    def _estimate(self):
+        """The cost model's plan from the recording pass (per-unit compute between compute
+        fences, measured transfer rates); with lookahead="auto" its lookahead is used."""
+        clock, self._clock = self._clock, None
+        if clock is None:
+            return
+        try:
+            dispatch_ns, fence_ns = clock.stop()
+            inputs = cost_model.measure(
+                [self._unit(i).nbytes for i in self.trace if i != ROOT], dispatch_ns, fence_ns,
+                stats=self.daemon.snapshot()[1], high_watermark=self._high,
+                host_budget=self.daemon.config.host_budget, root_bytes=self.root.nbytes, tier=self.tier)
+            self.estimate = cost_model.plan(inputs, None if self._auto else self.lookahead)
+        except (TimeoutError, ValueError) as e:
+            log.info("prefetchd.offload: no pass-time estimate (%s)", e)
+            return
+        if self._auto:
+            self.lookahead = self.estimate.lookahead
+        log.info("prefetchd.offload: lookahead %d%s; predicted %.3f s per pass (%s-bound; compute %.3f s, "
+                 "copies %.3f s, of which disk %.3f s)", self.lookahead, " (auto)" if self._auto else "",
+                 self.estimate.pass_seconds, self.estimate.bound, self.estimate.compute_seconds,
+                 self.estimate.io_seconds, self.estimate.disk_seconds)
 
     def _note_miss(self, unit, miss):
         if unit.name not in self._warned:
@@ -228,7 +263,9 @@ class Offloaded:
             return
         # A fence behind this unit's kernels lets its memory be reused as soon as
         # they ran, without draining later units' compute.
-        self._session.release(unit.records, dependency, unit=unit.name)
+        epoch = self._session.release(unit.records, dependency, unit=unit.name)
+        if self._clock is not None and self._recording and unit is not self.root and epoch is not None:
+            self._clock.unit(epoch, unit.dispatched_ns)
 
     def _release_all(self, dependency):
         for unit in [*self.units, self.root]:
@@ -289,7 +326,8 @@ class Offloaded:
         misses: units not resident in time (fetched on demand, or raised with strict=True)."""
         return {"units": len(self.units), "trace": len(self.trace), "resyncs": self.resyncs,
                 "stall_seconds": self.stall_seconds, "misses": self.misses,
-                "root_bytes": self.root.nbytes}
+                "root_bytes": self.root.nbytes, "lookahead": self.lookahead,
+                "predicted_pass_seconds": self.estimate.pass_seconds if self.estimate else None}
 
     def close(self):
         for h in self._handles:
@@ -316,7 +354,9 @@ def offload(model, daemon=None, lookahead=None, units=None, auto_fetch=None, *, 
             checkpoint=None, strict=False, no_split=()):
     """Stream `model`'s parameters through `daemon` (a new one from Config.load() if None).
 
-    lookahead / auto_fetch: None takes daemon.config.lookahead / .auto_fetch.
+    lookahead / auto_fetch: None takes daemon.config.lookahead / .auto_fetch;
+    lookahead="auto" lets the cost model (prefetchd.plan) choose it from the
+    first pass (logged with the predicted pass time; `handle.estimate`).
     units: explicit units, (name, cell) pairs or cell names (default: planned,
     see prefetchd.planner); no_split: cell classes never split into children.
     strict: a unit not resident in time raises NotResidentError instead of

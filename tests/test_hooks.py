@@ -319,3 +319,17 @@ def test_graph_compiled_before_offload_never_runs_stale(make_daemon, ms, tmp_pat
     assert sum(dropped) == 0, "nothing moved: nothing recompiles"
     monkeypatch.undo()
     assert all(framework.invalidate_compiled(b) >= 1 for b in net.blocks), "recompiled after offload"
+
+
+def test_lookahead_auto_is_chosen_by_the_cost_model_from_the_first_pass(make_daemon, reference):
+    x, want, _ = reference
+    model, handle, daemon = offloaded(make_daemon, 0.3, lookahead="auto")
+    for _ in range(3):
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
+    estimate = handle.estimate
+    assert estimate is not None, "the recording pass measured no plan"
+    assert handle.lookahead == estimate.lookahead <= estimate.max_lookahead
+    assert estimate.pass_seconds > 0 and estimate.compute_seconds > 0
+    stats = handle.stats()
+    assert stats["lookahead"] == handle.lookahead and stats["predicted_pass_seconds"] == estimate.pass_seconds
+    assert daemon.status()["device"]["peak"] <= daemon.status()["device"]["high_watermark"]

@@ -58,7 +58,8 @@ class ComputeSession:
 
     def release(self, records, output=None, *, unit=None):
         """Compute that read `records` was dispatched (its result is `output`): put a
-        compute fence behind it, so their memory is reused only once it ran; unpin."""
+        compute fence behind it, so their memory is reused only once it ran; unpin.
+        Returns the fence's epoch (None without per-unit fences)."""
         epoch = None
         if self.marker is not None and output is not None:
             epoch = self.marker.mark(output)
@@ -69,6 +70,7 @@ class ComputeSession:
             # The compute span ends when MindSpore reaches the fence (or now, without one).
             self.timeline.compute_end(unit, self.marker if epoch is not None else None, epoch)
         self._daemon.unpin(records)
+        return epoch
 
     def prefetch(self, records, priority=0):
         return self._daemon.prefetch(records, priority=priority)
