@@ -104,6 +104,11 @@ METRICS = {
         "counter", "Cached host replicas dropped to make room (free: the store holds the data).", ()),
     "prefetchd_fences": (
         "counter", "Compute fences waited on before device memory was reused.", ()),
+    "prefetchd_rebinds": (
+        "counter", "Framework tensors pointed at new storage after registration (0 with stable "
+                   "addresses: residency maps pages under a fixed address).", ()),
+    "prefetchd_reclaims": (
+        "counter", "Dropped device replicas taken back before their pages left (no I/O).", ()),
     # Errors.
     "prefetchd_checksum_failures": (
         "counter", "Reads from the remote tier whose checksum did not match (data refused).", ()),
@@ -216,6 +221,8 @@ class DaemonCollector(Collector):
         add("prefetchd_trace_resyncs", stats.trace_resyncs)
         add("prefetchd_writebacks", stats.writebacks)
         add("prefetchd_fences", stats.fences)
+        add("prefetchd_rebinds", stats.rebinds)
+        add("prefetchd_reclaims", stats.reclaims)
         for source in ("host", "remote"):
             add("prefetchd_device_loads", getattr(stats, "loads_from", {}).get(source, 0), source)
             add("prefetchd_device_load_bytes", getattr(stats, "load_bytes_from", {}).get(source, 0), source)
