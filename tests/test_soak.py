@@ -15,4 +15,7 @@ def test_short_soak_loses_nothing_and_leaks_nothing(tmp_path):
     # injected faults surfaced as precise errors, not as garbage or hangs
     assert set(report["errors_by_kind"]) <= {"StorageError", "IntegrityError", "BudgetError", "PinnedError",
                                              "ServiceError", "PrefetchdError"}, report
+    # a second process on the same store is kept out; listener exceptions did not stop the scheduler
+    assert report["second_process"].get("refused", 0) >= 1 and set(report["second_process"]) == {"refused"}
+    assert report["operations"].get("listener_raised", 0) > 0, report
     assert report["ok"], report

@@ -8,7 +8,11 @@ For the given duration, against one daemon:
 - a client thread drives the daemon over its ZeroMQ control plane (when the
   service is available);
 - the watermarks move now and then, and the native engine fails a read or a
-  write with EIO at a low rate.
+  write with EIO at a low rate;
+- a listener raises on some residency events (Python-level exceptions on the
+  scheduler thread, which must keep serving);
+- a second process tries to open the same store now and then, and must be
+  refused (the store is locked), never share it.
 
 Reports operations, errors by kind (injected faults surface as precise
 errors), data mismatches (must be 0), peak device bytes against the high
@@ -145,6 +149,25 @@ def _remote_client(daemon, stop, counters, directory):
     return "ok"
 
 
+def _second_process_opens(store_dir):
+    """'refused' if another process is kept out of the store, 'opened' if it got in."""
+    import subprocess
+    import sys
+    code = ("import sys; from prefetchd import _native\n"
+            "try:\n    _native.FileStore(sys.argv[1])\nexcept _native.StoreInUse:\n    print('refused')\n"
+            "else:\n    print('opened')\n")
+    out = subprocess.run([sys.executable, "-c", code, store_dir], capture_output=True, text=True, timeout=60)
+    return out.stdout.strip() or f"failed: {out.stderr.strip()[-200:]}"
+
+
+def _raising_listener(rng, counters):
+    def listener(event):
+        if rng.random() < 0.05:
+            counters.op("listener_raised")
+            raise RuntimeError(f"injected listener failure on {event['event']}")
+    return listener
+
+
 def run(directory, seconds=60.0, producers=3, fault_every=0.5, seed=1):
     from .. import _native
     from ..backend.framework import mindspore
@@ -163,6 +186,8 @@ def run(directory, seconds=60.0, producers=3, fault_every=0.5, seed=1):
     peak_violations = []
     daemon = Daemon(store_dir=os.path.join(directory, "store"), device_budget="48MiB", name="soak").start()
     daemon.add_reserve_check(lambda used, high: used > high and peak_violations.append((used, high)))
+    daemon.add_listener(_raising_listener(random.Random(seed + 99), counters))
+    second_process = collections.Counter()
     remote = {"status": "not started"}
     results = {}
     workers = [threading.Thread(target=lambda i=i: results.__setitem__(i, _producer(
@@ -175,6 +200,7 @@ def run(directory, seconds=60.0, producers=3, fault_every=0.5, seed=1):
     faults = 0
     for w in workers:
         w.start()
+    second_process[_second_process_opens(os.path.join(directory, "store"))] += 1   # at least once
     try:
         while time.monotonic() - started < seconds:
             time.sleep(fault_every)
@@ -184,6 +210,8 @@ def run(directory, seconds=60.0, producers=3, fault_every=0.5, seed=1):
                 faults += 1
             if rng.random() < 0.1:
                 daemon.set_watermarks(rng.choice([0.6, 0.8, 0.95]), None)
+            if rng.random() < 0.05:
+                second_process[_second_process_opens(os.path.join(directory, "store"))] += 1
     finally:
         stop.set()
         for w in workers:
@@ -216,8 +244,10 @@ def run(directory, seconds=60.0, producers=3, fault_every=0.5, seed=1):
         "fds_before": fds_before, "fds_after": len(os.listdir("/proc/self/fd")),
         "threads_before": threads_before, "threads_after": threading.active_count(),
         "hung_threads": hung, "remote_client": remote["status"],
+        "second_process": dict(second_process),
     }
     report["rss_growth_bytes"] = report["rss_end_bytes"] - rss_start
     report["ok"] = (report["data_mismatches"] == 0 and not peak_violations and not hung
+                    and set(second_process) <= {"refused"}
                     and report["fds_after"] <= fds_before and report["threads_after"] <= threads_before)
     return report
