@@ -210,7 +210,13 @@ class Config:
         for key, value in overrides.items():
             if value is not None:
                 raw[key], origin[key] = value, "argument"
-        return cls.from_dict(raw, origin)
+        config = cls.from_dict(raw, origin)
+        object.__setattr__(config, "_origins", dict(origin))
+        return config
+
+    def sources(self):
+        """{key: where its value came from} for every key not left at its default."""
+        return dict(getattr(self, "_origins", {}))
 
     @staticmethod
     def load_section(path, section):
@@ -277,7 +283,9 @@ class Config:
             object.__setattr__(self, "host_budget", _auto_host_budget(self))
 
     def replace(self, **changes):
-        return Config.from_dict({**self.as_dict(), **changes})
+        config = Config.from_dict({**self.as_dict(), **changes})
+        object.__setattr__(config, "_origins", {**self.sources(), **dict.fromkeys(changes, "argument")})
+        return config
 
     def as_dict(self):
         return dataclasses.asdict(self)

@@ -127,11 +127,13 @@ class Daemon:
         self._finalizer = weakref.finalize(self, _reclaim, self.name, core, self._thread,
                                            self.config.shutdown_timeout)
         self._finalizer.atexit = False    # at exit, _close_live_daemons closes it properly
-        log.info("prefetchd %s: started (backend %s, I/O engine %s, device budget %d B, watermarks "
-                 "%d/%d B, host budget %d B, store %s)", self.name, self.config.backend,
-                 self.backend.io_engine, self.config.device_budget, self.config.high_watermark,
-                 self.config.low_watermark, self.config.host_budget,
-                 self.config.store_dir or "a private temporary directory")
+        log.info("prefetchd %s: started (backend %s, device budget %d B, watermarks %d/%d B, host budget "
+                 "%d B, store %s); set: %s", self.name, self.config.backend, self.config.device_budget,
+                 self.config.high_watermark, self.config.low_watermark, self.config.host_budget,
+                 self.config.store_dir or "a private temporary directory",
+                 ", ".join(f"{k} from {v}" for k, v in sorted(self.config.sources().items())) or "defaults")
+        log.info("prefetchd %s: I/O engine %s (%s)", self.name, self.backend.io_engine,
+                 getattr(getattr(self.backend, "store", None), "probe_report", "no probe report"))
         try:
             self._attach()
         except BaseException:

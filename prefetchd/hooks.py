@@ -130,7 +130,7 @@ class Offloaded:
             handles = {key: self.daemon.handle(p.name) for key, p in params.items()}
         else:
             handles = {key: self.daemon.register(p, p.name, tier=tier) for key, p in params.items()}
-        return {key: handle._rec for key, handle in handles.items()}
+        return {key: self.daemon.record(handle) for key, handle in handles.items()}
 
     def plan(self):
         """The unit plan (prefetchd.planner.Plan): units, root unit, budget figures."""

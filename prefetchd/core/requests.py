@@ -80,6 +80,7 @@ class Outcomes:
             if req in rec.waiters:
                 rec.waiters.remove(req)
         self._stats.count(req.counted_as, "failed")
+        log.info("prefetchd: %s refused: %s", req.kind.value, error)     # one line per refusal
         self.resolve(req, error)
 
     def fail_waiters(self, rec, error):

@@ -151,6 +151,9 @@ class Scheduler:
             return
         kind, rec, req = entry
         self.timeline.transfer(kind.value, rec.name, rec.nbytes, c.start_ns, c.end_ns, ok=not c.status)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("prefetchd %s: %s of %r (%d B) %s in %.3f ms", self.name, kind.value, rec.name,
+                      rec.nbytes, f"failed: {c.message}" if c.status else "done", (c.end_ns - c.start_ns) / 1e6)
         seconds = max(0.0, (c.end_ns - c.start_ns) / 1e9)
         try:
             self._completions[kind](rec, req, c, seconds)
