@@ -14,8 +14,7 @@ import mmap
 import zlib
 
 from .. import dtypes
-from .errors import StagingError
-from .mapped import close_quietly, forget, open_mapped
+from .mapped import MappedCheckpoint, close_quietly, forget
 from .protobuf import WireError, as_int64, fields, varint
 
 CRC_MARK = b"crc_num"
@@ -39,7 +38,7 @@ class _Tensor:
         return dtypes.nbytes(self.shape, self.dtype)
 
 
-class MindSporeCheckpoint:
+class MindSporeCheckpoint(MappedCheckpoint):
     """Iterator of (name, shape, numpy dtype, buffer) over a .ckpt, one tensor in RAM at a time.
 
     The whole structure is checked when it is opened (StagingError naming the
@@ -48,42 +47,13 @@ class MindSporeCheckpoint:
     the last tensor has been consumed. `tensors` and `nbytes` give the totals.
     """
 
-    def __init__(self, path):
-        self.path = str(path)
-        self._mm = open_mapped(self.path)
-        try:
-            self._scan()
-        except BaseException:
-            close_quietly(self._mm)
-            raise
-        self._iter = self._stream()
-
-    @property
-    def tensors(self):
-        return len(self._entries)
-
     @property
     def nbytes(self):
         return sum(e.nbytes for e in self._entries)
 
-    @property
-    def has_checksum(self):
-        """True if the file carries a checksum (verified as iteration ends)."""
-        return self._expected_crc is not None
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return next(self._iter)
-
-    def close(self):
-        self._iter.close()
-        close_quietly(self._mm)
-
     # ------------------------------------------------------------ structure
-    def _fail(self, what):
-        raise StagingError(f"{self.path}: {what}")
+    def _read_structure(self):
+        self._scan()
 
     def _scan(self):
         mm, size = self._mm, len(self._mm)

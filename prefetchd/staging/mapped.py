@@ -36,3 +36,42 @@ def close_quietly(mm):
         mm.close()
     except BufferError:
         pass   # a consumer still holds a slice; the mapping goes with its last view
+
+
+class MappedCheckpoint:
+    """What the .ckpt and .safetensors readers share: a mapped file whose whole
+    structure is checked on open (`_read_structure`, StagingError naming the file),
+    then an iterator over its tensors (`_stream`). Subclasses set `_entries` and
+    `_expected_crc` (None: the file carries no checksum)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        self._mm = open_mapped(self.path)
+        try:
+            self._read_structure()
+        except BaseException:
+            close_quietly(self._mm)
+            raise
+        self._iter = self._stream()
+
+    @property
+    def tensors(self):
+        return len(self._entries)
+
+    @property
+    def has_checksum(self):
+        """True if the file carries a checksum (verified as iteration ends)."""
+        return self._expected_crc is not None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._iter)
+
+    def close(self):
+        self._iter.close()
+        close_quietly(self._mm)
+
+    def _fail(self, what):
+        raise StagingError(f"{self.path}: {what}")

@@ -8,8 +8,7 @@ import json
 import zlib
 
 from .. import dtypes
-from .errors import StagingError
-from .mapped import close_quietly, forget, open_mapped
+from .mapped import MappedCheckpoint, close_quietly, forget
 
 HEADER_LIMIT = 100 << 20   # the safetensors format's own cap on the JSON header
 
@@ -18,48 +17,19 @@ def _int(value):
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class SafetensorsCheckpoint:
+class SafetensorsCheckpoint(MappedCheckpoint):
     """Iterator of (name, shape, numpy dtype, memoryview) over a .safetensors file.
 
     The header is validated entirely on open (StagingError naming the file,
     the tensor and the field); `tensors` and `nbytes` give the totals.
     """
 
-    def __init__(self, path):
-        self.path = str(path)
-        self._mm = open_mapped(self.path)
-        try:
-            self._entries, self._expected_crc = self._scan()
-        except BaseException:
-            close_quietly(self._mm)
-            raise
-        self._iter = self._stream()
-
-    @property
-    def tensors(self):
-        return len(self._entries)
-
     @property
     def nbytes(self):
         return sum(end - start for _, _, _, start, end in self._entries)
 
-    @property
-    def has_checksum(self):
-        """True if the file carries a checksum (verified as iteration ends)."""
-        return self._expected_crc is not None
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return next(self._iter)
-
-    def close(self):
-        self._iter.close()
-        close_quietly(self._mm)
-
-    def _fail(self, what):
-        raise StagingError(f"{self.path}: {what}")
+    def _read_structure(self):
+        self._entries, self._expected_crc = self._scan()
 
     def _scan(self):
         mm = self._mm
