@@ -220,8 +220,10 @@ class Offloaded:
         """A graph compiled (@jit) while the unit's parameters lived elsewhere must not run:
         when their storage moved since they were last bound, drop the graphs of the unit's
         cells so the call about to run recompiles against the current storage (correct,
-        slow; with stable addresses the storage never moves and nothing recompiles)."""
-        addresses = tuple(p.data_ptr() for p in unit.params)
+        slow; with stable addresses the storage never moves and nothing recompiles).
+        The addresses are the daemon's own record of where it bound each tensor:
+        asking MindSpore (Tensor.data_ptr) waits for its whole op queue to drain."""
+        addresses = tuple(rec.bound_address for rec in unit.records)
         if unit.addresses is not None and addresses != unit.addresses:
             for cell in unit.compiled:
                 framework.invalidate_compiled(cell)
