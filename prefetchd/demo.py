@@ -85,8 +85,10 @@ def _progress(label, quiet, total_bytes=None, total_tensors=None):
 
 
 def _run(o, say, quiet):
-    from . import _native, offload
+    from . import offload
+    from .backend.base import open_store
     from .backend.framework import mindspore
+    from .config import Config
     from .daemon import Daemon
     from .model import build_model, estimate_bytes, init_values, layers_for, make_inputs
 
@@ -109,7 +111,7 @@ def _run(o, say, quiet):
         t0 = time.perf_counter()
         skeleton = build_model(hidden, layers, materialize=False)
         params = list(skeleton.get_parameters())
-        store = _native.FileStore(store_dir)
+        store = open_store(Config.load(store_dir=store_dir))   # the configured I/O settings
         index = stage_tensors(store, ((p.name, tuple(p.shape), np.dtype(np.float32),
                                        init_values(p.name, tuple(p.shape))) for p in params),
                               progress=_progress("staging", quiet, model_bytes, len(params)) or False)
