@@ -12,7 +12,7 @@ _LAZY = {
     "Config": "prefetchd.config",
     "ConfigError": "prefetchd.config",
     "Daemon": "prefetchd.daemon",
-    "TensorHandle": "prefetchd.daemon",
+    "TensorHandle": "prefetchd.handle",
     "offload": "prefetchd.hooks",
     "offloaded": "prefetchd.hooks",
     "Client": "prefetchd.control",

@@ -12,7 +12,6 @@ import atexit
 import contextlib
 import fnmatch
 import logging
-import math
 import threading
 import time
 import weakref
@@ -25,15 +24,17 @@ from .backend import framework
 from .config import Config, parse_fraction_or_size
 from .core import policy as policies
 from .core.binding import Binding
+from .attachments import Attachments
 from .core.events import Events
 from .core.homes import HomeSpace
 from .core.records import ManagedTensor, State
 from .core.registry import Registry, check_name
-from .core.requests import DONE, Kind, Request
+from .core.requests import DONE, Kind, Request, check_deadline, check_priority
 from .core.scheduler import Scheduler, run
 from .core.session import ComputeSession
 from .core.status import describe
 from .errors import ShutdownError, UnknownTensorError
+from .handle import TensorHandle
 from .stats import Stats
 from .timeline import Timeline
 
@@ -51,27 +52,6 @@ def _close_live_daemons():
             daemon.close(min(5.0, daemon.config.shutdown_timeout))
         except BaseException:
             log.exception("prefetchd %s: close at exit failed", daemon.name)
-
-
-class TensorHandle:
-    """What register() returns: a name bound to one daemon."""
-
-    __slots__ = ("name", "_rec", "__weakref__")
-
-    def __init__(self, rec):
-        self.name = rec.name
-        self._rec = rec
-
-    nbytes = property(lambda self: self._rec.nbytes)
-    shape = property(lambda self: self._rec.shape)
-    dtype = property(lambda self: self._rec.dtype)
-    state = property(lambda self: self._rec.state)
-    tiers = property(lambda self: self._rec.tiers)
-    target = property(lambda self: self._rec.target)
-
-    def __repr__(self):
-        r = self._rec
-        return f"<TensorHandle {r.name!r} {r.nbytes} B {r.state.value} tiers={r.tiers}>"
 
 
 class Daemon:
@@ -97,7 +77,7 @@ class Daemon:
         self._binding = None
         self._homes = None            # stable addresses, where the backend has them
         self._thread = None
-        self._attachments = _Attachments()
+        self._attachments = Attachments()
         self._shutdown_sent = False
         self._reserve_checks = []     # test hooks: fn(used_after, high) on every reservation
 
@@ -225,7 +205,7 @@ class Daemon:
             raise ValueError(f"tier must be 'device', 'host' or 'remote', not {tier!r}")
         if not framework.is_tensor(tensor):
             raise TypeError(f"register() takes a mindspore Tensor or Parameter, not {type(tensor).__name__}")
-        name = check_name(name if name is not None else getattr(tensor, "name", None) or _no_name())
+        name = check_name(name if name is not None else getattr(tensor, "name", None))
         self._check_open()
         array = np.ascontiguousarray(framework.host_copy(tensor))
         rec = ManagedTensor(name=name, shape=tuple(array.shape), dtype=array.dtype,
@@ -317,8 +297,8 @@ class Daemon:
     # ------------------------------------------------------------------ requests
     def prefetch(self, tensors, priority=0, deadline=None):
         """Make tensors resident soon. Resolves when they are; never pins them."""
-        _check_priority(priority)
-        _check_deadline(deadline)
+        check_priority(priority)
+        check_deadline(deadline)
         recs = self._records_of(tensors)
         self._check_open()
         if all(r.state is State.RESIDENT for r in recs):
@@ -336,7 +316,7 @@ class Daemon:
 
     def pin(self, tensors, priority=0):
         """Wait until resident, then pin (never evicted or moved until unpinned)."""
-        _check_priority(priority)
+        check_priority(priority)
         return self._submit(Request(Kind.PIN, self._records_of(tensors), Future(), priority))
 
     def unpin(self, tensors):
@@ -433,56 +413,6 @@ class Daemon:
     def add_reserve_check(self, fn):
         """Test hook: fn(used_after, high) runs at every device reservation."""
         self._reserve_checks.append(fn)
-
-
-class _Attachments:
-    """What the composition root adds around the core: the metrics exporter and the
-    control-plane server (the core never imports either)."""
-
-    def __init__(self):
-        self.exporter = None
-        self.server = None
-
-    @property
-    def metrics_port(self):
-        return self.exporter.port if self.exporter else None
-
-    def export_metrics(self, daemon, addr, port):
-        from .metrics import start_exporter
-        self.exporter = start_exporter(daemon, addr, port)
-
-    def serve(self, daemon, endpoint, **kwargs):
-        from .control.server import Server
-        self.server = Server(daemon, endpoint, **kwargs).start()
-        return self.server
-
-    def close(self, deadline, name):
-        stops = []
-        if self.server is not None:
-            stops.append(lambda: self.server.close(max(0.1, (deadline - time.monotonic()) / 2)))
-        if self.exporter is not None:
-            stops.append(self.exporter.close)
-        for stop in stops:
-            try:
-                stop()
-            except Exception:   # keep closing: the scheduler and memory matter more
-                log.exception("prefetchd %s: stopping the server or exporter failed", name)
-
-
-def _no_name():
-    raise ValueError("register() needs a name for a tensor that has none")
-
-
-def _check_priority(priority):
-    if isinstance(priority, bool) or not isinstance(priority, (int, float)) or not math.isfinite(priority):
-        raise TypeError(f"priority must be a finite number, not {priority!r}")
-
-
-def _check_deadline(deadline):
-    if deadline is None:
-        return
-    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or math.isnan(deadline):
-        raise TypeError(f"deadline must be a time.monotonic() value in seconds or None, not {deadline!r}")
 
 
 def _reclaim(name, core, thread, timeout):

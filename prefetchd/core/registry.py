@@ -13,6 +13,8 @@ MAX_NAME_BYTES = _native.MAX_KEY_BYTES
 
 def check_name(name):
     """A usable tensor name, or ValueError/TypeError saying why not."""
+    if name is None:
+        raise ValueError("a tensor needs a name: pass name=, or register a Parameter (it has one)")
     if not isinstance(name, str):
         raise TypeError(f"a tensor name must be a str, not {type(name).__name__} {name!r}")
     if not name:

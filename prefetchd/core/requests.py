@@ -8,6 +8,7 @@ and settles them after releasing it.
 """
 import enum
 import logging
+import math
 import time
 from concurrent.futures import Future, InvalidStateError
 
@@ -104,3 +105,15 @@ def settle(req, error, unpin):
     except InvalidStateError:    # cancelled by its caller meanwhile
         if req.pinned:
             unpin(req.pinned)
+
+
+def check_priority(priority):
+    if isinstance(priority, bool) or not isinstance(priority, (int, float)) or not math.isfinite(priority):
+        raise TypeError(f"priority must be a finite number, not {priority!r}")
+
+
+def check_deadline(deadline):
+    if deadline is None:
+        return
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or math.isnan(deadline):
+        raise TypeError(f"deadline must be a time.monotonic() value in seconds or None, not {deadline!r}")

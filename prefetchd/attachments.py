@@ -1,0 +1,43 @@
+"""The daemon's optional attachments: the metrics exporter and the control-plane server.
+
+The composition root (prefetchd/daemon.py) builds them from the Config; the
+scheduler core never imports either.
+"""
+import logging
+import time
+
+log = logging.getLogger("prefetchd")
+
+
+class Attachments:
+    """What the composition root adds around the core: the metrics exporter and the
+    control-plane server (the core never imports either)."""
+
+    def __init__(self):
+        self.exporter = None
+        self.server = None
+
+    @property
+    def metrics_port(self):
+        return self.exporter.port if self.exporter else None
+
+    def export_metrics(self, daemon, addr, port):
+        from .metrics import start_exporter
+        self.exporter = start_exporter(daemon, addr, port)
+
+    def serve(self, daemon, endpoint, **kwargs):
+        from .control.server import Server
+        self.server = Server(daemon, endpoint, **kwargs).start()
+        return self.server
+
+    def close(self, deadline, name):
+        stops = []
+        if self.server is not None:
+            stops.append(lambda: self.server.close(max(0.1, (deadline - time.monotonic()) / 2)))
+        if self.exporter is not None:
+            stops.append(self.exporter.close)
+        for stop in stops:
+            try:
+                stop()
+            except Exception:   # keep closing: the scheduler and memory matter more
+                log.exception("prefetchd %s: stopping the server or exporter failed", name)
