@@ -77,7 +77,10 @@ class Registry:
 
     def records_of(self, tensors, is_tensor):
         """Records for one tensor-like item or an iterable of them, without duplicates."""
-        if isinstance(tensors, (str, ManagedTensor)) or hasattr(tensors, "_rec") or is_tensor(tensors):
+        rec = getattr(tensors, "_rec", None)       # a TensorHandle: the hot path of prefetch hits
+        if rec is not None:
+            return (rec,)
+        if isinstance(tensors, (str, ManagedTensor)) or is_tensor(tensors):
             tensors = (tensors,)
         try:
             items = tuple(tensors)
