@@ -10,9 +10,10 @@ import tempfile
 
 
 def add_arguments(parser):
-    parser.add_argument("kind", choices=["io", "sched", "model", "serve", "soak"],
+    parser.add_argument("kind", choices=["io", "sched", "model", "serve", "soak", "accelerate"],
                         help="io: store vs fio; sched: scheduler throughput; model: offloaded vs resident passes; "
-                             "serve: the multi-process server with and without hints; soak: mixed load with faults")
+                             "serve: the multi-process server with and without hints; soak: mixed load with faults; "
+                             "accelerate: prefetchd vs Accelerate's disk_offload (torch in --torch-python)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--dir", help="scratch directory on the disk to measure (default: a temp dir under cwd)")
     parser.add_argument("--size", default="1GiB", help="io: file size; model: weight bytes")
@@ -33,6 +34,9 @@ def add_arguments(parser):
                         help="model: steady state, no page-cache drop between passes (default: cold, dropped)")
     parser.add_argument("--host-budget", type=float, default=0.5,
                         help="model: host budget of the remote-small-host case, as a fraction of the model (0.5)")
+    parser.add_argument("--torch-python", default=None,
+                        help="accelerate: interpreter with torch and accelerate (default: $PREFETCHD_TORCH_PYTHON, "
+                             "else this one if it imports them)")
 
 
 def run(args):
@@ -63,6 +67,9 @@ def _run(args, scratch, parse_size):
         from . import model
         args.hidden = args.hidden or 4096
         return model.run(scratch, args)
+    if args.kind == "accelerate":
+        from . import accelerate
+        return accelerate.run(scratch, args)
     if args.kind == "soak":
         from . import soak
         seconds = args.seconds if args.seconds is not None else args.minutes * 60
