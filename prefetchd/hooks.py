@@ -197,7 +197,8 @@ class Offloaded:
     def _acquire(self, unit):
         if not unit.records:
             return
-        if self._recording or self.auto_fetch:
+        if self._recording or self.auto_fetch or (self.lookahead == 0 and not self.strict):
+            # lookahead 0 loads every unit on demand by design: not a miss to warn about
             stall = self._session.acquire(unit.records, auto_fetch=True, unit=unit.name)
         else:
             try:
