@@ -1,7 +1,7 @@
 """The `prefetchd` command.
 
     prefetchd demo                    stream a model larger than its device budget, check outputs
-    prefetchd bench {io,sched,model,serve,soak} [--json]
+    prefetchd bench {io,sched,model,serve,soak,accelerate} [--json]
     prefetchd stage CHECKPOINT --store DIR
     prefetchd config {show,validate} [--config FILE]
     prefetchd collect-env
