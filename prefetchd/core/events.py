@@ -7,8 +7,6 @@ import logging
 
 log = logging.getLogger("prefetchd")
 
-EVENTS = ("loaded", "evicted", "written_back", "failed")
-
 
 class Events:
     def __init__(self):

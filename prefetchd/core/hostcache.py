@@ -25,11 +25,7 @@ class HostCache:
     @staticmethod
     def droppable(rec):
         """A host replica that is only a cache (the remote copy is the truth) and idle."""
-        return (rec.host_valid and rec.remote_valid and rec.host_block is not None
-                and not rec.reading_host)
-
-    def cached_bytes(self):
-        return sum(r.nbytes for r in self.registry if r.host_valid and r.remote_valid)
+        return rec.host_cached and rec.host_block is not None and not rec.reading_host
 
     def admit(self, rec):
         """Make room for a host replica of rec if the policy says it is worth it: True if

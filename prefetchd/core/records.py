@@ -68,6 +68,11 @@ class ManagedTensor:
         return out
 
     @property
+    def host_cached(self):
+        """A host replica kept as a cache of the remote tier (droppable: the remote copy is the truth)."""
+        return self.host_valid and self.remote_valid
+
+    @property
     def replica(self):
         """The buffer holding the device replica's bytes: the home once attached, else the block."""
         return self.home if self.home is not None else self.block

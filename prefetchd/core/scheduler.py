@@ -132,17 +132,14 @@ class Scheduler:
 
     def _settle_record(self, rec, error):
         """Put a record whose move broke midway back into a named, usable state."""
-        if rec.state is State.LOADING and not self._in_flight(rec):
+        if rec.state is State.LOADING and not self.transfers.involves(rec):
             if rec.block is not None:
                 self.backend.free_device(rec.block)
             rec.block, rec.state = None, State.ABSENT
             self.outcomes.fail_waiters(rec, error)
-        elif rec.state is State.STORING and not self._in_flight(rec):
+        elif rec.state is State.STORING and not self.transfers.involves(rec):
             rec.state, rec.writeback_failed, rec.error = State.RESIDENT, True, error
             rec.evict_after_store = None
-
-    def _in_flight(self, rec):
-        return self.transfers.involves(rec)
 
     # ------------------------------------------------------------------ routing
     def _on_completion(self, c):

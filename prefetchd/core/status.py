@@ -11,7 +11,7 @@ def describe(config, registry, core, *, closed, running):
         if rec.pins:
             pinned += 1
             pinned_bytes += rec.nbytes
-        if rec.host_valid and rec.remote_valid:
+        if rec.host_cached:
             cached += 1
             cached_bytes += rec.nbytes
     be = core.backend if core else None
