@@ -34,6 +34,11 @@ class Loads:
                     rec.pins += 1
                     req.pinned.append(rec)
                     rec.prefetched_unused = False
+                elif req.kind is Kind.PREFETCH and rec.state is State.RESIDENT and not rec.pins:
+                    # A hit is a prefetch too: kept for its use like a loaded one, else a
+                    # later prefetch could evict it once compute moves on (e.g. the root
+                    # unit at a pass start, whose next use then looks farthest).
+                    rec.prefetched_unused = True
                 rec.last_use = s.tick()
                 continue
             if rec.state is State.ABSENT and not (rec.remote_valid or rec.host_valid):

@@ -295,3 +295,28 @@ def test_an_exception_while_applying_a_completion_fails_its_request_and_settles_
     again = c.submit(Kind.PREFETCH, list(recs))
     c.drain()
     assert again.result(0) is None and all(r.state is State.RESIDENT for r in recs)
+
+
+def test_a_prefetch_that_hits_keeps_its_tensor_from_later_prefetches():
+    """The root unit's case (CI found it under load): the root is resident and
+    unpinned at a pass end and its prefetch hits; then compute moves to step 0,
+    where the root's next use looks farthest, before the pin for it arrives. A
+    prefetch of the next unit must not evict what was asked for and not used yet."""
+    c = Core(device=16 * KiB)
+    root, a, b = c.tensor("root", 8 * KiB), c.tensor("a", 4 * KiB), c.tensor("b", 8 * KiB)
+    c.policy.set_trace([[root.name], [a.name], [b.name]])
+    c.submit(Kind.PIN, [root])
+    c.drain()
+    c.submit(Kind.UNPIN, [root])
+    c.policy.advance(2)
+    hit = c.submit(Kind.PREFETCH, [root])                  # the pass end: nearest next use
+    c.drain()
+    assert hit.result(0) is None and root.state is State.RESIDENT
+    c.policy.advance(0)                                    # the next pass begins
+    c.submit(Kind.PREFETCH, [a])
+    c.submit(Kind.PREFETCH, [b])                           # does not fit beside root and a
+    c.drain()
+    assert root.state is State.RESIDENT, "a prefetch evicted a tensor prefetched and not used yet"
+    pin = c.submit(Kind.PIN, [root])
+    c.step()
+    assert pin.done() and root.pins == 1
