@@ -241,7 +241,8 @@ class Offloaded:
             inputs = cost_model.measure(
                 [self._unit(i).nbytes for i in self.trace if i != ROOT], dispatch_ns, fence_ns,
                 stats=self.daemon.snapshot()[1], high_watermark=self._high,
-                host_budget=self.daemon.config.host_budget, root_bytes=self.root.nbytes, tier=self.tier)
+                host_budget=self.daemon.config.host_budget, root_bytes=self.root.nbytes, tier=self.tier,
+                copy_cores=self.daemon.backend.copy_cores)
             self.estimate = cost_model.plan(inputs, None if self._auto else self.lookahead)
         except (TimeoutError, ValueError) as e:
             log.info("prefetchd.offload: no pass-time estimate (%s)", e)

@@ -17,6 +17,9 @@ prefetches units j+1..j+k — fires when unit j-1 became resident, usually well
 before j-1 finished computing. A load also needs device room: with `slots`
 units fitting under the high watermark beside the root, unit i waits for unit
 i-slots to finish computing (its memory is reused after its compute fence).
+Where copies are memcpys on compute's own cores (the cpu backend, copy_cores >
+0), copying and compute share those cores: compute stretches by the pass's
+copy seconds over the cores. (An accelerator copies by DMA: copy_cores = 0.)
 
 A pass is timed the way `prefetchd bench model` times it: from the call until
 its outputs are computed *and* the prefetches it issued for the next pass have
@@ -53,6 +56,9 @@ class Inputs:
     (stalls excluded), e.g. from `compute_seconds_from_fences`.
     tier: where weights live between uses, "remote" (store, host cache in
     front) or "host" (RAM; never read from disk).
+    copy_cores: 0 where a host->device copy runs beside compute (an accelerator's
+    DMA engine); n where it is a memcpy on the n cores compute also runs on (the
+    cpu backend): each second of copying then takes 1/n second from compute.
     """
     unit_bytes: tuple
     compute_seconds: tuple
@@ -64,6 +70,7 @@ class Inputs:
     root_seconds: float = 0.0        # compute outside the units (embeddings, head)
     tier: str = "remote"
     dispatch_ahead: bool = True      # False: the framework runs ops synchronously
+    copy_cores: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "unit_bytes", tuple(int(b) for b in self.unit_bytes))
@@ -78,6 +85,8 @@ class Inputs:
             raise ValueError(f"h2d_rate must be > 0 bytes/s, not {self.h2d_rate!r}")
         if self.tier == "remote" and (not self.disk_rate or self.disk_rate <= 0):
             raise ValueError(f"disk_rate must be > 0 bytes/s for the remote tier, not {self.disk_rate!r}")
+        if self.copy_cores < 0:
+            raise ValueError(f"copy_cores must be >= 0, not {self.copy_cores!r}")
         if self.high_watermark <= 0 or self.host_budget < 0 or self.root_bytes < 0:
             raise ValueError("high_watermark must be > 0, host_budget and root_bytes >= 0")
 
@@ -155,14 +164,40 @@ def io_seconds(inputs, first_pass):
     return out
 
 
-def simulate(inputs, k, io, *, warm, k_next=None, io_next=None):
+def copy_seconds(inputs, first_pass):
+    """Host->device copy seconds of a first or later pass: on the cpu backend, CPU work."""
+    cached = set(host_cached(inputs))
+    total = 0.0
+    for i, b in enumerate(inputs.unit_bytes):
+        from_host = inputs.tier == "host" or (i in cached if not first_pass
+                                              else block_bytes(b) <= inputs.host_budget)
+        total += b / inputs.h2d_rate if from_host else 0.0
+    return total
+
+
+def shared_compute(inputs, copies):
+    """Per-unit compute seconds and root seconds, stretched by `copies` seconds of
+    memcpy where copies run on compute's cores (copy_cores > 0), spread in
+    proportion to each unit's compute."""
+    c, root = list(inputs.compute_seconds), inputs.root_seconds
+    if not inputs.copy_cores or not copies:
+        return c, root
+    stolen, total = copies / inputs.copy_cores, sum(c) + root
+    if total <= 0:
+        return c, root + stolen
+    scale = 1.0 + stolen / total
+    return [x * scale for x in c], root * scale
+
+
+def simulate(inputs, k, io, *, warm, k_next=None, io_next=None, copies=0.0):
     """(pass seconds, stall seconds) of one pass; see the module docstring.
 
     k: lookahead while this pass runs; warm: its first k units are already on the
-    device; k_next / io_next: the prefetches its post-hook issues for the next pass.
+    device; k_next / io_next: the prefetches its post-hook issues for the next pass;
+    copies: host->device copy seconds of the pass (see shared_compute).
     """
     n = len(io)
-    c = inputs.compute_seconds
+    c, root_seconds = shared_compute(inputs, copies)
     k_next = k if k_next is None else k_next
     io_next = io if io_next is None else io_next
     s = max(1, slots(inputs))
@@ -194,7 +229,7 @@ def simulate(inputs, k, io, *, warm, k_next=None, io_next=None):
         if n + j - s < n and n + j - s >= 0:
             issue = max(issue, end[n + j - s])
         stream = max(stream, issue) + io_next[j]
-    total = max(compute + inputs.root_seconds, stream)
+    total = max(compute + root_seconds, stream)
     return total, stall
 
 
@@ -206,11 +241,14 @@ def plan(inputs, lookahead=None):
     k_max = max_lookahead(inputs)
     compute_total = sum(inputs.compute_seconds) + inputs.root_seconds
     first_io = io_seconds(inputs, first_pass=True)
+    first_copies = copy_seconds(inputs, first_pass=True)
     if fits_on_device(inputs):
         steady_io = [0.0] * n             # everything stays resident after the first pass
+        steady_copies = 0.0
     else:
         steady_io = io_seconds(inputs, first_pass=False)
-    by_k = {k: simulate(inputs, k, steady_io, warm=True)[0] for k in range(k_max + 1)}
+        steady_copies = copy_seconds(inputs, first_pass=False)
+    by_k = {k: simulate(inputs, k, steady_io, warm=True, copies=steady_copies)[0] for k in range(k_max + 1)}
     clamped = False
     if lookahead is None:
         best = min(by_k.values()) if by_k else 0.0
@@ -221,8 +259,8 @@ def plan(inputs, lookahead=None):
             raise ValueError(f"lookahead must be >= 0, got {lookahead}")
         k = min(int(lookahead), k_max)
         clamped = int(lookahead) > k_max
-    steady, stall = simulate(inputs, k, steady_io, warm=True)
-    first, _ = simulate(inputs, 0, first_io, warm=False, k_next=k, io_next=steady_io)
+    steady, stall = simulate(inputs, k, steady_io, warm=True, copies=steady_copies)
+    first, _ = simulate(inputs, 0, first_io, warm=False, k_next=k, io_next=steady_io, copies=first_copies)
     io_total = sum(steady_io)
     cached = set(host_cached(inputs))
     disk = 0.0 if inputs.tier == "host" or fits_on_device(inputs) else sum(
@@ -263,7 +301,7 @@ def compute_seconds_from_fences(dispatch_ns, fence_ns):
 
 
 def measure(unit_bytes, dispatch_ns, fence_ns, *, high_watermark, host_budget, stats=None,
-            disk_rate=None, h2d_rate=None, root_bytes=0, root_seconds=0.0, tier="remote"):
+            disk_rate=None, h2d_rate=None, root_bytes=0, root_seconds=0.0, tier="remote", copy_cores=0):
     """Inputs from what a first pass recorded: unit bytes in trace order, each unit's
     dispatch and fence times (ns, see FenceClock), and the transfer rates, given or
     taken from the daemon's stats (`daemon.snapshot()[1]`)."""
@@ -279,7 +317,8 @@ def measure(unit_bytes, dispatch_ns, fence_ns, *, high_watermark, host_budget, s
     return Inputs(unit_bytes=tuple(unit_bytes),
                   compute_seconds=tuple(compute_seconds_from_fences(dispatch_ns, fence_ns)),
                   disk_rate=disk_rate or 0.0, h2d_rate=h2d_rate, high_watermark=high_watermark,
-                  host_budget=host_budget, root_bytes=root_bytes, root_seconds=root_seconds, tier=tier)
+                  host_budget=host_budget, root_bytes=root_bytes, root_seconds=root_seconds, tier=tier,
+                  copy_cores=copy_cores)
 
 
 class FenceClock:

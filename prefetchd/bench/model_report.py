@@ -77,21 +77,25 @@ def case_report(case, tier, batch, host_budget, resident, resident_log, logs, me
 
 
 def plan_inputs(method, layer_seconds, rates, tier, resident_seconds):
-    """plan.Inputs for a streamed method: its units in trace order, per-unit compute from the
-    resident model's per-layer fences (or its pass time spread by bytes), the measured rates."""
+    """plan.Inputs for a streamed method: its units in trace order, the measured rates, and
+    per-unit compute: the resident model's median pass of this run, split over units as its
+    per-layer fences split it (or by bytes). The fences are timed back to back after the
+    interleaved passes, where the same compute has run up to 1.6x faster than inside them."""
     handle = method.handle
     units = [handle.units[i] for i in handle.trace if i >= 0]
     index = {id(cell): i for i, cell in enumerate(method.model)}
     total = sum(u.nbytes for u in units) or 1
-    mapped = layer_seconds is not None and all(id(c) in index for u in units for c in u.cells)
-    compute = [sum(layer_seconds[index[id(c)]] for c in u.cells) if mapped
+    mapped = layer_seconds is not None and sum(layer_seconds) > 0 and all(
+        id(c) in index for u in units for c in u.cells)
+    scale = resident_seconds / sum(layer_seconds) if mapped else 0.0
+    compute = [scale * sum(layer_seconds[index[id(c)]] for c in u.cells) if mapped
                else resident_seconds * u.nbytes / total for u in units]
     status = method.daemon.status()
     return plans.Inputs(unit_bytes=[u.nbytes for u in units], compute_seconds=compute,
                         disk_rate=rates.get("disk_read"), h2d_rate=rates["h2d_copy"],
                         high_watermark=status["device"]["high_watermark"],
                         host_budget=method.daemon.config.host_budget, root_bytes=handle.root.nbytes,
-                        tier=tier), mapped
+                        tier=tier, copy_cores=method.daemon.backend.copy_cores), mapped
 
 
 def _pair(predicted, measured):
@@ -111,7 +115,9 @@ def plan_report(methods, report, layer_seconds, rates, lookahead, tier, resident
         "units": len(inputs.unit_bytes), "compute_seconds": p.compute_seconds,
         # Compute measured alone (fences, back to back) against the resident passes of the
         # interleaved run: above 1 when the cores were busier during the run than alone.
-        "resident_over_compute_profile": resident_seconds / p.compute_seconds if p.compute_seconds else None,
+        "resident_over_compute_profile": resident_seconds / sum(layer_seconds)
+        if from_fences else None,
+        "copy_cores": inputs.copy_cores,
         "disk_rate": inputs.disk_rate, "h2d_rate": inputs.h2d_rate,
         "lookahead": p.lookahead, "clamped": p.clamped, "max_lookahead": p.max_lookahead,
         "auto_lookahead": auto.lookahead, "auto_pass_seconds": auto.pass_seconds, "bound": p.bound,
