@@ -236,12 +236,16 @@ class Offloaded:
         clock, self._clock = self._clock, None
         if clock is None:
             return
+        # Weights registered remote but all held in host RAM (stage_to_host, or a host cache
+        # that took everything) are planned as the host tier: no pass reads the disk. (A
+        # read without the lock: it only picks the plan's tier.)
+        tier = "host" if all(r.host_valid for u in self.units for r in u.records) else self.tier
         try:
             dispatch_ns, fence_ns = clock.stop()
             inputs = cost_model.measure(
                 [self._unit(i).nbytes for i in self.trace if i != ROOT], dispatch_ns, fence_ns,
                 stats=self.daemon.snapshot()[1], high_watermark=self._high,
-                host_budget=self.daemon.config.host_budget, root_bytes=self.root.nbytes, tier=self.tier,
+                host_budget=self.daemon.config.host_budget, root_bytes=self.root.nbytes, tier=tier,
                 copy_cores=self.daemon.backend.copy_cores)
             self.estimate = cost_model.plan(inputs, None if self._auto else self.lookahead)
         except (TimeoutError, ValueError) as e:

@@ -333,3 +333,16 @@ def test_lookahead_auto_is_chosen_by_the_cost_model_from_the_first_pass(make_dae
     stats = handle.stats()
     assert stats["lookahead"] == handle.lookahead and stats["predicted_pass_seconds"] == estimate.pass_seconds
     assert daemon.status()["device"]["peak"] <= daemon.status()["device"]["high_watermark"]
+
+
+def test_a_model_staged_to_host_ram_gets_a_host_tier_estimate(make_daemon, reference):
+    """Registered on the remote tier, then all staged to host RAM (what `demo --tier host`
+    does): no pass reads the disk, and the cost model still predicts a pass."""
+    x, want, _ = reference
+    model, handle, daemon = offloaded(make_daemon, 0.3, lookahead="auto")
+    daemon.stage_to_host(daemon.names()).result(timeout=60)
+    for _ in range(2):
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
+    assert daemon.snapshot()[1].loads_from["remote"] == 0
+    assert handle.estimate is not None, "no estimate for a model held in host RAM"
+    assert handle.estimate.disk_seconds == 0 and handle.estimate.pass_seconds > 0
