@@ -124,6 +124,16 @@ def _layer_seconds(methods, hidden, layers):
     return [statistics.median(s[i] for s in seconds) for i in range(layers)]
 
 
+def _daemon_h2d_rate(passes):
+    """Bytes per second the daemon moves host -> device with nothing computing (the host
+    case's io_only, steady passes): the copies with every per-load cost (page moves,
+    TLB shootdowns, scheduling) included, which a raw memcpy leaves out. None if not run."""
+    steady = [p for p in (passes or [])[1:] if p["seconds"] > 0 and p["load_bytes_from"].get("host")]
+    if not steady:
+        return None
+    return statistics.median(p["load_bytes_from"]["host"] / p["seconds"] for p in steady)
+
+
 def _run_batch(ms, hidden, layers, batch, cases, budget, model_bytes, args, directory, drop):
     x = ms.Tensor.from_numpy(np.random.default_rng(batch).standard_normal((batch, hidden), dtype=np.float32))
     methods = _methods(ms, hidden, layers, x, cases, budget, model_bytes, args, directory, batch)
@@ -138,6 +148,9 @@ def _run_batch(ms, hidden, layers, batch, cases, budget, model_bytes, args, dire
             m = methods.get(("", name))
             if m is not None:
                 rates[name] = m.nbytes / statistics.median(m.seconds[1:] or m.seconds)
+        h2d = _daemon_h2d_rate(log.get(("host", "io_only")))
+        if h2d is not None:
+            rates["h2d_daemon"] = h2d
         resident = [p["seconds"] for p in log["", "resident"]]
         results = []
         for case in cases:

@@ -77,7 +77,8 @@ def case_report(case, tier, batch, host_budget, resident, resident_log, logs, me
 
 
 def plan_inputs(method, layer_seconds, rates, tier, resident_seconds):
-    """plan.Inputs for a streamed method: its units in trace order, the measured rates, and
+    """plan.Inputs for a streamed method: its units in trace order; the disk rate; the
+    daemon's own host->device rate where the host case measured it (else a raw memcpy's);
     per-unit compute: the resident model's median pass of this run, split over units as its
     per-layer fences split it (or by bytes). The fences are timed back to back after the
     interleaved passes, where the same compute has run up to 1.6x faster than inside them."""
@@ -92,7 +93,7 @@ def plan_inputs(method, layer_seconds, rates, tier, resident_seconds):
                else resident_seconds * u.nbytes / total for u in units]
     status = method.daemon.status()
     return plans.Inputs(unit_bytes=[u.nbytes for u in units], compute_seconds=compute,
-                        disk_rate=rates.get("disk_read"), h2d_rate=rates["h2d_copy"],
+                        disk_rate=rates.get("disk_read"), h2d_rate=rates.get("h2d_daemon") or rates["h2d_copy"],
                         high_watermark=status["device"]["high_watermark"],
                         host_budget=method.daemon.config.host_budget, root_bytes=handle.root.nbytes,
                         tier=tier, copy_cores=method.daemon.backend.copy_cores), mapped
