@@ -12,6 +12,7 @@ ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONP
 
 
 def data_offset(path, nbytes):
+    """Where the data starts: the header is whatever precedes the padded data."""
     return os.path.getsize(path) - (-(-nbytes // 4096) * 4096)
 
 
@@ -35,30 +36,31 @@ def write_and_close(d, key, data):
     return path
 
 
-@pytest.fixture
-def read_only_dir(tmp_path):
-    d = str(tmp_path / "ro")
+def _mounted(d, fstype, options=None):
+    """Mount a fresh `fstype` at d for the test (skipped where mounting is not allowed)."""
     os.mkdir(d)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", d], capture_output=True)
+    args = ["mount", "-t", fstype] + (["-o", options] if options else []) + [fstype, d]
+    r = subprocess.run(args, capture_output=True)
     if r.returncode != 0:
-        pytest.skip("cannot mount a read-only tmpfs here: " + r.stderr.decode(errors="replace").strip())
+        pytest.skip(f"cannot mount {fstype} here: " + r.stderr.decode(errors="replace").strip())
     try:
         yield d
     finally:
         subprocess.run(["umount", d], check=True)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    yield from _mounted(str(tmp_path / "ro"), "tmpfs", "ro,size=1m")
 
 
 @pytest.fixture
 def tiny_fs(tmp_path):
     """A tmpfs with room for 3 inodes: its root, one directory and one file."""
-    d = str(tmp_path / "tiny")
-    os.mkdir(d)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "nr_inodes=3,size=1m", "tmpfs", d], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip("cannot mount tmpfs here: " + r.stderr.decode(errors="replace").strip())
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", d], check=True)
+    yield from _mounted(str(tmp_path / "tiny"), "tmpfs", "nr_inodes=3,size=1m")
 
 
+@pytest.fixture
+def ramfs(tmp_path):
+    """A filesystem without O_DIRECT. (tmpfs has O_DIRECT since Linux 6.6; ramfs never had it.)"""
+    yield from _mounted(str(tmp_path / "ramfs"), "ramfs")

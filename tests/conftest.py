@@ -23,6 +23,15 @@ def ms(mindspore_cpu):
 
 
 @pytest.fixture
+def native_faults():
+    """prefetchd._native, with no injected fault (inject_fault) before or after the test."""
+    from prefetchd import _native
+    _native.clear_faults()
+    yield _native
+    _native.clear_faults()
+
+
+@pytest.fixture
 def store_dir(tmp_path):
     """A store directory on the real disk (tmp_path is on ext4 here: O_DIRECT works)."""
     d = tmp_path / "store"

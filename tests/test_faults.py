@@ -20,11 +20,7 @@ from _crash_writer import size_of, value  # noqa: E402
 MiB = 1 << 20
 
 
-@pytest.fixture(autouse=True)
-def no_faults_left():
-    _native.clear_faults()
-    yield
-    _native.clear_faults()
+pytestmark = pytest.mark.usefixtures("native_faults")     # no injected fault outlives a test
 
 
 # ---------------------------------------------------------------- crash safety

@@ -9,16 +9,11 @@ import numpy as np
 import pytest
 
 n = pytest.importorskip("prefetchd._native")
+from _store_helpers import REPO, data_offset  # noqa: E402
 
 ENGINES = ("aio", "threads", "buffered")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-@pytest.fixture(autouse=True)
-def _no_faults():
-    n.clear_faults()
-    yield
-    n.clear_faults()
+pytestmark = pytest.mark.usefixtures("native_faults")     # no injected fault outlives a test
 
 
 @pytest.fixture
@@ -34,11 +29,6 @@ def payload(size, seed=0):
 
 def files(d, suffix=""):
     return sorted(f for f in os.listdir(d) if f.endswith(suffix))
-
-
-def data_offset(path, nbytes):
-    """Where the data starts: the header is whatever precedes the padded data."""
-    return os.path.getsize(path) - (-(-nbytes // 4096) * 4096)
 
 
 # ---------------------------------------------------------------- round trips

@@ -8,12 +8,7 @@ import pytest
 n = pytest.importorskip("prefetchd._native")
 from _store_helpers import flip_byte, mode, read_only_dir, tiny_fs, write_and_close  # noqa: F401 (fixtures)
 
-
-@pytest.fixture(autouse=True)
-def _no_faults():
-    n.clear_faults()
-    yield
-    n.clear_faults()
+pytestmark = pytest.mark.usefixtures("native_faults")     # no injected fault outlives a test
 
 
 # ---------------------------------------------------------------- permissions, unwritable directories

@@ -1,12 +1,12 @@
 """prefetchd._native.FileStore engine probe: O_DIRECT and kernel AIO where the filesystem has
 them, buffered I/O where it does not (ramfs, older tmpfs), bad options refused."""
 import os
-import subprocess
 
 import numpy as np
 import pytest
 
 n = pytest.importorskip("prefetchd._native")
+from _store_helpers import ramfs  # noqa: E402,F401 (a fixture)
 
 
 def payload(size, seed=0):
@@ -45,20 +45,6 @@ def roundtrip(s):
     out = np.zeros_like(src)
     s.read_sync("k", out)
     assert np.array_equal(out, src)
-
-
-@pytest.fixture
-def ramfs(tmp_path):
-    """A filesystem without O_DIRECT. (tmpfs has O_DIRECT since Linux 6.6; ramfs never had it.)"""
-    d = str(tmp_path / "ramfs")
-    os.mkdir(d)
-    r = subprocess.run(["mount", "-t", "ramfs", "ramfs", d], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip("cannot mount ramfs here: " + r.stderr.decode(errors="replace").strip())
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", d], check=True)
 
 
 def test_filesystem_without_o_direct_falls_back_to_buffered(ramfs):

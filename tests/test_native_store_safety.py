@@ -11,12 +11,7 @@ import pytest
 n = pytest.importorskip("prefetchd._native")
 from _store_helpers import ENV, REPO, data_offset, flip_byte, write_and_close
 
-
-@pytest.fixture(autouse=True)
-def _no_faults():
-    n.clear_faults()
-    yield
-    n.clear_faults()
+pytestmark = pytest.mark.usefixtures("native_faults")     # no injected fault outlives a test
 
 
 # ---------------------------------------------------------------- the directory lock

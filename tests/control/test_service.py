@@ -56,14 +56,6 @@ def daemon(tmp_path):
 
 
 @pytest.fixture
-def native_faults():
-    from prefetchd import _native
-    _native.clear_faults()
-    yield _native
-    _native.clear_faults()
-
-
-@pytest.fixture
 def served(daemon):
     server = daemon.serve(unique_endpoint("svc"), default_lease=5.0)
     with Client(server.endpoint, timeout=5.0) as client:
