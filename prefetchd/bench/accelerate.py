@@ -465,15 +465,10 @@ def run(directory, args):
 def bench_accelerate(directory, **options):
     """Python entry point: `bench_accelerate(dir, size="4MiB", hidden=256, batch=[4], repeats=1,
     torch_python=...)`; options are the flags of `prefetchd bench accelerate`."""
-    import argparse
-    args = argparse.Namespace(hidden=None, layers=None, size="1GiB", budget=0.25, batch=None, repeats=3,
-                              lookahead=2, torch_python=None, threads=2)
-    unknown = set(options) - set(vars(args))
-    if unknown:
-        raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(vars(args))}")
-    vars(args).update(options)
-    os.makedirs(directory, exist_ok=True)
-    return run(directory, args)
+    from .runner import run_from_python
+    defaults = dict(hidden=None, layers=None, size="1GiB", budget=0.25, batch=None, repeats=3,
+                    lookahead=2, torch_python=None, threads=2)
+    return run_from_python(run, directory, defaults, options)
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--child":

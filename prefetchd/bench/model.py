@@ -24,7 +24,6 @@ The plan (prefetchd/plan.py), fed with per-layer compute times from compute fenc
 measured rates, predicts each streamed pass; the report puts prediction and measurement
 side by side.
 """
-import argparse
 import os
 import shutil
 import statistics
@@ -211,11 +210,7 @@ def run(directory, args):
 def bench_model(directory, **options):
     """Python entry point: `bench_model(dir, size="4MiB", hidden=256, batch=[4], repeats=1, steady=True)`.
     Options are the CLI flags of `prefetchd bench model` (plus `cases`, a subset of CASES)."""
-    args = argparse.Namespace(hidden=256, layers=None, size="64MiB", budget=0.25, batch=None, repeats=3,
-                              lookahead=2, steady=False, no_drop_caches=False, host_budget=0.5, cases=None)
-    unknown = set(options) - set(vars(args))
-    if unknown:
-        raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(vars(args))}")
-    vars(args).update(options)
-    os.makedirs(directory, exist_ok=True)
-    return run(directory, args)
+    from .runner import run_from_python
+    defaults = dict(hidden=256, layers=None, size="64MiB", budget=0.25, batch=None, repeats=3,
+                    lookahead=2, steady=False, no_drop_caches=False, host_budget=0.5, cases=None)
+    return run_from_python(run, directory, defaults, options)

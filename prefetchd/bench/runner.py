@@ -4,6 +4,7 @@ Every benchmark reports ratios against a baseline measured in the same run:
 these machines are shared and noisy, so absolute numbers from different runs
 do not compare.
 """
+import argparse
 import os
 import shutil
 import tempfile
@@ -75,3 +76,13 @@ def _run(args, scratch, parse_size):
         seconds = args.seconds if args.seconds is not None else args.minutes * 60
         return soak.run(scratch, seconds=seconds)
     raise ValueError(args.kind)
+
+
+def run_from_python(run, directory, defaults, options):
+    """A benchmark's Python entry point: `run(directory, args)` with `options` (the
+    CLI flags' names) over `defaults`; an option the benchmark lacks is a TypeError."""
+    unknown = set(options) - set(defaults)
+    if unknown:
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(defaults)}")
+    os.makedirs(directory, exist_ok=True)
+    return run(directory, argparse.Namespace(**{**defaults, **options}))
