@@ -147,32 +147,23 @@ def host_cached(inputs):
     return tuple(sorted(kept))
 
 
-def io_seconds(inputs, first_pass):
-    """Per unit: copy-stream seconds to bring it to the device in the first or a later pass."""
+def moves(inputs, first_pass):
+    """Per unit: (disk seconds, host->device copy seconds) to bring it to the device in
+    the first or a later pass. The copy stream is busy for their sum; the copies are
+    also CPU work where copy_cores > 0."""
     cached = set(host_cached(inputs))
     out = []
     for i, b in enumerate(inputs.unit_bytes):
-        copy = b / inputs.h2d_rate
+        disk, copy = b / inputs.disk_rate if inputs.disk_rate else 0.0, b / inputs.h2d_rate
         if inputs.tier == "host":
-            out.append(copy)
+            out.append((0.0, copy))
         elif first_pass:
             # From disk; through a new host replica (disk read + copy) if the cache admits it.
             # LRU admits every unit that fits the budget at all.
-            out.append(b / inputs.disk_rate + (copy if block_bytes(b) <= inputs.host_budget else 0.0))
+            out.append((disk, copy if block_bytes(b) <= inputs.host_budget else 0.0))
         else:
-            out.append(copy if i in cached else b / inputs.disk_rate)
+            out.append((0.0, copy) if i in cached else (disk, 0.0))
     return out
-
-
-def copy_seconds(inputs, first_pass):
-    """Host->device copy seconds of a first or later pass: on the cpu backend, CPU work."""
-    cached = set(host_cached(inputs))
-    total = 0.0
-    for i, b in enumerate(inputs.unit_bytes):
-        from_host = inputs.tier == "host" or (i in cached if not first_pass
-                                              else block_bytes(b) <= inputs.host_budget)
-        total += b / inputs.h2d_rate if from_host else 0.0
-    return total
 
 
 def shared_compute(inputs, copies):
@@ -240,14 +231,13 @@ def plan(inputs, lookahead=None):
     n = len(inputs.unit_bytes)
     k_max = max_lookahead(inputs)
     compute_total = sum(inputs.compute_seconds) + inputs.root_seconds
-    first_io = io_seconds(inputs, first_pass=True)
-    first_copies = copy_seconds(inputs, first_pass=True)
-    if fits_on_device(inputs):
-        steady_io = [0.0] * n             # everything stays resident after the first pass
-        steady_copies = 0.0
-    else:
-        steady_io = io_seconds(inputs, first_pass=False)
-        steady_copies = copy_seconds(inputs, first_pass=False)
+    first_moves = moves(inputs, first_pass=True)
+    # Everything that fits stays resident after the first pass: nothing moves.
+    steady_moves = [(0.0, 0.0)] * n if fits_on_device(inputs) else moves(inputs, first_pass=False)
+    first_io = [disk + copy for disk, copy in first_moves]
+    steady_io = [disk + copy for disk, copy in steady_moves]
+    first_copies = sum(copy for _, copy in first_moves)
+    steady_copies = sum(copy for _, copy in steady_moves)
     by_k = {k: simulate(inputs, k, steady_io, warm=True, copies=steady_copies)[0] for k in range(k_max + 1)}
     clamped = False
     if lookahead is None:
@@ -262,10 +252,8 @@ def plan(inputs, lookahead=None):
     steady, stall = simulate(inputs, k, steady_io, warm=True, copies=steady_copies)
     first, _ = simulate(inputs, 0, first_io, warm=False, k_next=k, io_next=steady_io, copies=first_copies)
     io_total = sum(steady_io)
-    cached = set(host_cached(inputs))
-    disk = 0.0 if inputs.tier == "host" or fits_on_device(inputs) else sum(
-        b / inputs.disk_rate for i, b in enumerate(inputs.unit_bytes) if i not in cached)
-    return Plan(lookahead=k, max_lookahead=k_max, clamped=clamped, host_cached=tuple(sorted(cached)),
+    disk = sum(disk for disk, _ in steady_moves)
+    return Plan(lookahead=k, max_lookahead=k_max, clamped=clamped, host_cached=host_cached(inputs),
                 first_pass_seconds=first, pass_seconds=steady, stall_seconds=stall,
                 compute_seconds=compute_total, io_seconds=io_total, disk_seconds=disk,
                 bound="io" if io_total > compute_total else "compute", by_lookahead=by_k)
