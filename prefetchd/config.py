@@ -175,6 +175,7 @@ class Config:
     copy_streams: int = 2
     io_engine: str = "auto"
     direct_io: bool = True
+    huge_pages: bool = True               # cpu: transparent huge pages for large device and host blocks
     io_block_size: int = 8 << 20
     io_queue_depth: int = 8
     io_threads: int = 4
@@ -322,6 +323,7 @@ _PARSERS.update({
     "copy_streams": lambda v, k: _parse_int(v, k, minimum=1),
     "io_engine": _choice("auto", "aio", "threads", "buffered"),
     "direct_io": _parse_bool,
+    "huge_pages": _parse_bool,
     "io_block_size": _parse_io_block,
     "io_queue_depth": lambda v, k: _parse_int(v, k, minimum=1),
     "io_threads": lambda v, k: _parse_int(v, k, minimum=1),

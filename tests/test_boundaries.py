@@ -109,6 +109,7 @@ def test_a_dropped_daemon_is_shut_down_with_a_warning(store_dir, make_param, cap
     ("verify_reads", "false", "always verified"),
     ("name", "a b/c", "letters, digits"),
     ("max_message_size", 10, "at least 1024"),
+    ("huge_pages", "maybe", "true/false"),
     ("high_watermark", "nan", "(0, 1]"),
 ])
 def test_every_config_value_is_checked_at_load_naming_the_key_and_source(key, value, says):

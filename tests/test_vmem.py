@@ -233,6 +233,98 @@ def test_concurrent_attach_detach_on_many_homes():
     assert not errors
 
 
+# ---------------------------------------------------------------- transparent huge pages
+
+HUGE = 2 << 20
+
+
+def thp_mode():
+    """The kernel's THP setting ("always", "madvise" or "never"), or None without THP."""
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def thp_fallbacks():
+    """Huge-page faults the kernel could not serve (no free 2 MiB run), so far."""
+    for line in open("/proc/vmstat"):
+        if line.startswith("thp_fault_fallback "):
+            return int(line.split()[1])
+    return 0
+
+
+def anon_huge_bytes(address):
+    """AnonHugePages of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_large_blocks_start_on_huge_page_boundaries_and_small_ones_fill_the_gap():
+    plain, huge = n.Arena(16 << 20), n.Arena(16 << 20, huge_pages=True)
+    assert huge.huge_pages and not plain.huge_pages
+    for arena in (plain, huge):
+        small = arena.alloc(PAGE)
+        large = arena.alloc(4 << 20)
+        gap = arena.alloc(PAGE)
+        if arena is huge:
+            assert large.address % HUGE == 0
+            assert gap.address == small.address + PAGE      # best fit: the hole before the large block
+            assert arena.used == 2 * PAGE + (4 << 20)       # the alignment gap is not charged
+        else:
+            assert large.address == small.address + PAGE
+        for b in (small, large, gap):
+            b.release()
+        assert arena.used == 0 and arena.largest_free == arena.capacity
+
+
+def test_a_large_block_that_only_fits_off_a_huge_page_boundary_is_not_refused():
+    arena = n.Arena((4 << 20) + 2 * PAGE, huge_pages=True)
+    small = arena.alloc(PAGE)
+    large = arena.alloc(4 << 20)                          # no 2 MiB-aligned run of 4 MiB is left
+    assert large.address == small.address + PAGE
+
+
+def test_host_pool_huge_page_blocks_are_aligned_and_counted_exactly():
+    pool = n.HostPool(16 << 20, huge_pages=True)
+    big, odd, small = pool.alloc(4 << 20), pool.alloc((3 << 20) + 100), pool.alloc(100 << 10)
+    assert big.address % HUGE == 0 and odd.address % HUGE == 0
+    assert pool.used == (4 << 20) + (3 << 20) + 100 + (100 << 10)
+    np.frombuffer(odd, np.uint8)[:] = 7
+    assert (np.frombuffer(odd, np.uint8) == 7).all()
+
+
+def test_huge_page_blocks_keep_their_bytes_and_their_huge_pages_through_attach_and_detach():
+    if thp_mode() in (None, "never"):
+        pytest.skip(f"transparent huge pages are {thp_mode() or 'not built'} on this kernel")
+    fallbacks = thp_fallbacks()
+    arena = n.Arena(32 << 20, huge_pages=True)
+    r = n.VirtualRange(32 << 20)
+    sizes = [4 << 20, (6 << 20) + 100]
+    homes = [r.slice(0, sizes[0]), r.slice(8 << 20, sizes[1])]
+    blocks = [filled(arena, size, 20 + i) for i, size in enumerate(sizes)]
+    for _ in range(3):
+        for home, (block, data) in zip(homes, blocks):
+            arena.attach(block, home)
+            assert bytes(memoryview(home)) == data
+        huge_at_home = anon_huge_bytes(homes[0].address)
+        for home, (block, data) in zip(homes, blocks):
+            arena.detach(home, block)
+            assert bytes(memoryview(block)) == data
+    if thp_fallbacks() > fallbacks:
+        pytest.skip("the kernel had no free 2 MiB runs for this test's huge pages")
+    # The pages moved as whole huge pages (page-middle-directory moves), not split.
+    assert huge_at_home >= 4 << 20
+
+
 def test_reading_a_detached_home_dies_with_sigsegv():
     script = textwrap.dedent("""
         import numpy as np
@@ -450,3 +542,16 @@ def test_dlpack_capsule_over_a_home_is_a_mindspore_tensor_without_copy():
     ms.hal.synchronize()
     del tensor
     arena.detach(home, new)
+
+
+def test_cpu_backend_uses_huge_pages_unless_configured_off(tmp_path):
+    from prefetchd.backend.cpu import CpuBackend
+    from prefetchd.config import Config
+    for setting in (True, False):
+        config = Config.load(env={"PREFETCHD_HUGE_PAGES": str(setting).lower()}, device_budget="64MiB",
+                             host_budget="64MiB", store_dir=str(tmp_path / str(setting)))
+        backend = CpuBackend(config)
+        try:
+            assert backend.device.huge_pages is setting and backend.host.huge_pages is setting
+        finally:
+            backend.close()

@@ -10,6 +10,16 @@
 
 namespace pfd {
 
+// Transparent huge pages: blocks of at least this many bytes start on a
+// boundary of it in an arena or pool created with huge_pages, so copies into
+// them take fewer TLB misses and the mremap page moves of vmem.h move whole
+// page-middle-directory entries instead of 512 page-table entries each.
+constexpr size_t kHugePage = size_t(2) << 20;
+
+// Ask for transparent huge pages on [p, p+len) (a no-op where the kernel has
+// them off or lacks them: they are a speed-up, never needed).
+void advise_huge_pages(void *p, size_t len);
+
 // One anonymous mapping. Shared by every Block cut from it, so a view on a
 // block never dangles even after the Arena or HostPool is closed.
 struct Mapping {
@@ -64,14 +74,16 @@ class Block {
 
 // Best-fit allocator over one lazily faulted mapping; the free list is ordered by offset so
 // neighbours coalesce on free and fragmentation stays visible (largest_free).
+// With huge_pages, blocks of kHugePage or more start on a kHugePage boundary.
 class ArenaImpl : public BlockOwner, public std::enable_shared_from_this<ArenaImpl> {
   public:
-    ArenaImpl(size_t capacity, size_t alignment);
+    ArenaImpl(size_t capacity, size_t alignment, bool huge_pages = false);
     std::shared_ptr<Block> alloc(size_t nbytes, int64_t prefer = -1);
     void give_back(int64_t offset, size_t capacity, size_t nbytes) override;
     void close();
     size_t capacity() const { return capacity_; }
     size_t alignment() const { return alignment_; }
+    bool huge_pages() const { return huge_; }
     size_t used() const;
     size_t peak_used() const;
     size_t num_blocks() const;
@@ -80,7 +92,9 @@ class ArenaImpl : public BlockOwner, public std::enable_shared_from_this<ArenaIm
     bool owns(const Block &b) const { return b.owner() == this; }
 
   private:
+    std::shared_ptr<Block> take(std::map<size_t, size_t>::iterator it, size_t start, size_t nbytes, size_t need);
     size_t capacity_, alignment_;
+    bool huge_;
     std::shared_ptr<Mapping> mapping_;
     mutable std::mutex mu_;
     std::map<size_t, size_t> free_;  // offset -> length
@@ -88,10 +102,11 @@ class ArenaImpl : public BlockOwner, public std::enable_shared_from_this<ArenaIm
     bool closed_ = false;
 };
 
-// Exact-budget pool of individually mapped, aligned staging buffers.
+// Exact-budget pool of individually mapped, aligned staging buffers. With
+// huge_pages, buffers of kHugePage or more are huge-page aligned and advised.
 class HostPoolImpl : public BlockOwner, public std::enable_shared_from_this<HostPoolImpl> {
   public:
-    HostPoolImpl(size_t budget, size_t alignment, bool lock_memory);
+    HostPoolImpl(size_t budget, size_t alignment, bool lock_memory, bool huge_pages = false);
     std::shared_ptr<Block> alloc(size_t nbytes);
     void give_back(int64_t offset, size_t capacity, size_t nbytes) override;
     void close();
@@ -100,10 +115,11 @@ class HostPoolImpl : public BlockOwner, public std::enable_shared_from_this<Host
     size_t peak_used() const;
     bool locked() const;
     bool closed() const;
+    bool huge_pages() const { return huge_; }
 
   private:
     size_t budget_, alignment_;
-    bool lock_;
+    bool lock_, huge_;
     mutable std::mutex mu_;
     size_t used_ = 0, peak_ = 0;
     bool all_locked_;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "common.h"
 #include "memory.h"
@@ -64,15 +65,41 @@ void Block::claim_for_attach() {
     throw Error(ErrKind::Value, "attach: the block is already attached to another home");
 }
 
-ArenaImpl::ArenaImpl(size_t capacity, size_t alignment) : capacity_(capacity), alignment_(alignment) {
+void advise_huge_pages(void *p, size_t len) {
+#ifdef MADV_HUGEPAGE
+    if (len >= kHugePage) madvise(p, len, MADV_HUGEPAGE);  // EINVAL without THP support: fine
+#else
+    (void)p;
+    (void)len;
+#endif
+}
+
+ArenaImpl::ArenaImpl(size_t capacity, size_t alignment, bool huge_pages)
+    : capacity_(capacity), alignment_(alignment), huge_(huge_pages) {
     check_alignment(alignment);
     capacity_ = capacity / alignment * alignment;  // only whole aligned units are usable
-    mapping_ = std::make_shared<Mapping>(capacity_, alignment);
+    mapping_ = std::make_shared<Mapping>(capacity_, huge_ ? std::max(alignment, kHugePage) : alignment);
+    if (huge_) advise_huge_pages(mapping_->base, mapping_->len);
     // Nothing is faulted in here: a page costs memory from its first write on
     // and is reused (never zeroed again) after that, so a budget larger than
     // what is actually loaded costs address space only. Whether the budget can
     // ever be backed is checked by the backend (prefetchd/backend/limits.py).
     if (capacity_ > 0) free_[0] = capacity_;
+}
+
+// Carve [start, start+need) out of the free range `it` (which holds it); the
+// pieces before and after stay free. Called with mu_ held.
+std::shared_ptr<Block> ArenaImpl::take(std::map<size_t, size_t>::iterator it, size_t start, size_t nbytes,
+                                       size_t need) {
+    size_t off = it->first, len = it->second;
+    free_.erase(it);
+    if (start > off) free_[off] = start - off;
+    if (off + len > start + need) free_[start + need] = off + len - start - need;
+    used_ += need;
+    peak_ = std::max(peak_, used_);
+    blocks_++;
+    return std::make_shared<Block>(mapping_, shared_from_this(), mapping_->base + start, nbytes, need,
+                                   int64_t(start));
 }
 
 std::shared_ptr<Block> ArenaImpl::alloc(size_t nbytes, int64_t prefer) {
@@ -90,37 +117,25 @@ std::shared_ptr<Block> ArenaImpl::alloc(size_t nbytes, int64_t prefer) {
         auto it = free_.upper_bound(want);
         if (it != free_.begin()) {
             --it;
-            size_t off = it->first, len = it->second;
-            if (off <= want && off + len >= want + need) {
-                free_.erase(it);
-                if (want > off) free_[off] = want - off;
-                if (off + len > want + need) free_[want + need] = off + len - want - need;
-                used_ += need;
-                peak_ = std::max(peak_, used_);
-                blocks_++;
-                return std::make_shared<Block>(mapping_, shared_from_this(), mapping_->base + want, nbytes, need,
-                                               int64_t(want));
-            }
+            if (it->first <= want && it->first + it->second >= want + need) return take(it, want, nbytes, need);
         }
     }
     // Best fit: the smallest free range that holds the request, so small tensors
-    // fill small holes and large runs stay whole for large tensors.
-    auto best = free_.end();
-    for (auto it = free_.begin(); it != free_.end(); ++it) {
-        if (it->second < need) continue;
-        if (best == free_.end() || it->second < best->second) best = it;
-        if (it->second == need) break;
-    }
-    if (best != free_.end()) {
-        auto it = best;
-        size_t off = it->first, len = it->second;
-        free_.erase(it);
-        if (len > need) free_[off + need] = len - need;
-        used_ += need;
-        peak_ = std::max(peak_, used_);
-        blocks_++;
-        return std::make_shared<Block>(mapping_, shared_from_this(), mapping_->base + off, nbytes, need,
-                                       int64_t(off));
+    // fill small holes and large runs stay whole for large tensors. A large block
+    // starts on a huge-page boundary where one fits, else anywhere (huge pages
+    // are a speed-up, never a reason to refuse).
+    std::vector<size_t> starts = {alignment_};
+    if (huge_ && need >= kHugePage) starts.insert(starts.begin(), kHugePage);
+    for (size_t start_align : starts) {
+        auto best = free_.end();
+        size_t best_start = 0;
+        for (auto it = free_.begin(); it != free_.end(); ++it) {
+            size_t start = round_up(it->first, start_align), end = it->first + it->second;
+            if (start > end || end - start < need) continue;
+            if (best == free_.end() || it->second < best->second) best = it, best_start = start;
+            if (it->second == need) break;
+        }
+        if (best != free_.end()) return take(best, best_start, nbytes, need);
     }
     size_t largest = 0;
     for (auto &f : free_) largest = std::max(largest, f.second);

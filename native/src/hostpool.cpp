@@ -9,8 +9,8 @@
 
 namespace pfd {
 
-HostPoolImpl::HostPoolImpl(size_t budget, size_t alignment, bool lock_memory)
-    : budget_(budget), alignment_(alignment), lock_(lock_memory), all_locked_(lock_memory) {
+HostPoolImpl::HostPoolImpl(size_t budget, size_t alignment, bool lock_memory, bool huge_pages)
+    : budget_(budget), alignment_(alignment), lock_(lock_memory), huge_(huge_pages), all_locked_(lock_memory) {
     check_alignment(alignment);
 }
 
@@ -25,13 +25,17 @@ std::shared_ptr<Block> HostPoolImpl::alloc(size_t nbytes) {
         peak_ = std::max(peak_, used_);
     }
     std::shared_ptr<Mapping> m;
+    bool huge = huge_ && nbytes >= kHugePage;
     try {
-        m = std::make_shared<Mapping>(nbytes, alignment_);
+        m = std::make_shared<Mapping>(nbytes, huge ? std::max(alignment_, kHugePage) : alignment_);
     } catch (...) {
         std::lock_guard<std::mutex> g(mu_);
         used_ -= nbytes;
         throw;
     }
+    // Only the whole huge pages: a partial one at the end would fault in 2 MiB
+    // for the tail's few bytes, memory the budget does not count.
+    if (huge) advise_huge_pages(m->base, m->len / kHugePage * kHugePage);
     if (lock_ && nbytes > 0 && mlock(m->base, m->len) != 0) {
         std::lock_guard<std::mutex> g(mu_);
         all_locked_ = false;  // RLIMIT_MEMLOCK: keep going unlocked, report via `locked`

@@ -279,11 +279,12 @@ PYBIND11_MODULE(_native, m) {
     }
 
     py::class_<ArenaImpl, std::shared_ptr<ArenaImpl>>(m, "Arena")
-        .def(py::init([](size_t capacity, size_t alignment) {
+        .def(py::init([](size_t capacity, size_t alignment, bool huge_pages) {
                  py::gil_scoped_release nogil;  // populating pages takes a while
-                 return std::make_shared<ArenaImpl>(capacity, alignment);
+                 return std::make_shared<ArenaImpl>(capacity, alignment, huge_pages);
              }),
-             py::arg("capacity"), py::arg("alignment") = 4096)
+             py::arg("capacity"), py::arg("alignment") = 4096, py::arg("huge_pages") = false)
+        .def_property_readonly("huge_pages", &ArenaImpl::huge_pages)
         .def_property_readonly("capacity", &ArenaImpl::capacity)
         .def_property_readonly("alignment", &ArenaImpl::alignment)
         .def_property_readonly("used", &ArenaImpl::used)
@@ -296,10 +297,12 @@ PYBIND11_MODULE(_native, m) {
         .def("close", &ArenaImpl::close);
 
     py::class_<HostPoolImpl, std::shared_ptr<HostPoolImpl>>(m, "HostPool")
-        .def(py::init([](size_t budget, size_t alignment, bool lock_memory) {
-                 return std::make_shared<HostPoolImpl>(budget, alignment, lock_memory);
+        .def(py::init([](size_t budget, size_t alignment, bool lock_memory, bool huge_pages) {
+                 return std::make_shared<HostPoolImpl>(budget, alignment, lock_memory, huge_pages);
              }),
-             py::arg("budget"), py::arg("alignment") = 4096, py::arg("lock_memory") = false)
+             py::arg("budget"), py::arg("alignment") = 4096, py::arg("lock_memory") = false,
+             py::arg("huge_pages") = false)
+        .def_property_readonly("huge_pages", &HostPoolImpl::huge_pages)
         .def_property_readonly("budget", &HostPoolImpl::budget)
         .def_property_readonly("used", &HostPoolImpl::used)
         .def_property_readonly("peak_used", &HostPoolImpl::peak_used)

@@ -18,8 +18,8 @@ from .. import _native
 from .. import limits
 from .base import ALIGN as _ALIGN, HostAndStoreTiers, TransferKind, open_store
 
-RANGE_ALIGN = 2 << 20
-ARENA_SPACE = 2          # arena address space per byte of device budget   # virtual ranges start on a huge-page boundary
+RANGE_ALIGN = 2 << 20    # virtual ranges start on a huge-page boundary
+ARENA_SPACE = 2          # arena address space per byte of device budget
 
 
 class CpuBackend(HostAndStoreTiers):
@@ -35,11 +35,15 @@ class CpuBackend(HostAndStoreTiers):
         # the arena means nothing to the framework, so the spare range only keeps
         # fragmentation from refusing a load that fits the budget. The watermark
         # still bounds the bytes reserved, and released ranges are MADV_FREE.
-        self.device = _native.Arena(ARENA_SPACE * config.device_budget, _ALIGN)
+        # Huge pages (blocks of 2 MiB or more on 2 MiB boundaries, advised
+        # MADV_HUGEPAGE): a host->device memcpy runs ~30% faster with fewer TLB
+        # misses, and attach/detach and the MADV_FREE of a release handle one
+        # entry per 2 MiB instead of 512 (docs/performance.md).
+        self.device = _native.Arena(ARENA_SPACE * config.device_budget, _ALIGN, huge_pages=config.huge_pages)
         probe = self.device.alloc(0)
         self._base = probe.address   # arena offset = address - base
         probe.release()
-        self.host = _native.HostPool(config.host_budget, _ALIGN)
+        self.host = _native.HostPool(config.host_budget, _ALIGN, huge_pages=config.huge_pages)
         self.store = open_store(config)
         self.io_engine = self.store.engine
         self.cq = _native.CompletionQueue()
