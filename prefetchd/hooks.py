@@ -39,6 +39,7 @@ from .planner import plan_units
 log = logging.getLogger("prefetchd.hooks")
 
 ROOT = -1        # the root unit's step in the trace
+RECORDING_FENCE_WAIT_S = 30.0   # longest the recording pass waits for one unit's compute
 
 
 class Unit:
@@ -78,6 +79,7 @@ class Offloaded:
         self.tier = tier
         self.estimate = None           # prefetchd.plan.Plan measured on the recording pass
         self._clock = None
+        self._serial = False           # recording pass: wait for each unit's compute fence
         self.auto_fetch = config.auto_fetch if auto_fetch is None else bool(auto_fetch)
         if self.lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
@@ -146,6 +148,7 @@ class Offloaded:
             self.trace = [ROOT]
             if self._session.marker is not None and self._clock is None:
                 self._clock = cost_model.FenceClock(self._session.marker)
+                self._serial = True
         else:
             self._session.at(0)
             self._prefetch_from(1, self.root.nbytes)
@@ -244,9 +247,10 @@ class Offloaded:
             dispatch_ns, fence_ns = clock.stop()
             inputs = cost_model.measure(
                 [self._unit(i).nbytes for i in self.trace if i != ROOT], dispatch_ns, fence_ns,
+                unit_kinds=[_kind(self._unit(i)) for i in self.trace if i != ROOT],
                 stats=self.daemon.snapshot()[1], high_watermark=self._high,
                 host_budget=self.daemon.config.host_budget, root_bytes=self.root.nbytes, tier=tier,
-                copy_cores=self.daemon.backend.copy_cores)
+                copy_contention=self.daemon.backend.copy_contention)
             self.estimate = cost_model.plan(inputs, None if self._auto else self.lookahead)
         except (TimeoutError, ValueError) as e:
             log.info("prefetchd.offload: no pass-time estimate (%s)", e)
@@ -274,6 +278,13 @@ class Offloaded:
         epoch = self._session.release(unit.records, dependency, unit=unit.name)
         if self._clock is not None and self._recording and unit is not self.root and epoch is not None:
             self._clock.unit(epoch, unit.dispatched_ns)
+            # The recording pass runs each unit alone: the next unit's load waits for this
+            # unit's compute, so the plan times compute without copies on the same cores
+            # (they would count twice: the plan adds them back per copy_contention).
+            if self._serial and self._session.marker.wait(epoch, RECORDING_FENCE_WAIT_S) < epoch:
+                self._serial = False
+                log.info("prefetchd.offload: unit %r computed for over %.0f s; the rest of the "
+                         "recording pass overlaps loads with compute", unit.name, RECORDING_FENCE_WAIT_S)
 
     def _release_all(self, dependency):
         for unit in [*self.units, self.root]:
@@ -344,6 +355,12 @@ class Offloaded:
         self._release_all(None)
         if self._owns_daemon:
             self.daemon.close()
+
+
+def _kind(unit):
+    """What makes two units' compute the same: their cell types and parameter shapes."""
+    return (tuple(type(cell).__name__ for cell in unit.cells),
+            tuple((tuple(p.shape), str(p.dtype)) for p in unit.params))
 
 
 def _first_tensor(value):

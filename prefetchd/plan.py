@@ -17,9 +17,11 @@ prefetches units j+1..j+k — fires when unit j-1 became resident, usually well
 before j-1 finished computing. A load also needs device room: with `slots`
 units fitting under the high watermark beside the root, unit i waits for unit
 i-slots to finish computing (its memory is reused after its compute fence).
-Where copies are memcpys on compute's own cores (the cpu backend, copy_cores >
-0), copying and compute share those cores: compute stretches by the pass's
-copy seconds over the cores. (An accelerator copies by DMA: copy_cores = 0.)
+Where copies are memcpys on compute's own cores (the cpu backend), compute
+stretches by copy_contention times the pass's copy seconds: a kernel spread
+over every core with a barrier at its end waits for its slowest thread, so a
+copy holding one core holds back the whole kernel (copy_contention = 1). An
+accelerator copies by DMA beside compute: copy_contention = 0.
 
 A pass is timed the way `prefetchd bench model` times it: from the call until
 its outputs are computed *and* the prefetches it issued for the next pass have
@@ -35,6 +37,7 @@ displaced and those units stay. Those units copy from RAM every later pass;
 the others are read from disk straight into the device block.
 """
 import queue
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,9 +59,10 @@ class Inputs:
     (stalls excluded), e.g. from `compute_seconds_from_fences`.
     tier: where weights live between uses, "remote" (store, host cache in
     front) or "host" (RAM; never read from disk).
-    copy_cores: 0 where a host->device copy runs beside compute (an accelerator's
-    DMA engine); n where it is a memcpy on the n cores compute also runs on (the
-    cpu backend): each second of copying then takes 1/n second from compute.
+    copy_contention: seconds of compute lost per second of host->device copying:
+    0 where copies run beside compute (an accelerator's DMA engine); 1 where
+    they are memcpys on the cores compute runs on (the cpu backend, whose
+    kernels run on every core and wait for the slowest, see the module docstring).
     """
     unit_bytes: tuple
     compute_seconds: tuple
@@ -70,7 +74,7 @@ class Inputs:
     root_seconds: float = 0.0        # compute outside the units (embeddings, head)
     tier: str = "remote"
     dispatch_ahead: bool = True      # False: the framework runs ops synchronously
-    copy_cores: int = 0
+    copy_contention: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "unit_bytes", tuple(int(b) for b in self.unit_bytes))
@@ -85,8 +89,8 @@ class Inputs:
             raise ValueError(f"h2d_rate must be > 0 bytes/s, not {self.h2d_rate!r}")
         if self.tier == "remote" and (not self.disk_rate or self.disk_rate <= 0):
             raise ValueError(f"disk_rate must be > 0 bytes/s for the remote tier, not {self.disk_rate!r}")
-        if self.copy_cores < 0:
-            raise ValueError(f"copy_cores must be >= 0, not {self.copy_cores!r}")
+        if not 0 <= self.copy_contention <= 1:
+            raise ValueError(f"copy_contention must be in [0, 1], not {self.copy_contention!r}")
         if self.high_watermark <= 0 or self.host_budget < 0 or self.root_bytes < 0:
             raise ValueError("high_watermark must be > 0, host_budget and root_bytes >= 0")
 
@@ -150,7 +154,7 @@ def host_cached(inputs):
 def moves(inputs, first_pass):
     """Per unit: (disk seconds, host->device copy seconds) to bring it to the device in
     the first or a later pass. The copy stream is busy for their sum; the copies are
-    also CPU work where copy_cores > 0."""
+    also CPU work where copy_contention > 0."""
     cached = set(host_cached(inputs))
     out = []
     for i, b in enumerate(inputs.unit_bytes):
@@ -167,13 +171,13 @@ def moves(inputs, first_pass):
 
 
 def shared_compute(inputs, copies):
-    """Per-unit compute seconds and root seconds, stretched by `copies` seconds of
-    memcpy where copies run on compute's cores (copy_cores > 0), spread in
-    proportion to each unit's compute."""
+    """Per-unit compute seconds and root seconds, stretched by copy_contention x
+    `copies` seconds of memcpy on compute's cores, spread in proportion to each
+    unit's compute."""
     c, root = list(inputs.compute_seconds), inputs.root_seconds
-    if not inputs.copy_cores or not copies:
+    if not inputs.copy_contention or not copies:
         return c, root
-    stolen, total = copies / inputs.copy_cores, sum(c) + root
+    stolen, total = copies * inputs.copy_contention, sum(c) + root
     if total <= 0:
         return c, root + stolen
     scale = 1.0 + stolen / total
@@ -288,11 +292,28 @@ def compute_seconds_from_fences(dispatch_ns, fence_ns):
     return out
 
 
+def pooled(seconds, kinds, least=3):
+    """Each unit's compute seconds replaced by the median over the units of its kind
+    (e.g. the same cell types and parameter shapes) where at least `least` share it:
+    the same kernels on the same shapes take the same time, and the median drops
+    one-off costs that land on one of them in a single timed pass (the framework's
+    first call at a shape, a page-fault burst, another process)."""
+    if len(seconds) != len(kinds):
+        raise ValueError(f"{len(seconds)} compute times but {len(kinds)} unit kinds")
+    groups = {}
+    for s, kind in zip(seconds, kinds):
+        groups.setdefault(kind, []).append(s)
+    medians = {k: statistics.median(v) for k, v in groups.items() if len(v) >= least}
+    return [medians.get(kind, s) for s, kind in zip(seconds, kinds)]
+
+
 def measure(unit_bytes, dispatch_ns, fence_ns, *, high_watermark, host_budget, stats=None,
-            disk_rate=None, h2d_rate=None, root_bytes=0, root_seconds=0.0, tier="remote", copy_cores=0):
+            disk_rate=None, h2d_rate=None, root_bytes=0, root_seconds=0.0, tier="remote", copy_contention=0.0,
+            unit_kinds=None):
     """Inputs from what a first pass recorded: unit bytes in trace order, each unit's
     dispatch and fence times (ns, see FenceClock), and the transfer rates, given or
-    taken from the daemon's stats (`daemon.snapshot()[1]`)."""
+    taken from the daemon's stats (`daemon.snapshot()[1]`). unit_kinds (one hashable
+    per unit, optional): units of one kind get their kind's median compute (`pooled`)."""
     if stats is not None:
         measured_disk, measured_h2d = rates_from_stats(stats)
         disk_rate = disk_rate or measured_disk
@@ -302,11 +323,13 @@ def measure(unit_bytes, dispatch_ns, fence_ns, *, high_watermark, host_budget, s
     if h2d_rate is None:
         # Every load went disk -> device directly: a copy is at least as fast as that read.
         h2d_rate = disk_rate
-    return Inputs(unit_bytes=tuple(unit_bytes),
-                  compute_seconds=tuple(compute_seconds_from_fences(dispatch_ns, fence_ns)),
+    compute = compute_seconds_from_fences(dispatch_ns, fence_ns)
+    if unit_kinds is not None:
+        compute = pooled(compute, unit_kinds)
+    return Inputs(unit_bytes=tuple(unit_bytes), compute_seconds=tuple(compute),
                   disk_rate=disk_rate or 0.0, h2d_rate=h2d_rate, high_watermark=high_watermark,
                   host_budget=host_budget, root_bytes=root_bytes, root_seconds=root_seconds, tier=tier,
-                  copy_cores=copy_cores)
+                  copy_contention=copy_contention)
 
 
 class FenceClock:

@@ -101,3 +101,20 @@ def test_small_host_budget_hits_part_and_stays_within_it(report):
     assert 0 < len(predicted) < report["layers"]
     # The plan's cached units are the last ones of the trace that fit the budget.
     assert predicted == list(range(report["layers"] - len(predicted), report["layers"]))
+
+
+def test_daemon_rates_come_from_its_own_io_only_passes():
+    from prefetchd.bench.model import _daemon_disk_rate, _daemon_h2d_rate
+    GB = 1e9
+
+    def one(host, remote, seconds):
+        return {"load_bytes_from": {"host": host, "remote": remote}, "seconds": seconds}
+    # Pass 0 (the first, recording one) is left out; host case: 2 GB in 0.5 s.
+    assert _daemon_h2d_rate([one(0, 2 * GB, 9.0), one(2 * GB, 0, 0.5), one(2 * GB, 0, 0.5)]) == 4 * GB
+    # Small-host case: 1 GB from RAM at 4 GB/s (0.25 s), so 1 GB from disk in the other 0.25 s.
+    passes = [one(0, 2 * GB, 9.0), one(GB, GB, 0.5), one(GB, GB, 0.75)]
+    assert _daemon_disk_rate(passes, 4 * GB) == pytest.approx((4 * GB + 2 * GB) / 2)
+    # Nothing read from disk, or no time left for it: no rate rather than a wrong one.
+    assert _daemon_disk_rate([one(0, GB, 9.0), one(GB, 0, 0.5)], 4 * GB) is None
+    assert _daemon_disk_rate([one(0, GB, 9.0), one(4 * GB, GB, 0.5)], 4 * GB) is None
+    assert _daemon_disk_rate(None, 4 * GB) is None

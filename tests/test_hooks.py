@@ -346,3 +346,25 @@ def test_a_model_staged_to_host_ram_gets_a_host_tier_estimate(make_daemon, refer
     assert daemon.snapshot()[1].loads_from["remote"] == 0
     assert handle.estimate is not None, "no estimate for a model held in host RAM"
     assert handle.estimate.disk_seconds == 0 and handle.estimate.pass_seconds > 0
+
+
+def test_the_recording_pass_times_each_unit_with_no_load_beside_it(make_daemon, mindspore_cpu):
+    """The plan times compute on the recording pass; a load on the same cores would be
+    counted twice (in the time and again as copy contention), so each unit's loads wait
+    for the previous unit's compute fence there. Later passes overlap them as usual."""
+    from prefetchd.timeline import COMPUTE, LOAD_STREAM, Timeline, spans
+    hidden, layers = 512, 4
+    daemon = make_daemon(device_budget=int(estimate_bytes(hidden, layers) * 0.5))
+    daemon.timeline = daemon._core.timeline = Timeline(None)
+    model = build_model(hidden, layers, seed=3)
+    handle = prefetchd.offload(model, daemon, lookahead=1)
+    x = make_inputs(8, 64, hidden, seed=5)        # ~10 ms of compute per block on this machine
+    model(x).asnumpy()
+    assert handle.estimate is not None
+    recorded = spans(daemon.timeline)
+    computes = [(s, e) for s, e, name, _ in recorded[COMPUTE] if name != "root"]
+    loads = [(s, e) for s, e, _, _ in recorded[LOAD_STREAM]]
+    assert len(computes) >= layers and loads
+    slack = 2_000_000                              # ns: the fence observer stamps a span's end late
+    overlaps = [(c, l) for c in computes for l in loads if l[0] < c[1] - slack and c[0] < l[1]]
+    assert not overlaps, f"loads ran beside compute on the recording pass: {overlaps[:3]}"

@@ -184,24 +184,47 @@ def test_fence_clock_reports_fences_never_reached():
         clock.stop(timeout=0.3)
 
 
-def test_copies_on_compute_cores_stretch_compute_by_their_share():
+def test_copies_on_compute_cores_stretch_compute_by_their_contention():
     # Host tier, compute-bound: 8 units of 50 ms, each a 16.8 ms memcpy at 4 GB/s.
-    dma = P.plan(inputs(compute=0.05, tier="host", copy_cores=0))
-    cpu = P.plan(inputs(compute=0.05, tier="host", copy_cores=2))
+    dma = P.plan(inputs(compute=0.05, tier="host", copy_contention=0))
+    cpu = P.plan(inputs(compute=0.05, tier="host", copy_contention=1))
     copies = 8 * 64 * MiB / 4e9
     assert dma.bound == "compute"
     assert dma.pass_seconds == pytest.approx(8 * 0.05, rel=0.02)
-    # On 2 shared cores the copies take half their time from compute.
-    assert cpu.pass_seconds == pytest.approx(8 * 0.05 + copies / 2, rel=0.02)
-    assert P.plan(inputs(compute=0.05, tier="host", copy_cores=1)).pass_seconds > cpu.pass_seconds
+    # A memcpy holding one core holds back kernels spread over all of them.
+    assert cpu.pass_seconds == pytest.approx(8 * 0.05 + copies, rel=0.02)
+    half = P.plan(inputs(compute=0.05, tier="host", copy_contention=0.5))
+    assert half.pass_seconds == pytest.approx(8 * 0.05 + copies / 2, rel=0.02)
 
 
-def test_disk_reads_straight_to_the_device_take_no_compute_cores():
+def test_disk_reads_straight_to_the_device_take_no_compute():
     # Remote tier, no host cache: every load is a disk read (DMA on any backend).
-    assert P.plan(inputs(compute=0.05, copy_cores=2)).pass_seconds == pytest.approx(
-        P.plan(inputs(compute=0.05, copy_cores=0)).pass_seconds)
+    assert P.plan(inputs(compute=0.05, copy_contention=1)).pass_seconds == pytest.approx(
+        P.plan(inputs(compute=0.05, copy_contention=0)).pass_seconds)
 
 
-def test_copy_cores_must_not_be_negative():
-    with pytest.raises(ValueError, match="copy_cores"):
-        inputs(copy_cores=-1)
+@pytest.mark.parametrize("bad", [-0.1, 1.5])
+def test_copy_contention_must_be_a_fraction(bad):
+    with pytest.raises(ValueError, match="copy_contention"):
+        inputs(copy_contention=bad)
+
+
+def test_pooled_gives_units_of_one_kind_their_median():
+    seconds = [0.060, 0.010, 0.012, 0.011, 0.030, 0.500]
+    kinds = ["block", "block", "block", "block", "head", "head"]
+    # 4 blocks: the first one's one-off cost is dropped; 2 heads are too few to pool.
+    assert P.pooled(seconds, kinds) == [0.0115] * 4 + [0.030, 0.500]
+    assert P.pooled(seconds, kinds, least=2)[4:] == [0.265, 0.265]
+    with pytest.raises(ValueError, match="6 compute times but 2"):
+        P.pooled(seconds, kinds[:2])
+
+
+def test_measure_pools_compute_by_unit_kind():
+    ms_ = 1_000_000
+    dispatch = [0, 100 * ms_, 200 * ms_, 300 * ms_]
+    fence = [60 * ms_, 110 * ms_, 210 * ms_, 310 * ms_]
+    common = dict(high_watermark=1024 * MiB, host_budget=1024 * MiB, disk_rate=1e9, h2d_rate=4e9)
+    raw = P.measure([MiB] * 4, dispatch, fence, **common)
+    assert raw.compute_seconds == pytest.approx((0.06, 0.01, 0.01, 0.01))
+    assert P.measure([MiB] * 4, dispatch, fence, unit_kinds=["b"] * 4, **common).compute_seconds == \
+        pytest.approx((0.01,) * 4)

@@ -80,7 +80,7 @@ def _typed(buffer, nbytes, shape, dtype):
 
 class AscendBackend(HostAndStoreTiers):
     name = "ascend"
-    copy_cores = 0           # copies are DMA (aclrtMemcpyAsync): they take no compute
+    copy_contention = 0.0    # copies are DMA (aclrtMemcpyAsync): they take no compute
 
     def __init__(self, config, api=None):
         self.api = api or AscendApi.real()

@@ -9,7 +9,6 @@ the framework tensor is bound once and never rebound (docs/stable-addresses.md).
 The remote tier is the native FileStore; copies and I/O run on native copy
 streams whose completions land in one native CompletionQueue.
 """
-import os
 import shutil
 
 import numpy as np
@@ -53,8 +52,9 @@ class CpuBackend(HostAndStoreTiers):
         self.store_stream = _native.Stream("store") if config.copy_streams > 1 else self.load_stream
         self._scratch = {}  # tag -> buffer kept alive while a verify read runs
         self._marker = None  # ComputeMarker once the layer hooks ask for one
-        # A host->device copy is a memcpy on the cores compute runs on (plan.Inputs).
-        self.copy_cores = len(os.sched_getaffinity(0))
+        # A host->device copy is a memcpy on the cores compute runs on; MindSpore's
+        # kernels use all of them and wait for the slowest (plan.Inputs).
+        self.copy_contention = 1.0
 
     # memory -----------------------------------------------------------------
     def alloc_device(self, nbytes, prefer=None):

@@ -133,6 +133,19 @@ def _daemon_h2d_rate(passes):
     return statistics.median(p["load_bytes_from"]["host"] / p["seconds"] for p in steady)
 
 
+def _daemon_disk_rate(passes, h2d):
+    """Bytes per second the daemon reads from the store with nothing computing (the
+    small-host case's io_only, steady passes: the pass time less its host->device copies
+    at the rate `h2d`), with its own queue depth and checksums. None if not run."""
+    rates = []
+    for p in (passes or [])[1:]:
+        disk = p["load_bytes_from"].get("remote", 0)
+        seconds = p["seconds"] - p["load_bytes_from"].get("host", 0) / h2d if h2d else 0.0
+        if disk and seconds > 0:
+            rates.append(disk / seconds)
+    return statistics.median(rates) if rates else None
+
+
 def _run_batch(ms, hidden, layers, batch, cases, budget, model_bytes, args, directory, drop):
     x = ms.Tensor.from_numpy(np.random.default_rng(batch).standard_normal((batch, hidden), dtype=np.float32))
     methods = _methods(ms, hidden, layers, x, cases, budget, model_bytes, args, directory, batch)
@@ -150,6 +163,9 @@ def _run_batch(ms, hidden, layers, batch, cases, budget, model_bytes, args, dire
         h2d = _daemon_h2d_rate(log.get(("host", "io_only")))
         if h2d is not None:
             rates["h2d_daemon"] = h2d
+            disk = _daemon_disk_rate(log.get(("remote-small-host", "io_only")), h2d)
+            if disk is not None:
+                rates["disk_daemon"] = disk
         resident = [p["seconds"] for p in log["", "resident"]]
         results = []
         for case in cases:

@@ -77,8 +77,9 @@ def case_report(case, tier, batch, host_budget, resident, resident_log, logs, me
 
 
 def plan_inputs(method, layer_seconds, rates, tier, resident_seconds):
-    """plan.Inputs for a streamed method: its units in trace order; the disk rate; the
-    daemon's own host->device rate where the host case measured it (else a raw memcpy's);
+    """plan.Inputs for a streamed method: its units in trace order; the daemon's own disk
+    and host->device rates where the small-host and host cases measured them (else the raw
+    engine's);
     per-unit compute: the resident model's median pass of this run, split over units as its
     per-layer fences split it (or by bytes). The fences are timed back to back after the
     interleaved passes, where the same compute has run up to 1.6x faster than inside them."""
@@ -93,10 +94,11 @@ def plan_inputs(method, layer_seconds, rates, tier, resident_seconds):
                else resident_seconds * u.nbytes / total for u in units]
     status = method.daemon.status()
     return plans.Inputs(unit_bytes=[u.nbytes for u in units], compute_seconds=compute,
-                        disk_rate=rates.get("disk_read"), h2d_rate=rates.get("h2d_daemon") or rates["h2d_copy"],
+                        disk_rate=rates.get("disk_daemon") or rates.get("disk_read"),
+                        h2d_rate=rates.get("h2d_daemon") or rates["h2d_copy"],
                         high_watermark=status["device"]["high_watermark"],
                         host_budget=method.daemon.config.host_budget, root_bytes=handle.root.nbytes,
-                        tier=tier, copy_cores=method.daemon.backend.copy_cores), mapped
+                        tier=tier, copy_contention=method.daemon.backend.copy_contention), mapped
 
 
 def _pair(predicted, measured):
@@ -118,7 +120,7 @@ def plan_report(methods, report, layer_seconds, rates, lookahead, tier, resident
         # interleaved run: above 1 when the cores were busier during the run than alone.
         "resident_over_compute_profile": resident_seconds / sum(layer_seconds)
         if from_fences else None,
-        "copy_cores": inputs.copy_cores,
+        "copy_contention": inputs.copy_contention,
         "disk_rate": inputs.disk_rate, "h2d_rate": inputs.h2d_rate,
         "lookahead": p.lookahead, "clamped": p.clamped, "max_lookahead": p.max_lookahead,
         "auto_lookahead": auto.lookahead, "auto_pass_seconds": auto.pass_seconds, "bound": p.bound,
