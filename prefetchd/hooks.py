@@ -12,7 +12,8 @@ forward hooks:
 - the model's pre-hook pins the root unit for the whole forward; its
   post-hook releases it behind a compute fence on the output, then prefetches
   the root and the first `lookahead` units for the next pass;
-- first forward: records the execution order (the trace), fetching on demand;
+- first forward: records the execution order (the trace), fetching on demand,
+  one unit at a time so prefetchd.recording can time each for the cost model;
 - afterwards, before a unit runs: prefetch the next `lookahead` units of the
   trace that fit beside what is pinned, then wait for the unit (the wait is
   the stall time), pin and bind it; after its cells ran: fence and unpin, and
@@ -27,6 +28,7 @@ trace expects (early exit, skipped layer, other branch) re-synchronises the
 trace position and is counted. Hooks do not fire under graph mode, so
 offload() refuses it, and the first forward checks that unit hooks ran.
 """
+import dataclasses
 import logging
 import time
 
@@ -35,11 +37,13 @@ from .backend import framework
 from .daemon import Daemon
 from .errors import NotResidentError, PrefetchdError
 from .planner import plan_units
+from .recording import RecordingTimer, unit_kind
 
 log = logging.getLogger("prefetchd.hooks")
 
 ROOT = -1        # the root unit's step in the trace
-RECORDING_FENCE_WAIT_S = 30.0   # longest the recording pass waits for one unit's compute
+REFINE_PASSES = 5        # streamed passes whose transfer rates may refine the estimate
+RATES_SETTLED = 0.10     # ... until they change by at most this fraction from one pass to the next
 
 
 class Unit:
@@ -78,8 +82,8 @@ class Offloaded:
         self.lookahead = config.lookahead if lookahead in (None, "auto") else int(lookahead)
         self.tier = tier
         self.estimate = None           # prefetchd.plan.Plan measured on the recording pass
-        self._clock = None
-        self._serial = False           # recording pass: wait for each unit's compute fence
+        self._timer = None             # RecordingTimer of the recording pass
+        self._refine = None            # (plan.Inputs, Stats, passes left) while the rates settle
         self.auto_fetch = config.auto_fetch if auto_fetch is None else bool(auto_fetch)
         if self.lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
@@ -146,13 +150,14 @@ class Offloaded:
         self._position = 0
         if self._recording:
             self.trace = [ROOT]
-            if self._session.marker is not None and self._clock is None:
-                self._clock = cost_model.FenceClock(self._session.marker)
-                self._serial = True
+            if self._session.marker is not None and self._timer is None:
+                self._timer = RecordingTimer(self._session.marker)
         else:
             self._session.at(0)
             self._prefetch_from(1, self.root.nbytes)
         self._acquire(self.root)
+        if self._recording and self._timer is not None:
+            self._timer.pass_started(self.stall_seconds)
 
     def _after_model(self, cell, inputs, output):
         self._release_all(_first_tensor(output))
@@ -164,6 +169,8 @@ class Offloaded:
             self._estimate()
             self._recording = False
             self._session.set_trace([[r.name for r in self._unit(i).records] for i in self.trace])
+        elif self._refine is not None:
+            self._refine_estimate()
         # The next pass starts with the root, then the first units of the trace:
         # the policy sees the pass end (the root is the nearest step, not the farthest).
         self._session.at(len(self.trace) - 1)
@@ -236,31 +243,53 @@ class Offloaded:
     def _estimate(self):
         """The cost model's plan from the recording pass (per-unit compute between compute
         fences, measured transfer rates); with lookahead="auto" its lookahead is used."""
-        clock, self._clock = self._clock, None
-        if clock is None:
+        timer, self._timer = self._timer, None
+        if timer is None:
             return
         # Weights registered remote but all held in host RAM (stage_to_host, or a host cache
         # that took everything) are planned as the host tier: no pass reads the disk. (A
         # read without the lock: it only picks the plan's tier.)
         tier = "host" if all(r.host_valid for u in self.units for r in u.records) else self.tier
         try:
-            dispatch_ns, fence_ns = clock.stop()
-            inputs = cost_model.measure(
-                [self._unit(i).nbytes for i in self.trace if i != ROOT], dispatch_ns, fence_ns,
-                unit_kinds=[_kind(self._unit(i)) for i in self.trace if i != ROOT],
+            units = [self._unit(i) for i in self.trace if i != ROOT]
+            inputs = timer.inputs(
+                [u.nbytes for u in units], [unit_kind(u.cells, u.params) for u in units], self.stall_seconds,
                 stats=self.daemon.snapshot()[1], high_watermark=self._high,
                 host_budget=self.daemon.config.host_budget, root_bytes=self.root.nbytes, tier=tier,
                 copy_contention=self.daemon.backend.copy_contention)
-            self.estimate = cost_model.plan(inputs, None if self._auto else self.lookahead)
+            self._adopt(cost_model.plan(inputs, None if self._auto else self.lookahead), "recording pass")
         except (TimeoutError, ValueError) as e:
             log.info("prefetchd.offload: no pass-time estimate (%s)", e)
             return
+        self._refine = (inputs, self.daemon.snapshot()[1], REFINE_PASSES)
+
+    def _refine_estimate(self):
+        """After a streamed pass: the plan again with that pass's transfer rates, until they
+        settle (within RATES_SETTLED of the last pass's) or REFINE_PASSES passes. The first
+        copies into device memory are its first writes (page faults; on a VM, the hypervisor
+        backing each page), up to 10x slower than later ones. Compute stays the recording
+        pass's, timed with nothing beside it."""
+        inputs, before, left = self._refine
+        now = self.daemon.snapshot()[1]
+        self._refine = None
+        disk, h2d = cost_model.rates_between(before, now)
+        if disk is None and h2d is None:
+            return
+        refined = dataclasses.replace(inputs, disk_rate=disk or inputs.disk_rate, h2d_rate=h2d or inputs.h2d_rate)
+        self._adopt(cost_model.plan(refined, None if self._auto else self.lookahead), "last streamed pass")
+        settled = all(abs(new / old - 1) <= RATES_SETTLED for new, old in
+                      ((refined.disk_rate, inputs.disk_rate), (refined.h2d_rate, inputs.h2d_rate)) if old)
+        if not settled and left > 1:
+            self._refine = (refined, now, left - 1)
+
+    def _adopt(self, estimate, source):
+        self.estimate = estimate
         if self._auto:
-            self.lookahead = self.estimate.lookahead
+            self.lookahead = estimate.lookahead
         log.info("prefetchd.offload: lookahead %d%s; predicted %.3f s per pass (%s-bound; compute %.3f s, "
-                 "copies %.3f s, of which disk %.3f s)", self.lookahead, " (auto)" if self._auto else "",
-                 self.estimate.pass_seconds, self.estimate.bound, self.estimate.compute_seconds,
-                 self.estimate.io_seconds, self.estimate.disk_seconds)
+                 "copies %.3f s, of which disk %.3f s; rates of the %s)", self.lookahead,
+                 " (auto)" if self._auto else "", estimate.pass_seconds, estimate.bound, estimate.compute_seconds,
+                 estimate.io_seconds, estimate.disk_seconds, source)
 
     def _note_miss(self, unit, miss):
         if unit.name not in self._warned:
@@ -276,15 +305,9 @@ class Offloaded:
         # A fence behind this unit's kernels lets its memory be reused as soon as
         # they ran, without draining later units' compute.
         epoch = self._session.release(unit.records, dependency, unit=unit.name)
-        if self._clock is not None and self._recording and unit is not self.root and epoch is not None:
-            self._clock.unit(epoch, unit.dispatched_ns)
-            # The recording pass runs each unit alone: the next unit's load waits for this
-            # unit's compute, so the plan times compute without copies on the same cores
-            # (they would count twice: the plan adds them back per copy_contention).
-            if self._serial and self._session.marker.wait(epoch, RECORDING_FENCE_WAIT_S) < epoch:
-                self._serial = False
-                log.info("prefetchd.offload: unit %r computed for over %.0f s; the rest of the "
-                         "recording pass overlaps loads with compute", unit.name, RECORDING_FENCE_WAIT_S)
+        if self._timer is not None and self._recording and epoch is not None:
+            # Waits for the unit's compute: the recording pass times each unit alone.
+            self._timer.released(unit.name, epoch, None if unit is self.root else unit.dispatched_ns)
 
     def _release_all(self, dependency):
         for unit in [*self.units, self.root]:
@@ -355,12 +378,6 @@ class Offloaded:
         self._release_all(None)
         if self._owns_daemon:
             self.daemon.close()
-
-
-def _kind(unit):
-    """What makes two units' compute the same: their cell types and parameter shapes."""
-    return (tuple(type(cell).__name__ for cell in unit.cells),
-            tuple((tuple(p.shape), str(p.dtype)) for p in unit.params))
 
 
 def _first_tensor(value):

@@ -277,6 +277,15 @@ def rates_from_stats(stats):
             rate(stats.transfer_bytes["h2d"], stats.transfer_seconds["h2d"]))
 
 
+def rates_between(before, after):
+    """(disk_rate, h2d_rate) of the transfers that completed between two Stats snapshots,
+    each None if there were none."""
+    def moved(kind):
+        return (after.transfer_bytes[kind] - before.transfer_bytes[kind],
+                after.transfer_seconds[kind] - before.transfer_seconds[kind])
+    return rate(*moved("load")), rate(*moved("h2d"))
+
+
 def compute_seconds_from_fences(dispatch_ns, fence_ns):
     """Per-unit compute seconds from when each unit's kernels were dispatched (after
     its weights were resident) and when its compute fence was reached, in run

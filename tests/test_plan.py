@@ -228,3 +228,15 @@ def test_measure_pools_compute_by_unit_kind():
     assert raw.compute_seconds == pytest.approx((0.06, 0.01, 0.01, 0.01))
     assert P.measure([MiB] * 4, dispatch, fence, unit_kinds=["b"] * 4, **common).compute_seconds == \
         pytest.approx((0.01,) * 4)
+
+
+def test_rates_between_two_snapshots_count_only_what_moved_in_between():
+    from prefetchd.stats import Stats
+    live = Stats()
+    live.record_transfer("load", 100 * MiB, 1.0)          # the recording pass: slow first writes
+    live.record_transfer("h2d", 100 * MiB, 1.0)
+    before = live.snapshot()
+    live.record_transfer("h2d", 400 * MiB, 0.1)
+    disk, h2d = P.rates_between(before, live.snapshot())
+    assert disk is None                                   # no disk read in between
+    assert h2d == pytest.approx(400 * MiB / 0.1)
