@@ -175,7 +175,7 @@ class Config:
     copy_streams: int = 2
     io_engine: str = "auto"
     direct_io: bool = True
-    huge_pages: bool = True               # cpu: transparent huge pages for large device and host blocks
+    huge_pages: bool = True               # cpu: transparent huge pages for device blocks of 2 MiB or more
     io_block_size: int = 8 << 20
     io_queue_depth: int = 8
     io_threads: int = 4

@@ -35,9 +35,9 @@ class CpuBackend(HostAndStoreTiers):
         # fragmentation from refusing a load that fits the budget. The watermark
         # still bounds the bytes reserved, and released ranges are MADV_FREE.
         # Huge pages (blocks of 2 MiB or more on 2 MiB boundaries, advised
-        # MADV_HUGEPAGE): a host->device memcpy runs ~30% faster with fewer TLB
+        # MADV_HUGEPAGE): a host->device memcpy runs ~18% faster with fewer TLB
         # misses, and attach/detach and the MADV_FREE of a release handle one
-        # entry per 2 MiB instead of 512 (docs/performance.md).
+        # entry per 2 MiB instead of 512 (docs/stable-addresses.md).
         self.device = _native.Arena(ARENA_SPACE * config.device_budget, _ALIGN, huge_pages=config.huge_pages)
         probe = self.device.alloc(0)
         self._base = probe.address   # arena offset = address - base
