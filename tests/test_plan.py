@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from helpers import FakeMarker
 from prefetchd import plan as P
 
 MiB = 1 << 20
@@ -138,24 +139,6 @@ def test_measure_takes_rates_from_stats():
     assert inp.compute_seconds == pytest.approx((0.005,))
     with pytest.raises(ValueError, match="disk"):
         P.measure([MiB], [0], [1], stats=Stats(), high_watermark=4 * MiB, host_budget=0)
-
-
-class FakeMarker:
-    """A fence word advanced by a 'compute' thread."""
-
-    def __init__(self):
-        self.word = 0
-        self.cond = threading.Condition()
-
-    def reach(self, epoch):
-        with self.cond:
-            self.word = epoch
-            self.cond.notify_all()
-
-    def wait(self, epoch, timeout):
-        with self.cond:
-            self.cond.wait_for(lambda: self.word >= epoch, timeout)
-            return self.word
 
 
 def test_fence_clock_times_fences_as_compute_reaches_them():

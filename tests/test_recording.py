@@ -6,16 +6,17 @@ import time
 
 import pytest
 
+from helpers import FakeMarker
 from prefetchd import recording
 
 MiB = 1 << 20
 
 
-class FakeCompute:
+class FakeCompute(FakeMarker):
     """A fence word raised by one 'compute' thread that runs queued jobs in order."""
 
     def __init__(self):
-        self.word, self.cond = 0, threading.Condition()
+        super().__init__()
         self.queue, self.queued = queue.SimpleQueue(), 0
         threading.Thread(target=self._work, daemon=True).start()
 
@@ -29,14 +30,7 @@ class FakeCompute:
         while True:
             epoch, seconds = self.queue.get()
             time.sleep(seconds)
-            with self.cond:
-                self.word = epoch
-                self.cond.notify_all()
-
-    def wait(self, epoch, timeout):
-        with self.cond:
-            self.cond.wait_for(lambda: self.word >= epoch, timeout)
-            return self.word
+            self.reach(epoch)
 
 
 def common():
