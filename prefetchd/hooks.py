@@ -275,8 +275,13 @@ class Offloaded:
         disk, h2d = cost_model.rates_between(before, now)
         if disk is None and h2d is None:
             return
-        refined = dataclasses.replace(inputs, disk_rate=disk or inputs.disk_rate, h2d_rate=h2d or inputs.h2d_rate)
-        self._adopt(cost_model.plan(refined, None if self._auto else self.lookahead), "last streamed pass")
+        try:
+            refined = dataclasses.replace(inputs, disk_rate=disk or inputs.disk_rate,
+                                          h2d_rate=h2d or inputs.h2d_rate)
+            self._adopt(cost_model.plan(refined, None if self._auto else self.lookahead), "last streamed pass")
+        except ValueError as e:      # never break the user's forward over an estimate
+            log.info("prefetchd.offload: the estimate was not refined (%s)", e)
+            return
         settled = all(abs(new / old - 1) <= RATES_SETTLED for new, old in
                       ((refined.disk_rate, inputs.disk_rate), (refined.h2d_rate, inputs.h2d_rate)) if old)
         if not settled and left > 1:
