@@ -256,7 +256,8 @@ class Offloaded:
                 [u.nbytes for u in units], [unit_kind(u.cells, u.params) for u in units], self.stall_seconds,
                 stats=self.daemon.snapshot()[1], high_watermark=self._high,
                 host_budget=self.daemon.config.host_budget, root_bytes=self.root.nbytes, tier=tier,
-                copy_contention=self.daemon.backend.copy_contention)
+                copy_contention=self.daemon.backend.copy_contention,
+                checksum_rate=self.daemon.backend.checksum_rate())
             self._adopt(cost_model.plan(inputs, None if self._auto else self.lookahead), "recording pass")
         except (TimeoutError, ValueError) as e:
             log.info("prefetchd.offload: no pass-time estimate (%s)", e)

@@ -18,7 +18,8 @@ before j-1 finished computing. A load also needs device room: with `slots`
 units fitting under the high watermark beside the root, unit i waits for unit
 i-slots to finish computing (its memory is reused after its compute fence).
 Where copies are memcpys on compute's own cores (the cpu backend), compute
-stretches by copy_contention times the pass's copy seconds: a kernel spread
+stretches by copy_contention times the pass's copy seconds (and the CPU
+checksums of its disk reads, at checksum_rate): a kernel spread
 over every core with a barrier at its end waits for its slowest thread, so a
 copy holding one core holds back the whole kernel (copy_contention = 1). An
 accelerator copies by DMA beside compute: copy_contention = 0.
@@ -75,6 +76,7 @@ class Inputs:
     tier: str = "remote"
     dispatch_ahead: bool = True      # False: the framework runs ops synchronously
     copy_contention: float = 0.0
+    checksum_rate: float = 0.0       # bytes/s of the CRC32C verifying each disk read on the CPU; 0: free
 
     def __post_init__(self):
         object.__setattr__(self, "unit_bytes", tuple(int(b) for b in self.unit_bytes))
@@ -89,6 +91,8 @@ class Inputs:
             raise ValueError(f"h2d_rate must be > 0 bytes/s, not {self.h2d_rate!r}")
         if self.tier == "remote" and (not self.disk_rate or self.disk_rate <= 0):
             raise ValueError(f"disk_rate must be > 0 bytes/s for the remote tier, not {self.disk_rate!r}")
+        if not self.checksum_rate >= 0:
+            raise ValueError(f"checksum_rate must be >= 0 bytes/s, not {self.checksum_rate!r}")
         if not 0 <= self.copy_contention <= 1:
             raise ValueError(f"copy_contention must be in [0, 1], not {self.copy_contention!r}")
         if self.high_watermark <= 0 or self.host_budget < 0 or self.root_bytes < 0:
@@ -170,9 +174,19 @@ def moves(inputs, first_pass):
     return out
 
 
+def cpu_seconds(inputs, unit_moves):
+    """Seconds of CPU work that `moves` do on the host: the host->device memcpys, and the
+    checksums of the disk reads (a read itself is DMA). Where copy_contention > 0 they
+    are taken from compute."""
+    seconds = sum(copy for _, copy in unit_moves)
+    if inputs.checksum_rate and inputs.disk_rate:
+        seconds += sum(disk for disk, _ in unit_moves) * inputs.disk_rate / inputs.checksum_rate
+    return seconds
+
+
 def shared_compute(inputs, copies):
     """Per-unit compute seconds and root seconds, stretched by copy_contention x
-    `copies` seconds of memcpy on compute's cores, spread in proportion to each
+    `copies` seconds of CPU work on compute's cores (cpu_seconds), spread in proportion to each
     unit's compute."""
     c, root = list(inputs.compute_seconds), inputs.root_seconds
     if not inputs.copy_contention or not copies:
@@ -189,7 +203,7 @@ def simulate(inputs, k, io, *, warm, k_next=None, io_next=None, copies=0.0):
 
     k: lookahead while this pass runs; warm: its first k units are already on the
     device; k_next / io_next: the prefetches its post-hook issues for the next pass;
-    copies: host->device copy seconds of the pass (see shared_compute).
+    copies: CPU seconds of the pass's moves (cpu_seconds, shared_compute).
     """
     n = len(io)
     c, root_seconds = shared_compute(inputs, copies)
@@ -240,8 +254,8 @@ def plan(inputs, lookahead=None):
     steady_moves = [(0.0, 0.0)] * n if fits_on_device(inputs) else moves(inputs, first_pass=False)
     first_io = [disk + copy for disk, copy in first_moves]
     steady_io = [disk + copy for disk, copy in steady_moves]
-    first_copies = sum(copy for _, copy in first_moves)
-    steady_copies = sum(copy for _, copy in steady_moves)
+    first_copies = cpu_seconds(inputs, first_moves)
+    steady_copies = cpu_seconds(inputs, steady_moves)
     by_k = {k: simulate(inputs, k, steady_io, warm=True, copies=steady_copies)[0] for k in range(k_max + 1)}
     clamped = False
     if lookahead is None:
@@ -318,7 +332,7 @@ def pooled(seconds, kinds, least=3):
 
 def measure(unit_bytes, dispatch_ns, fence_ns, *, high_watermark, host_budget, stats=None,
             disk_rate=None, h2d_rate=None, root_bytes=0, root_seconds=0.0, tier="remote", copy_contention=0.0,
-            unit_kinds=None):
+            checksum_rate=0.0, unit_kinds=None):
     """Inputs from what a first pass recorded: unit bytes in trace order, each unit's
     dispatch and fence times (ns, see FenceClock), and the transfer rates, given or
     taken from the daemon's stats (`daemon.snapshot()[1]`). unit_kinds (one hashable
@@ -338,7 +352,7 @@ def measure(unit_bytes, dispatch_ns, fence_ns, *, high_watermark, host_budget, s
     return Inputs(unit_bytes=tuple(unit_bytes), compute_seconds=tuple(compute),
                   disk_rate=disk_rate or 0.0, h2d_rate=h2d_rate, high_watermark=high_watermark,
                   host_budget=host_budget, root_bytes=root_bytes, root_seconds=root_seconds, tier=tier,
-                  copy_contention=copy_contention)
+                  copy_contention=copy_contention, checksum_rate=checksum_rate)
 
 
 class FenceClock:

@@ -97,6 +97,10 @@ def test_demo_json_report(ms, capsys):
     assert demo_mod.run_demo(json=True, **SMALL) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["outputs_match"] and report["watermark_respected"] and report["passes"] == 2
+    # The resident model is timed before and after the offloaded passes.
+    assert len(report["resident_pass_seconds"]) == 2 * report["passes"]
+    middle = sorted(report["resident_pass_seconds"])[1:3]
+    assert report["resident_seconds_per_pass"] == pytest.approx(sum(middle) / 2)
     assert report["peak_device_bytes"] <= report["high_watermark"] < report["model_bytes"]
     assert report["bytes_moved"] >= report["model_bytes"] * 0.5
     assert report["transfer_seconds"]["load"] > 0

@@ -186,6 +186,19 @@ def test_disk_reads_straight_to_the_device_take_no_compute():
         P.plan(inputs(compute=0.05, copy_contention=0)).pass_seconds)
 
 
+def test_checksums_of_disk_reads_are_cpu_work_where_copies_contend():
+    # Remote tier, no host cache, compute-bound: every unit is a 64 MiB disk read whose
+    # CRC32C (at 10 GB/s) runs on the CPU.
+    checksums = 8 * 64 * MiB / 10e9
+    free = P.plan(inputs(compute=0.1, copy_contention=1))
+    cpu = P.plan(inputs(compute=0.1, copy_contention=1, checksum_rate=10e9))
+    dma = P.plan(inputs(compute=0.1, copy_contention=0, checksum_rate=10e9))
+    assert cpu.pass_seconds == pytest.approx(free.pass_seconds + checksums, rel=0.02)
+    assert dma.pass_seconds == pytest.approx(free.pass_seconds)
+    with pytest.raises(ValueError, match="checksum_rate"):
+        inputs(checksum_rate=-1)
+
+
 @pytest.mark.parametrize("bad", [-0.1, 1.5])
 def test_copy_contention_must_be_a_fraction(bad):
     with pytest.raises(ValueError, match="copy_contention"):

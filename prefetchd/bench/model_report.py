@@ -98,7 +98,8 @@ def plan_inputs(method, layer_seconds, rates, tier, resident_seconds):
                         h2d_rate=rates.get("h2d_daemon") or rates["h2d_copy"],
                         high_watermark=status["device"]["high_watermark"],
                         host_budget=method.daemon.config.host_budget, root_bytes=handle.root.nbytes,
-                        tier=tier, copy_contention=method.daemon.backend.copy_contention), mapped
+                        tier=tier, copy_contention=method.daemon.backend.copy_contention,
+                        checksum_rate=method.daemon.backend.checksum_rate()), mapped
 
 
 def _pair(predicted, measured):
@@ -120,7 +121,7 @@ def plan_report(methods, report, layer_seconds, rates, lookahead, tier, resident
         # interleaved run: above 1 when the cores were busier during the run than alone.
         "resident_over_compute_profile": resident_seconds / sum(layer_seconds)
         if from_fences else None,
-        "copy_contention": inputs.copy_contention,
+        "copy_contention": inputs.copy_contention, "checksum_rate": inputs.checksum_rate,
         "disk_rate": inputs.disk_rate, "h2d_rate": inputs.h2d_rate,
         "lookahead": p.lookahead, "clamped": p.clamped, "max_lookahead": p.max_lookahead,
         "auto_lookahead": auto.lookahead, "auto_pass_seconds": auto.pass_seconds, "bound": p.bound,
