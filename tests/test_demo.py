@@ -131,3 +131,17 @@ def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch):
     with pytest.raises(ImportError, match=r"prefetchd\[plot\]"):
         demo_mod.run_demo(plot="t.png", **SMALL)
     assert time.monotonic() - started < 1.0     # nothing was staged or run
+
+
+def test_demo_keeps_no_large_reference_beside_the_offloaded_model(ms, monkeypatch, capsys):
+    """A model over a third of the memory the machine allows: the resident reference is
+    dropped before the offloaded passes (it, the host cache and the arena would not fit
+    together), and only the resident passes before them are timed."""
+    from prefetchd import limits
+    model_bytes = estimate_bytes(SMALL["hidden"], layers_for(SMALL["size"], SMALL["hidden"]))
+    monkeypatch.setattr(limits, "available_memory",
+                        lambda *a, **k: limits.Available(model_bytes * 3 - 1, "a test's machine"))
+    assert demo_mod.run_demo(json=True, **SMALL) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["resident_pass_seconds"]) == report["passes"]
+    assert report["outputs_match"]
