@@ -34,6 +34,7 @@ import time
 
 from . import plan as cost_model
 from .backend import framework
+from .backend.base import checksum_rate
 from .daemon import Daemon
 from .errors import NotResidentError, PrefetchdError
 from .planner import plan_units
@@ -257,7 +258,7 @@ class Offloaded:
                 stats=self.daemon.snapshot()[1], high_watermark=self._high,
                 host_budget=self.daemon.config.host_budget, root_bytes=self.root.nbytes, tier=tier,
                 copy_contention=self.daemon.backend.copy_contention,
-                checksum_rate=self.daemon.backend.checksum_rate())
+                checksum_rate=checksum_rate())
             self._adopt(cost_model.plan(inputs, None if self._auto else self.lookahead), "recording pass")
         except (TimeoutError, ValueError) as e:
             log.info("prefetchd.offload: no pass-time estimate (%s)", e)
@@ -273,7 +274,7 @@ class Offloaded:
         inputs, before, left = self._refine
         now = self.daemon.snapshot()[1]
         self._refine = None
-        disk, h2d = cost_model.rates_between(before, now)
+        disk, h2d = cost_model.rates_from_stats(now, since=before)
         if disk is None and h2d is None:
             return
         try:

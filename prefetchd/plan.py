@@ -283,21 +283,17 @@ def rate(nbytes, seconds):
     return nbytes / seconds if nbytes and seconds and seconds > 0 else None
 
 
-def rates_from_stats(stats):
-    """(disk_rate, h2d_rate) from a daemon's Stats: disk reads are counted as "load"
-    (straight to the device or into the host cache), host->device copies as "h2d".
-    Transfers on one copy stream do not overlap, so bytes / summed seconds is the rate."""
-    return (rate(stats.transfer_bytes["load"], stats.transfer_seconds["load"]),
-            rate(stats.transfer_bytes["h2d"], stats.transfer_seconds["h2d"]))
-
-
-def rates_between(before, after):
-    """(disk_rate, h2d_rate) of the transfers that completed between two Stats snapshots,
-    each None if there were none."""
+def rates_from_stats(stats, since=None):
+    """(disk_rate, h2d_rate) from a daemon's Stats, of the transfers completed since the
+    earlier snapshot `since` (all if None); each None if there were none. Disk reads are
+    counted as "load" (straight to the device or into the host cache), host->device copies
+    as "h2d". Transfers on one copy stream do not overlap, so bytes / summed seconds is the rate."""
     def moved(kind):
-        return (after.transfer_bytes[kind] - before.transfer_bytes[kind],
-                after.transfer_seconds[kind] - before.transfer_seconds[kind])
-    return rate(*moved("load")), rate(*moved("h2d"))
+        nbytes, seconds = stats.transfer_bytes[kind], stats.transfer_seconds[kind]
+        if since is not None:
+            nbytes, seconds = nbytes - since.transfer_bytes[kind], seconds - since.transfer_seconds[kind]
+        return rate(nbytes, seconds)
+    return moved("load"), moved("h2d")
 
 
 def compute_seconds_from_fences(dispatch_ns, fence_ns):

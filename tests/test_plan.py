@@ -226,13 +226,13 @@ def test_measure_pools_compute_by_unit_kind():
         pytest.approx((0.01,) * 4)
 
 
-def test_rates_between_two_snapshots_count_only_what_moved_in_between():
+def test_rates_since_a_snapshot_count_only_what_moved_in_between():
     from prefetchd.stats import Stats
     live = Stats()
     live.record_transfer("load", 100 * MiB, 1.0)          # the recording pass: slow first writes
     live.record_transfer("h2d", 100 * MiB, 1.0)
     before = live.snapshot()
     live.record_transfer("h2d", 400 * MiB, 0.1)
-    disk, h2d = P.rates_between(before, live.snapshot())
+    disk, h2d = P.rates_from_stats(live.snapshot(), since=before)
     assert disk is None                                   # no disk read in between
     assert h2d == pytest.approx(400 * MiB / 0.1)

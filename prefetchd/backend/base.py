@@ -43,7 +43,6 @@ class Backend(Protocol):
     def device_used(self) -> int: ...                 # bytes reserved (rounded to alignment)
     def device_capacity(self) -> int: ...
     def block_bytes(self, nbytes: int) -> int: ...    # what a request of nbytes reserves
-    def checksum_rate(self) -> float: ...              # bytes/s of the CRC32C verifying store reads
     copy_contention: float                            # compute seconds a second of host->device
                                                       # copying costs (cpu memcpy: 1; DMA: 0), plan.Inputs
     def alloc_host(self, nbytes: int): ...
@@ -175,10 +174,6 @@ class HostAndStoreTiers:
 
     def host_capacity(self):
         return self.host.budget
-
-    @staticmethod
-    def checksum_rate():
-        return checksum_rate()
 
     def store_contains(self, key):
         return self.store.contains(key)

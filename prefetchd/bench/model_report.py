@@ -3,6 +3,7 @@ prediction next to the measurement."""
 import statistics
 
 from .. import plan as plans
+from ..backend.base import checksum_rate
 
 
 def _hit_rate(host, remote):
@@ -99,7 +100,7 @@ def plan_inputs(method, layer_seconds, rates, tier, resident_seconds):
                         high_watermark=status["device"]["high_watermark"],
                         host_budget=method.daemon.config.host_budget, root_bytes=handle.root.nbytes,
                         tier=tier, copy_contention=method.daemon.backend.copy_contention,
-                        checksum_rate=method.daemon.backend.checksum_rate()), mapped
+                        checksum_rate=checksum_rate()), mapped
 
 
 def _pair(predicted, measured):
