@@ -250,3 +250,34 @@ def test_close_retries_a_failed_writeback_so_nothing_is_lost(store_dir, make_par
         assert np.frombuffer(dst, np.float32, MiB // 4)[-1] == 5
     finally:
         store.close()
+
+
+def test_a_failed_compute_fence_loses_no_block_and_the_tensor_loads_again(daemon, make_param, monkeypatch):
+    """The framework's fence can raise (MindSpore does, from a broken op queue).
+
+    The blocks waiting on that fence still hold their tensors' pages at the
+    homes: they must stay waiting, so the tensor's next load takes its block
+    back instead of attaching a second one, and the arena gets them back at
+    the next fence that works.
+    """
+    p = make_param(np.full(MiB // 4, 3, np.float32), "victim.f")
+    h = daemon.register(p, tier="remote")
+    with daemon.use(h):                               # the framework has read the home: exposed
+        assert p.asnumpy()[0] == 3
+    calls = []
+    real = daemon.backend.compute_fence
+
+    def broken_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected: the framework's op queue is broken")
+        real()
+    monkeypatch.setattr(daemon.backend, "compute_fence", broken_once)
+    with pytest.raises(Exception, match="injected"):
+        daemon.evict(h).result(10)
+    assert calls, "the evict did not fence: the test no longer reaches the failure"
+    daemon.prefetch(h).result(10)                     # was: attach refused, the home already had a block
+    with daemon.use(h):
+        assert p.asnumpy()[0] == 3 and p.asnumpy()[-1] == 3
+    daemon.evict(h).result(10)                        # a working fence frees everything
+    assert daemon.status()["device"]["used"] == 0

@@ -177,7 +177,14 @@ class DeviceMemory:
         self._lock.release()
         try:
             self.backend.compute_fence()
-        finally:
+        except BaseException:
+            # Compute may still read these blocks, and their pages still sit at
+            # the homes: keep them waiting, so a later fence frees them and a
+            # load of the same tensor can reclaim its block.
+            self._lock.acquire()
+            self.unfenced = entries + self.unfenced
+            raise
+        else:
             self._lock.acquire()
         self.stats.fences += 1
         for block, _epoch, home in entries:
