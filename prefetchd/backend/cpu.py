@@ -10,6 +10,7 @@ The remote tier is the native FileStore; copies and I/O run on native copy
 streams whose completions land in one native CompletionQueue.
 """
 import shutil
+import threading
 
 import numpy as np
 
@@ -56,6 +57,7 @@ class CpuBackend(HostAndStoreTiers):
         self.store_stream = _native.Stream("store") if config.copy_streams > 1 else self.load_stream
         self._scratch = {}  # tag -> buffer kept alive while a verify read runs
         self._marker = None  # ComputeMarker once the layer hooks ask for one
+        self._marker_lock = threading.Lock()   # sessions on several threads get one marker
         # A host->device copy is a memcpy on the cores compute runs on; MindSpore's
         # kernels use all of them and wait for the slowest (plan.Inputs).
         self.copy_contention = 1.0
@@ -113,6 +115,10 @@ class CpuBackend(HostAndStoreTiers):
 
     def compute_marker(self):
         """Per-unit compute fences (framework.ComputeMarker), or None where the kernel fails."""
+        with self._marker_lock:
+            return self._compute_marker_locked()
+
+    def _compute_marker_locked(self):
         if self._marker is None:
             from . import framework
             try:

@@ -6,11 +6,20 @@
   bind on the compute thread, never on the scheduler.
 - `hal.synchronize()` is the only fence that works on CPU; it drains every queue.
 """
+import threading
+
 import numpy as np
 
 from ..guard import base_class
 
 _ms = None
+
+# MindSpore 2.10 does not survive AOT custom ops built or launched from two
+# threads at once: the loser's kernel never runs, and from then on every
+# synchronize raises "The pointer[runtime_info] is null" (reproduced; see
+# docs/mindspore-notes.md). Every compute-fence op in the process goes through
+# this lock, which also keeps epochs in the order their ops were queued.
+_CUSTOM_OP_LOCK = threading.Lock()
 
 
 def mindspore():
@@ -97,8 +106,9 @@ class ComputeMarker:
         self.word = np.frombuffer(self._word_block, np.int64, 1)
         self.word[0] = 0
         self._word_tensor = ms.Tensor.from_numpy(self.word)
-        self._op = ms.ops.Custom(f"{lib}:ComputeFence", out_shape=lambda *shapes: (1,),
-                                 out_dtype=lambda *dtypes: ms.int64, func_type="aot")
+        with _CUSTOM_OP_LOCK:
+            self._op = ms.ops.Custom(f"{lib}:ComputeFence", out_shape=lambda *shapes: (1,),
+                                     out_dtype=lambda *dtypes: ms.int64, func_type="aot")
         self._epoch = 0
         # Prove the path end to end once, so a broken kernel is found here, not mid-run.
         probe = self.mark(ms.Tensor(np.zeros(1, np.float32)))
@@ -106,10 +116,12 @@ class ComputeMarker:
             raise RuntimeError("compute-fence kernel did not run")
 
     def mark(self, tensor):
+        """Queue the fence behind `tensor`; safe from any thread (epochs follow queue order)."""
         ms = mindspore()
-        self._epoch += 1
-        epoch = self._epoch
-        self._op(tensor, ms.Tensor.from_numpy(np.array([epoch], np.int64)), self._word_tensor)
+        with _CUSTOM_OP_LOCK:
+            self._epoch += 1
+            epoch = self._epoch
+            self._op(tensor, ms.Tensor.from_numpy(np.array([epoch], np.int64)), self._word_tensor)
         return epoch
 
     def reached(self, epoch):

@@ -1,0 +1,85 @@
+"""Run by tests/test_compute_marker.py in its own process: a broken MindSpore op
+queue stays broken for the life of the process, so this must not share one.
+
+Threads meet at a barrier, then each builds a compute marker (or a daemon's
+first `use`) at the same moment and marks from its own thread. Prints one JSON
+line: what each thread saw, and whether MindSpore can still synchronize.
+"""
+import json
+import sys
+import threading
+
+import numpy as np
+import mindspore as ms
+
+from prefetchd import Daemon
+from prefetchd.backend import framework
+
+THREADS, ROUNDS, MARKS = 3, 4, 100
+
+
+def markers_built_together():
+    """Each round: THREADS markers built at once, then marked from their threads."""
+    seen = []
+
+    def one(barrier):
+        barrier.wait()
+        try:
+            marker = framework.ComputeMarker()
+            x = ms.Tensor(np.ones((32, 32), np.float32))
+            last = max(marker.mark(x * float(i)) for i in range(MARKS))
+            reached = marker.wait(last, 10.0)
+            seen.append("ok" if reached >= last else f"stuck at {reached} of {last}")
+        except Exception as e:
+            seen.append(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+    for _ in range(ROUNDS):
+        barrier = threading.Barrier(THREADS)
+        threads = [threading.Thread(target=one, args=(barrier,)) for _ in range(THREADS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return seen
+
+
+def first_uses_together(store_dir):
+    """A daemon's first `use` from several threads at once: one marker, every read right."""
+    d = Daemon(store_dir=store_dir, device_budget="4MiB").start()
+    try:
+        params = [ms.Parameter(ms.Tensor(np.full(1024, k, np.float32)), name=f"p{k}") for k in range(THREADS)]
+        for p in params:
+            d.register(p, tier="remote")
+        seen, barrier = [], threading.Barrier(THREADS)
+
+        def one(k):
+            barrier.wait()
+            try:
+                with d.use(params[k].name):
+                    seen.append("ok" if params[k].asnumpy()[0] == k else "wrong value")
+            except Exception as e:
+                seen.append(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(THREADS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        markers = {id(d.backend.compute_marker()) for _ in range(2)}
+        return seen, d.backend.marker is not None and len(markers) == 1
+    finally:
+        d.close()
+
+
+def main():
+    markers = markers_built_together()
+    uses, one_marker = first_uses_together(sys.argv[1])
+    try:
+        ms.hal.synchronize()
+        synchronize = "ok"
+    except Exception as e:
+        synchronize = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    print(json.dumps({"markers": markers, "uses": uses, "one_marker": one_marker,
+                      "synchronize": synchronize}))
+
+
+if __name__ == "__main__":
+    main()
