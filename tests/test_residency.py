@@ -79,7 +79,7 @@ class Worker:
             high = budget // 2 + (arg % 5) * budget // 10
             self.futures.append(("watermarks", d.set_watermarks(high, high * 3 // 4)))
         elif op == "register" and len(self.params) < 8:
-            self._register(len(self.params), 4 * KiB * (1 + arg % 16), tier="remote")
+            self._register(len(self.params), 4 * KiB * (1 + arg % 10), tier="remote")
 
     def settle(self):
         for kind, f in self.futures:
