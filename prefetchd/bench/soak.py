@@ -28,6 +28,11 @@ import time
 import numpy as np
 
 KiB, MiB = 1 << 10, 1 << 20
+# MindSpore 2.10 cannot dispatch ops from two threads at once (it can abort the
+# process; docs/mindspore-notes.md). The workers take this around their
+# MindSpore calls, and take it before pinning, so whoever holds it waits only
+# on the daemon; the daemon calls, which are what the soak is for, stay concurrent.
+_MINDSPORE = threading.Lock()
 
 
 def _rss():
@@ -65,8 +70,9 @@ def _producer(ms, daemon, tid, stop, counters, seed, tensors_per_thread=8):
     for k in range(tensors_per_thread):
         n = rng.choice([16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB]) // 4
         v = np.full(n, tid * 100 + k, np.float32)
-        p = ms.Parameter(ms.Tensor(v), name=f"soak.{tid}.{k}")
-        daemon.register(p, tier=rng.choice(["remote", "host", "device"]))
+        with _MINDSPORE:
+            p = ms.Parameter(ms.Tensor(v), name=f"soak.{tid}.{k}")
+            daemon.register(p, tier=rng.choice(["remote", "host", "device"]))
         params.append(p)
         expected.append(v.copy())
     futures = collections.deque()
@@ -83,7 +89,7 @@ def _producer(ms, daemon, tid, stop, counters, seed, tensors_per_thread=8):
             elif op == "flush":
                 futures.append(daemon.flush(name))
             else:
-                with daemon.use(name):
+                with _MINDSPORE, daemon.use(name):
                     if not np.array_equal(params[k].asnumpy(), expected[k]):
                         counters.mismatch()
                     if op == "write":
@@ -111,15 +117,18 @@ def _producer(ms, daemon, tid, stop, counters, seed, tensors_per_thread=8):
 def _streamer(ms, daemon, stop, counters):
     from ..hooks import offload
     from ..model import build_model, make_inputs
-    ref = build_model(256, 6, seed=9)
-    x = make_inputs(2, 8, 256, seed=10)
-    want = ref(x).asnumpy()
-    model = build_model(256, 6, seed=9)
-    offload(model, daemon, lookahead=2, auto_fetch=True)
+    with _MINDSPORE:
+        ref = build_model(256, 6, seed=9)
+        x = make_inputs(2, 8, 256, seed=10)
+        want = ref(x).asnumpy()
+        model = build_model(256, 6, seed=9)
+        offload(model, daemon, lookahead=2, auto_fetch=True)
     while not stop.is_set():
         counters.op("forward")
         try:
-            if not np.array_equal(model(x).asnumpy(), want):
+            with _MINDSPORE:
+                out = model(x).asnumpy()
+            if not np.array_equal(out, want):
                 counters.mismatch()
         except Exception as e:
             counters.error(e)
