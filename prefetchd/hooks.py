@@ -21,6 +21,11 @@ forward hooks:
   can be placed now). If the unit's storage moved since it last ran, graphs
   compiled (@jit) for its cells are dropped so they recompile, never stale.
 
+One model runs one pass at a time: a call from a second thread waits in the
+model's pre-hook until the running pass ends (its post-hook, or the hook
+MindSpore calls when the forward raised). Two interleaved passes would unpin
+each other's units while their kernels still read them.
+
 A unit that is not resident in time (a *miss*) is fetched on demand, counted
 (`stats()["misses"]`, a WARNING the first time per unit) and the run goes on;
 `strict=True` raises NotResidentError instead. A unit that is not the one the
@@ -30,6 +35,7 @@ offload() refuses it, and the first forward checks that unit hooks ran.
 """
 import dataclasses
 import logging
+import threading
 import time
 
 from . import plan as cost_model
@@ -111,12 +117,16 @@ class Offloaded:
         self.misses = 0
         self._warned = set()           # units whose first miss was logged
         self._session = daemon.compute_session(owner=id(self))   # per-unit calls, this model's trace
+        self._pass_lock = threading.Lock()   # held from the model's pre-hook to the end of its pass
+        self._pass_thread = None             # the thread holding it
         self._handles = []
         for cell in {id(c): c for u in self.units for c in u.cells}.values():
             self._handles.append(cell.register_forward_pre_hook(self._before_unit))
             self._handles.append(cell.register_forward_hook(self._after_unit))
         self._handles.append(model.register_forward_pre_hook(self._before_model))
         self._handles.append(model.register_forward_hook(self._after_model))
+        # always_call: MindSpore runs it when the forward or another hook raised, too.
+        self._handles.append(model.register_forward_hook(self._end_pass, always_call=True))
 
     # ---------------------------------------------------------------- setup
     def _invalidate_compiled(self):
@@ -145,6 +155,9 @@ class Offloaded:
 
     # ---------------------------------------------------------------- hooks
     def _before_model(self, cell, inputs):
+        if self._pass_thread != threading.get_ident():   # (the same thread: a nested call runs through)
+            self._pass_lock.acquire()
+            self._pass_thread = threading.get_ident()
         self._release_all(None)               # a pass that raised midway left pins behind
         self._high = self._session.high_watermark
         self._ran = 0
@@ -203,6 +216,11 @@ class Offloaded:
                 # Its memory is free once its kernels ran: a prefetch refused a moment
                 # ago for want of a free range can be placed now, before it would miss.
                 self._prefetch_from(self._position + 1, self._held_bytes())
+
+    def _end_pass(self, cell, inputs, output):
+        if self._pass_thread == threading.get_ident():
+            self._pass_thread = None
+            self._pass_lock.release()
 
     # ---------------------------------------------------------------- pin / release
     def _acquire(self, unit):

@@ -1,4 +1,6 @@
 """Layer decorators: an offloaded model computes exactly what the resident model computes."""
+import time
+
 import numpy as np
 import pytest
 
@@ -370,3 +372,61 @@ def test_the_recording_pass_times_each_unit_with_no_load_beside_it(make_daemon, 
     slack = 8_000_000
     overlaps = [(c, l) for c in computes for l in loads if l[0] < c[1] - slack and c[0] < l[1]]
     assert not overlaps, f"loads ran beside compute on the recording pass: {overlaps[:3]}"
+
+
+def test_a_second_thread_waits_for_the_running_pass_and_a_raised_pass_lets_it_go(make_daemon, mindspore_cpu):
+    """Two request threads call one offloaded model: the second pass starts only when the
+    first ended, whether it returned or raised (before this, the second pass unpinned
+    the first's units under its running kernels, and the process could segfault)."""
+    import threading
+    ms = mindspore_cpu
+    gate, entered = threading.Event(), []
+
+    class Gated(ms.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.layers = ms.nn.CellList([ms.nn.Dense(64, 64) for _ in range(4)])
+
+        def construct(self, x, fail=False):
+            for i, layer in enumerate(self.layers):
+                entered.append((threading.current_thread().name, i))
+                if i == 1 and threading.current_thread().name == "first":
+                    gate.wait(30)          # the first pass holds here, its units pinned
+                    if fail:
+                        raise ValueError("the first request was bad")
+                x = layer(x)
+            return x
+
+    x = ms.Tensor(np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32))
+    model = Gated()
+    want = model(x).asnumpy()
+    prefetchd.offload(model, make_daemon(device_budget="64KiB"), lookahead=1, auto_fetch=True)
+    np.testing.assert_array_equal(model(x).asnumpy(), want)          # recording pass
+    for fail in (False, True):
+        gate.clear()
+        entered.clear()
+        outcome = {}
+
+        def call(name, fail):
+            try:
+                outcome[name] = model(x, fail).asnumpy()
+            except ValueError as e:
+                outcome[name] = e
+        first = threading.Thread(target=call, args=("first", fail), name="first")
+        first.start()
+        while ("first", 1) not in entered:
+            time.sleep(0.01)
+        second = threading.Thread(target=call, args=("second", False), name="second")
+        second.start()
+        time.sleep(0.5)
+        assert all(name == "first" for name, _ in entered), f"the second pass ran beside the first: {entered}"
+        gate.set()
+        first.join(30)
+        second.join(30)
+        assert not first.is_alive() and not second.is_alive(), "a pass hung"
+        if fail:
+            assert isinstance(outcome["first"], ValueError)
+        else:
+            np.testing.assert_array_equal(outcome["first"], want)
+        np.testing.assert_array_equal(outcome["second"], want)
+    np.testing.assert_array_equal(model(x).asnumpy(), want)          # and the calling thread goes on
