@@ -61,3 +61,24 @@ def test_reading_an_evicted_weight_faults_instead_of_returning_other_bytes(tmp_p
                          env={**os.environ, "GLOG_v": "3"})
     assert "reading" in out.stdout and "read returned" not in out.stdout, out.stdout + out.stderr
     assert out.returncode == -11, (out.returncode, out.stderr[-2000:])
+    assert "prefetchd: a managed tensor was read while it was not resident" in out.stderr, out.stderr[-2000:]
+
+
+def test_a_functional_op_on_an_evicted_weight_says_why_before_the_process_dies(tmp_path):
+    """ops.mul(param, 2) outside a forward or use(): MindSpore's kernel reads the detached
+    home. No Python error can be raised from inside the kernel; the process says why."""
+    script = textwrap.dedent(f"""
+        import numpy as np, mindspore as ms, prefetchd
+        ms.set_device("CPU")
+        d = prefetchd.Daemon(store_dir={str(tmp_path / "store")!r}, device_budget="16MiB").start()
+        p = ms.Parameter(ms.Tensor(np.ones(4096, np.float32)), name="w")
+        d.register(p, tier="remote")
+        d.evict("w").result(10)
+        print("multiplying", flush=True)
+        print(ms.ops.mul(p, 2.0).asnumpy()[0], flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "GLOG_v": "3"})
+    assert out.stdout.splitlines() == ["multiplying"], out.stdout + out.stderr[-2000:]
+    assert out.returncode == -11, (out.returncode, out.stderr[-2000:])
+    assert "prefetchd: a managed tensor was read while it was not resident" in out.stderr, out.stderr[-2000:]

@@ -339,9 +339,28 @@ def test_reading_a_detached_home_dies_with_sigsegv():
         arena.detach(home, block)
         print("read", int(view[0]), flush=True)
     """)
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script], capture_output=True, text=True,
+                         timeout=120)
     assert run.stdout.splitlines() == ["attached 7"], run.stdout + run.stderr
     assert run.returncode == -11, (run.returncode, run.stderr)
+    # It says why before it dies, then Python's faulthandler (installed first) shows where.
+    said = run.stderr.index("prefetchd: a managed tensor was read while it was not resident")
+    assert said < run.stderr.index("Fatal Python error: Segmentation fault") < run.stderr.index('line 12')
+
+
+def test_a_fault_outside_the_homes_is_left_to_the_handler_before_ours():
+    script = textwrap.dedent("""
+        import ctypes
+        from prefetchd import _native as n
+        r = n.VirtualRange(1 << 20)          # installs the home-fault handler
+        print("reading", flush=True)
+        ctypes.string_at(8, 1)
+    """)
+    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert run.stdout.splitlines() == ["reading"], run.stdout + run.stderr
+    assert run.returncode == -11, (run.returncode, run.stderr)
+    assert "prefetchd:" not in run.stderr and "Fatal Python error: Segmentation fault" in run.stderr
 
 
 # ---------------------------------------------------------------- the arena is lazy

@@ -27,6 +27,7 @@ struct Reservation {
     size_t len = 0;        // page-rounded usable length
     std::mutex mu;         // guards `slices` and every Home's attachment state
     std::map<size_t, size_t> slices;  // offset -> length of live Homes (no overlaps)
+    int fault_slot = -1;   // home_faults.h: a read of a detached Home here says so before dying
     Reservation(size_t nbytes, size_t alignment);
     ~Reservation();
     Reservation(const Reservation &) = delete;

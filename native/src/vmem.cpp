@@ -16,6 +16,7 @@
 #include <string>
 
 #include "common.h"
+#include "home_faults.h"
 
 #ifndef MREMAP_DONTUNMAP
 #define MREMAP_DONTUNMAP 4
@@ -87,9 +88,11 @@ Reservation::Reservation(size_t nbytes, size_t alignment) {
                     "reserving " + std::to_string(raw_len) + " bytes of address space failed: " + errno_name(e));
     }
     base = reinterpret_cast<char *>(round_up(reinterpret_cast<uintptr_t>(raw), al));
+    fault_slot = register_home_range(reinterpret_cast<uintptr_t>(base), len);
 }
 
 Reservation::~Reservation() {
+    unregister_home_range(fault_slot);
     if (raw) munmap(raw, raw_len);
 }
 
