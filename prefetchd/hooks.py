@@ -40,7 +40,7 @@ import time
 
 from . import plan as cost_model
 from .backend import framework
-from .backend.base import checksum_rate
+from .backend.base import checksum_rate, copy_rate
 from .daemon import Daemon
 from .errors import NotResidentError, PrefetchdError
 from .planner import plan_units
@@ -276,7 +276,10 @@ class Offloaded:
                 stats=self.daemon.snapshot()[1], high_watermark=self._high,
                 host_budget=self.daemon.config.host_budget, root_bytes=self.root.nbytes, tier=tier,
                 copy_contention=self.daemon.backend.copy_contention,
-                checksum_rate=checksum_rate())
+                checksum_rate=checksum_rate(),
+                # The refined passes' h2d rate is slowed by compute beside it; charge compute
+                # for copies at a memcpy's own rate (plan.Inputs.copy_cpu_rate).
+                copy_cpu_rate=copy_rate() if self.daemon.backend.copy_contention else 0.0)
             self._adopt(cost_model.plan(inputs, None if self._auto else self.lookahead), "recording pass")
         except (TimeoutError, ValueError) as e:
             log.info("prefetchd.offload: no pass-time estimate (%s)", e)

@@ -64,6 +64,11 @@ class Inputs:
     0 where copies run beside compute (an accelerator's DMA engine); 1 where
     they are memcpys on the cores compute runs on (the cpu backend, whose
     kernels run on every core and wait for the slowest, see the module docstring).
+    copy_cpu_rate: bytes per CPU-second of that copying (a memcpy measured
+    alone); 0: h2d_rate, i.e. the copy stream's rate is all CPU work. Apart
+    from h2d_rate where the stream's rate was measured with compute beside it
+    (the hooks' later passes): that rate is already slowed by compute, and
+    charging compute for copies at it would count the contention twice.
     """
     unit_bytes: tuple
     compute_seconds: tuple
@@ -77,6 +82,7 @@ class Inputs:
     dispatch_ahead: bool = True      # False: the framework runs ops synchronously
     copy_contention: float = 0.0
     checksum_rate: float = 0.0       # bytes/s of the CRC32C verifying each disk read on the CPU; 0: free
+    copy_cpu_rate: float = 0.0       # bytes per CPU-second of a host->device copy; 0: h2d_rate
 
     def __post_init__(self):
         object.__setattr__(self, "unit_bytes", tuple(int(b) for b in self.unit_bytes))
@@ -93,6 +99,8 @@ class Inputs:
             raise ValueError(f"disk_rate must be > 0 bytes/s for the remote tier, not {self.disk_rate!r}")
         if not self.checksum_rate >= 0:
             raise ValueError(f"checksum_rate must be >= 0 bytes/s, not {self.checksum_rate!r}")
+        if not self.copy_cpu_rate >= 0:
+            raise ValueError(f"copy_cpu_rate must be >= 0 bytes/s, not {self.copy_cpu_rate!r}")
         if not 0 <= self.copy_contention <= 1:
             raise ValueError(f"copy_contention must be in [0, 1], not {self.copy_contention!r}")
         if self.high_watermark <= 0 or self.host_budget < 0 or self.root_bytes < 0:
@@ -179,6 +187,8 @@ def cpu_seconds(inputs, unit_moves):
     checksums of the disk reads (a read itself is DMA). Where copy_contention > 0 they
     are taken from compute."""
     seconds = sum(copy for _, copy in unit_moves)
+    if inputs.copy_cpu_rate:
+        seconds *= inputs.h2d_rate / inputs.copy_cpu_rate
     if inputs.checksum_rate and inputs.disk_rate:
         seconds += sum(disk for disk, _ in unit_moves) * inputs.disk_rate / inputs.checksum_rate
     return seconds
@@ -328,7 +338,7 @@ def pooled(seconds, kinds, least=3):
 
 def measure(unit_bytes, dispatch_ns, fence_ns, *, high_watermark, host_budget, stats=None,
             disk_rate=None, h2d_rate=None, root_bytes=0, root_seconds=0.0, tier="remote", copy_contention=0.0,
-            checksum_rate=0.0, unit_kinds=None):
+            checksum_rate=0.0, copy_cpu_rate=0.0, unit_kinds=None):
     """Inputs from what a first pass recorded: unit bytes in trace order, each unit's
     dispatch and fence times (ns, see FenceClock), and the transfer rates, given or
     taken from the daemon's stats (`daemon.snapshot()[1]`). unit_kinds (one hashable
@@ -348,7 +358,7 @@ def measure(unit_bytes, dispatch_ns, fence_ns, *, high_watermark, host_budget, s
     return Inputs(unit_bytes=tuple(unit_bytes), compute_seconds=tuple(compute),
                   disk_rate=disk_rate or 0.0, h2d_rate=h2d_rate, high_watermark=high_watermark,
                   host_budget=host_budget, root_bytes=root_bytes, root_seconds=root_seconds, tier=tier,
-                  copy_contention=copy_contention, checksum_rate=checksum_rate)
+                  copy_contention=copy_contention, checksum_rate=checksum_rate, copy_cpu_rate=copy_cpu_rate)
 
 
 class FenceClock:

@@ -37,6 +37,7 @@ def test_report_fields(report):
                 assert p["rebinds"] >= 0 and p["seconds"] > 0
         plan = r["plan"]
         assert plan["prefetchd"]["predicted"] > 0 and plan["prefetchd"]["measured"] == r["seconds"]["prefetchd"]
+        assert plan["refined"]["predicted"] > 0 and plan["refined"]["measured"] == r["seconds"]["prefetchd"]
         assert plan["compute_from_fences"] is True
         assert plan["units"] == report["layers"]
     batch = report["batches"][0]

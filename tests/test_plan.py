@@ -180,6 +180,20 @@ def test_copies_on_compute_cores_stretch_compute_by_their_contention():
     assert half.pass_seconds == pytest.approx(8 * 0.05 + copies / 2, rel=0.02)
 
 
+def test_copy_cpu_rate_charges_compute_for_the_memcpy_not_for_a_slowed_stream():
+    # The stream ran at 2 GB/s with compute beside it; the memcpy alone runs at 8 GB/s.
+    # Compute loses the memcpy's CPU seconds, not the stream's slowed seconds.
+    stream_rate, memcpy_rate = 2e9, 8e9
+    copies_cpu = 8 * 64 * MiB / memcpy_rate
+    p = P.plan(inputs(compute=0.1, tier="host", h2d=stream_rate, copy_contention=1, copy_cpu_rate=memcpy_rate))
+    assert p.bound == "compute"
+    assert p.pass_seconds == pytest.approx(8 * 0.1 + copies_cpu, rel=0.02)
+    unset = P.plan(inputs(compute=0.1, tier="host", h2d=stream_rate, copy_contention=1))
+    assert unset.pass_seconds == pytest.approx(8 * 0.1 + 8 * 64 * MiB / stream_rate, rel=0.02)
+    with pytest.raises(ValueError, match="copy_cpu_rate"):
+        inputs(copy_cpu_rate=-1)
+
+
 def test_disk_reads_straight_to_the_device_take_no_compute():
     # Remote tier, no host cache: every load is a disk read (DMA on any backend).
     assert P.plan(inputs(compute=0.05, copy_contention=1)).pass_seconds == pytest.approx(

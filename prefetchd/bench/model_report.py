@@ -110,6 +110,7 @@ def _pair(predicted, measured):
 
 def plan_report(methods, report, layer_seconds, rates, lookahead, tier, resident_seconds):
     inputs, from_fences = plan_inputs(methods["prefetchd"], layer_seconds, rates, tier, resident_seconds)
+    estimate = methods["prefetchd"].handle.estimate
     p = plans.plan(inputs, lookahead=lookahead)
     demand = plans.plan(inputs, lookahead=0)
     auto = plans.plan(inputs)
@@ -127,6 +128,10 @@ def plan_report(methods, report, layer_seconds, rates, lookahead, tier, resident
         "lookahead": p.lookahead, "clamped": p.clamped, "max_lookahead": p.max_lookahead,
         "auto_lookahead": auto.lookahead, "auto_pass_seconds": auto.pass_seconds, "bound": p.bound,
         "prefetchd": _pair(p.pass_seconds, report["seconds"]["prefetchd"]),
+        # What the offloaded model itself predicts (handle.estimate, what lookahead="auto"
+        # and `prefetchd demo` use): the same model, compute from its recording pass, and
+        # transfer rates re-measured on its streamed passes, where compute runs beside them.
+        "refined": _pair(estimate.pass_seconds, report["seconds"]["prefetchd"]) if estimate else None,
         "prefetchd_first_pass": _pair(p.first_pass_seconds, report["first_pass"]["prefetchd"]),
         "on_demand": _pair(demand.pass_seconds, report["seconds"]["on_demand"]),
         "host_cached_units": list(p.host_cached),
