@@ -363,6 +363,18 @@ def test_a_fault_outside_the_homes_is_left_to_the_handler_before_ours():
     assert "prefetchd:" not in run.stderr and "Fatal Python error: Segmentation fault" in run.stderr
 
 
+def test_a_sigsegv_sent_by_kill_still_ends_the_process():
+    script = textwrap.dedent("""
+        import os, signal
+        from prefetchd import _native as n
+        r = n.VirtualRange(1 << 20)          # installs the home-fault handler
+        os.kill(os.getpid(), signal.SIGSEGV)
+        print("survived", flush=True)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == -11 and "survived" not in run.stdout, (run.returncode, run.stdout, run.stderr)
+
+
 # ---------------------------------------------------------------- the arena is lazy
 
 def test_an_8_gib_arena_costs_no_memory_until_used():

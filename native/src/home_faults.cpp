@@ -64,9 +64,11 @@ void on_fault(int sig, siginfo_t *info, void *context) {
     }
     // Hand the fault on: returning re-runs the faulting read, which now goes to
     // the handler installed before ours (or the default action, which ends the process).
-    (void)sig;
     (void)context;
     sigaction(SIGSEGV, &g_previous, nullptr);
+    // A SIGSEGV sent by kill() has no faulting instruction to re-run: send it again,
+    // to be delivered to that handler once ours returns.
+    if (info->si_code <= 0) raise(sig);
 }
 
 void install() {
