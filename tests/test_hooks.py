@@ -188,6 +188,13 @@ def test_jit_compiled_model_is_refused_clearly(make_daemon, mindspore_cpu):
     with pytest.raises(PrefetchdError, match="jit"):
         model(make_inputs(1, 2, 64))
     model.construct = original
+    # The refusal ended the pass: a call from another thread runs (it would wait for ever otherwise).
+    import threading
+    done = []
+    caller = threading.Thread(target=lambda: done.append(model(make_inputs(1, 2, 64)).shape), daemon=True)
+    caller.start()
+    caller.join(30)
+    assert done, "the refused pass kept the model's pass lock"
 
 
 def test_graph_mode_is_refused(make_daemon, mindspore_cpu):
@@ -412,11 +419,13 @@ def test_a_second_thread_waits_for_the_running_pass_and_a_raised_pass_lets_it_go
                 outcome[name] = model(x, fail).asnumpy()
             except ValueError as e:
                 outcome[name] = e
-        first = threading.Thread(target=call, args=("first", fail), name="first")
+        first = threading.Thread(target=call, args=("first", fail), name="first", daemon=True)
         first.start()
+        deadline = time.monotonic() + 30
         while ("first", 1) not in entered:
+            assert time.monotonic() < deadline, f"the first pass never reached its second block: {outcome}"
             time.sleep(0.01)
-        second = threading.Thread(target=call, args=("second", False), name="second")
+        second = threading.Thread(target=call, args=("second", False), name="second", daemon=True)
         second.start()
         time.sleep(0.5)
         assert all(name == "first" for name, _ in entered), f"the second pass ran beside the first: {entered}"
