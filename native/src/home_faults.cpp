@@ -44,8 +44,8 @@ size_t put_hex(char *out, uintptr_t v) {
     return n + 2;
 }
 
-void on_fault(int sig, siginfo_t *info, void *context) {
-    uintptr_t a = reinterpret_cast<uintptr_t>(info->si_addr);
+// One line to stderr if `a` lies in a registered range.
+void say_if_home(uintptr_t a) {
     for (const Slot &s : g_slots) {
         uintptr_t start = s.start.load(std::memory_order_acquire);
         if (start == 0 || a < start || a >= s.end.load(std::memory_order_relaxed)) continue;
@@ -60,15 +60,20 @@ void on_fault(int sig, siginfo_t *info, void *context) {
                  "the Python line that made it; docs/stable-addresses.md).\n");
         ssize_t ignored = write(STDERR_FILENO, line, n);
         (void)ignored;
-        break;
+        return;
     }
+}
+
+void on_fault(int sig, siginfo_t *info, void *context) {
+    (void)context;
+    const bool sent = info->si_code <= 0;   // by kill(): no faulting read, si_addr holds no address
+    if (!sent) say_if_home(reinterpret_cast<uintptr_t>(info->si_addr));
     // Hand the fault on: returning re-runs the faulting read, which now goes to
     // the handler installed before ours (or the default action, which ends the process).
-    (void)context;
     sigaction(SIGSEGV, &g_previous, nullptr);
-    // A SIGSEGV sent by kill() has no faulting instruction to re-run: send it again,
-    // to be delivered to that handler once ours returns.
-    if (info->si_code <= 0) raise(sig);
+    // A signal sent by kill() has no read to re-run: send it again, to be
+    // delivered to that handler once ours returns.
+    if (sent) raise(sig);
 }
 
 void install() {
