@@ -6,6 +6,7 @@ copy stream and returns at once; its completion later comes out of
 `wait_completions()` carrying the caller's `tag`. The scheduler blocks there
 (no polling) and is woken early by `notify()` when a request arrives.
 """
+import functools
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
@@ -88,49 +89,44 @@ class Backend(Protocol):
 
 
 ALIGN = 4096   # device blocks, host blocks and store extents are 4 KiB aligned (O_DIRECT)
-_CHECKSUM_PROBE = 16 << 20
-_checksum_rate = None
+_PROBE_BYTES = 16 << 20
 
 
+def _probe_buffer():
+    """A 16 MiB aligned buffer, written once (so its pages are faulted in before timing)."""
+    from .. import _native
+    buffer = _native.aligned_buffer(_PROBE_BYTES)
+    memoryview(buffer)[:] = bytes(range(256)) * (_PROBE_BYTES // 256)
+    return buffer
+
+
+def _bytes_per_second(work):
+    """_PROBE_BYTES over the best of 3 timed calls of `work()`."""
+    import time
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - t)
+    return _PROBE_BYTES / max(best, 1e-9)
+
+
+@functools.cache
 def checksum_rate():
     """Bytes per second of the native CRC32C that verifies every read from the store, on
     this host's CPU (best of 3 over 16 MiB, measured once per process: ~5 ms)."""
-    global _checksum_rate
-    if _checksum_rate is None:
-        import time
-        from .. import _native
-        buffer = _native.aligned_buffer(_CHECKSUM_PROBE)
-        memoryview(buffer)[:] = bytes(range(256)) * (_CHECKSUM_PROBE // 256)
-        best = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            _native.crc32c(buffer, 0)
-            best = min(best, time.perf_counter() - t)
-        _checksum_rate = _CHECKSUM_PROBE / max(best, 1e-9)
-    return _checksum_rate
+    from .. import _native
+    buffer = _probe_buffer()
+    return _bytes_per_second(lambda: _native.crc32c(buffer, 0))
 
 
-_copy_rate = None
-
-
+@functools.cache
 def copy_rate():
     """Bytes per second of one memcpy between warm host buffers, which is what a
     host->device copy is on the cpu backend (best of 3 over 16 MiB, measured once per
     process: ~10 ms). The CPU work of a copy, with nothing running beside it."""
-    global _copy_rate
-    if _copy_rate is None:
-        import time
-        from .. import _native
-        src, dst = _native.aligned_buffer(_CHECKSUM_PROBE), _native.aligned_buffer(_CHECKSUM_PROBE)
-        memoryview(src)[:] = bytes(range(256)) * (_CHECKSUM_PROBE // 256)
-        memoryview(dst)[:] = memoryview(src)           # both warm: no page is touched first below
-        best = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            memoryview(dst)[:] = memoryview(src)
-            best = min(best, time.perf_counter() - t)
-        _copy_rate = _CHECKSUM_PROBE / max(best, 1e-9)
-    return _copy_rate
+    src, dst = memoryview(_probe_buffer()), memoryview(_probe_buffer())
+    return _bytes_per_second(lambda: dst.__setitem__(slice(None), src))
 
 
 def open_store(config):
