@@ -140,7 +140,7 @@ def _daemon_disk_rate(passes, h2d):
     rates = []
     for p in (passes or [])[1:]:
         disk = p["load_bytes_from"].get("remote", 0)
-        seconds = p["seconds"] - p["load_bytes_from"].get("host", 0) / h2d if h2d else 0.0
+        seconds = p["seconds"] - p["load_bytes_from"].get("host", 0) / h2d
         if disk and seconds > 0:
             rates.append(disk / seconds)
     return statistics.median(rates) if rates else None
