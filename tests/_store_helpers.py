@@ -7,8 +7,7 @@ import pytest
 
 from prefetchd import _native as n
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+from helpers import ENV, REPO  # noqa: F401 (re-exported for the store tests)
 
 
 def data_offset(path, nbytes):

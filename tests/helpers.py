@@ -1,6 +1,11 @@
 """Small helpers shared by test modules (import as `from helpers import ...`)."""
+import os
 import threading
 import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The environment of a child process that must import this checkout's prefetchd.
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
 
 
 def wait_until(predicate, timeout=5.0, interval=0.02):

@@ -8,13 +8,14 @@ import os
 import subprocess
 import sys
 
+from helpers import ENV
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_markers_and_first_uses_from_several_threads_at_once_leave_mindspore_working(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, os.path.join(HERE, "_marker_threads.py"), str(tmp_path)],
-                         capture_output=True, text=True, timeout=300, env=env)
+                         capture_output=True, text=True, timeout=300, env=ENV)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["markers"] == ["ok"] * 12, got["markers"]

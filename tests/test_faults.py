@@ -16,6 +16,7 @@ from prefetchd.core.records import State
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _crash_writer import size_of, value  # noqa: E402
+from helpers import ENV  # noqa: E402
 
 MiB = 1 << 20
 
@@ -55,15 +56,13 @@ def _kill_loop(tmp_path, verify, max_iterations, seconds, seed):
     # that ack whose fate is unknown (a write can land and the kill come
     # before its ack is printed) — on disk must be one of these.
     acked, unacked, version = {}, {}, 0
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
-                                                       os.environ.get("PYTHONPATH", "")]))
     deadline = time.monotonic() + seconds
     iterations = corrupted_windows = 0
     while iterations < max_iterations and time.monotonic() < deadline:
         child = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "_crash_writer.py"),
                                   directory, str(keys), str(rng.randrange(1 << 30)), str(version)]
                                  + (["verify"] if verify else []),
-                                 stdout=subprocess.PIPE, text=True, env=env)
+                                 stdout=subprocess.PIPE, text=True, env=ENV)
         lines, writing = [], threading.Event()
 
         def read_lines():
