@@ -109,6 +109,9 @@ METRICS = {
                    "addresses: residency maps pages under a fixed address).", ()),
     "prefetchd_reclaims": (
         "counter", "Dropped device replicas taken back before their pages left (no I/O).", ()),
+    "prefetchd_compute_writes": (
+        "counter", "Device replicas found written in place by compute (a kernel, not the Python "
+                   "API), so written back before they were dropped.", ()),
     # Errors.
     "prefetchd_checksum_failures": (
         "counter", "Reads from the remote tier whose checksum did not match (data refused).", ()),
@@ -223,6 +226,7 @@ class DaemonCollector(Collector):
         add("prefetchd_fences", stats.fences)
         add("prefetchd_rebinds", stats.rebinds)
         add("prefetchd_reclaims", stats.reclaims)
+        add("prefetchd_compute_writes", getattr(stats, "compute_writes", 0))
         for source in ("host", "remote"):
             add("prefetchd_device_loads", getattr(stats, "loads_from", {}).get(source, 0), source)
             add("prefetchd_device_load_bytes", getattr(stats, "load_bytes_from", {}).get(source, 0), source)

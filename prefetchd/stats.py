@@ -85,6 +85,7 @@ class Stats:
     host_drops: int = 0      # cached host replicas dropped for room (free: the remote copy is the truth)
     rebinds: int = 0         # framework tensors pointed at new storage after registration
     reclaims: int = 0        # dropped replicas taken back before their pages left (no I/O)
+    compute_writes: int = 0  # resident replicas found written in place by compute (then written back)
 
     def count(self, op, outcome):
         """Count one request outcome (registrations are not counted as requests)."""
@@ -117,4 +118,5 @@ class Stats:
             host_drops=self.host_drops,
             rebinds=self.rebinds,
             reclaims=self.reclaims,
+            compute_writes=self.compute_writes,
         )

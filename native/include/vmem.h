@@ -71,11 +71,20 @@ class Home {
     // Move the pages back onto `block` (the attached one); the home faults again.
     void detach(const std::shared_ptr<Block> &block);
 
+    // An attached home is read-only with its writes watched (home_faults.h).
+    // True if it was written since it was attached or since the last call that
+    // returned true (or if it could not be watched); the next write is caught
+    // again. False while detached.
+    bool take_written();
+    bool write_watched() const;  // attached and watched (false: every take_written is true)
+
   private:
     std::shared_ptr<Reservation> res_;
     char *ptr_;
     size_t offset_, nbytes_, len_;
     std::shared_ptr<Block> attached_;  // guarded by res_->mu; keeps the block allocated
+    int watch_ = -1;                   // write-watch slot while attached, or -1 (unwatched)
+    uint64_t seen_ = 0;                // its write count when take_written last looked
 };
 
 }  // namespace pfd

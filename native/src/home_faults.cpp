@@ -1,8 +1,10 @@
 // See home_faults.h. Everything the handler touches is async-signal-safe:
-// a fixed table of atomics, write(2) and sigaction(2).
+// fixed tables of atomics, write(2), mprotect(2) and sigaction(2).
 #include "home_faults.h"
 
+#include <sched.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -24,6 +26,22 @@ struct Slot {
 Slot g_slots[kSlots];
 struct sigaction g_previous;
 std::once_flag g_installed;
+std::mutex g_install_mu;
+
+// One per attached Home (homes resident at once): a device budget of 64 GiB in
+// 1 MiB tensors. Past that, homes go unwatched and the daemon counts them written.
+constexpr int kWatchSlots = 1 << 16;
+
+struct Watch {
+    std::atomic<int> used{0};
+    std::atomic<int> busy{0};            // handlers inside this slot right now
+    std::atomic<uintptr_t> start{0};     // 0: not watched (set last, cleared first)
+    std::atomic<uintptr_t> end{0};
+    std::atomic<uint64_t> writes{0};     // +2 per write fault taken (odd: one in progress)
+};
+
+Watch g_watch[kWatchSlots];
+std::atomic<int> g_watch_top{0};         // slots at or above it were never used
 
 size_t put(char *out, const char *s) {
     size_t n = strlen(s);
@@ -64,10 +82,50 @@ void say_if_home(uintptr_t a) {
     }
 }
 
+enum class Write { NotWatched, Allowed, Failed };
+
+// Whether `a` lies in a watched home. If so it is made writable and the write
+// counted (Allowed), so returning from the handler re-runs the write, which
+// now succeeds. A watched home is mapped (read-only), so a fault in it is a write.
+Write allow_write(uintptr_t a) {
+    const int top = g_watch_top.load();
+    for (int i = 0; i < top; ++i) {
+        Watch &w = g_watch[i];
+        uintptr_t start = w.start.load();
+        if (start == 0 || a < start || a >= w.end.load()) continue;
+        w.busy.fetch_add(1);
+        Write result = Write::NotWatched;
+        if (w.start.load() == start) {   // unwatch_writes did not start meanwhile
+            // Odd while the home is being made writable: a reader of the count
+            // (Home::take_written) sees the write before any write can land.
+            w.writes.fetch_add(1);
+            const bool ok =
+                mprotect(reinterpret_cast<void *>(start), w.end.load() - start, PROT_READ | PROT_WRITE) == 0;
+            w.writes.fetch_add(1);
+            result = ok ? Write::Allowed : Write::Failed;
+        }
+        w.busy.fetch_sub(1);
+        if (result == Write::Failed) {
+            static const char line[] =
+                "prefetchd: a write to a resident managed tensor could not be let through "
+                "(mprotect failed: too many mappings? see vm.max_map_count); the process cannot continue.\n";
+            ssize_t ignored = write(STDERR_FILENO, line, sizeof line - 1);
+            (void)ignored;
+        }
+        return result;
+    }
+    return Write::NotWatched;
+}
+
 void on_fault(int sig, siginfo_t *info, void *context) {
     (void)context;
     const bool sent = info->si_code <= 0;   // by kill(): no faulting read, si_addr holds no address
-    if (!sent) say_if_home(reinterpret_cast<uintptr_t>(info->si_addr));
+    if (!sent) {
+        const uintptr_t a = reinterpret_cast<uintptr_t>(info->si_addr);
+        const Write w = allow_write(a);
+        if (w == Write::Allowed) return;
+        if (w == Write::NotWatched) say_if_home(a);
+    }
     // Hand the fault on: returning re-runs the faulting read, which now goes to
     // the handler installed before ours (or the default action, which ends the process).
     sigaction(SIGSEGV, &g_previous, nullptr);
@@ -83,6 +141,18 @@ void install() {
     sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
     sigemptyset(&sa.sa_mask);
     sigaction(SIGSEGV, &sa, &g_previous);
+}
+
+// A handler installed over ours (e.g. faulthandler.enable() after the first
+// home) would take a watched write for a crash: put ours back on top, handing
+// real faults on to that one.
+void install_on_top() {
+    std::lock_guard<std::mutex> g(g_install_mu);
+    struct sigaction current;
+    if (sigaction(SIGSEGV, nullptr, &current) == 0 && (current.sa_flags & SA_SIGINFO) &&
+        current.sa_sigaction == on_fault)
+        return;
+    install();
 }
 
 }  // namespace
@@ -104,6 +174,35 @@ void unregister_home_range(int slot) {
     g_slots[slot].start.store(0, std::memory_order_release);
     g_slots[slot].end.store(0, std::memory_order_relaxed);
     g_slots[slot].used.store(0, std::memory_order_release);
+}
+
+int watch_writes(uintptr_t start, size_t len) {
+    install_on_top();
+    for (int i = 0; i < kWatchSlots; ++i) {
+        int expected = 0;
+        if (!g_watch[i].used.compare_exchange_strong(expected, 1)) continue;
+        g_watch[i].end.store(start + len);
+        g_watch[i].start.store(start);
+        int top = g_watch_top.load();
+        while (top <= i && !g_watch_top.compare_exchange_weak(top, i + 1)) {
+        }
+        return i;
+    }
+    return -1;
+}
+
+uint64_t watched_writes(int slot) {
+    if (slot < 0 || slot >= kWatchSlots) return 0;
+    return g_watch[slot].writes.load();
+}
+
+void unwatch_writes(int slot) {
+    if (slot < 0 || slot >= kWatchSlots) return;
+    Watch &w = g_watch[slot];
+    w.start.store(0);
+    while (w.busy.load()) sched_yield();   // a handler that saw the old start finishes first
+    w.end.store(0);
+    w.used.store(0);
 }
 
 }  // namespace pfd

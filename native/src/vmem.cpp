@@ -9,6 +9,7 @@
 #include "vmem.h"
 
 #include <pybind11/pybind11.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -69,6 +70,19 @@ void reserve_none(char *p, size_t len) {
         throw Error(ErrKind::Native, "re-reserving " + std::to_string(len) + " bytes at " + hex(p) +
                                          " failed: " + errno_name(e));
     }
+}
+
+// Reads only, writes watched (home_faults.h); -1 where the home stays writable
+// and unwatched (no mprotect, or the watch table is full).
+int watch(char *p, size_t len, uint64_t &seen) {
+    if (mprotect(p, len, PROT_READ) != 0) return -1;
+    int slot = watch_writes(reinterpret_cast<uintptr_t>(p), len);
+    if (slot < 0) {
+        mprotect(p, len, PROT_READ | PROT_WRITE);
+        return -1;
+    }
+    seen = watched_writes(slot);
+    return slot;
 }
 
 }  // namespace
@@ -137,6 +151,7 @@ Home::~Home() {
     if (attached_) {
         // Dropping a resident home frees its pages; the block (whose own
         // range holds fresh untouched pages) goes back to the arena.
+        unwatch_writes(watch_);
         try {
             reserve_none(ptr_, len_);
         } catch (...) {
@@ -179,6 +194,7 @@ void Home::attach(ArenaImpl &arena, const std::shared_ptr<Block> &b) {
         throw;
     }
     attached_ = b;
+    watch_ = watch(ptr_, len_, seen_);
 }
 
 void Home::detach(const std::shared_ptr<Block> &b) {
@@ -187,10 +203,53 @@ void Home::detach(const std::shared_ptr<Block> &b) {
     if (attached_ != b)
         throw Error(ErrKind::Value, "detach: the home at " + hex(ptr_) + " holds the pages of the block at " +
                                         hex(attached_->data()) + ", not of the block at " + hex(b->data()));
+    // Writable again before the pages leave (their protection moves with them,
+    // and the block is filled next by a read or a copy). Compute has finished
+    // with the home by now: it is detached only after its compute fence.
+    unwatch_writes(watch_);
+    watch_ = -1;
+    if (mprotect(ptr_, len_, PROT_READ | PROT_WRITE) != 0) {
+        int e = errno;
+        watch_ = watch(ptr_, len_, seen_);
+        throw Error(ErrKind::Native, "detach: making the home at " + hex(ptr_) + " writable failed: " +
+                                         errno_name(e));
+    }
     move_pages(ptr_, b->data(), len_);
     reserve_none(ptr_, len_);
     b->mark_detached();
     attached_.reset();
+}
+
+bool Home::take_written() {
+    std::lock_guard<std::mutex> g(res_->mu);
+    if (!attached_) return false;
+    if (watch_ < 0) return true;
+    uint64_t before = watched_writes(watch_);
+    if (before == seen_) return false;   // no write faulted since: still read-only
+    // Read-only again, then look once more: a write that faulted in between may
+    // have made it writable after our mprotect, so protect again until none did.
+    for (;;) {
+        while (before & 1) {             // a write is being let through: let it finish
+            sched_yield();
+            before = watched_writes(watch_);
+        }
+        if (mprotect(ptr_, len_, PROT_READ) != 0) {   // cannot re-arm: unwatched, always "written"
+            unwatch_writes(watch_);
+            watch_ = -1;
+            mprotect(ptr_, len_, PROT_READ | PROT_WRITE);
+            return true;
+        }
+        uint64_t after = watched_writes(watch_);
+        if (after == before) break;
+        before = after;
+    }
+    seen_ = before;
+    return true;
+}
+
+bool Home::write_watched() const {
+    std::lock_guard<std::mutex> g(res_->mu);
+    return attached_ && watch_ >= 0;
 }
 
 }  // namespace pfd
@@ -225,6 +284,11 @@ void bind_vmem(py::module_ &m) {
         .def_property_readonly("capacity", &Home::capacity)
         .def_property_readonly("attached", &Home::attached)
         .def_property_readonly("block", &Home::block)
+        .def("take_written", &Home::take_written,
+             "True if the attached home was written since it was attached or since the last True; "
+             "re-arms the watch (attached homes are read-only, writes fault once and are counted)")
+        .def_property_readonly("write_watched", &Home::write_watched,
+                               "attached with its writes watched (else take_written is always True)")
         .def("__len__", &Home::nbytes)
         .def("__repr__", [](const Home &h) {
             return "<Home nbytes=" + std::to_string(h.nbytes()) + " offset=" + std::to_string(h.offset()) +

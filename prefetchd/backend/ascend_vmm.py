@@ -294,6 +294,13 @@ class AscendVmmBackend(AscendBackend):
         self.vmm.map(block.scratch, block.capacity, block.handle)
         home.block, block.home = None, None
 
+    @staticmethod
+    def written(home):
+        """NPU kernels write device memory that no host page protection sees, so an
+        in-place write by compute is not noticed here (docs/stable-addresses.md): only
+        writes through the Python API mark a tensor dirty on this backend."""
+        return False
+
     # framework binding -------------------------------------------------------------
     def bind(self, target, buffer, shape, dtype):
         """Point `target` at a home (once, at registration) or at a block's current address."""

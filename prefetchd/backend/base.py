@@ -58,6 +58,9 @@ class Backend(Protocol):
     def home(self, vrange, offset: int, nbytes: int): ...  # -> Home at page-aligned offset of vrange
     def attach(self, home, block) -> None: ...        # block's bytes now read/written at home
     def detach(self, home, block) -> None: ...        # back to block; home faults until re-attached
+    def written(self, home) -> bool: ...              # compute wrote the attached home in place since
+                                                      # the last True (cpu: write faults); False where
+                                                      # the backend cannot see such writes
 
     # framework binding
     def view(self, buffer, shape, dtype): ...         # numpy view of a block or home, no copy

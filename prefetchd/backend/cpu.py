@@ -96,6 +96,13 @@ class CpuBackend(HostAndStoreTiers):
         """Move the pages back to `block`; reading `home` faults until the next attach."""
         self.device.detach(home, block)
 
+    @staticmethod
+    def written(home):
+        """Whether compute wrote `home` since it was attached or since the last True. An
+        attached home is read-only: the first write faults, and the native handler makes
+        it writable and counts the write (native/include/home_faults.h)."""
+        return home.take_written()
+
     # framework binding --------------------------------------------------------
     @staticmethod
     def view(buffer, shape, dtype):

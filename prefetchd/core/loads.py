@@ -185,6 +185,7 @@ class Loads:
         registering = any(req.kind is Kind.REGISTER for req in rec.waiters)
         rec.state = State.RESIDENT
         rec.dirty = registering
+        s.note_writes(rec)       # reclaimed: compute may have written it before it was dropped
         rec.error = None
         rec.last_use = s.tick()
         rec.prefetched_unused = not any(req.kind in (Kind.PIN, Kind.REGISTER) for req in rec.waiters)

@@ -26,9 +26,10 @@ class DeviceMemory:
         self.high = config.high_watermark
         self.low = config.low_watermark
         self.peak = 0
-        self.unfenced = []         # (block, compute epoch or None, home or None): released, maybe still read
+        self.unfenced = []         # (block, compute epoch or None, record): released, maybe still read
         self.reserve_checks = []   # test hooks: fn(used_after, high) on every reservation
         self.evict = None          # fn(record, reason), set by the scheduler (residency moves)
+        self.written_late = None   # fn(record, block): compute wrote a dropped replica before its fence
         self._watcher = None
 
     # ------------------------------------------------------------------ queries
@@ -80,24 +81,29 @@ class DeviceMemory:
         self.peak = max(self.peak, used)
         return block
 
-    def release(self, block, exposed, epoch, home=None):
-        """Give a dropped replica's block back: now, or after compute that read it.
-        With a home, its pages leave the home first (which then faults on reads)."""
+    def release(self, block, exposed, epoch, rec):
+        """Give the block of rec's dropped replica back: now, or after compute that read
+        it. With a home, its pages leave the home first (which then faults on reads)."""
         if exposed:
-            self.unfenced.append((block, epoch, home))
+            self.unfenced.append((block, epoch, rec))
         else:
-            self._free(block, home)
+            self._free(block, rec)
 
     def reclaim(self, home):
         """The block whose pages still sit at `home` waiting for a fence, taken back; or None."""
-        for i, (block, _epoch, h) in enumerate(self.unfenced):
-            if h is home:
+        for i, (block, _epoch, rec) in enumerate(self.unfenced):
+            if rec.home is home:
                 del self.unfenced[i]
                 return block
         return None
 
-    def _free(self, block, home):
+    def _free(self, block, rec):
+        home = rec.home
         if home is not None:
+            # The last look, with compute finished: a write since the drop keeps the block.
+            if rec.state is State.ABSENT and self.backend.written(home):
+                self.written_late(rec, block)
+                return
             self.backend.detach(home, block)
         self.backend.free_device(block)
 
@@ -160,9 +166,9 @@ class DeviceMemory:
         if marker is not None:
             pending = []
             for entry in self.unfenced:
-                block, epoch, home = entry
+                block, epoch, rec = entry
                 if epoch is not None and marker.reached(epoch):
-                    self._free(block, home)
+                    self._free(block, rec)
                 else:
                     pending.append(entry)
             self.unfenced = pending
@@ -187,8 +193,8 @@ class DeviceMemory:
         else:
             self._lock.acquire()
         self.stats.fences += 1
-        for block, _epoch, home in entries:
-            self._free(block, home)
+        for block, _epoch, rec in entries:
+            self._free(block, rec)
 
     def _fence_watcher(self, marker):
         if self._watcher is None:

@@ -54,6 +54,7 @@ class Scheduler:
         self.loads = Loads(self)
         self.writebacks = WriteBacks(self)
         self.memory.evict = self.writebacks.evict
+        self.memory.written_late = self.writebacks.written_late
         self.waiting = []              # evict/flush requests waiting on transfers: (request, recs)
         self._seq = itertools.count()
         self._tick = itertools.count(1)
@@ -83,6 +84,22 @@ class Scheduler:
 
     def tick(self):
         return next(self._tick)
+
+    def note_writes(self, rec):
+        """Dirty rec if compute wrote its resident replica in place since we last looked.
+
+        Kernels write Parameters without the Python API (BatchNorm's running
+        statistics in training mode, a KV cache held in a Parameter, an
+        optimizer step), so the guard never sees it. Where the backend can
+        tell (cpu: an attached home is read-only and its first write faults,
+        native/include/home_faults.h), every decision to drop a replica as
+        clean asks first, and such a write is written back instead of lost.
+        """
+        if rec.home is not None and rec.state in (State.RESIDENT, State.STORING) \
+                and self.backend.written(rec.home):
+            rec.dirty = True
+            rec.generation += 1
+            self.stats.compute_writes += 1
 
     def transfer_error(self, op, rec, c):
         if c.status == _native.STATUS_CHECKSUM:
@@ -214,6 +231,7 @@ class Scheduler:
         recs = req.recs if req.recs is not None else tuple(self.registry)
         pending = []
         for rec in recs:
+            self.note_writes(rec)
             if rec.state is State.RESIDENT and (rec.dirty or not (rec.remote_valid or rec.host_valid)):
                 rec.writeback_failed = False
                 self.writebacks.start(rec)
@@ -258,6 +276,7 @@ class Scheduler:
                 self.outcomes.resolve(req, err)
         if self.config.store_dir:   # a private temporary store dies with the daemon anyway
             for rec in self.registry:
+                self.note_writes(rec)
                 if rec.state is State.RESIDENT and rec.dirty:
                     # One more try also for a write-back that failed before: the
                     # fault may have passed, and this is the last chance.

@@ -17,6 +17,7 @@ class WriteBacks:
     # ------------------------------------------------------------------ eviction
     def evict(self, rec, reason):
         """Start dropping rec's device replica; write back first if it is the only copy."""
+        self.s.note_writes(rec)
         if rec.dirty or not (rec.remote_valid or rec.host_valid):
             rec.evict_after_store = reason
             self.start(rec)
@@ -29,7 +30,7 @@ class WriteBacks:
         block, rec.block = rec.block, None
         rec.state = State.ABSENT
         rec.prefetched_unused = False
-        s.memory.release(block, rec.exposed, rec.compute_epoch, rec.home)
+        s.memory.release(block, rec.exposed, rec.compute_epoch, rec)
         if rec.bound_address:
             s.guard(rec)   # the framework tensor still views the old block
         rec.exposed = False
@@ -37,9 +38,22 @@ class WriteBacks:
         s.timeline.eviction(rec.name, rec.nbytes, reason)
         s.emit("evicted", rec)
 
+    def written_late(self, rec, block):
+        """Compute wrote rec after its replica was dropped as clean, before the pages left
+        its home (the drop waited for the compute fence): resident again, dirty, and
+        written back before it goes, so the write is kept."""
+        s = self.s
+        rec.block, rec.state = block, State.RESIDENT
+        rec.exposed = False          # its compute has finished: the fence was reached
+        rec.dirty = True
+        rec.generation += 1
+        s.stats.compute_writes += 1
+        self.evict(rec, "watermark")
+
     # ------------------------------------------------------------------ write-back
     def start(self, rec):
         s = self.s
+        s.note_writes(rec)      # before the generation is taken: the snapshot includes it
         rec.state = State.STORING
         rec.store_generation = rec.generation
         tag = s.transfers.add(TransferKind.STORE, rec)
@@ -85,6 +99,7 @@ class WriteBacks:
             self._held(rec, s.transfer_error("verify", rec, c))
             return
         s.stats.writebacks += 1
+        s.note_writes(rec)
         rec.remote_valid = True
         if rec.host_valid:         # the host replica, if any, is older now
             s.loads.free_host(rec)

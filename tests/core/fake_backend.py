@@ -28,6 +28,20 @@ class Block(bytearray):
         Block._next += 1
 
 
+class Home:
+    """A stand-in home: shows its attached block's bytes; a test sets `written` where
+    compute would have written it in place (the cpu backend's write watch)."""
+
+    def __init__(self):
+        self.block, self.written = None, False
+
+    def __getitem__(self, index):
+        return self.block[index]
+
+    def __setitem__(self, index, value):
+        self.block[index] = value
+
+
 class FakeBackend:
     name = "fake"
     io_engine = "none"
@@ -41,6 +55,7 @@ class FakeBackend:
         self.fail = {}                   # kind -> status for its next transfer
         self.raise_at = None             # index (in self.calls) of the call that raises
         self.calls = []
+        self.on_fence = None             # fn() run inside a whole-queue compute fence
 
     # -- test controls
     def fail_next(self, kind, status=errno.EIO):
@@ -101,9 +116,26 @@ class FakeBackend:
     def host_capacity(self):
         return self.host_budget
 
+    # -- homes (records get one only where a test gives it) and write watches
+    @staticmethod
+    def attach(home, block):
+        assert home.block is None
+        home.block = block
+
+    @staticmethod
+    def detach(home, block):
+        assert home.block is block
+        home.block = None
+
+    @staticmethod
+    def written(home):
+        was, home.written = home.written, False
+        return was and home.block is not None
+
     # -- binding and fences (nothing to bind: records have no framework tensor)
     def compute_fence(self):
-        pass
+        if self.on_fence is not None:
+            self.on_fence()
 
     def compute_marker(self):
         return None
