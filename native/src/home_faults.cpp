@@ -178,9 +178,12 @@ void unregister_home_range(int slot) {
 
 int watch_writes(uintptr_t start, size_t len) {
     install_on_top();
+    // First fit, so the slots in use stay low and the handler's scan (up to the top) short.
     for (int i = 0; i < kWatchSlots; ++i) {
         int expected = 0;
-        if (!g_watch[i].used.compare_exchange_strong(expected, 1)) continue;
+        if (g_watch[i].used.load(std::memory_order_relaxed) ||
+            !g_watch[i].used.compare_exchange_strong(expected, 1))
+            continue;
         g_watch[i].end.store(start + len);
         g_watch[i].start.store(start);
         int top = g_watch_top.load();
