@@ -183,7 +183,8 @@ class Daemon:
         if self._state != "running":
             if self._state == "new":
                 raise ShutdownError("daemon not started: call start() or use it as a context manager")
-            raise ShutdownError("cannot schedule new requests after close()")
+            raise ShutdownError(f"prefetchd daemon {self.config.name!r} is closed: cannot schedule new "
+                                f"requests after close() (a model offloaded to it cannot run any more)")
 
     def _submit(self, request):
         with self._lock:

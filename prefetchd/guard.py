@@ -87,6 +87,11 @@ def is_guarded(target):
     return type(target) in _guarded.values()
 
 
+def is_managed(target):
+    """True while a daemon manages target (its class is one of ours)."""
+    return bool(getattr(type(target), "_prefetchd_wrapper", False))
+
+
 def release(target):
     """Give the object back its own class."""
     target.__class__ = base_class(target)

@@ -43,6 +43,7 @@ from .backend import framework
 from .backend.base import checksum_rate, copy_rate
 from .daemon import Daemon
 from .errors import NotResidentError, PrefetchdError
+from .guard import is_managed
 from .planner import plan_units
 from .recording import RecordingTimer, unit_kind
 
@@ -81,6 +82,7 @@ class Offloaded:
             raise PrefetchdError("prefetchd.offload needs PyNative mode: in graph mode MindSpore skips "
                                  "forward hooks and a compiled graph keeps the storage it saw at compile "
                                  "time (call mindspore.set_context(mode=mindspore.PYNATIVE_MODE))")
+        _refuse_managed(model)
         config = daemon.config
         self.model = model
         self.daemon = daemon
@@ -119,6 +121,7 @@ class Offloaded:
         self._session = daemon.compute_session(owner=id(self))   # per-unit calls, this model's trace
         self._pass_lock = threading.Lock()   # held from the model's pre-hook to the end of its pass
         self._pass_thread = None             # the thread holding it
+        self.closed = False
         self._handles = []
         for cell in {id(c): c for u in self.units for c in u.cells}.values():
             self._handles.append(cell.register_forward_pre_hook(self._before_unit))
@@ -400,12 +403,43 @@ class Offloaded:
                 "predicted_pass_seconds": self.estimate.pass_seconds if self.estimate else None}
 
     def close(self):
+        """Remove the hooks (and close an owned daemon). The weights stay in the daemon's
+        tiers, not in ordinary memory, so the model refuses to run from then on instead
+        of reading pages that are not mapped."""
+        if self.closed:
+            return
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self._release_all(None)
+        self.closed = True
+        self._handles.append(self.model.register_forward_pre_hook(self._refuse_closed))
         if self._owns_daemon:
             self.daemon.close()
+
+    def _refuse_closed(self, cell, inputs):
+        raise PrefetchdError(
+            f"prefetchd: this {type(self.model).__name__} was offloaded to daemon "
+            f"{self.daemon.config.name!r} and its handle was closed; its weights live in that daemon's "
+            f"tiers, not in ordinary memory, so it cannot run any more (keep the handle open while the "
+            f"model is used)")
+
+
+def _refuse_managed(model):
+    """A model (or a parameter of it) already streamed by a daemon cannot be offloaded again:
+    its weights no longer sit in ordinary memory, and two daemons would each move them."""
+    previous = model.__dict__.get("_prefetchd")
+    if previous is not None:
+        state = "whose handle was closed" if previous.closed else "still in use"
+        raise PrefetchdError(
+            f"prefetchd.offload: this {type(model).__name__} is already offloaded to daemon "
+            f"{previous.daemon.config.name!r} ({state}); a model streams through one daemon, once")
+    managed = next((p for p in model.get_parameters() if is_managed(p)), None)
+    if managed is not None:
+        raise PrefetchdError(
+            f"prefetchd.offload: parameter {managed.name!r} is already managed by a prefetchd daemon "
+            f"(part of another offloaded model, or registered by hand); a tensor streams through one "
+            f"daemon, once")
 
 
 def _first_tensor(value):

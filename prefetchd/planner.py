@@ -31,6 +31,14 @@ compute. `plan_units(model, high_watermark, lookahead)` walks the cell tree
 - A cell whose construct is compiled (@jit) is never split or searched: its
   children run inside its graph, where their hooks cannot run. It is a unit
   whole (or part of the root: a compiled model is all root).
+- A CellList (or CellDict) is never called, only iterated or indexed, so its
+  hooks never fire: it is never a unit itself; its items are.
+- A construct that reads a descendant's Parameter directly (not through the
+  descendant's call; prefetchd/construct_reads.py) is never split, and a
+  parameter read that way by a construct running outside every unit (the
+  model's, a searched or split ancestor's) is pinned in the root as well.
+- If splitting moved blocks' own parameters to the root and the plan no
+  longer fits, the blocks that own parameters directly are kept whole instead.
 
 `Plan.check_fits()` raises BudgetError for what can never run: a tensor or a
 unit larger than the high watermark, or a root plus two consecutive units
@@ -42,6 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import framework
+from .construct_reads import direct_reads
 from .errors import BudgetError, PrefetchdError
 
 ROOT_NAME = "<root>"
@@ -85,6 +94,14 @@ class Plan:
     lookahead: int
     total_bytes: int
     explicit: bool = False
+    compiled_model: bool = False   # the model's own construct is @jit: every parameter is root
+
+    def fits(self):
+        try:
+            self.check_fits()
+        except BudgetError:
+            return False
+        return True
 
     def check_fits(self):
         """Raise BudgetError naming what can never fit under the high watermark."""
@@ -96,10 +113,17 @@ class Plan:
                         f"tensor {p.name!r} needs {param_nbytes(p)} bytes on the device tier; the high "
                         f"watermark is {high} bytes: it can never be resident (raise device_budget so the "
                         f"high watermark is at least {param_nbytes(p)} bytes)")
+        if self.root.nbytes > high and self.compiled_model:
+            raise BudgetError(
+                f"the model's construct is compiled (@jit): its cells run inside one graph where "
+                f"MindSpore skips their hooks, so all {self.root.nbytes} bytes of parameters form the root "
+                f"unit, above the high watermark {high}; compile its blocks' constructs instead of the "
+                f"model's, or raise device_budget")
         if self.root.nbytes > high:
             raise BudgetError(
-                f"the root unit (parameters of cells outside every unit: {_short(self.root.param_names)}) "
-                f"needs {self.root.nbytes} bytes, above the high watermark {high}; pass units= to stream "
+                f"the root unit (parameters of cells outside every unit, and parameters a construct "
+                f"outside their unit reads directly: {_short(self.root.param_names)}) needs "
+                f"{self.root.nbytes} bytes, above the high watermark {high}; pass units= to stream "
                 f"some of those cells, or raise device_budget")
         for unit in self.units:
             need = _union_bytes(self.root, unit)
@@ -107,7 +131,8 @@ class Plan:
                 raise BudgetError(
                     f"unit {unit.name!r} ({unit.nbytes} bytes) with the root unit ({self.root.nbytes} "
                     f"bytes) needs {need} bytes, above the high watermark {high}: it can never be resident"
-                    f" (raise device_budget, or split it: units= / drop its class from no_split=)")
+                    f" (raise device_budget, or split it: units= / drop its class from no_split=)"
+                    + _kept_whole(unit))
         n = len(self.units)
         for i in range(n if n > 1 else 0):
             a, b = self.units[i], self.units[(i + 1) % n]
@@ -117,7 +142,7 @@ class Plan:
                     f"units {a.name!r} ({a.nbytes} bytes) and {b.name!r} ({b.nbytes} bytes) run one after "
                     f"the other; with the root unit ({self.root.nbytes} bytes) they need {need} bytes, "
                     f"above the high watermark {high}: the next unit could never load while one computes "
-                    f"(raise device_budget, or pass units= with smaller units)")
+                    f"(raise device_budget, or pass units= with smaller units)" + _kept_whole(a))
 
     def format_table(self):
         width = max([len(u.name) for u in self.units] + [len(ROOT_NAME), 4])
@@ -138,14 +163,25 @@ def plan_units(model, high_watermark, lookahead, units=None, no_split=()):
     total = sum(param_nbytes(p) for p in all_params)
     if units is not None:
         chosen = [_make_unit(name, [(name, cell)]) for name, cell in _resolve(model, units)]
-        return _finish(chosen, all_params, high_watermark, lookahead, total, explicit=True)
+        return _finish(model, chosen, all_params, high_watermark, lookahead, total, explicit=True)
     blocks = _find_blocks(model, "")
-    share = high_watermark
+    plan = _search(model, blocks, all_params, high_watermark, lookahead, total, no_split, keep_owners=False)
+    if not plan.fits():
+        # Splitting moves a block's own parameters to the root; keeping such blocks
+        # whole may fit where that did not.
+        whole = _search(model, blocks, all_params, high_watermark, lookahead, total, no_split, keep_owners=True)
+        if whole.fits():
+            return whole
+    return plan
+
+
+def _search(model, blocks, all_params, high, lookahead, total, no_split, keep_owners):
+    share = high
     for _ in range(_MAX_ROUNDS):
         chosen = []
         for name, cell in blocks:
-            chosen.extend(_split(name, cell, share, no_split))
-        plan = _finish(_merge(chosen, share), all_params, high_watermark, lookahead, total)
+            chosen.extend(_split(name, cell, share, no_split, keep_owners))
+        plan = _finish(model, _merge(chosen, share), all_params, high, lookahead, total)
         if plan.unit_share >= share:   # stable: no unit was sized for a larger share
             return plan
         share = plan.unit_share
@@ -160,6 +196,18 @@ def _nn():
 def _is_container(cell):
     nn = _nn()
     return isinstance(cell, (nn.CellList, nn.SequentialCell))
+
+
+def _is_uncalled(cell):
+    """Containers that are iterated or indexed, never called: their hooks never fire."""
+    nn = _nn()
+    return isinstance(cell, (nn.CellList, nn.CellDict))
+
+
+def _reads_descendants(cell):
+    """True if cell's construct reads a Parameter of one of its sub-cells directly."""
+    own = {id(p) for p in cell.get_parameters(expand=False)}
+    return any(id(p) not in own for _, p in direct_reads(cell))
 
 
 def _has_params(cell):
@@ -200,16 +248,21 @@ def _find_blocks(cell, prefix):
     return found
 
 
-def _split(name, cell, share, no_split):
+def _split(name, cell, share, no_split, keep_owners=False):
     """Units for block `cell`: itself if it fits `share`, else its children's units."""
     unit = _make_unit(name, [(name, cell)])
     children = [(n, c) for n, c in cell.name_cells().items() if c is not None and _has_params(c)]
-    if unit.nbytes <= share or not children or (no_split and isinstance(cell, no_split)) \
-            or _is_compiled(cell):
+    if children and _is_uncalled(cell):
+        whole = False                 # its hooks would never fire: its items are the units
+    else:
+        whole = unit.nbytes <= share or not children or (no_split and isinstance(cell, no_split)) \
+            or _is_compiled(cell) or _reads_descendants(cell) \
+            or (keep_owners and any(True for _ in cell.get_parameters(expand=False)))
+    if whole:
         return [unit]
     parts = []
     for child_name, child in children:
-        parts.extend(_split(_join(name, child_name), child, share, no_split))
+        parts.extend(_split(_join(name, child_name), child, share, no_split, keep_owners))
     return parts
 
 
@@ -235,12 +288,22 @@ def _parent(name):
     return name.rsplit(".", 1)[0] if "." in name else ""
 
 
-def _finish(units, all_params, high, lookahead, total, explicit=False):
+def _finish(model, units, all_params, high, lookahead, total, explicit=False):
     in_units = {id(p) for u in units for p in u.params}
     root = PlannedUnit(ROOT_NAME, [])
     root.add_params(p for p in all_params if id(p) not in in_units)
+    # A unit's parameter that a construct running outside every unit reads directly
+    # (a tied table read by the model's construct) is pinned by the root as well.
+    root.add_params(p for cell in _outside_units(model, units) for _, p in direct_reads(cell)
+                    if id(p) in in_units)
     share = max((high - root.nbytes) // (2 + lookahead), 0)
-    return Plan(units, root, high, share, lookahead, total, explicit)
+    return Plan(units, root, high, share, lookahead, total, explicit, compiled_model=_is_compiled(model))
+
+
+def _outside_units(model, units):
+    """The cells whose constructs run outside every unit: the model and the cells above units."""
+    inside = {id(c) for u in units for _, cell in u.cells for _, c in cell.cells_and_names()}
+    return [cell for _, cell in model.cells_and_names() if id(cell) not in inside]
 
 
 def _make_unit(name, cells):
@@ -265,6 +328,19 @@ def _resolve(model, units):
                 raise PrefetchdError(f"units=: {name!r} is the model itself; its parameters form the root unit")
             resolved.append((name, cell))
     names = [n for n, _ in resolved]
+    if _is_compiled(model) and names:
+        raise PrefetchdError(
+            f"units=: the model's construct is compiled (@jit), so {names[0]!r} and every other cell "
+            f"run inside one graph where MindSpore skips their hooks; compile the blocks' constructs "
+            f"instead of the model's")
+    for n, cell in resolved:
+        if _is_uncalled(cell):
+            raise PrefetchdError(f"units=: {n!r} is a {type(cell).__name__}, which is iterated, never "
+                                 f"called, so its hooks never fire; name its items ({n}.0, ...) instead")
+        outer = next((o for o in _ancestors(n) if o in by_name and _is_compiled(by_name[o])), None)
+        if outer is not None:
+            raise PrefetchdError(f"units=: {n!r} runs inside the compiled (@jit) construct of {outer!r}, "
+                                 f"where MindSpore skips its hooks; name {outer!r} instead")
     for n in names:
         outer = next((o for o in names if o != n and n.startswith(o + ".")), None)
         if outer is not None:
@@ -272,6 +348,24 @@ def _resolve(model, units):
     if len(set(names)) != len(names):
         raise PrefetchdError("units=: a unit is listed twice")
     return resolved
+
+
+def _kept_whole(unit):
+    """Why a single-cell unit was not split, if its construct is the reason; else ''."""
+    if len(unit.cells) != 1:
+        return ""
+    cell = unit.cells[0][1]
+    own = {id(p) for p in cell.get_parameters(expand=False)}
+    reads = [expr for expr, p in direct_reads(cell) if id(p) not in own]
+    if not reads:
+        return ""
+    return (f"; {unit.name!r} is kept whole because its construct reads {', '.join(reads[:3])} directly, "
+            f"outside that sub-cell's call (units= naming its sub-cells pins those in the root instead)")
+
+
+def _ancestors(name):
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def _unique(params):

@@ -1,4 +1,5 @@
 """The unit planner on its own: which cells stream together, and what is refused up front."""
+import numpy as np
 import pytest
 
 from prefetchd.errors import BudgetError, PrefetchdError
@@ -157,3 +158,132 @@ def test_a_compiled_cell_is_never_split_or_searched(ms):
     assert [u.name for u in plan.units] == ["0", "1", "2", "3"]
     everything_root = plan_units(CompiledModel(), 1 << 30, 2)
     assert everything_root.units == [] and len(everything_root.root.params) == 8
+
+
+# ------------------------------------------------------------------ cells whose hooks never fire,
+# and parameters read outside their unit (found by streaming mindcv's res2net, Swin, HRNet, ...)
+
+@pytest.fixture
+def stages(ms):
+    nn, ops = ms.nn, ms.ops
+
+    class Block(nn.Cell):
+        def __init__(self, d):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Dense(d, d), nn.Dense(d, d)
+
+        def construct(self, x):
+            return x + self.fc2(self.fc1(x))
+
+    class Stage(nn.Cell):                  # Swin's layout: an iterated CellList beside big layers
+        def __init__(self, d):
+            super().__init__()
+            self.blocks = nn.CellList([Block(d) for _ in range(2)])
+            self.down, self.up = nn.Dense(d, 8 * d), nn.Dense(8 * d, d)
+
+        def construct(self, x):
+            for blk in self.blocks:
+                x = blk(x)
+            return self.up(self.down(x))
+
+    class ReadsChild(Block):               # a block reading its child's weight in its own construct
+        def construct(self, x):
+            y = self.fc2(self.fc1(x))
+            return y + ops.matmul(y, self.fc2.weight)
+
+    class TiedHead(nn.Cell):               # the model's construct reads a block's table directly
+        def __init__(self, d):
+            super().__init__()
+            self.blocks = nn.CellList([Block(d) for _ in range(4)])
+
+        def construct(self, x):
+            for blk in self.blocks:
+                x = blk(x)
+            return ops.matmul(x, self.blocks[0].fc1.weight.T)
+
+    return Block, Stage, ReadsChild, TiedHead
+
+
+def test_a_celllist_is_never_a_unit_even_when_it_fits(ms, stages):
+    _, stage, _, _ = stages
+    model = ms.nn.CellList([stage(32) for _ in range(3)])
+    share_of_blocks = nbytes(model[0].blocks) + 1          # a stage splits; its CellList would fit
+    plan = plan_units(model, 4 * share_of_blocks, 2)
+    names = [u.name for u in plan.units]
+    assert "0.blocks" not in names and "0.blocks.0" in names and "0.blocks.1" in names, names
+    assert all(not isinstance(c, ms.nn.CellList) for u in plan.units for _, c in u.cells)
+
+
+def test_a_block_that_reads_a_child_weight_is_kept_whole_and_says_why(ms, stages):
+    _, _, reads_child, _ = stages
+    model = ms.nn.CellList([reads_child(64) for _ in range(4)])
+    block = nbytes(model[0])
+    plan = plan_units(model, 3 * block, 2)                 # its share is below one block
+    assert [u.name for u in plan.units] == ["0", "1", "2", "3"]
+    tight = plan_units(model, block + block // 2, 2)
+    with pytest.raises(BudgetError, match=r"'0' is kept whole because its construct reads self\.fc2\.weight"):
+        tight.check_fits()
+
+
+def test_a_unit_parameter_the_model_reads_directly_is_pinned_in_the_root_too(ms, stages):
+    _, _, _, tied = stages
+    model = tied(32)
+    plan = plan_units(model, roomy(model, model.blocks[0]), 2)
+    assert [u.name for u in plan.units] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert "blocks.0.fc1.weight" in plan.root.param_names
+    assert "blocks.0.fc1.weight" in plan.units[0].param_names            # shared: pinned by both
+    assert "blocks.0.fc1.bias" not in plan.root.param_names
+
+
+def test_blocks_that_own_parameters_are_kept_whole_when_splitting_would_not_fit(ms):
+    nn, ops = ms.nn, ms.ops
+
+    class Owner(nn.Cell):
+        def __init__(self, d):
+            super().__init__()
+            self.w = ms.Parameter(ms.Tensor(np.zeros((d, 4 * d), np.float32)), name="w")
+            self.lin = nn.Dense(4 * d, d)
+
+        def construct(self, x):
+            return x + self.lin(ops.matmul(x, self.w))
+
+    model = nn.CellList([Owner(64) for _ in range(8)])
+    high = int(nbytes(model) * 0.4 * 0.95)                 # splitting moves 8 x w to the root
+    plan = plan_units(model, high, 2)
+    plan.check_fits()
+    assert [u.name for u in plan.units] == [str(i) for i in range(8)] and plan.root.nbytes == 0
+
+
+def test_explicit_units_that_could_never_run_hooks_are_refused(ms, stages):
+    nn = ms.nn
+    _, stage, _, _ = stages
+
+    class JitBlock(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Dense(16, 16)
+
+        @ms.jit
+        def construct(self, x):
+            return self.a(x)
+
+    class JitModel(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.CellList([nn.Dense(16, 16) for _ in range(3)])
+
+        @ms.jit
+        def construct(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    with pytest.raises(PrefetchdError, match=r"'0\.blocks' is a CellList, which is iterated, never called"):
+        plan_units(nn.CellList([stage(16)]), 1 << 30, 2, units=["0.blocks"])
+    with pytest.raises(PrefetchdError, match=r"'0\.a' runs inside the compiled \(@jit\) construct of '0'"):
+        plan_units(nn.CellList([JitBlock(), JitBlock()]), 1 << 30, 2, units=["0.a"])
+    with pytest.raises(PrefetchdError, match=r"the model's construct is compiled \(@jit\)"):
+        plan_units(JitModel(), 1 << 30, 2, units=["blocks.0"])
+    all_root = plan_units(JitModel(), 2000, 2)
+    with pytest.raises(BudgetError, match=r"the model's construct is compiled \(@jit\)"):
+        all_root.check_fits()

@@ -317,3 +317,49 @@ def test_a_model_that_can_never_fit_is_refused_at_offload_naming_the_tensor(ms, 
         with pytest.raises(prefetchd.BudgetError, match=r"'model\.embed_tokens\.embedding_table'.*2097152"):
             prefetchd.offload(model, daemon, lookahead=2)
         assert daemon.names() == []                  # refused before anything was registered
+
+
+@pytest.mark.parametrize("name, size", [("res2net50", 64), ("edgenext_xx_small", 64), ("hrnet_w32", 64),
+                                        ("swin_tiny", 224)])
+def test_mindcv_models_with_celllists_inside_split_blocks(ms, tmp_path, name, size):
+    """A block above its share is split; a CellList inside it (iterated or indexed,
+    never called, so its hooks never fire) must not become a unit: its items do.
+    Each of these died with SIGSEGV on its first offloaded forward before."""
+    from mindcv.models import create_model
+    ms.set_seed(1)
+    model = create_model(name, num_classes=10)
+    x = ms.Tensor(np.random.default_rng(0).standard_normal((2, 3, size, size)).astype(np.float32))
+    plan = stream_like_the_readme(model, x, str(tmp_path / "store"))
+    assert not any(isinstance(cell, (ms.nn.CellList, ms.nn.CellDict)) for u in plan.units for _, cell in u.cells)
+
+
+def test_weights_read_outside_their_sub_cell_call_are_pinned(ms, tmp_path):
+    """A block's construct reading its child's weight (kept whole), and the model's
+    construct reading a block's weight (pinned in the root too): equal to resident."""
+    nn, ops = ms.nn, ms.ops
+
+    class Block(nn.Cell):
+        def __init__(self, d):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Dense(d, 2 * d), nn.Dense(2 * d, d)
+
+        def construct(self, x):
+            y = x + self.fc2(ops.tanh(self.fc1(x)))
+            return y + ops.matmul(y, self.fc2.weight)[:, :y.shape[1]] * 0.01
+
+    class Net(nn.Cell):
+        def __init__(self, d=64):
+            super().__init__()
+            self.blocks = nn.CellList([Block(d) for _ in range(6)])
+
+        def construct(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return ops.matmul(x, self.blocks[0].fc1.weight.T)
+
+    ms.set_seed(6)
+    model = Net()
+    x = ms.Tensor(np.random.default_rng(6).standard_normal((4, 64)).astype(np.float32))
+    plan = stream_like_the_readme(model, x, str(tmp_path / "store"), fraction=0.5)
+    assert [u.name for u in plan.units] == [f"blocks.{i}" for i in range(6)]
+    assert plan.root.param_names == ["blocks.0.fc1.weight"]

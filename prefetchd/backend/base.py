@@ -152,6 +152,9 @@ def open_store(config):
     temporary = not config.store_dir
     directory = tempfile.mkdtemp(prefix="prefetchd-store-") if temporary else config.store_dir
     try:
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise StorageError(f"store_dir {directory}: is not a directory (give a directory prefetchd may "
+                               f"create or own)")
         try:
             os.makedirs(directory, mode=0o700, exist_ok=True)
         except OSError as e:

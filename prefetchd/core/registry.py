@@ -39,7 +39,10 @@ class Registry:
 
     def add(self, rec):
         if rec.name in self.records:
-            raise DoubleRegisterError(f"a tensor named {rec.name!r} is already registered")
+            raise DoubleRegisterError(
+                f"a tensor named {rec.name!r} is already registered (names are unique in one daemon: a "
+                f"second model whose parameters have the same names needs its own daemon, or a prefix, "
+                f"e.g. model.update_parameters_name('second.'))")
         if rec.target is not None and id(rec.target) in self._targets:
             raise DoubleRegisterError(
                 f"this tensor is already registered as {self._targets[id(rec.target)]!r}")

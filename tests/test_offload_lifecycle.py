@@ -1,0 +1,71 @@
+"""What happens around an offload: a closed handle, a second offload of the same model
+or of its parameters, a closed daemon, a store_dir that is a file. Each must be a clear
+Python error that leaves the first offload working, never a read of unmapped pages."""
+import numpy as np
+import pytest
+
+import prefetchd
+from prefetchd.errors import PrefetchdError, ShutdownError, StorageError
+
+
+def stack(ms, n=6, d=64):
+    nn = ms.nn
+    ms.set_seed(9)
+    model = nn.SequentialCell([nn.SequentialCell([nn.Dense(d, d), nn.ReLU()]) for _ in range(n)])
+    model.set_train(False)
+    return model
+
+
+def budget(model, fraction=0.4):
+    return int(sum(p.nbytes for p in model.get_parameters()) * fraction)
+
+
+@pytest.fixture
+def x(ms):
+    return ms.Tensor(np.random.default_rng(9).standard_normal((2, 64)).astype(np.float32))
+
+
+def test_a_closed_handle_makes_the_model_refuse_to_run(ms, tmp_path, x):
+    model = stack(ms)
+    want = model(x).asnumpy()
+    with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "s")) as daemon:
+        handle = prefetchd.offload(model, daemon, lookahead=1)
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
+        handle.close()
+        handle.close()                                   # twice is fine
+        with pytest.raises(PrefetchdError, match="its handle was closed"):
+            model(x)
+
+
+def test_a_second_offload_is_refused_and_the_first_keeps_working(ms, tmp_path, x):
+    model = stack(ms)
+    want = model(x).asnumpy()
+    with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "a")) as first, \
+            prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "b")) as second:
+        prefetchd.offload(model, first, lookahead=1)
+        for daemon in (second, first):
+            with pytest.raises(PrefetchdError, match="already offloaded to daemon"):
+                prefetchd.offload(model, daemon, lookahead=1)
+        assert second.names() == []
+        other = ms.nn.SequentialCell([model[0], model[1]])   # a model built from offloaded blocks
+        with pytest.raises(PrefetchdError, match=r"parameter '0\.0\.weight' is already managed"):
+            prefetchd.offload(other, second)
+        for _ in range(2):
+            np.testing.assert_array_equal(model(x).asnumpy(), want)
+
+
+def test_a_model_on_a_closed_daemon_says_the_daemon_is_closed(ms, tmp_path, x):
+    model = stack(ms)
+    with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "s"), name="mine") as daemon:
+        prefetchd.offload(model, daemon, lookahead=1)
+        model(x)
+    with pytest.raises(ShutdownError, match="prefetchd daemon 'mine' is closed"):
+        model(x)
+
+
+def test_a_store_dir_that_is_a_file_is_refused_as_such(tmp_path):
+    path = tmp_path / "a-file"
+    path.write_text("not a directory")
+    with pytest.raises(StorageError, match="is not a directory"):
+        prefetchd.Daemon(device_budget="1MiB", store_dir=str(path)).start()
+    assert path.read_text() == "not a directory"
