@@ -7,13 +7,16 @@ only through the scheduler context `s` (backend, memory, transfers, outcomes),
 so they run unchanged against a fake backend with no threads.
 """
 import heapq
+import logging
 
 from ..backend.base import TransferKind
-from ..errors import BudgetError, NotResidentError, StorageError
+from ..errors import BudgetError, NotResidentError, PrefetchdError, StorageError
 from .records import State
 from .requests import Kind
 
 MAX_LOADS_IN_FLIGHT = 4   # enough to keep the store's queue full; more only delays priorities
+
+log = logging.getLogger("prefetchd")
 
 
 class Loads:
@@ -95,6 +98,15 @@ class Loads:
             except BudgetError as e:
                 heapq.heappop(self.queue)
                 s.outcomes.fail_waiters(rec, e)
+                continue
+            except Exception as e:
+                # Making room failed inside (e.g. a page move the kernel refused). Retrying
+                # on every step would fail the same way while the waiters wait forever:
+                # refuse this load and say why; the tensor stays ABSENT and loadable.
+                log.exception("prefetchd: reserving device memory for %r failed", rec.name)
+                heapq.heappop(self.queue)
+                s.outcomes.fail_waiters(rec, PrefetchdError(
+                    f"internal error while making room on the device for {rec.name!r}: {e!r}"))
                 continue
             if block is None:
                 if s.transfers or s.memory.unfenced:

@@ -7,7 +7,7 @@ from prefetchd.core.records import State
 from prefetchd.core.requests import Kind
 
 from .fake_backend import Home
-from .test_moves import Core
+from .test_moves import KiB, Core
 
 
 def resident_with_home(c, name="a", fill=1):
@@ -71,3 +71,26 @@ def test_a_replica_nobody_wrote_is_dropped_without_a_write_back():
     c.submit(Kind.EVICT, [a])
     c.drain()
     assert a.state is State.ABSENT and c.stats.writebacks == 0 and c.stats.compute_writes == 0
+
+
+def test_a_page_move_that_keeps_failing_fails_the_load_waiting_for_room_saying_why():
+    """An internal error while freeing memory, on every step: the load waiting for that
+    room is refused naming the failure (before: retried each step, then refused as if
+    pinned tensors held the device)."""
+    c = Core(device=12 * KiB)                 # a (4 KiB) and b (8 KiB) do not fit together
+    a = resident_with_home(c)
+    a.exposed = True
+    c.submit(Kind.UNPIN, [a])
+    b = c.tensor("b", 8 * KiB)
+
+    def refuse(home, block):
+        raise RuntimeError("injected: mremap refused")
+    c.backend.detach = refuse
+    pin = c.submit(Kind.PIN, [b])
+    for _ in range(20):
+        c.step()
+        if pin.done():
+            break
+    assert pin.done(), "the pin never completed"
+    assert "internal error while making room" in str(pin.exception(0))
+    assert b.state is State.ABSENT
