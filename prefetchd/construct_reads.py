@@ -12,7 +12,8 @@ parameter in the root unit.
 
 Found from the construct's source with `ast`: attribute chains starting at
 `self` and going through sub-cells (and constant indexes into a CellList or
-SequentialCell) that reach a Parameter. Dynamic access (getattr with a
+SequentialCell) that reach a Parameter. Metadata (`self.norm.weight.shape`,
+`.dtype`) reads no bytes and does not count. Dynamic access (getattr with a
 computed name, a loop variable bound to a sub-cell) is not seen, and a
 construct without source (built at run time) reports nothing.
 """
@@ -23,6 +24,10 @@ import textwrap
 
 from .backend import framework
 
+# Attributes of a Parameter that read no bytes from its storage.
+METADATA = frozenset({"shape", "dtype", "ndim", "name", "itemsize", "nbytes", "requires_grad", "size",
+                      "strides", "is_init", "param_info"})
+
 
 def direct_reads(cell):
     """(expression, Parameter) for each Parameter `cell`'s construct reaches by attribute."""
@@ -31,8 +36,9 @@ def direct_reads(cell):
     for chain in chains:
         hit = _resolve(cell, chain)
         if hit is not None:
-            expr, param = hit
-            found.setdefault(id(param), (expr, param))
+            expr, param, rest = hit
+            if not (rest and rest[0] in METADATA):
+                found.setdefault(id(param), (expr, param))
     return list(found.values())
 
 
@@ -48,12 +54,21 @@ def _chains(construct):
     if func is None or not func.args.args:
         return ()
     me = func.args.args[0].arg
+    # Only whole chains: skip a node that an attribute or a constant index continues
+    # (`self.fc2` inside `self.fc2.weight`), so what follows a Parameter is known.
+    continued = {id(n.value) for n in ast.walk(func) if _chain_step(n)}
     chains = set()
     for node in ast.walk(func):
-        chain = _chain(node, me)
+        chain = None if id(node) in continued else _chain(node, me)
         if chain:
             chains.add(chain)
     return tuple(sorted(chains, key=str))
+
+
+def _chain_step(node):
+    return isinstance(node, ast.Attribute) or (
+        isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+        and isinstance(node.slice.value, int))
 
 
 def _chain(node, me):
@@ -63,8 +78,7 @@ def _chain(node, me):
         if isinstance(node, ast.Attribute):
             steps.append(node.attr)
             node = node.value
-        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) \
-                and isinstance(node.slice.value, int):
+        elif _chain_step(node):
             steps.append(node.slice.value)
             node = node.value
         elif isinstance(node, ast.Name) and node.id == me:
@@ -83,10 +97,11 @@ def _member(cell, name):
 
 
 def _resolve(cell, chain):
-    """Follow `chain` from `cell` through sub-cells; (expression, Parameter) where it reaches one."""
+    """Follow `chain` from `cell` through sub-cells; (expression, Parameter, the steps after
+    it) where it reaches one."""
     ms = framework.mindspore()
     obj, expr = cell, "self"
-    for step in chain:
+    for i, step in enumerate(chain):
         if isinstance(step, int):
             try:
                 obj = obj[step] if isinstance(obj, (ms.nn.CellList, ms.nn.SequentialCell, list, tuple)) else None
@@ -99,7 +114,7 @@ def _resolve(cell, chain):
         else:
             return None
         if isinstance(obj, ms.Parameter):
-            return expr, obj
+            return expr, obj, chain[i + 1:]
         if obj is None:
             return None
     return None

@@ -287,3 +287,27 @@ def test_explicit_units_that_could_never_run_hooks_are_refused(ms, stages):
     all_root = plan_units(JitModel(), 2000, 2)
     with pytest.raises(BudgetError, match=r"the model's construct is compiled \(@jit\)"):
         all_root.check_fits()
+
+
+def test_direct_reads_follow_attributes_and_constant_indexes_but_not_metadata(ms):
+    from prefetchd.construct_reads import direct_reads
+    nn, ops = ms.nn, ms.ops
+
+    class Reader(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Dense(4, 4)
+            self.blocks = nn.CellList([nn.Dense(4, 4), nn.Dense(4, 4)])
+            self.w = ms.Parameter(ms.Tensor(np.ones(4, np.float32)), name="w")
+
+        def construct(self, x):
+            meta = self.fc.weight.shape[0] + self.fc.bias.dtype.itemsize   # reads no bytes
+            y = self.fc(x) + self.w                                         # a call; its own weight
+            z = ops.matmul(y, self.blocks[1].weight.T)                      # read through .T
+            return z + self.blocks[0].bias[:2].sum() + meta                 # read through a slice
+
+    reader = Reader()
+    assert sorted(expr for expr, _ in direct_reads(reader)) == [
+        "self.blocks[0].bias", "self.blocks[1].weight", "self.w"]
+    assert {id(p) for _, p in direct_reads(reader)} == {
+        id(reader.blocks[0].bias), id(reader.blocks[1].weight), id(reader.w)}
