@@ -26,6 +26,11 @@ model's pre-hook until the running pass ends (its post-hook, or the hook
 MindSpore calls when the forward raised). Two interleaved passes would unpin
 each other's units while their kernels still read them.
 
+A model streams through one daemon, once: offload() refuses a model (or a
+parameter) already offloaded. `close()` removes the hooks; the weights stay in
+the daemon's tiers, so the model then refuses to run instead of reading pages
+that are not mapped.
+
 A unit that is not resident in time (a *miss*) is fetched on demand, counted
 (`stats()["misses"]`, a WARNING the first time per unit) and the run goes on;
 `strict=True` raises NotResidentError instead. A unit that is not the one the
