@@ -267,7 +267,9 @@ class Daemon:
             # the live store: a corrupt checkpoint must not half-replace good tensors.
             staging.verify_checkpoint(checkpoint)
             staging.stage_tensors(self.backend.store, staging.iter_checkpoint(checkpoint))
-        handles = []
+        # Every parameter is checked before any is bound: binding one to its home drops
+        # its own values, so a bad entry found half-way would leave the model unusable.
+        entries = []
         for p in model.get_parameters():
             if not self.backend.store_contains(p.name):
                 raise UnknownTensorError(f"the store has no tensor for parameter {p.name!r}")
@@ -275,8 +277,12 @@ class Daemon:
             if tuple(shape) != tuple(p.shape):
                 raise ValueError(f"{p.name!r}: the store holds shape {tuple(shape)}, "
                                  f"the model expects {tuple(p.shape)}")
-            handles.append(self.register_remote(p.name, shape, dtype, target=p))
-        return handles
+            want = framework.to_numpy_dtype(p.dtype)
+            if np.dtype(dtype) != np.dtype(want):
+                raise ValueError(f"{p.name!r}: the store holds {np.dtype(dtype)}, the model expects "
+                                 f"{np.dtype(want)} (convert the checkpoint, or build the model in that dtype)")
+            entries.append((p, shape, dtype))
+        return [self.register_remote(p.name, shape, dtype, target=p) for p, shape, dtype in entries]
 
     def _carve_home(self, nbytes):
         return self._homes.carve(nbytes) if self._homes is not None else None
@@ -306,9 +312,14 @@ class Daemon:
             # Hit: nothing to schedule. Reading `state` races only with an eviction
             # that could follow a queued hit just as well.
             tick = self._core.tick()
-            for r in recs:
-                r.last_use = tick
             with self._lock:
+                for r in recs:
+                    r.last_use = tick
+                    # Kept for its use like a queued hit (core/loads.py), also when the
+                    # unpin just queued before this has not been applied yet: else a
+                    # later prefetch evicts it (the root at every pass start).
+                    if r.state is State.RESIDENT:
+                        r.prefetched_unused = True
                 self.stats.count("prefetch", "hit")
             return DONE
         for r in recs:

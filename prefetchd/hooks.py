@@ -105,7 +105,8 @@ class Offloaded:
         self._owns_daemon = owns_daemon
         self._high = daemon.status()["device"]["high_watermark"]
         # Everything that can be refused is refused before anything is registered.
-        self._plan = plan_units(model, self._high, self.lookahead, units=units, no_split=no_split)
+        self._plan = plan_units(model, self._high, self.lookahead, units=units, no_split=no_split,
+                                block_bytes=daemon.backend.block_bytes)
         self._plan.check_fits()
         log.info("prefetchd.offload(%s):\n%s", type(model).__name__, self._plan.format_table())
         self._invalidate_compiled()
@@ -176,10 +177,15 @@ class Offloaded:
                 self._timer = RecordingTimer(self._session.marker)
         else:
             self._session.at(0)
-            self._prefetch_from(1, self.root.nbytes)
+        # The root is pinned before the first prefetches: at step 0 its next use after
+        # this one looks a whole pass away, so a prefetch queued ahead of its pin could
+        # evict it (a miss at every such pass start, seen under load).
         self._acquire(self.root)
-        if self._recording and self._timer is not None:
-            self._timer.pass_started(self.stall_seconds)
+        if self._recording:
+            if self._timer is not None:
+                self._timer.pass_started(self.stall_seconds)
+        else:
+            self._prefetch_from(1, self.root.nbytes)
 
     def _after_model(self, cell, inputs, output):
         self._release_all(_first_tensor(output))

@@ -65,11 +65,13 @@ def param_nbytes(p):
 
 @dataclass
 class PlannedUnit:
-    """Cells streamed together; `params` are unique Parameter objects, `nbytes` their sum."""
+    """Cells streamed together; `params` are unique Parameter objects, `nbytes` the device
+    bytes they reserve (`size` of each: its bytes rounded up to the device's block)."""
     name: str
     cells: list = field(default_factory=list)      # [(qualified name, cell)]
     params: list = field(default_factory=list)
     nbytes: int = 0
+    size: object = param_nbytes                    # fn(Parameter) -> device bytes it reserves
 
     @property
     def param_names(self):
@@ -81,7 +83,7 @@ class PlannedUnit:
             if id(p) not in seen:
                 seen.add(id(p))
                 self.params.append(p)
-                self.nbytes += param_nbytes(p)
+                self.nbytes += self.size(p)
 
 
 @dataclass
@@ -108,11 +110,11 @@ class Plan:
         high = self.high_watermark
         for unit in [self.root, *self.units]:
             for p in unit.params:
-                if param_nbytes(p) > high:
+                if unit.size(p) > high:
                     raise BudgetError(
-                        f"tensor {p.name!r} needs {param_nbytes(p)} bytes on the device tier; the high "
+                        f"tensor {p.name!r} needs {unit.size(p)} bytes on the device tier; the high "
                         f"watermark is {high} bytes: it can never be resident (raise device_budget so the "
-                        f"high watermark is at least {param_nbytes(p)} bytes)")
+                        f"high watermark is at least {unit.size(p)} bytes)")
         if self.root.nbytes > high and self.compiled_model:
             raise BudgetError(
                 f"the model's construct is compiled (@jit): its cells run inside one graph where "
@@ -156,32 +158,38 @@ class Plan:
         return "\n".join(lines)
 
 
-def plan_units(model, high_watermark, lookahead, units=None, no_split=()):
-    """Plan `model`'s units for a device tier whose high watermark is `high_watermark` bytes."""
+def plan_units(model, high_watermark, lookahead, units=None, no_split=(), block_bytes=None):
+    """Plan `model`'s units for a device tier whose high watermark is `high_watermark` bytes.
+    block_bytes: fn(nbytes) -> what a tensor of nbytes reserves on the device (the backend's
+    block_bytes: a 4 KiB page on cpu, a 2 MiB granule under ACL/CUDA virtual memory);
+    None: the tensor's own bytes."""
     no_split = tuple(no_split or ())
+    size = param_nbytes if block_bytes is None else (lambda p: int(block_bytes(param_nbytes(p))))
     all_params = _unique(model.get_parameters())
     total = sum(param_nbytes(p) for p in all_params)
     if units is not None:
-        chosen = [_make_unit(name, [(name, cell)]) for name, cell in _resolve(model, units)]
-        return _finish(model, chosen, all_params, high_watermark, lookahead, total, explicit=True)
+        chosen = [_make_unit(name, [(name, cell)], size) for name, cell in _resolve(model, units)]
+        return _finish(model, chosen, all_params, high_watermark, lookahead, total, size, explicit=True)
     blocks = _find_blocks(model, "")
-    plan = _search(model, blocks, all_params, high_watermark, lookahead, total, no_split, keep_owners=False)
+    search = dict(model=model, blocks=blocks, all_params=all_params, high=high_watermark, lookahead=lookahead,
+                  total=total, no_split=no_split, size=size)
+    plan = _search(**search, keep_owners=False)
     if not plan.fits():
         # Splitting moves a block's own parameters to the root; keeping such blocks
         # whole may fit where that did not.
-        whole = _search(model, blocks, all_params, high_watermark, lookahead, total, no_split, keep_owners=True)
+        whole = _search(**search, keep_owners=True)
         if whole.fits():
             return whole
     return plan
 
 
-def _search(model, blocks, all_params, high, lookahead, total, no_split, keep_owners):
+def _search(model, blocks, all_params, high, lookahead, total, no_split, size, keep_owners):
     share = high
     for _ in range(_MAX_ROUNDS):
         chosen = []
         for name, cell in blocks:
-            chosen.extend(_split(name, cell, share, no_split, keep_owners))
-        plan = _finish(model, _merge(chosen, share), all_params, high, lookahead, total)
+            chosen.extend(_split(name, cell, share, no_split, size, keep_owners))
+        plan = _finish(model, _merge(chosen, share), all_params, high, lookahead, total, size)
         if plan.unit_share >= share:   # stable: no unit was sized for a larger share
             return plan
         share = plan.unit_share
@@ -248,9 +256,9 @@ def _find_blocks(cell, prefix):
     return found
 
 
-def _split(name, cell, share, no_split, keep_owners=False):
+def _split(name, cell, share, no_split, size, keep_owners=False):
     """Units for block `cell`: itself if it fits `share`, else its children's units."""
-    unit = _make_unit(name, [(name, cell)])
+    unit = _make_unit(name, [(name, cell)], size)
     children = [(n, c) for n, c in cell.name_cells().items() if c is not None and _has_params(c)]
     if children and _is_uncalled(cell):
         whole = False                 # its hooks would never fire: its items are the units
@@ -262,7 +270,7 @@ def _split(name, cell, share, no_split, keep_owners=False):
         return [unit]
     parts = []
     for child_name, child in children:
-        parts.extend(_split(_join(name, child_name), child, share, no_split, keep_owners))
+        parts.extend(_split(_join(name, child_name), child, share, no_split, size, keep_owners))
     return parts
 
 
@@ -275,7 +283,7 @@ def _merge(units, share):
         if last is not None and _parent(last.cells[-1][0]) == _parent(unit.cells[0][0]) \
                 and (last.nbytes < tiny or unit.nbytes < tiny) and _union_bytes(last, unit) <= share:
             combined = PlannedUnit(f"{last.name}+{unit.cells[0][0].rsplit('.', 1)[-1]}",
-                                   last.cells + unit.cells)
+                                   last.cells + unit.cells, size=last.size)
             combined.add_params(last.params)
             combined.add_params(unit.params)
             merged[-1] = combined
@@ -288,9 +296,9 @@ def _parent(name):
     return name.rsplit(".", 1)[0] if "." in name else ""
 
 
-def _finish(model, units, all_params, high, lookahead, total, explicit=False):
+def _finish(model, units, all_params, high, lookahead, total, size, explicit=False):
     in_units = {id(p) for u in units for p in u.params}
-    root = PlannedUnit(ROOT_NAME, [])
+    root = PlannedUnit(ROOT_NAME, [], size=size)
     root.add_params(p for p in all_params if id(p) not in in_units)
     # A unit's parameter that a construct running outside every unit reads directly
     # (a tied table read by the model's construct) is pinned by the root as well.
@@ -306,8 +314,8 @@ def _outside_units(model, units):
     return [cell for _, cell in model.cells_and_names() if id(cell) not in inside]
 
 
-def _make_unit(name, cells):
-    unit = PlannedUnit(name, list(cells))
+def _make_unit(name, cells, size):
+    unit = PlannedUnit(name, list(cells), size=size)
     for _, cell in cells:
         unit.add_params(cell.get_parameters())
     return unit
@@ -383,7 +391,7 @@ def _union_bytes(*units):
         for p in unit.params:
             if id(p) not in seen:
                 seen.add(id(p))
-                total += param_nbytes(p)
+                total += unit.size(p)
     return total
 
 

@@ -16,7 +16,7 @@ def stack(ms, n=6, d=64):
     return model
 
 
-def budget(model, fraction=0.4):
+def budget(model, fraction=0.6):
     return int(sum(p.nbytes for p in model.get_parameters()) * fraction)
 
 

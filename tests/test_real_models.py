@@ -303,7 +303,9 @@ def test_two_level_nesting(ms, zoo, tmp_path):
     ms.set_seed(5)
     model = staged()
     x = ms.Tensor(np.random.default_rng(5).standard_normal((4, 16)).astype(np.float32))
-    plan = stream_like_the_readme(model, x, str(tmp_path / "store"))
+    # Its tensors are tiny (each reserves a whole 4 KiB page: 1.45x its bytes in all), so
+    # a little more than the usual quarter keeps a block within its share.
+    plan = stream_like_the_readme(model, x, str(tmp_path / "store"), fraction=0.3)
     names = [u.name for u in plan.units]
     # a stage is above its share: it is split into its blocks (and its own norm)
     assert all(re.fullmatch(r"layers\.\d\.(blocks\.\d+|norm)", n) for n in names), names
