@@ -17,7 +17,9 @@ _MUTATORS = ("__setitem__", "copy_", "assign_value", "set_data", "fill_", "zero_
 _READERS = ("asnumpy", "numpy", "__array__", "__getitem__", "item", "tolist", "__add__", "__radd__",
             "__sub__", "__rsub__", "__mul__", "__rmul__", "__matmul__", "__rmatmul__", "__truediv__",
             "__neg__", "__abs__", "sum", "mean", "copy_", "__setitem__", "asnumpy_of_slice_persistent_data",
-            "set_data", "assign_value", "fill_", "zero_")
+            "set_data", "assign_value", "fill_", "zero_",
+            # Copies read every byte (an optimizer's constructor clones each parameter).
+            "clone", "copy", "__copy__", "__deepcopy__")
 
 
 def base_class(obj):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import prefetchd
-from prefetchd.errors import PrefetchdError, ShutdownError, StorageError
+from prefetchd.errors import NotResidentError, PrefetchdError, ShutdownError, StorageError
 
 
 def stack(ms, n=6, d=64):
@@ -69,3 +69,49 @@ def test_a_store_dir_that_is_a_file_is_refused_as_such(tmp_path):
     with pytest.raises(StorageError, match="is not a directory"):
         prefetchd.Daemon(device_budget="1MiB", store_dir=str(path)).start()
     assert path.read_text() == "not a directory"
+
+
+def checkpointed(ms, tmp_path, x):
+    """A model saved to a checkpoint, and a fresh model of the same layout."""
+    source = stack(ms)
+    path = str(tmp_path / "model.ckpt")
+    ms.save_checkpoint(source, path)
+    return source(x).asnumpy(), path
+
+
+@pytest.mark.parametrize("flaw", ["shape", "dtype", "missing"])
+def test_a_checkpoint_that_does_not_match_the_model_registers_nothing(ms, tmp_path, x, flaw):
+    want, good = checkpointed(ms, tmp_path, x)
+    bad = {p.name: ms.Parameter(p.data.copy(), name=p.name) for p in stack(ms).get_parameters()}
+    name = "3.0.weight"
+    if flaw == "missing":
+        del bad[name]
+    else:
+        values = bad[name].asnumpy()
+        values = values.reshape(-1) if flaw == "shape" else values.astype(np.float16)
+        bad[name] = ms.Parameter(ms.Tensor(values), name=name)
+    ms.save_checkpoint([{"name": k, "data": v} for k, v in bad.items()], str(tmp_path / "bad.ckpt"))
+    model = stack(ms)
+    with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "s")) as daemon:
+        with pytest.raises(PrefetchdError if flaw == "missing" else ValueError, match=name.replace(".", r"\.")):
+            prefetchd.offload(model, daemon, lookahead=1, checkpoint=str(tmp_path / "bad.ckpt"))
+        assert daemon.names() == []
+        prefetchd.offload(model, daemon, lookahead=1, checkpoint=good)     # a retry with the right file
+        for _ in range(2):
+            np.testing.assert_array_equal(model(x).asnumpy(), want)
+
+
+def test_copying_weights_that_are_not_in_use_is_refused_not_a_crash(ms, tmp_path, x):
+    """An optimizer's constructor clones every parameter; a clone reads every byte."""
+    import copy
+    model = stack(ms)
+    with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "s")) as daemon:
+        prefetchd.offload(model, daemon, lookahead=1)
+        model(x)
+        with pytest.raises(NotResidentError):
+            ms.nn.SGD(model.trainable_params(), learning_rate=0.1)
+        evicted = next(p for p in model.get_parameters() if "device" not in prefetchd.tier(p))
+        with pytest.raises(NotResidentError):
+            copy.deepcopy(evicted)
+        with daemon.use([evicted]):
+            assert copy.deepcopy(evicted).asnumpy().shape == evicted.shape

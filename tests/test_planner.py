@@ -311,3 +311,33 @@ def test_direct_reads_follow_attributes_and_constant_indexes_but_not_metadata(ms
         "self.blocks[0].bias", "self.blocks[1].weight", "self.w"]
     assert {id(p) for _, p in direct_reads(reader)} == {
         id(reader.blocks[0].bias), id(reader.blocks[1].weight), id(reader.w)}
+
+
+def test_units_are_sized_in_the_device_blocks_their_tensors_reserve(ms):
+    """Twelve 256-byte root tensors reserve twelve 4 KiB pages on cpu, not 3 KiB."""
+    nn = ms.nn
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.CellList([nn.SequentialCell([nn.Dense(64, 64)]) for _ in range(10)])
+            for i in range(12):                                   # root tensors of 256 B each
+                setattr(self, f"s{i}", ms.Parameter(ms.Tensor(np.ones(64, np.float32)), name=f"s{i}"))
+
+        def construct(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    def pages(n):
+        return -(-n // 4096) * 4096
+
+    model = Net()
+    high = int(nbytes(model) * 0.35 * 0.95)
+    raw = plan_units(model, high, 2)
+    paged = plan_units(model, high, 2, block_bytes=pages)
+    assert raw.root.nbytes == 12 * 256 and paged.root.nbytes == 12 * 4096
+    assert paged.units[0].nbytes == pages(64 * 64 * 4) + pages(64 * 4)
+    raw.check_fits()                                        # raw bytes would promise it runs
+    with pytest.raises(BudgetError, match=r"with the root unit \(49152 bytes\)"):
+        paged.check_fits()

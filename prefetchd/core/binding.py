@@ -12,6 +12,15 @@ from ..errors import NotResidentError, PrefetchdError
 from .records import State
 
 
+def _not_in_use(rec):
+    if rec.state is State.RESIDENT:   # resident by chance (a prefetch), but nobody holds it
+        return NotResidentError(rec.name, ",".join(rec.tiers), rec.state.value, (
+            f"tensor {rec.name!r} is managed by prefetchd and not in use: it may move at any "
+            f"moment, so Python-level use is refused outside an offloaded model's forward; "
+            f"use it inside `with daemon.use([...])`"))
+    return NotResidentError(rec.name, ",".join(rec.tiers), rec.state.value)
+
+
 class Binding:
     def __init__(self, lock, backend, stats):
         self._lock = lock
@@ -50,8 +59,7 @@ class Binding:
     def guard(self, rec):
         """Python-level use of rec's tensor raises NotResidentError until it is bound again."""
         if rec.target is not None:
-            guards.guard(rec.target, lambda rec=rec: NotResidentError(
-                rec.name, ",".join(rec.tiers), rec.state.value))
+            guards.guard(rec.target, lambda rec=rec: _not_in_use(rec))
 
     def placeholder(self, rec):
         """A registered tensor whose data lives elsewhere: bound to its home (which
