@@ -20,6 +20,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from . import backend as backends
+from . import dtypes
 from .backend import framework
 from .config import Config, parse_fraction_or_size
 from .core import policy as policies
@@ -277,10 +278,12 @@ class Daemon:
             if tuple(shape) != tuple(p.shape):
                 raise ValueError(f"{p.name!r}: the store holds shape {tuple(shape)}, "
                                  f"the model expects {tuple(p.shape)}")
-            want = framework.to_numpy_dtype(p.dtype)
-            if np.dtype(dtype) != np.dtype(want):
-                raise ValueError(f"{p.name!r}: the store holds {np.dtype(dtype)}, the model expects "
-                                 f"{np.dtype(want)} (convert the checkpoint, or build the model in that dtype)")
+            # By name (str(mindspore.float32) is "Float32"): mindspore.dtype_to_nptype is
+            # deprecated and warns on every call.
+            want, held = dtypes.MINDSPORE_CKPT.get(str(p.dtype)), np.dtype(dtype).name
+            if want != held:
+                raise ValueError(f"{p.name!r}: the store holds {held}, the model expects {want or p.dtype} "
+                                 f"(convert the checkpoint, or build the model in that dtype)")
             entries.append((p, shape, dtype))
         return [self.register_remote(p.name, shape, dtype, target=p) for p, shape, dtype in entries]
 
