@@ -38,7 +38,6 @@ trace expects (early exit, skipped layer, other branch) re-synchronises the
 trace position and is counted. Hooks do not fire under graph mode, so
 offload() refuses it, and the first forward checks that unit hooks ran.
 """
-import dataclasses
 import logging
 import threading
 import time
@@ -51,12 +50,11 @@ from .errors import NotResidentError, PrefetchdError
 from .guard import is_managed
 from .planner import plan_units
 from .recording import RecordingTimer, unit_kind
+from .refine import Refinement
 
 log = logging.getLogger("prefetchd.hooks")
 
 ROOT = -1        # the root unit's step in the trace
-REFINE_PASSES = 5        # streamed passes whose transfer rates may refine the estimate
-RATES_SETTLED = 0.10     # ... until they change by at most this fraction from one pass to the next
 
 
 class Unit:
@@ -97,7 +95,7 @@ class Offloaded:
         self.tier = tier
         self.estimate = None           # prefetchd.plan.Plan measured on the recording pass
         self._timer = None             # RecordingTimer of the recording pass
-        self._refine = None            # (plan.Inputs, Stats, passes left) while the rates settle
+        self._refine = None            # refine.Refinement while the streamed passes' rates settle
         self.auto_fetch = config.auto_fetch if auto_fetch is None else bool(auto_fetch)
         if self.lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
@@ -298,31 +296,20 @@ class Offloaded:
         except (TimeoutError, ValueError) as e:
             log.info("prefetchd.offload: no pass-time estimate (%s)", e)
             return
-        self._refine = (inputs, self.daemon.snapshot()[1], REFINE_PASSES)
+        self._refine = Refinement(inputs, self.daemon.snapshot()[1])
 
     def _refine_estimate(self):
-        """After a streamed pass: the plan again with that pass's transfer rates, until they
-        settle (within RATES_SETTLED of the last pass's) or REFINE_PASSES passes. The first
-        copies into device memory are its first writes (page faults; on a VM, the hypervisor
-        backing each page), up to 10x slower than later ones. Compute stays the recording
-        pass's, timed with nothing beside it."""
-        inputs, before, left = self._refine
-        now = self.daemon.snapshot()[1]
-        self._refine = None
-        disk, h2d = cost_model.rates_from_stats(now, since=before)
-        if disk is None and h2d is None:
-            return
+        """After a streamed pass: the plan again with that pass's transfer rates (prefetchd.refine)."""
+        refinement, self._refine = self._refine, None
         try:
-            refined = dataclasses.replace(inputs, disk_rate=disk or inputs.disk_rate,
-                                          h2d_rate=h2d or inputs.h2d_rate)
-            self._adopt(cost_model.plan(refined, None if self._auto else self.lookahead), "last streamed pass")
+            refined, following = refinement.step(self.daemon.snapshot()[1])
+            if refined is not None:
+                self._adopt(cost_model.plan(refined, None if self._auto else self.lookahead),
+                            "last streamed pass")
         except ValueError as e:      # never break the user's forward over an estimate
             log.info("prefetchd.offload: the estimate was not refined (%s)", e)
             return
-        settled = all(abs(new / old - 1) <= RATES_SETTLED for new, old in
-                      ((refined.disk_rate, inputs.disk_rate), (refined.h2d_rate, inputs.h2d_rate)) if old)
-        if not settled and left > 1:
-            self._refine = (refined, now, left - 1)
+        self._refine = following
 
     def _adopt(self, estimate, source):
         self.estimate = estimate

@@ -250,3 +250,22 @@ def test_rates_since_a_snapshot_count_only_what_moved_in_between():
     disk, h2d = P.rates_from_stats(live.snapshot(), since=before)
     assert disk is None                                   # no disk read in between
     assert h2d == pytest.approx(400 * MiB / 0.1)
+
+
+def test_a_refinement_takes_each_passes_rates_until_they_settle():
+    from prefetchd.refine import PASSES, Refinement
+    from prefetchd.stats import Stats
+
+    def moved(stats, disk_bytes, disk_s, h2d_bytes, h2d_s):
+        stats.record_transfer("load", disk_bytes, disk_s)
+        stats.record_transfer("h2d", h2d_bytes, h2d_s)
+        return stats.snapshot()
+
+    live = Stats()
+    start = Refinement(inputs(), live.snapshot())
+    assert start.left == PASSES
+    first, following = start.step(moved(live, 2e9, 1.0, 8e9, 1.0))      # 2 and 8 GB/s: moved a lot
+    assert (first.disk_rate, first.h2d_rate) == (2e9, 8e9) and following.left == PASSES - 1
+    assert following.step(live.snapshot()) == (None, None)               # a pass that moved nothing
+    settled, done = following.step(moved(live, 2.1e9, 1.0, 8e9, 1.0))   # within 10%: settled
+    assert settled.disk_rate == pytest.approx(2.1e9) and done is None
