@@ -473,6 +473,59 @@ def test_copy_argument_checks():
         s.close()
 
 
+def _pattern(nbytes, seed):
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 63, 4096, n.BULK_COPY_MIN - 1, n.BULK_COPY_MIN,
+                                    n.BULK_COPY_MIN + 1, (3 << 20) + 17])
+@pytest.mark.parametrize("dst_off,src_off", [(0, 0), (1, 0), (0, 7), (13, 61), (64, 32)])
+def test_bulk_copy_equals_memmove_at_any_alignment(nbytes, dst_off, src_off):
+    # Streaming stores move 64 bytes at a time from a cache-line-aligned destination;
+    # the head and tail around them are the cases that can go wrong.
+    src = _pattern(nbytes + src_off + 64, nbytes)
+    dst = np.full(nbytes + dst_off + 64, 0xA5, dtype=np.uint8)
+    n.bulk_copy(dst[dst_off:dst_off + nbytes], src[src_off:src_off + nbytes])
+    assert np.array_equal(dst[dst_off:dst_off + nbytes], src[src_off:src_off + nbytes])
+    assert (dst[:dst_off] == 0xA5).all() and (dst[dst_off + nbytes:] == 0xA5).all()  # nothing outside
+
+
+@pytest.mark.parametrize("shift", [-4097, -64, -1, 1, 64, 4097])
+def test_bulk_copy_overlapping_ranges_are_a_memmove(shift):
+    nbytes = 2 * n.BULK_COPY_MIN
+    buf = _pattern(nbytes + 16384, 5)
+    want = buf.copy()
+    src_at, dst_at = 8192, 8192 + shift
+    want[dst_at:dst_at + nbytes] = buf[src_at:src_at + nbytes].copy()
+    n.bulk_copy(buf[dst_at:dst_at + nbytes], buf[src_at:src_at + nbytes])
+    assert np.array_equal(buf, want)
+
+
+def test_stream_copy_of_a_large_tensor_between_arena_and_host_pool():
+    arena, pool, s = n.Arena(64 << 20, 2 << 20), n.HostPool(64 << 20, 2 << 20), n.Stream("bulk")
+    try:
+        nbytes = (24 << 20) + 12
+        host, dev = pool.alloc(nbytes), arena.alloc(nbytes)
+        want = _pattern(nbytes, 9)
+        np.frombuffer(host, dtype=np.uint8)[:nbytes] = want
+        assert s.copy(dev, host, nbytes).synchronize() is not False
+        assert np.array_equal(np.frombuffer(dev, dtype=np.uint8)[:nbytes], want)
+        np.frombuffer(host, dtype=np.uint8)[:] = 0
+        s.copy(host, dev, nbytes).synchronize()
+        assert np.array_equal(np.frombuffer(host, dtype=np.uint8)[:nbytes], want)
+        host.release()
+        dev.release()
+    finally:
+        s.close()
+
+
+def test_bulk_copy_argument_checks():
+    with pytest.raises(ValueError):
+        n.bulk_copy(bytearray(10), b"x" * 11)
+    with pytest.raises(BufferError):
+        n.bulk_copy(b"readonly", b"x")
+
+
 def test_no_leaked_threads_or_fds(tmp_path):
     t0, f0 = n_threads(), n_fds()
     for engine in ("threads", "aio", "buffered"):
@@ -504,6 +557,7 @@ def test_build_info():
     assert info["crc32c"] == n.crc32c_impl()
     assert info["page_size"] == os.sysconf("SC_PAGE_SIZE")
     assert info["o_direct_alignment"] == 4096
+    assert info["bulk_copy"] in ("avx2-stream", "sse2-stream", "memmove")
     for k in ("version", "compiler", "cxx_std", "aio", "io_uring"):
         assert k in info
 

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <unistd.h>
 
+#include "bulk_copy.h"
 #include "common.h"
 #include "crc32c.h"
 #include "faults.h"
@@ -331,6 +332,18 @@ PYBIND11_MODULE(_native, m) {
     }, py::arg("buffer"), py::arg("seed") = 0, "portable table implementation (tests compare it with crc32c)");
     m.def("crc32c_impl", [] { return std::string(crc32c_impl()); });
 
+    // ------------------------------------------------------------ bulk copies
+    // What Stream.copy runs on its worker, callable in place (tests, benchmarks).
+    m.def("bulk_copy", [](py::handle dst, py::handle src, long long nbytes) {
+        BufRef d = get_buffer(dst, true), sr = get_buffer(src, false);
+        size_t n = pick_len(nbytes, sr.mem.len, "src");
+        if (n > d.mem.len)
+            throw Error(ErrKind::Value, "dst has " + std::to_string(d.mem.len) + " bytes, copy needs " + std::to_string(n));
+        py::gil_scoped_release nogil;
+        bulk_copy(d.mem.ptr, sr.mem.ptr, n);
+    }, py::arg("dst"), py::arg("src"), py::arg("nbytes") = -1);
+    m.attr("BULK_COPY_MIN") = bulk_copy_min();
+
     // ------------------------------------------------------------ compute fence word
     // A 64-bit word that the compute-fence kernel (native/kernels/compute_fence.cc)
     // raises to each epoch as MindSpore executes it, then FUTEX_WAKEs. Waiting
@@ -518,7 +531,7 @@ PYBIND11_MODULE(_native, m) {
             char *dp = d.mem.ptr;
             const char *sp = sr.mem.ptr;
             op.body = [dp, sp, n](OpOutcome &o) {
-                memmove(dp, sp, n);
+                bulk_copy(dp, sp, n);
                 o.nbytes = n;
             };
             op.keep = {d.keep, sr.keep};
@@ -620,6 +633,7 @@ PYBIND11_MODULE(_native, m) {
 #endif
         d["cxx_std"] = std::to_string(__cplusplus);
         d["crc32c"] = std::string(crc32c_impl());
+        d["bulk_copy"] = std::string(bulk_copy_impl());
         d["aio"] = aio_available();
         d["io_uring"] = io_uring_available();
         d["page_size"] = long(sysconf(_SC_PAGESIZE));
