@@ -48,6 +48,7 @@ from .backend.base import checksum_rate, copy_rate
 from .daemon import Daemon
 from .errors import NotResidentError, PrefetchdError
 from .guard import is_managed
+from .parts import part_cells
 from .planner import plan_units
 from .recording import RecordingTimer, unit_kind
 from .refine import Refinement
@@ -60,7 +61,7 @@ ROOT = -1        # the root unit's step in the trace
 class Unit:
     """A planned unit at run time: its cells, the daemon records of its parameters, pin state."""
     __slots__ = ("index", "name", "cells", "records", "nbytes", "held", "ran", "params", "compiled",
-                 "addresses", "dispatched_ns")
+                 "addresses", "dispatched_ns", "entries", "own_ran", "parted", "part_depth", "last_output")
 
     def __init__(self, index, planned, records, compiled):
         self.index, self.name = index, planned.name
@@ -73,6 +74,12 @@ class Unit:
         self.compiled = compiled  # cells whose compiled graphs would read these parameters
         self.addresses = None     # the parameters' storage when they were last bound
         self.dispatched_ns = 0    # recording pass: when its kernels started to be dispatched
+        # Calls of its parts (prefetchd.parts), recording pass:
+        self.entries = []         # parts that ran while no cell of the unit ran
+        self.own_ran = False      # a cell of its own ran
+        self.parted = False       # pinned now by an entry
+        self.part_depth = 0       # part calls running now
+        self.last_output = None   # of the last part call (the fence behind them)
 
 
 class Offloaded:
@@ -128,14 +135,28 @@ class Offloaded:
         self.closed = False
         self._handles = []
         for cell in {id(c): c for u in self.units for c in u.cells}.values():
-            self._handles.append(cell.register_forward_pre_hook(self._before_unit))
-            self._handles.append(cell.register_forward_hook(self._after_unit))
+            self._hook_unit_cell(cell)
+        self._part_of = {}             # id(part) -> the units it is part of (shared cells: several)
+        self._probes = {}              # id(part) -> its probe hooks' handles
+        self._parted = []              # units pinned now by a part's call
+        for unit in self.units:
+            for part in part_cells(unit.cells):
+                if id(part) in self._by_cell:
+                    continue
+                self._part_of.setdefault(id(part), []).append(unit)
+                if id(part) not in self._probes:
+                    self._probes[id(part)] = [part.register_forward_pre_hook(self._before_part),
+                                              part.register_forward_hook(self._after_part)]
         self._handles.append(model.register_forward_pre_hook(self._before_model))
         self._handles.append(model.register_forward_hook(self._after_model))
         # always_call: MindSpore runs it when the forward or another hook raised, too.
         self._handles.append(model.register_forward_hook(self._end_pass, always_call=True))
 
     # ---------------------------------------------------------------- setup
+    def _hook_unit_cell(self, cell):
+        self._handles.append(cell.register_forward_pre_hook(self._before_unit))
+        self._handles.append(cell.register_forward_hook(self._after_unit))
+
     def _invalidate_compiled(self):
         """Graphs compiled before offload() read the storage they saw then: make them recompile."""
         for name, cell in self.model.cells_and_names():
@@ -166,6 +187,8 @@ class Offloaded:
             self._pass_lock.acquire()
             self._pass_thread = threading.get_ident()
         self._release_all(None)               # a pass that raised midway left pins behind
+        for unit in self.units:
+            unit.part_depth = 0
         self._high = self._session.high_watermark
         self._ran = 0
         self._position = 0
@@ -194,6 +217,7 @@ class Offloaded:
         if self._recording:
             self._estimate()
             self._recording = False
+            self._adopt_entries()
             self._session.set_trace([[r.name for r in self._unit(i).records] for i in self.trace])
         elif self._refine is not None:
             self._refine_estimate()
@@ -209,6 +233,13 @@ class Offloaded:
         self._ran += 1
         if unit.held:                         # another cell of a unit already pinned
             return
+        if self._recording:
+            unit.own_ran = True
+        self._enter(unit, inputs)
+
+    def _enter(self, unit, inputs):
+        """Pin `unit` before its first cell (or part) of this step runs."""
+        self._release_parted(inputs)
         if self._recording:
             self.trace.append(unit.index)
         else:
@@ -228,6 +259,76 @@ class Offloaded:
                 # Its memory is free once its kernels ran: a prefetch refused a moment
                 # ago for want of a free range can be placed now, before it would miss.
                 self._prefetch_from(self._position + 1, self._held_bytes())
+
+    # ---------------------------------------------------------------- parts (prefetchd.parts)
+    def _before_part(self, cell, inputs):
+        units = self._part_of[id(cell)]
+        if any(u.held and not u.parted for u in units):    # inside a call of a unit's own cells
+            return
+        unit = units[0]
+        if not self._recording:
+            if not unit.held:                 # a part no recorded call reached: on demand
+                self._ran += 1
+                self._enter_parted(unit, inputs)
+            return
+        if unit.part_depth == 0:              # no other part of it runs: an entry
+            if all(e is not cell for e in unit.entries):
+                unit.entries.append(cell)
+            if not unit.held:
+                self._ran += 1
+                self._enter_parted(unit, inputs)
+        unit.part_depth += 1
+
+    def _after_part(self, cell, inputs, output):
+        unit = self._part_of[id(cell)][0]
+        if self._recording and unit.parted:
+            unit.part_depth = max(0, unit.part_depth - 1)
+            tensor = _first_tensor(output)
+            if tensor is not None:            # (a Tensor's truth value is an error)
+                unit.last_output = tensor
+
+    def _enter_parted(self, unit, inputs):
+        self._enter(unit, inputs)
+        unit.parted = True
+        self._parted.append(unit)
+
+    def _release_parted(self, inputs):
+        """A unit pinned by a part's call (recording pass; later, a part no recorded call
+        reached) is done once another unit starts."""
+        parted, self._parted = self._parted, []
+        for unit in parted:
+            if unit.held and unit.parted:
+                self._release(unit, unit.last_output if unit.last_output is not None else _first_tensor(inputs))
+
+    def _adopt_entries(self):
+        """After the recording pass: a unit entered by its parts takes them as cells and
+        keeps probes on its other parts; every other probe goes (prefetchd.parts)."""
+        for unit in self.units:
+            unit.last_output = None
+            if not unit.entries:
+                continue
+            own = [c for c in unit.cells if unit.own_ran]
+            unit.cells = own + unit.entries
+            for cell in unit.entries:
+                self._by_cell[id(cell)] = unit
+                for handle in self._probes.pop(id(cell)):
+                    handle.remove()
+                self._hook_unit_cell(cell)
+            log.info("prefetchd.offload: unit %r%s is pinned from the calls of %s", unit.name,
+                     "" if unit.own_ran else " (its own cell never ran)",
+                     ", ".join(_cell_name(self.model, c) for c in unit.entries))
+        # Kept: the probes of a parted unit's parts outside its entries (a part inside an
+        # entry runs while the entry holds the unit).
+        inside = {id(c) for u in self.units for e in u.entries for _, c in e.cells_and_names()}
+        for key in list(self._probes):
+            unit = self._part_of[key][0]
+            pre, post = self._probes[key]
+            post.remove()                     # the depth of part calls matters while recording only
+            if unit.entries and key not in inside:
+                self._probes[key] = [pre]
+            else:
+                pre.remove()
+                del self._probes[key]
 
     def _end_pass(self, cell, inputs, output):
         if self._pass_thread == threading.get_ident():
@@ -328,6 +429,7 @@ class Offloaded:
 
     def _release(self, unit, dependency):
         unit.held = False
+        unit.parted = False
         unit.ran.clear()
         if not unit.records:
             return
@@ -406,9 +508,10 @@ class Offloaded:
         of reading pages that are not mapped."""
         if self.closed:
             return
-        for h in self._handles:
+        for h in [*self._handles, *(h for hs in self._probes.values() for h in hs)]:
             h.remove()
         self._handles.clear()
+        self._probes.clear()
         self._release_all(None)
         self.closed = True
         self._handles.append(self.model.register_forward_pre_hook(self._refuse_closed))
@@ -438,6 +541,10 @@ def _refuse_managed(model):
             f"prefetchd.offload: parameter {managed.name!r} is already managed by a prefetchd daemon "
             f"(part of another offloaded model, or registered by hand); a tensor streams through one "
             f"daemon, once")
+
+
+def _cell_name(model, cell):
+    return next((name for name, c in model.cells_and_names() if c is cell), type(cell).__name__)
 
 
 def _first_tensor(value):

@@ -1,0 +1,187 @@
+"""Units whose own cell is never called, only its parts (prefetchd/parts.py).
+
+A backbone whose stem and stages the model calls one by one, a plain holder of
+sub-cells: with the holder planned as one unit, nothing pinned it and its
+weights were read unmapped (the process died on the first forward, at any
+budget). Every pass must equal the resident model, with no miss and no resync.
+"""
+import numpy as np
+import pytest
+
+import prefetchd
+from prefetchd.planner import param_nbytes
+
+H = 256
+PASSES = 3
+
+
+def classes(ms):
+    nn, ops = ms.nn, ms.ops
+
+    class Stage(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Dense(H, H), nn.Dense(H, H)
+
+        def construct(self, x):
+            return self.b(ops.relu(self.a(x)))
+
+    class Backbone(nn.Cell):
+        """A holder: models call its parts, never it."""
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Dense(H, H)
+            self.stages = nn.CellList([Stage() for _ in range(3)])
+            self.extra = nn.Dense(H, H)
+
+        def construct(self, x):
+            raise RuntimeError("a holder is never called")
+
+    class Holders(nn.Cell):
+        """Calls each holder's stem and stages; `extra` only when asked to."""
+        def __init__(self, n=4):
+            super().__init__()
+            self.blocks = nn.CellList([Backbone() for _ in range(n)])
+            self.head = nn.Dense(H, 8)
+            self.use_extra = False
+
+        def construct(self, x):
+            for bb in self.blocks:
+                x = bb.stem(x)
+                for stage in bb.stages:
+                    x = stage(x)
+            if self.use_extra:               # after all blocks: the first ones are evicted by then
+                for bb in self.blocks:
+                    x = bb.extra(x)
+            return self.head(x)
+
+    class Pyramid(nn.Cell):
+        """FPN-style: every stage's output is kept and all are read at the end."""
+        def __init__(self):
+            super().__init__()
+            self.backbones = nn.CellList([Backbone() for _ in range(2)])
+            self.lateral = nn.Dense(H, H)
+
+        def construct(self, x):
+            features = []
+            for backbone in self.backbones:
+                x = backbone.stem(x)
+                for stage in backbone.stages:
+                    x = stage(x)
+                    features.append(x)
+            out = self.lateral(features[0])
+            for f in features[1:]:
+                out = out + self.lateral(f)
+            return out
+
+    class DeepParts(nn.Cell):
+        """Calls parts two levels down, and a stage whole, of each holder."""
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.CellList([Backbone() for _ in range(3)])
+
+        def construct(self, x):
+            for bb in self.blocks:
+                x = bb.stages[0].a(x)
+                x = bb.stages[0].b(ops.tanh(x))
+                x = bb.stages[2](x)
+            return x
+
+    return Holders, Pyramid, DeepParts, Backbone
+
+
+def weight_bytes(model):
+    return sum(param_nbytes(p) for p in {id(p): p for p in model.get_parameters()}.values())
+
+
+def stream(ms, model, x, store_dir, fraction, between_passes=None):
+    """Offload at `fraction` of the weights; every pass equal to resident. Returns the handle's
+    plan and stats (the daemon is closed)."""
+    model.set_train(False)
+    want = [model(x).asnumpy()]
+    with prefetchd.Daemon(device_budget=int(weight_bytes(model) * fraction), store_dir=store_dir) as daemon:
+        handle = prefetchd.offload(model, daemon, lookahead=1)
+        for i in range(PASSES):
+            np.testing.assert_array_equal(model(x).asnumpy(), want[0], err_msg=f"pass {i}")
+        if between_passes is not None:
+            between_passes(model)
+            model.set_train(False)
+        stats, plan = handle.stats(), handle.plan()
+        handle.close()
+    return plan, stats
+
+
+@pytest.fixture
+def x(ms):
+    return ms.Tensor(np.random.default_rng(0).standard_normal((2, H)).astype(np.float32))
+
+
+@pytest.mark.parametrize("fraction", [0.8, 3.0])
+def test_holder_units_are_pinned_from_their_parts_calls(ms, x, tmp_path, fraction):
+    Holders, _, _, Backbone = classes(ms)
+    ms.set_seed(0)
+    plan, stats = stream(ms, Holders(), x, str(tmp_path / "store"), fraction)
+    # The case under test: each holder is one unit (it fits its share).
+    assert [type(cell).__name__ for u in plan.units for _, cell in u.cells] == ["Backbone"] * 4
+    assert stats["misses"] == 0 and stats["resyncs"] == 0, stats
+    assert stats["trace"] == 5
+
+
+def test_a_holders_part_first_called_in_a_later_pass_is_fetched_not_read_unmapped(ms, x, tmp_path):
+    Holders, _, _, _ = classes(ms)
+    ms.set_seed(0)
+    model = Holders()
+    ms.set_seed(0)
+    resident = Holders()                 # the same weights, never offloaded
+    model.set_train(False)
+    resident.set_train(False)
+    np.testing.assert_array_equal(model(x).asnumpy(), resident(x).asnumpy())
+    resident.use_extra = True
+    want = resident(x).asnumpy()
+    with prefetchd.Daemon(device_budget=int(weight_bytes(model) * 0.8), store_dir=str(tmp_path / "s")) as daemon:
+        handle = prefetchd.offload(model, daemon, lookahead=1)
+        model(x)
+        model(x)                         # recorded and streamed without `extra`
+        model.use_extra = True           # now every holder's `extra` runs, after all blocks
+        for i in range(2):
+            np.testing.assert_array_equal(model(x).asnumpy(), want, err_msg=f"pass {i} with extra")
+        handle.close()
+
+
+def test_pyramid_outputs_kept_across_a_holders_release(ms, x, tmp_path):
+    _, Pyramid, _, _ = classes(ms)
+    ms.set_seed(0)
+    plan, stats = stream(ms, Pyramid(), x, str(tmp_path / "store"), 2.0)
+    assert [type(cell).__name__ for u in plan.units for _, cell in u.cells] == ["Backbone"] * 2
+    assert stats["misses"] == 0 and stats["resyncs"] == 0, stats
+
+
+def test_parts_called_two_levels_down(ms, x, tmp_path):
+    _, _, DeepParts, _ = classes(ms)
+    ms.set_seed(0)
+    plan, stats = stream(ms, DeepParts(), x, str(tmp_path / "store"), 1.2)
+    assert [type(cell).__name__ for u in plan.units for _, cell in u.cells] == ["Backbone"] * 3
+    assert stats["misses"] == 0 and stats["resyncs"] == 0, stats
+
+
+def test_probes_of_units_whose_own_cells_ran_are_removed_after_the_recording_pass(ms, x, tmp_path):
+    nn, ops = ms.nn, ms.ops
+
+    class Block(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Dense(H, H), nn.Dense(H, H)
+
+        def construct(self, x):
+            return self.b(ops.relu(self.a(x)))
+    ms.set_seed(0)
+    model = nn.SequentialCell([Block() for _ in range(4)])
+    model.set_train(False)
+    with prefetchd.Daemon(device_budget=int(weight_bytes(model) * 1.2), store_dir=str(tmp_path / "s")) as daemon:
+        handle = prefetchd.offload(model, daemon, lookahead=1)
+        assert [cell for u in handle.plan().units for _, cell in u.cells] == list(model)
+        parts = [cell for block in model for cell in (block.a, block.b)]
+        assert all(cell._forward_pre_hook for cell in parts)       # probed while recording
+        model(x)
+        assert not any(cell._forward_pre_hook or cell._forward_hook for cell in parts)
+        handle.close()
