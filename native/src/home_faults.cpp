@@ -67,15 +67,18 @@ void say_if_home(uintptr_t a) {
     for (const Slot &s : g_slots) {
         uintptr_t start = s.start.load(std::memory_order_acquire);
         if (start == 0 || a < start || a >= s.end.load(std::memory_order_relaxed)) continue;
-        char line[512];
+        static const char kAdvice[] =
+            "). Outside an offloaded model's forward, read managed tensors within daemon.use(...). "
+            "Inside one, prefetchd did not pin this weight: it was read outside every call of its "
+            "unit's cells, which is a prefetchd bug to report (offload(units=..., no_split=...) can "
+            "work around it). The read was in native code, so the process cannot continue (python -X "
+            "faulthandler shows the Python line that made it; docs/stable-addresses.md).\n";
+        char line[192 + sizeof kAdvice];     // the fixed text above kAdvice is 134 bytes with both addresses
         size_t n = put(line, "prefetchd: a managed tensor was read while it was not resident (address ");
         n += put_hex(line + n, a);
         n += put(line + n, " is in a home reserved at ");
         n += put_hex(line + n, start);
-        n += put(line + n,
-                 "). Read managed tensors only inside an offloaded model's forward or within daemon.use(...); "
-                 "the read was in native code, so the process cannot continue (python -X faulthandler shows "
-                 "the Python line that made it; docs/stable-addresses.md).\n");
+        n += put(line + n, kAdvice);
         ssize_t ignored = write(STDERR_FILENO, line, n);
         (void)ignored;
         return;
