@@ -2,6 +2,7 @@
 fields, outputs against the resident model, no rebinds, and loads by tier that add up."""
 import json
 
+import numpy as np
 import pytest
 
 from prefetchd.bench.model import CASES, bench_model
@@ -42,6 +43,9 @@ def test_report_fields(report):
         assert plan["units"] == report["layers"]
     batch = report["batches"][0]
     assert batch["remote_over_host"] > 0
+    by_case = {r["case"]: [p["seconds"] for p in r["prefetchd"]["passes"][1:]] for r in report["results"]}
+    assert batch["remote_over_host_paired"] == pytest.approx(
+        float(np.median([a / b for a, b in zip(by_case["remote"], by_case["host"])])))
     assert len(batch["layer_compute_seconds"]) == report["layers"]
     rates = report["raw_rates"]["4"]
     assert rates["disk_read"]["bytes"] == report["model_bytes"] == rates["h2d_copy"]["bytes"]

@@ -215,6 +215,11 @@ def run(directory, args):
             # After the first pass a remote model the host cache covers copies from RAM
             # like a host-tier model: the target is within ~5%.
             entry["remote_over_host"] = pre["remote"] / pre["host"]
+            # The same, round by round (the two passes of a round ran minutes apart at most,
+            # not a whole run): less exposed to the machine's drift than a ratio of medians.
+            passes = {r["case"]: [p["seconds"] for p in r["prefetchd"]["passes"][1:]] for r in got}
+            entry["remote_over_host_paired"] = statistics.median(
+                a / b for a, b in zip(passes["remote"], passes["host"]))
         by_batch.append(entry)
     ok = all(r["ok"] for r in results)
     return {"benchmark": "model", "mode": "steady" if steady else "cold", "page_cache_dropped": drop,
