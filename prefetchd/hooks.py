@@ -384,15 +384,18 @@ class Offloaded:
         tier = "host" if all(r.host_valid for u in self.units for r in u.records) else self.tier
         try:
             units = [self._unit(i) for i in self.trace if i != ROOT]
+            contended = bool(self.daemon.backend.copy_contention)
             inputs = timer.inputs(
                 [u.nbytes for u in units], [unit_kind(u.cells, u.params) for u in units], self.stall_seconds,
                 stats=self.daemon.snapshot()[1], high_watermark=self._high,
+                # Copies on compute's cores run at a copy's own rate (the recording pass's are
+                # first touches of fresh device memory, several times slower).
+                h2d_rate=copy_rate() if contended else None,
                 host_budget=self.daemon.config.host_budget, root_bytes=self.root.nbytes, tier=tier,
                 copy_contention=self.daemon.backend.copy_contention,
                 checksum_rate=checksum_rate(),
-                # The refined passes' h2d rate is slowed by compute beside it; charge compute
-                # for copies at a memcpy's own rate (plan.Inputs.copy_cpu_rate).
-                copy_cpu_rate=copy_rate() if self.daemon.backend.copy_contention else 0.0)
+                # ...and compute is charged for them at that rate (plan.Inputs.copy_cpu_rate).
+                copy_cpu_rate=copy_rate() if contended else 0.0)
             self._adopt(cost_model.plan(inputs, None if self._auto else self.lookahead), "recording pass")
         except (TimeoutError, ValueError) as e:
             log.info("prefetchd.offload: no pass-time estimate (%s)", e)

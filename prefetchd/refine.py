@@ -28,9 +28,14 @@ class Refinement:
         pass moved nothing; the Refinement for the next pass, or None once settled).
         ValueError if the new rates make no valid Inputs."""
         disk, h2d = cost_model.rates_from_stats(now, since=self.since)
+        old = self.inputs
+        if old.copy_cpu_rate:
+            # Copies on compute's own cores (the cpu backend): the stream's rate in a pass
+            # is slowed by the compute beside it, which Inputs charges to compute already
+            # (copy_contention). Keep the rate of a copy alone.
+            h2d = None
         if disk is None and h2d is None:
             return None, None
-        old = self.inputs
         refined = dataclasses.replace(old, disk_rate=disk or old.disk_rate, h2d_rate=h2d or old.h2d_rate)
         settled = all(abs(new / was - 1) <= SETTLED for new, was in
                       ((refined.disk_rate, old.disk_rate), (refined.h2d_rate, old.h2d_rate)) if was)

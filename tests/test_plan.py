@@ -269,3 +269,18 @@ def test_a_refinement_takes_each_passes_rates_until_they_settle():
     assert following.step(live.snapshot()) == (None, None)               # a pass that moved nothing
     settled, done = following.step(moved(live, 2.1e9, 1.0, 8e9, 1.0))   # within 10%: settled
     assert settled.disk_rate == pytest.approx(2.1e9) and done is None
+
+
+def test_a_refinement_keeps_the_copy_rate_where_copies_share_computes_cores():
+    """On the cpu backend a pass's copies are slowed by the compute beside them, which the
+    plan charges to compute already (copy_contention): only the disk rate is refined."""
+    from prefetchd.refine import Refinement
+    from prefetchd.stats import Stats
+    live = Stats()
+    start = Refinement(inputs(h2d=9e9, copy_contention=1, copy_cpu_rate=9e9), live.snapshot())
+    live.record_transfer("load", 1e9, 1.0)
+    live.record_transfer("h2d", 3e9, 1.0)                                 # slowed to 3 GB/s in the pass
+    refined, _ = start.step(live.snapshot())
+    assert (refined.disk_rate, refined.h2d_rate) == (1e9, 9e9)
+    live.record_transfer("h2d", 3e9, 1.0)                                 # a pass of copies only
+    assert start.step(live.snapshot())[0].h2d_rate == 9e9
