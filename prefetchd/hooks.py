@@ -48,7 +48,7 @@ from .backend.base import checksum_rate, copy_rate
 from .daemon import Daemon
 from .errors import NotResidentError, PrefetchdError
 from .guard import is_managed
-from .parts import part_cells
+from .parts import PartProbes
 from .planner import plan_units
 from .recording import RecordingTimer, unit_kind
 from .refine import Refinement
@@ -136,17 +136,9 @@ class Offloaded:
         self._handles = []
         for cell in {id(c): c for u in self.units for c in u.cells}.values():
             self._hook_unit_cell(cell)
-        self._part_of = {}             # id(part) -> the units it is part of (shared cells: several)
-        self._probes = {}              # id(part) -> its probe hooks' handles
+        # Units whose own cell is never called are pinned from their parts' calls.
+        self._parts = PartProbes(self.units, self._by_cell, self._before_part, self._after_part)
         self._parted = []              # units pinned now by a part's call
-        for unit in self.units:
-            for part in part_cells(unit.cells):
-                if id(part) in self._by_cell:
-                    continue
-                self._part_of.setdefault(id(part), []).append(unit)
-                if id(part) not in self._probes:
-                    self._probes[id(part)] = [part.register_forward_pre_hook(self._before_part),
-                                              part.register_forward_hook(self._after_part)]
         self._handles.append(model.register_forward_pre_hook(self._before_model))
         self._handles.append(model.register_forward_hook(self._after_model))
         # always_call: MindSpore runs it when the forward or another hook raised, too.
@@ -262,35 +254,15 @@ class Offloaded:
 
     # ---------------------------------------------------------------- parts (prefetchd.parts)
     def _before_part(self, cell, inputs):
-        units = self._part_of[id(cell)]
-        if any(u.held and not u.parted for u in units):    # inside a call of a unit's own cells
-            return
-        unit = units[0]
-        if not self._recording:
-            if not unit.held:                 # a part no recorded call reached: on demand
-                self._ran += 1
-                self._enter_parted(unit, inputs)
-            return
-        if unit.part_depth == 0:              # no other part of it runs: an entry
-            if all(e is not cell for e in unit.entries):
-                unit.entries.append(cell)
-            if not unit.held:
-                self._ran += 1
-                self._enter_parted(unit, inputs)
-        unit.part_depth += 1
+        unit = self._parts.entry(cell, self._recording)
+        if unit is not None:
+            self._ran += 1
+            self._enter(unit, inputs)
+            unit.parted = True
+            self._parted.append(unit)
 
     def _after_part(self, cell, inputs, output):
-        unit = self._part_of[id(cell)][0]
-        if self._recording and unit.parted:
-            unit.part_depth = max(0, unit.part_depth - 1)
-            tensor = _first_tensor(output)
-            if tensor is not None:            # (a Tensor's truth value is an error)
-                unit.last_output = tensor
-
-    def _enter_parted(self, unit, inputs):
-        self._enter(unit, inputs)
-        unit.parted = True
-        self._parted.append(unit)
+        self._parts.ran(cell, _first_tensor(output), self._recording)
 
     def _release_parted(self, inputs):
         """A unit pinned by a part's call (recording pass; later, a part no recorded call
@@ -301,34 +273,12 @@ class Offloaded:
                 self._release(unit, unit.last_output if unit.last_output is not None else _first_tensor(inputs))
 
     def _adopt_entries(self):
-        """After the recording pass: a unit entered by its parts takes them as cells and
-        keeps probes on its other parts; every other probe goes (prefetchd.parts)."""
-        for unit in self.units:
-            unit.last_output = None
-            if not unit.entries:
-                continue
-            own = [c for c in unit.cells if unit.own_ran]
-            unit.cells = own + unit.entries
+        for unit in self._parts.adopt(self.units, self._hook_unit_cell):
             for cell in unit.entries:
                 self._by_cell[id(cell)] = unit
-                for handle in self._probes.pop(id(cell)):
-                    handle.remove()
-                self._hook_unit_cell(cell)
             log.info("prefetchd.offload: unit %r%s is pinned from the calls of %s", unit.name,
                      "" if unit.own_ran else " (its own cell never ran)",
                      ", ".join(_cell_name(self.model, c) for c in unit.entries))
-        # Kept: the probes of a parted unit's parts outside its entries (a part inside an
-        # entry runs while the entry holds the unit).
-        inside = {id(c) for u in self.units for e in u.entries for _, c in e.cells_and_names()}
-        for key in list(self._probes):
-            unit = self._part_of[key][0]
-            pre, post = self._probes[key]
-            post.remove()                     # the depth of part calls matters while recording only
-            if unit.entries and key not in inside:
-                self._probes[key] = [pre]
-            else:
-                pre.remove()
-                del self._probes[key]
 
     def _end_pass(self, cell, inputs, output):
         if self._pass_thread == threading.get_ident():
@@ -511,10 +461,10 @@ class Offloaded:
         of reading pages that are not mapped."""
         if self.closed:
             return
-        for h in [*self._handles, *(h for hs in self._probes.values() for h in hs)]:
+        for h in self._handles:
             h.remove()
         self._handles.clear()
-        self._probes.clear()
+        self._parts.remove()
         self._release_all(None)
         self.closed = True
         self._handles.append(self.model.register_forward_pre_hook(self._refuse_closed))

@@ -26,6 +26,81 @@ alone run in a later one (its probes are gone by then).
 from .backend import framework
 
 
+class PartProbes:
+    """The probes on the parts of a model's units, and what they saw. No pinning here:
+    `entry` says which unit a part's call must pin, the layer hooks pin it.
+
+    Units are hooks.Unit objects; their part fields (entries, own_ran, parted,
+    part_depth, last_output) are kept by this class."""
+
+    def __init__(self, units, unit_cell_ids, before, after):
+        self._of = {}          # id(part) -> the units it is part of (a shared cell: several)
+        self._probes = {}      # id(part) -> its probe hooks' handles
+        for unit in units:
+            for part in part_cells(unit.cells):
+                if id(part) in unit_cell_ids:
+                    continue
+                self._of.setdefault(id(part), []).append(unit)
+                if id(part) not in self._probes:
+                    self._probes[id(part)] = [part.register_forward_pre_hook(before),
+                                              part.register_forward_hook(after)]
+
+    def entry(self, cell, recording):
+        """Before `cell` (a part) runs: the unit its call must pin, or None."""
+        units = self._of[id(cell)]
+        if any(u.held and not u.parted for u in units):    # inside a call of a unit's own cells
+            return None
+        unit = units[0]
+        if not recording:
+            return None if unit.held else unit             # a part no recorded call reached
+        entering = None
+        if unit.part_depth == 0:                           # no other part of it runs: an entry
+            if all(e is not cell for e in unit.entries):
+                unit.entries.append(cell)
+            entering = None if unit.held else unit
+        unit.part_depth += 1
+        return entering
+
+    def ran(self, cell, output, recording):
+        """After `cell` (a part) ran; its output is the fence behind its unit's part calls."""
+        unit = self._of[id(cell)][0]
+        if recording and unit.parted:
+            unit.part_depth = max(0, unit.part_depth - 1)
+            if output is not None:
+                unit.last_output = output
+
+    def adopt(self, units, hook_unit_cell):
+        """After the recording pass: each unit entered by its parts takes its entries as
+        cells (hook_unit_cell(cell) hooks each); probes stay on its parts outside them,
+        every other probe goes. Returns the units that had entries."""
+        parted = [u for u in units if u.entries]
+        for unit in parted:
+            unit.cells = (unit.cells if unit.own_ran else []) + unit.entries
+            for cell in unit.entries:
+                for handle in self._probes.pop(id(cell)):
+                    handle.remove()
+                hook_unit_cell(cell)
+        # A part inside an entry runs while the entry holds its unit: no probe needed.
+        inside = {id(c) for u in parted for e in u.entries for _, c in e.cells_and_names()}
+        for key in list(self._probes):
+            pre, post = self._probes[key]
+            post.remove()                                  # part depths matter while recording only
+            if self._of[key][0].entries and key not in inside:
+                self._probes[key] = [pre]
+            else:
+                pre.remove()
+                del self._probes[key]
+        for unit in units:
+            unit.last_output = None
+        return parted
+
+    def remove(self):
+        for handles in self._probes.values():
+            for handle in handles:
+                handle.remove()
+        self._probes.clear()
+
+
 def part_cells(unit_cells):
     """The cells under `unit_cells` (not those themselves) that hold parameters, in
     definition order. Cells under a compiled (@jit) cell are left out: they run
