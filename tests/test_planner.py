@@ -313,6 +313,75 @@ def test_direct_reads_follow_attributes_and_constant_indexes_but_not_metadata(ms
         id(reader.blocks[0].bias), id(reader.blocks[1].weight), id(reader.w)}
 
 
+def _linear(x, layer):
+    """A functional linear given the cell, as ports of torch code write it."""
+    import mindspore as ms
+    return ms.ops.dense(x, layer.weight, layer.bias)
+
+
+def test_direct_reads_follow_names_bound_to_sub_cells_helpers_and_methods(ms):
+    """Each of these read a sub-cell's weights outside its call and died with SIGSEGV when
+    the block was split; calls, loops over blocks, `is None` tests and len() read nothing."""
+    from prefetchd.construct_reads import direct_reads
+    nn, ops = ms.nn, ms.ops
+
+    class Proj(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Dense(4, 4)
+            self.scale = ms.Parameter(ms.Tensor(np.ones(4, np.float32)), name="scale")
+
+        def project(self, x):                          # a helper method: no hooks run
+            return self.fc(x) * self.scale
+
+    def reader(body):
+        class Reader(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.q, self.k, self.v, self.out = nn.Dense(4, 4), nn.Dense(4, 4), nn.Dense(4, 4), nn.Dense(4, 4)
+                self.blocks = nn.CellList([nn.Dense(4, 4), nn.Dense(4, 4)])
+                self.proj, self.head = Proj(), None
+            construct = body
+        return Reader()
+
+    def reads(body):
+        r = reader(body)
+        names = {id(p): name for name, p in r.parameters_and_names()}
+        return sorted(names[id(p)] for _, p in direct_reads(r))
+
+    def loop_var(self, x):
+        return sum(ops.matmul(x, lin.weight.T) for lin in (self.q, self.k))
+
+    def helper(self, x):
+        return _linear(x, self.v)
+
+    def computed_getattr(self, x):
+        return [ops.dense(x, getattr(self, n).weight) for n in ("q", "k")][0]
+
+    def assigned(self, x):
+        layer = self.out
+        return ops.dense(x, layer.weight)
+
+    def method_of_a_sub_cell(self, x):
+        return self.proj.project(x)
+
+    def calls_only(self, x):                           # reads nothing outside a call
+        for blk in self.blocks:
+            x = blk(x)
+        if self.head is not None or len(self.blocks) > 3:
+            x = self.head(x)
+        for i, (a, b) in enumerate(zip(self.blocks, (self.q, self.k))):
+            x = a(b(x))
+        return self.blocks[len(self.blocks) - 1](getattr(self, "out")(x))
+
+    assert reads(loop_var) == ["k.weight", "q.weight"]
+    assert reads(helper) == ["v.bias", "v.weight"]
+    assert reads(computed_getattr) == ["k.weight", "out.weight", "q.weight", "v.weight"]
+    assert reads(assigned) == ["out.weight"]
+    assert reads(method_of_a_sub_cell) == ["proj.scale"]     # proj.fc is called: its hooks run
+    assert reads(calls_only) == []
+
+
 def test_units_are_sized_in_the_device_blocks_their_tensors_reserve(ms):
     """Twelve 256-byte root tensors reserve twelve 4 KiB pages on cpu, not 3 KiB."""
     nn = ms.nn
