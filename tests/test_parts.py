@@ -87,7 +87,7 @@ def classes(ms):
                 x = bb.stages[2](x)
             return x
 
-    return Holders, Pyramid, DeepParts, Backbone
+    return Holders, Pyramid, DeepParts, Stage
 
 
 def weight_bytes(model):
@@ -118,7 +118,7 @@ def x(ms):
 
 @pytest.mark.parametrize("fraction", [0.8, 3.0])
 def test_holder_units_are_pinned_from_their_parts_calls(ms, x, tmp_path, fraction):
-    Holders, _, _, Backbone = classes(ms)
+    Holders, _, _, _ = classes(ms)
     ms.set_seed(0)
     plan, stats = stream(ms, Holders(), x, str(tmp_path / "store"), fraction)
     # The case under test: each holder is one unit (it fits its share).
@@ -165,17 +165,9 @@ def test_parts_called_two_levels_down(ms, x, tmp_path):
 
 
 def test_probes_of_units_whose_own_cells_ran_are_removed_after_the_recording_pass(ms, x, tmp_path):
-    nn, ops = ms.nn, ms.ops
-
-    class Block(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Dense(H, H), nn.Dense(H, H)
-
-        def construct(self, x):
-            return self.b(ops.relu(self.a(x)))
+    _, _, _, Stage = classes(ms)
     ms.set_seed(0)
-    model = nn.SequentialCell([Block() for _ in range(4)])
+    model = ms.nn.SequentialCell([Stage() for _ in range(4)])
     model.set_train(False)
     with prefetchd.Daemon(device_budget=int(weight_bytes(model) * 1.2), store_dir=str(tmp_path / "s")) as daemon:
         handle = prefetchd.offload(model, daemon, lookahead=1)
