@@ -5,10 +5,14 @@ Threads meet at a barrier, then each builds a compute marker (or a daemon's
 first `use`) at the same moment and marks from its own thread. Prints one JSON
 line: what each thread saw, and whether MindSpore can still synchronize.
 
-MindSpore 2.10 cannot dispatch even plain ops from two threads at once (about
-1 run in 7 of three threads doing `x * c` aborts with "terminate called
-without an active exception"), so the threads take OPS around their own ops;
-what runs concurrently is prefetchd's: building markers, marking, `use`.
+MindSpore 2.10 cannot take ops from two threads at once, of any kind: PyNative
+pushes every op (plain or custom) into one single-producer queue without a lock
+(docs/mindspore-notes.md). prefetchd's own dispatches (a marker's probe, `mark`)
+go through its one op lock; the test's ops go through OPS, a different lock, so
+they must never overlap prefetchd's (with `x * c` under OPS beside other
+threads' marks, 2 runs of 15 at 40 rounds each aborted or hung). So each thread
+computes the tensors it marks under OPS before the barrier, and after it only
+prefetchd dispatches: building markers, marking, `use`.
 """
 import json
 import sys
@@ -29,20 +33,19 @@ def markers_built_together():
     seen = []
 
     def one(barrier):
-        barrier.wait()
         try:
-            marker = framework.ComputeMarker()
-            with OPS:
+            with OPS:   # the tensors to mark, before any thread builds or marks
                 x = ms.Tensor(np.ones((32, 32), np.float32))
+                ys = [x * float(i) for i in range(MARKS)]
+            barrier.wait(timeout=60)
+            marker = framework.ComputeMarker()
             last = 0
-            for i in range(MARKS):
-                with OPS:
-                    y = x * float(i)
+            for y in ys:
                 last = max(last, marker.mark(y))
             reached = marker.wait(last, 10.0)
             seen.append("ok" if reached >= last else f"stuck at {reached} of {last}")
         except Exception as e:
-            seen.append(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+            seen.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     for _ in range(ROUNDS):
         barrier = threading.Barrier(THREADS)
         threads = [threading.Thread(target=one, args=(barrier,)) for _ in range(THREADS)]
@@ -63,6 +66,9 @@ def first_uses_together(store_dir):
         seen, barrier = [], threading.Barrier(THREADS)
 
         def one(k):
+            # The first `use` builds the daemon's marker, whose probe is an op, while the
+            # others wait for it inside `use`; nobody takes OPS before its `use` returned,
+            # so the probe overlaps none of the test's ops.
             barrier.wait()
             try:
                 with d.use(params[k].name):

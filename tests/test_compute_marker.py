@@ -1,7 +1,7 @@
 """Compute markers used from several threads at once (a server's request threads, two models).
 
-MindSpore 2.10 breaks its op queue for good when two AOT custom ops are built
-or launched at the same moment, so the check runs in a child process.
+MindSpore 2.10 breaks its op queue for good when two threads dispatch ops at
+the same moment (docs/mindspore-notes.md), so the check runs in a child process.
 """
 import json
 import os

@@ -14,11 +14,14 @@ from ..guard import base_class
 
 _ms = None
 
-# MindSpore 2.10 does not survive AOT custom ops built or launched from two
-# threads at once: the loser's kernel never runs, and from then on every
-# synchronize raises "The pointer[runtime_info] is null" (reproduced; see
-# docs/mindspore-notes.md). Every compute-fence op in the process goes through
-# this lock, which also keeps epochs in the order their ops were queued.
+# MindSpore 2.10 does not survive ops dispatched from two threads at once, plain
+# or custom, whatever Python lock each holds: its op queue is single-producer, so
+# a task is lost (a kernel that never runs, then "The pointer[runtime_info] is
+# null" on every synchronize) or corrupt ("The pointer[task] is null", SIGSEGV);
+# docs/mindspore-notes.md. Every compute-fence op in the process goes through
+# this lock, which keeps prefetchd's own dispatches apart and epochs in queue
+# order. It cannot keep them apart from a caller's ops on another thread: build
+# and mark a marker where no other thread dispatches meanwhile (the compute thread).
 _CUSTOM_OP_LOCK = threading.Lock()
 
 
@@ -116,7 +119,8 @@ class ComputeMarker:
             raise RuntimeError("compute-fence kernel did not run")
 
     def mark(self, tensor):
-        """Queue the fence behind `tensor`; safe from any thread (epochs follow queue order)."""
+        """Queue the fence behind `tensor` (an op dispatch: on the thread that runs compute, or
+        with no other thread dispatching; marks from several threads are ordered by epoch)."""
         ms = mindspore()
         with _CUSTOM_OP_LOCK:
             self._epoch += 1
