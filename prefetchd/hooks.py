@@ -36,7 +36,8 @@ A unit that is not resident in time (a *miss*) is fetched on demand, counted
 `strict=True` raises NotResidentError instead. A unit that is not the one the
 trace expects (early exit, skipped layer, other branch) re-synchronises the
 trace position and is counted. Hooks do not fire under graph mode, so
-offload() refuses it, and the first forward checks that unit hooks ran.
+offload() refuses it. A pass that runs none of the units (embeddings only)
+is fine; the first pass that runs some records the trace.
 """
 import logging
 import threading
@@ -202,10 +203,11 @@ class Offloaded:
 
     def _after_model(self, cell, inputs, output):
         self._release_all(_first_tensor(output))
-        if self._ran == 0 and self.units:
-            raise PrefetchdError(
-                "prefetchd.offload: the model ran but none of its unit hooks fired — it is compiled "
-                "(@jit or graph mode), where MindSpore skips hooks; weights were not streamed")
+        if self._recording and self._ran == 0 and self.units:
+            # A pass that ran none of the units (embeddings only, every block skipped) read
+            # none of their weights and has no order to record: the next pass records it.
+            # (A compiled model, whose hooks never fire, is all root: it has no units.)
+            return
         if self._recording:
             self._estimate()
             self._recording = False

@@ -177,3 +177,38 @@ def test_probes_of_units_whose_own_cells_ran_are_removed_after_the_recording_pas
         model(x)
         assert not any(cell._forward_pre_hook or cell._forward_hook for cell in parts)
         handle.close()
+
+
+def test_a_pass_that_runs_no_unit_is_not_an_error_and_the_next_one_records(ms, x, tmp_path):
+    """An embeddings-only call (every block skipped) reads no unit's weights. It raised
+    'none of its unit hooks fired - it is compiled' and lost the output."""
+    _, _, _, Stage = classes(ms)
+    nn = ms.nn
+
+    class Skippable(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.blocks, self.skip = nn.Dense(H, H), nn.CellList([Stage() for _ in range(4)]), True
+
+        def construct(self, x):
+            x = self.embed(x)
+            if not self.skip:
+                for block in self.blocks:
+                    x = block(x)
+            return x
+
+    ms.set_seed(0)
+    model = Skippable()
+    model.set_train(False)
+    want_skipped = model(x).asnumpy()
+    model.skip = False
+    want_full = model(x).asnumpy()
+    with prefetchd.Daemon(device_budget=int(weight_bytes(model) * 0.8), store_dir=str(tmp_path / "s")) as daemon:
+        handle = prefetchd.offload(model, daemon, lookahead=1)
+        for skip in (True, False, False, True, False):
+            model.skip = skip
+            np.testing.assert_array_equal(model(x).asnumpy(), want_skipped if skip else want_full)
+        stats = handle.stats()
+        assert stats["trace"] == len(handle.plan().units) + 1           # recorded by the first full pass
+        assert stats["misses"] == 0
+        handle.close()
