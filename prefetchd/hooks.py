@@ -47,7 +47,7 @@ from . import plan as cost_model
 from .backend import framework
 from .backend.base import checksum_rate, copy_rate
 from .daemon import Daemon
-from .errors import NotResidentError, PrefetchdError
+from .errors import DoubleRegisterError, NotResidentError, PrefetchdError
 from .guard import is_managed
 from .parts import PartProbes
 from .planner import plan_units
@@ -167,8 +167,21 @@ class Offloaded:
             self.daemon.register_checkpoint(self.model, checkpoint=None if checkpoint is True else checkpoint)
             handles = {key: self.daemon.handle(p.name) for key, p in params.items()}
         else:
+            self._refuse_taken_names(params.values())
             handles = {key: self.daemon.register(p, p.name, tier=tier) for key, p in params.items()}
         return {key: self.daemon.record(handle) for key, handle in handles.items()}
+
+    def _refuse_taken_names(self, params):
+        """Names are unique in one daemon: a clash is refused before any parameter is
+        registered (one found midway left the earlier ones managed, and the model stuck)."""
+        taken, seen = set(self.daemon.names()), set()
+        for p in params:
+            if p.name in taken or p.name in seen:
+                raise DoubleRegisterError(
+                    f"prefetchd.offload: a tensor named {p.name!r} is already registered (names are unique in "
+                    f"one daemon: a second model whose parameters have the same names needs its own daemon, "
+                    f"or a prefix, e.g. model.update_parameters_name('second.')); nothing was registered")
+            seen.add(p.name)
 
     def plan(self):
         """The unit plan (prefetchd.planner.Plan): units, root unit, budget figures."""

@@ -115,3 +115,25 @@ def test_copying_weights_that_are_not_in_use_is_refused_not_a_crash(ms, tmp_path
             copy.deepcopy(evicted)
         with daemon.use([evicted]):
             assert copy.deepcopy(evicted).asnumpy().shape == evicted.shape
+
+
+def test_a_name_clash_midway_registers_nothing_and_the_suggested_rename_works(ms, tmp_path, x):
+    """A second model sharing one parameter name (not its first) with the first: the clash
+    used to surface midway, leaving the parameters before it managed, so the model died
+    with SIGSEGV when run plainly and the suggested rename-and-retry was refused."""
+    from prefetchd.errors import DoubleRegisterError
+    first, second = stack(ms), stack(ms)
+    second.update_parameters_name("second.")
+    last = list(second.get_parameters())[-1]
+    last.name = list(first.get_parameters())[-1].name          # the clash is the last name
+    want = second(x).asnumpy()
+    with prefetchd.Daemon(device_budget=budget(first), store_dir=str(tmp_path / "s")) as daemon:
+        prefetchd.offload(first, daemon, lookahead=1)
+        before = daemon.names()
+        with pytest.raises(DoubleRegisterError, match="nothing was registered"):
+            prefetchd.offload(second, daemon, lookahead=1)
+        assert daemon.names() == before
+        np.testing.assert_array_equal(second(x).asnumpy(), want)    # still plain memory
+        last.name = "second.renamed"
+        prefetchd.offload(second, daemon, lookahead=1)
+        np.testing.assert_array_equal(second(x).asnumpy(), want)
