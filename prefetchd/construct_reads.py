@@ -33,6 +33,7 @@ import ast
 import functools
 import inspect
 import textwrap
+import types
 
 from .backend import framework
 
@@ -143,7 +144,7 @@ class _Walker:
             if base is None:
                 return None
             index = node.slice
-            step = index.value if isinstance(index, ast.Constant) and isinstance(index.value, int) \
+            step = index.value if isinstance(index, ast.Constant) and isinstance(index.value, (int, str)) \
                 else ANY_ITEM
             return {c + (step,) for c in base}
         if self._is_getattr(node):
@@ -282,6 +283,8 @@ def _items(obj):
         return [(f"[{k!r}]", c) for k, c in obj.items()]
     if isinstance(obj, (list, tuple)):
         return [(f"[{i}]", c) for i, c in enumerate(obj)]
+    if isinstance(obj, dict):                           # a cell's own tables (_cells, _params)
+        return [(f"[{k!r}]", c) for k, c in obj.items()]
     if isinstance(obj, ms.ParameterTuple):
         return [(f"[{i}]", p) for i, p in enumerate(obj)]
     return []
@@ -310,6 +313,9 @@ def _resolve(root, chain):
             if isinstance(obj, ms.nn.Cell):
                 for label, item in _attributes(obj):
                     follow(item, expr + label, i + 1)
+        elif isinstance(step, str) and isinstance(obj, dict):
+            if step in obj:
+                follow(obj[step], f"{expr}[{step!r}]", i + 1)
         elif isinstance(step, int):
             try:
                 item = obj[step] if isinstance(obj, (ms.nn.CellList, ms.nn.SequentialCell, list, tuple,
@@ -320,6 +326,12 @@ def _resolve(root, chain):
                 follow(item, f"{expr}[{step}]", i + 1)
         elif isinstance(obj, ms.nn.Cell):
             member = _member(obj, step)
+            prop = getattr(type(obj), step, None)
+            if member is None and isinstance(prop, property) and prop.fget is not None:
+                # A property's body runs here, without the cell's hooks: read like a method
+                # (never evaluated: it may compute on weights that are not resident).
+                out.append((f"{expr}.{prop.fget.__name__}", types.MethodType(prop.fget, obj), (CALL,)))
+                return
             if member is None and i + 1 < len(chain) and chain[i + 1] == CALL:
                 member = getattr(obj, step, None)       # a method, called: followed into
             if member is not None:

@@ -342,6 +342,10 @@ def test_direct_reads_follow_names_bound_to_sub_cells_helpers_and_methods(ms):
                 self.blocks = nn.CellList([nn.Dense(4, 4), nn.Dense(4, 4)])
                 self.proj, self.head = Proj(), None
             construct = body
+
+            @property
+            def fused(self):                           # read wherever it is used
+                return ops.concat([self.q.weight, self.k.weight])
         return Reader()
 
     def reads(body):
@@ -365,6 +369,12 @@ def test_direct_reads_follow_names_bound_to_sub_cells_helpers_and_methods(ms):
     def method_of_a_sub_cell(self, x):
         return self.proj.project(x)
 
+    def through_a_property(self, x):
+        return ops.matmul(x, self.fused.T)
+
+    def through_the_cells_table(self, x):
+        return ops.dense(x, self._cells["v"].weight)
+
     def calls_only(self, x):                           # reads nothing outside a call
         for blk in self.blocks:
             x = blk(x)
@@ -379,6 +389,8 @@ def test_direct_reads_follow_names_bound_to_sub_cells_helpers_and_methods(ms):
     assert reads(computed_getattr) == ["k.weight", "out.weight", "q.weight", "v.weight"]
     assert reads(assigned) == ["out.weight"]
     assert reads(method_of_a_sub_cell) == ["proj.scale"]     # proj.fc is called: its hooks run
+    assert reads(through_a_property) == ["k.weight", "q.weight"]
+    assert reads(through_the_cells_table) == ["v.weight"]
     assert reads(calls_only) == []
 
 
