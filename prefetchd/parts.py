@@ -30,8 +30,8 @@ class PartProbes:
     """The probes on the parts of a model's units, and what they saw. No pinning here:
     `entry` says which unit a part's call must pin, the layer hooks pin it.
 
-    Units are hooks.Unit objects; their part fields (entries, own_ran, parted,
-    part_depth, last_output) are kept by this class."""
+    Units are hooks.Unit objects: this class keeps their entries, part_depth and
+    last_output; the hooks set own_ran and parted when they pin."""
 
     def __init__(self, units, unit_cell_ids, before, after):
         self._of = {}          # id(part) -> the units it is part of (a shared cell: several)
