@@ -311,8 +311,6 @@ def test_graph_compiled_before_offload_never_runs_stale(make_daemon, ms, tmp_pat
     fill(net, 0.01)
     w1 = net(x).asnumpy()                        # compiles every block with W1's storage
     assert not np.allclose(w1, w2)
-    from prefetchd.backend import framework
-    assert any(framework.invalidate_compiled(b) == 0 for b in [net]), "the model itself never compiled"
     daemon = make_daemon(device_budget="64KiB")
     handle = prefetchd.offload(net, daemon, lookahead=1, checkpoint=str(tmp_path / "w2.ckpt"))
     for _ in range(3):
