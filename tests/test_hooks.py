@@ -311,6 +311,7 @@ def test_graph_compiled_before_offload_never_runs_stale(make_daemon, ms, tmp_pat
     fill(net, 0.01)
     w1 = net(x).asnumpy()                        # compiles every block with W1's storage
     assert not np.allclose(w1, w2)
+    from prefetchd.backend import framework
     daemon = make_daemon(device_budget="64KiB")
     handle = prefetchd.offload(net, daemon, lookahead=1, checkpoint=str(tmp_path / "w2.ckpt"))
     for _ in range(3):
