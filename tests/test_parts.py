@@ -148,19 +148,15 @@ def test_a_holders_part_first_called_in_a_later_pass_is_fetched_not_read_unmappe
         handle.close()
 
 
-def test_pyramid_outputs_kept_across_a_holders_release(ms, x, tmp_path):
-    _, Pyramid, _, _ = classes(ms)
+@pytest.mark.parametrize("layout, fraction, holders", [(1, 2.0, 2), (2, 1.2, 3)], ids=["pyramid", "deep_parts"])
+def test_holders_whose_outputs_are_kept_or_whose_parts_are_called_two_levels_down(ms, x, tmp_path, layout,
+                                                                                 fraction, holders):
+    """Pyramid: every stage's output is kept across the holder's release and read at the end.
+    DeepParts: parts two levels down are called, and a stage whole."""
+    model = classes(ms)[layout]
     ms.set_seed(0)
-    plan, stats = stream(ms, Pyramid(), x, str(tmp_path / "store"), 2.0)
-    assert [type(cell).__name__ for u in plan.units for _, cell in u.cells] == ["Backbone"] * 2
-    assert stats["misses"] == 0 and stats["resyncs"] == 0, stats
-
-
-def test_parts_called_two_levels_down(ms, x, tmp_path):
-    _, _, DeepParts, _ = classes(ms)
-    ms.set_seed(0)
-    plan, stats = stream(ms, DeepParts(), x, str(tmp_path / "store"), 1.2)
-    assert [type(cell).__name__ for u in plan.units for _, cell in u.cells] == ["Backbone"] * 3
+    plan, stats = stream(ms, model(), x, str(tmp_path / "store"), fraction)
+    assert [type(cell).__name__ for u in plan.units for _, cell in u.cells] == ["Backbone"] * holders
     assert stats["misses"] == 0 and stats["resyncs"] == 0, stats
 
 
