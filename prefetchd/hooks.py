@@ -43,6 +43,7 @@ import logging
 import threading
 import time
 
+from . import aliases
 from . import plan as cost_model
 from .backend import framework
 from .backend.base import checksum_rate, copy_rate
@@ -62,7 +63,8 @@ ROOT = -1        # the root unit's step in the trace
 class Unit:
     """A planned unit at run time: its cells, the daemon records of its parameters, pin state."""
     __slots__ = ("index", "name", "cells", "records", "nbytes", "held", "ran", "params", "compiled",
-                 "addresses", "dispatched_ns", "entries", "own_ran", "parted", "part_depth", "last_output")
+                 "addresses", "dispatched_ns", "entries", "own_ran", "parted", "part_depth", "last_output",
+                 "view_outputs")
 
     def __init__(self, index, planned, records, compiled):
         self.index, self.name = index, planned.name
@@ -81,6 +83,9 @@ class Unit:
         self.parted = False       # pinned now by an entry
         self.part_depth = 0       # part calls running now
         self.last_output = None   # of the last part call (the fence behind them)
+        # id(cell) -> positions of its outputs that are views of the unit's weights
+        # (prefetchd.aliases), found in the recording pass, copied before every release.
+        self.view_outputs = {}
 
 
 class Offloaded:
@@ -93,6 +98,7 @@ class Offloaded:
             raise PrefetchdError("prefetchd.offload needs PyNative mode: in graph mode MindSpore skips "
                                  "forward hooks and a compiled graph keeps the storage it saw at compile "
                                  "time (call mindspore.set_context(mode=mindspore.PYNATIVE_MODE))")
+        daemon._check_open()          # a Daemon never started (or closed) is refused by name
         _refuse_managed(model)
         config = daemon.config
         self.model = model
@@ -215,12 +221,13 @@ class Offloaded:
             self._prefetch_from(1, self.root.nbytes)
 
     def _after_model(self, cell, inputs, output):
+        output = self._copy_views(self.root, cell, output)
         self._release_all(_first_tensor(output))
         if self._recording and self._ran == 0 and self.units:
             # A pass that ran none of the units (embeddings only, every block skipped) read
             # none of their weights and has no order to record: the next pass records it.
             # (A compiled model, whose hooks never fire, is all root: it has no units.)
-            return
+            return output
         if self._recording:
             self._estimate()
             self._recording = False
@@ -234,6 +241,7 @@ class Offloaded:
         if self.root.records:
             self._session.prefetch(self.root.records, priority=self.lookahead + 1)
         self._prefetch_from(1, self.root.nbytes)
+        return output
 
     def _before_unit(self, cell, inputs):
         unit = self._by_cell[id(cell)]
@@ -258,7 +266,8 @@ class Offloaded:
     def _after_unit(self, cell, inputs, output):
         unit = self._by_cell[id(cell)]
         if not unit.held:
-            return
+            return None
+        output = self._copy_views(unit, cell, output)
         unit.ran.add(id(cell))
         if len(unit.ran) == len(unit.cells):
             self._release(unit, _first_tensor(output))
@@ -266,6 +275,19 @@ class Offloaded:
                 # Its memory is free once its kernels ran: a prefetch refused a moment
                 # ago for want of a free range can be placed now, before it would miss.
                 self._prefetch_from(self._position + 1, self._held_bytes())
+        return output
+
+    def _copy_views(self, unit, cell, output):
+        """`output` of `cell`, with what are views of `unit`'s weights copied (prefetchd.aliases):
+        found in the recording pass, copied while the unit is pinned, on every pass."""
+        if self._recording:
+            positions = aliases.view_positions(output, unit.records)
+            if positions:
+                unit.view_outputs[id(cell)] = positions
+                log.info("prefetchd.offload: %s returns a view of the weights of unit %r; that output "
+                         "is copied before the unit is released", _cell_name(self.model, cell), unit.name)
+        positions = unit.view_outputs.get(id(cell))
+        return output if not positions else aliases.copy_positions(output, positions)
 
     # ---------------------------------------------------------------- parts (prefetchd.parts)
     def _before_part(self, cell, inputs):
@@ -277,7 +299,11 @@ class Offloaded:
             self._parted.append(unit)
 
     def _after_part(self, cell, inputs, output):
+        unit = self._parts.unit_of(cell)
+        if unit.parted and unit.part_depth == 1:      # an entry: its output leaves the unit
+            output = self._copy_views(unit, cell, output)
         self._parts.ran(cell, _first_tensor(output), self._recording)
+        return output
 
     def _release_parted(self, inputs):
         """A unit pinned by a part's call (recording pass; later, a part no recorded call

@@ -61,6 +61,9 @@ class PartProbes:
         unit.part_depth += 1
         return entering
 
+    def unit_of(self, cell):
+        return self._of[id(cell)][0]
+
     def ran(self, cell, output, recording):
         """After `cell` (a part) ran; its output is the fence behind its unit's part calls."""
         unit = self._of[id(cell)][0]

@@ -1,0 +1,77 @@
+"""Outputs that are views of a unit's own weights, copied before the unit is released.
+
+A cell may return a view of its own parameter: `self.pos_embed[:, :n]`,
+`self.weight.T`, a reshape, or the Parameter itself. A MindSpore view shares
+the parameter's storage, so once the unit is released the caller would read
+pages that are no longer mapped (stable addresses: the process dies) or a
+block already reused for another tensor (a rebinding backend: silent garbage).
+
+Telling a view from a fresh tensor needs its address (`Tensor._data_ptr`),
+and asking waits for MindSpore's whole op queue to drain. The recording pass
+can afford that (it waits for each unit's compute anyway, to time it), so it
+finds which outputs of which cells are views (`view_positions`); every pass
+copies those outputs (`copy_positions`) while the unit is still pinned, so the
+copy is dispatched before the fence behind the unit's kernels. A cell that
+returns a view only on passes after the recording one is not covered.
+"""
+import itertools
+
+from .backend import framework
+
+
+def flat_tensors(value):
+    """The tensors in `value` (nested tuples, lists and dict values), in a fixed order."""
+    ms = framework.mindspore()
+    if isinstance(value, ms.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in flat_tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in flat_tensors(v)]
+    return []
+
+
+def view_positions(output, records):
+    """Positions in flat_tensors(output) of the tensors whose bytes lie inside one of
+    `records`' device replicas (their bound addresses). Waits for the op queue."""
+    spans = [(rec.bound_address, rec.bound_address + rec.nbytes) for rec in records
+             if rec.bound_address and rec.nbytes]
+    if not spans:
+        return ()
+    found = []
+    for position, tensor in enumerate(flat_tensors(output)):
+        if tensor.size == 0:
+            continue                     # reads no byte
+        address = tensor._data_ptr()
+        if any(start <= address < end for start, end in spans):
+            found.append(position)
+    return tuple(found)
+
+
+def copy_positions(output, positions):
+    """`output` with the tensors at `positions` (of flat_tensors) replaced by copies.
+    A structure that changed since the positions were found is copied whole."""
+    wanted = set(positions)
+    if len(flat_tensors(output)) <= max(wanted):
+        wanted = None                    # every tensor
+    counter = itertools.count()
+
+    def rebuild(value):
+        ms = framework.mindspore()
+        if isinstance(value, ms.Tensor):
+            return value.copy() if wanted is None or next(counter) in wanted else value
+        if isinstance(value, (tuple, list)):
+            items = [rebuild(v) for v in value]
+            return type(value)(items) if type(value) in (tuple, list) else _same_kind(value, items)
+        if isinstance(value, dict):
+            return type(value)((k, rebuild(v)) for k, v in value.items())
+        return value
+
+    return rebuild(output)
+
+
+def _same_kind(value, items):
+    """A namedtuple (or list subclass) rebuilt with new items."""
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*items)
+    return type(value)(items)
