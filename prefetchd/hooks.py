@@ -40,24 +40,22 @@ offload() refuses it. A pass that runs none of the units (embeddings only)
 is fine; the first pass that runs some records the trace.
 """
 import logging
+import operator
 import threading
 import time
 
 from . import aliases
-from . import plan as cost_model
 from .backend import framework
-from .backend.base import checksum_rate, copy_rate
 from .daemon import Daemon
 from .errors import DoubleRegisterError, NotResidentError, PrefetchdError
 from .guard import is_managed
 from .parts import PartProbes
 from .planner import plan_units
-from .recording import RecordingTimer, unit_kind
-from .refine import Refinement
+from .trace_cursor import ROOT, TraceCursor
+from .estimate import PassEstimator
 
 log = logging.getLogger("prefetchd.hooks")
 
-ROOT = -1        # the root unit's step in the trace
 
 
 class Unit:
@@ -104,15 +102,9 @@ class Offloaded:
         self.model = model
         self.daemon = daemon
         # "auto": the cost model (prefetchd.plan) picks it from the recording pass.
-        self._auto = lookahead == "auto"
-        self.lookahead = config.lookahead if lookahead in (None, "auto") else int(lookahead)
+        self._estimator = PassEstimator(daemon, _lookahead(lookahead, config), lookahead == "auto")
         self.tier = tier
-        self.estimate = None           # prefetchd.plan.Plan measured on the recording pass
-        self._timer = None             # RecordingTimer of the recording pass
-        self._refine = None            # refine.Refinement while the streamed passes' rates settle
         self.auto_fetch = config.auto_fetch if auto_fetch is None else bool(auto_fetch)
-        if self.lookahead < 0:
-            raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
         self.strict = strict
         self._owns_daemon = owns_daemon
         self._high = daemon.status()["device"]["high_watermark"]
@@ -128,11 +120,9 @@ class Offloaded:
                            [c for _, cell in planned.cells for _, c in cell.cells_and_names()])
                       for i, planned in enumerate(self._plan.units)]
         self._by_cell = {id(cell): unit for unit in self.units for cell in unit.cells}
-        self.trace = []                # steps in execution order: ROOT, then unit indices
+        self._cursor = TraceCursor()   # the recorded order, and where this pass is in it
         self._recording = True
-        self._position = 0             # index into trace of the step running now
         self._ran = 0                  # unit hooks fired during the current forward
-        self.resyncs = 0
         self.stall_seconds = 0.0
         self.misses = 0
         self._warned = set()           # units whose first miss was logged
@@ -189,6 +179,17 @@ class Offloaded:
                     f"or a prefix, e.g. model.update_parameters_name('second.')); nothing was registered")
             seen.add(p.name)
 
+    @property
+    def lookahead(self):
+        """Units prefetched ahead: the one asked for, or with "auto" the cost model's."""
+        return self._estimator.lookahead
+
+    @property
+    def estimate(self):
+        """The cost model's plan (prefetchd.plan.Plan: pass_seconds, ...) once the recording pass
+        ran, refined by the next passes; None without one."""
+        return self._estimator.estimate
+
     def plan(self):
         """The unit plan (prefetchd.planner.Plan): units, root unit, budget figures."""
         return self._plan
@@ -203,11 +204,9 @@ class Offloaded:
             unit.part_depth = 0
         self._high = self._session.high_watermark
         self._ran = 0
-        self._position = 0
+        self._cursor.start_pass()
         if self._recording:
-            self.trace = [ROOT]
-            if self._session.marker is not None and self._timer is None:
-                self._timer = RecordingTimer(self._session.marker)
+            self._cursor.steps = [ROOT]
         else:
             self._session.at(0)
         # The root is pinned before the first prefetches: at step 0 its next use after
@@ -215,8 +214,7 @@ class Offloaded:
         # evict it (a miss at every such pass start, seen under load).
         self._acquire(self.root)
         if self._recording:
-            if self._timer is not None:
-                self._timer.pass_started(self.stall_seconds)
+            self._estimator.recording_started(self._session.marker, self.stall_seconds)
         else:
             self._prefetch_from(1, self.root.nbytes)
 
@@ -229,12 +227,13 @@ class Offloaded:
             # (A compiled model, whose hooks never fire, is all root: it has no units.)
             return output
         if self._recording:
-            self._estimate()
+            self._estimator.recorded([self._unit(i) for i in self.trace if i != ROOT], self.root.nbytes,
+                                     self._planned_tier(), self.stall_seconds, self._high)
             self._recording = False
             self._adopt_entries()
             self._session.set_trace([[r.name for r in self._unit(i).records] for i in self.trace])
-        elif self._refine is not None:
-            self._refine_estimate()
+        else:
+            self._estimator.streamed()
         # The next pass starts with the root, then the first units of the trace:
         # the policy sees the pass end (the root is the nearest step, not the farthest).
         self._session.at(len(self.trace) - 1)
@@ -256,11 +255,12 @@ class Offloaded:
         """Pin `unit` before its first cell (or part) of this step runs."""
         self._release_parted(inputs)
         if self._recording:
-            self.trace.append(unit.index)
+            self._cursor.record(unit.index)
         else:
-            self._sync_position(unit)
-            self._session.at(self._position)
-            self._prefetch_from(self._position + 1, self._held_bytes() + unit.nbytes)
+            if not self._cursor.enter(unit.index):
+                self._session.resynced()
+            self._session.at(self._cursor.position)
+            self._prefetch_from(self._cursor.position + 1, self._held_bytes() + unit.nbytes)
         self._acquire(unit)
 
     def _after_unit(self, cell, inputs, output):
@@ -274,7 +274,7 @@ class Offloaded:
             if not self._recording:
                 # Its memory is free once its kernels ran: a prefetch refused a moment
                 # ago for want of a free range can be placed now, before it would miss.
-                self._prefetch_from(self._position + 1, self._held_bytes())
+                self._prefetch_from(self._cursor.position + 1, self._held_bytes())
         return output
 
     def _copy_views(self, unit, cell, output):
@@ -343,7 +343,7 @@ class Offloaded:
                 self._note_miss(unit, miss)
                 stall = self._session.acquire(unit.records, auto_fetch=True, unit=unit.name)
                 if unit is not self.root:     # the prefetches behind it were issued before the miss
-                    self._prefetch_from(self._position + 1, self._held_bytes() + unit.nbytes)
+                    self._prefetch_from(self._cursor.position + 1, self._held_bytes() + unit.nbytes)
         self.stall_seconds += stall
         unit.held = True
         self._recompile_if_moved(unit)
@@ -363,57 +363,13 @@ class Offloaded:
                 framework.invalidate_compiled(cell)
         unit.addresses = addresses
 
-    def _estimate(self):
-        """The cost model's plan from the recording pass (per-unit compute between compute
-        fences, measured transfer rates); with lookahead="auto" its lookahead is used."""
-        timer, self._timer = self._timer, None
-        if timer is None:
-            return
-        # Weights registered remote but all held in host RAM (stage_to_host, or a host cache
-        # that took everything) are planned as the host tier: no pass reads the disk. (A
-        # read without the lock: it only picks the plan's tier.)
-        tier = "host" if all(r.host_valid for u in self.units for r in u.records) else self.tier
-        try:
-            units = [self._unit(i) for i in self.trace if i != ROOT]
-            contended = bool(self.daemon.backend.copy_contention)
-            inputs = timer.inputs(
-                [u.nbytes for u in units], [unit_kind(u.cells, u.params) for u in units], self.stall_seconds,
-                stats=self.daemon.snapshot()[1], high_watermark=self._high,
-                # Copies on compute's cores run at a copy's own rate (the recording pass's are
-                # first touches of fresh device memory, several times slower).
-                h2d_rate=copy_rate() if contended else None,
-                host_budget=self.daemon.config.host_budget, root_bytes=self.root.nbytes, tier=tier,
-                copy_contention=self.daemon.backend.copy_contention,
-                checksum_rate=checksum_rate(),
-                # ...and compute is charged for them at that rate (plan.Inputs.copy_cpu_rate).
-                copy_cpu_rate=copy_rate() if contended else 0.0)
-            self._adopt(cost_model.plan(inputs, None if self._auto else self.lookahead), "recording pass")
-        except (TimeoutError, ValueError) as e:
-            log.info("prefetchd.offload: no pass-time estimate (%s)", e)
-            return
-        self._refine = Refinement(inputs, self.daemon.snapshot()[1])
-
-    def _refine_estimate(self):
-        """After a streamed pass: the plan again with that pass's transfer rates (prefetchd.refine)."""
-        refinement, self._refine = self._refine, None
-        try:
-            refined, following = refinement.step(self.daemon.snapshot()[1])
-            if refined is not None:
-                self._adopt(cost_model.plan(refined, None if self._auto else self.lookahead),
-                            "last streamed pass")
-        except ValueError as e:      # never break the user's forward over an estimate
-            log.info("prefetchd.offload: the estimate was not refined (%s)", e)
-            return
-        self._refine = following
-
-    def _adopt(self, estimate, source):
-        self.estimate = estimate
-        if self._auto:
-            self.lookahead = estimate.lookahead
-        log.info("prefetchd.offload: lookahead %d%s; predicted %.3f s per pass (%s-bound; compute %.3f s, "
-                 "copies %.3f s, of which disk %.3f s; rates of the %s)", self.lookahead,
-                 " (auto)" if self._auto else "", estimate.pass_seconds, estimate.bound, estimate.compute_seconds,
-                 estimate.io_seconds, estimate.disk_seconds, source)
+    def _planned_tier(self):
+        """Weights registered remote but all held in host RAM (stage_to_host, or a host cache
+        that took everything) are planned as the host tier: no pass reads the disk. (A read
+        without the lock: it only picks the plan's tier.)"""
+        if all(r.host_valid for u in self.units for r in u.records):
+            return "host"
+        return self.tier
 
     def _note_miss(self, unit, miss):
         if unit.name not in self._warned:
@@ -430,9 +386,9 @@ class Offloaded:
         # A fence behind this unit's kernels lets its memory be reused as soon as
         # they ran, without draining later units' compute.
         epoch = self._session.release(unit.records, dependency, unit=unit.name)
-        if self._timer is not None and self._recording and epoch is not None:
+        if self._recording:
             # Waits for the unit's compute: the recording pass times each unit alone.
-            self._timer.released(unit.name, epoch, None if unit is self.root else unit.dispatched_ns)
+            self._estimator.released(unit.name, epoch, None if unit is self.root else unit.dispatched_ns)
 
     def _release_all(self, dependency):
         for unit in [*self.units, self.root]:
@@ -443,37 +399,27 @@ class Offloaded:
         return sum(u.nbytes for u in [self.root, *self.units] if u.held)
 
     # ---------------------------------------------------------------- trace
+    @property
+    def trace(self):
+        """The recorded order of one pass: ROOT, then unit indices (prefetchd.trace_cursor)."""
+        return self._cursor.steps
+
+    @property
+    def resyncs(self):
+        return self._cursor.resyncs
+
     def _unit(self, step):
         return self.root if step == ROOT else self.units[step]
 
-    def _sync_position(self, unit):
-        """Point the trace position at `unit`; a mismatch re-synchronises and is counted."""
-        trace, n = self.trace, len(self.trace)
-        if self._position + 1 < n and trace[self._position + 1] == unit.index:
-            self._position += 1
-            return
-        self.resyncs += 1
-        self._session.resynced()
-        for step in range(1, n + 1):      # nearest occurrence after the current position
-            pos = (self._position + step) % n
-            if trace[pos] == unit.index:
-                self._position = pos
-                return
-        # A unit the first pass never ran: it is fetched on demand; keep the position.
-
     def _prefetch_from(self, start, pinned_bytes):
         """Prefetch the next `lookahead` units of the trace from `start` that fit beside the pinned ones."""
-        n = len(self.trace)
         # Never ask for more than fits beside what computes now: a prefetch that
         # evicts the next unit to make room for the one after is thrash.
         room = self._high - pinned_bytes
         ahead = 0
-        for step in range(n):
+        for index in self._cursor.upcoming(start):
             if ahead >= self.lookahead:
                 break
-            index = self.trace[(start + step) % n]
-            if index == ROOT:
-                continue                  # pinned during the pass, prefetched at its end
             unit = self.units[index]
             ahead += 1
             if unit.held:
@@ -535,6 +481,18 @@ def _refuse_managed(model):
             f"prefetchd.offload: parameter {managed.name!r} is already managed by a prefetchd daemon "
             f"(part of another offloaded model, or registered by hand); a tensor streams through one "
             f"daemon, once")
+
+
+def _lookahead(value, config):
+    if value in (None, "auto"):
+        return config.lookahead
+    try:
+        count = operator.index(value)          # an int, numpy's too; not 2.0 or "2"
+    except TypeError:
+        count = -1
+    if isinstance(value, bool) or count < 0:
+        raise ValueError(f'prefetchd.offload: lookahead must be an int >= 0 or "auto", got {value!r}')
+    return count
 
 
 def _cell_name(model, cell):

@@ -444,3 +444,14 @@ def test_a_second_thread_waits_for_the_running_pass_and_a_raised_pass_lets_it_go
             np.testing.assert_array_equal(outcome["first"], want)
         np.testing.assert_array_equal(outcome["second"], want)
     np.testing.assert_array_equal(model(x).asnumpy(), want)          # and the calling thread goes on
+
+
+def test_offload_refuses_a_daemon_never_started_and_a_bad_lookahead(ms, store_dir):
+    net = ms.nn.SequentialCell([ms.nn.Dense(8, 8) for _ in range(2)])
+    with pytest.raises(prefetchd.ShutdownError, match="not started"):
+        prefetchd.offload(net, prefetchd.Daemon(device_budget="1MiB", store_dir=store_dir))
+    with prefetchd.Daemon(device_budget="1MiB", store_dir=store_dir) as daemon:
+        for bad in (-1, 1.5, "2", True):
+            with pytest.raises(ValueError, match="lookahead must be an int >= 0"):
+                prefetchd.offload(net, daemon, lookahead=bad)
+        assert not daemon.names()             # nothing was registered by a refused offload

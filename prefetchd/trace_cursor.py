@@ -1,0 +1,49 @@
+"""Where a pass is in its model's recorded trace, and which units come next.
+
+The trace is the order of one pass: ROOT, then the index of each unit as it
+started in the recording pass (a unit may appear several times). Later passes
+move the cursor as units start; a unit other than the expected one (an early
+exit, a skipped layer, another branch) re-synchronises to its nearest
+occurrence ahead and is counted. Pure bookkeeping, no I/O and no pinning: the
+layer hooks (prefetchd/hooks.py) prefetch what `upcoming` names.
+"""
+ROOT = -1        # the root unit's step in the trace
+
+
+class TraceCursor:
+    def __init__(self):
+        self.steps = []          # ROOT, then unit indices in execution order
+        self.position = 0        # index into steps of the step running now
+        self.resyncs = 0         # starts that were not the expected next step
+
+    def start_pass(self):
+        self.position = 0
+
+    def record(self, index):
+        """Recording pass: `index` started."""
+        self.steps.append(index)
+
+    def enter(self, index):
+        """A later pass: unit `index` starts. False when it was not the expected next step
+        (the position moved to its nearest occurrence ahead, or stayed where it was for a
+        unit the trace never saw)."""
+        steps, n = self.steps, len(self.steps)
+        if self.position + 1 < n and steps[self.position + 1] == index:
+            self.position += 1
+            return True
+        self.resyncs += 1
+        for step in range(1, n + 1):
+            pos = (self.position + step) % n
+            if steps[pos] == index:
+                self.position = pos
+                break
+        return False
+
+    def upcoming(self, start):
+        """Unit indices from step `start` on, wrapping into the next pass, one pass at most;
+        the root is skipped (pinned for a whole pass, prefetched at its end)."""
+        n = len(self.steps)
+        for step in range(n):
+            index = self.steps[(start + step) % n]
+            if index != ROOT:
+                yield index

@@ -1,0 +1,34 @@
+"""The trace cursor (prefetchd/trace_cursor.py): pure bookkeeping, no threads, no I/O."""
+from prefetchd.trace_cursor import ROOT, TraceCursor
+
+
+def recorded(*indices):
+    cursor = TraceCursor()
+    cursor.record(ROOT)
+    for index in indices:
+        cursor.record(index)
+    return cursor
+
+
+def test_the_recorded_order_is_followed_without_a_resync():
+    cursor = recorded(0, 1, 2)
+    cursor.start_pass()
+    assert [cursor.enter(i) for i in (0, 1, 2)] == [True, True, True]
+    assert cursor.position == 3 and cursor.resyncs == 0
+
+
+def test_a_skipped_unit_resyncs_to_the_nearest_occurrence_ahead_and_is_counted():
+    cursor = recorded(0, 1, 0, 2)          # unit 0 runs twice per pass (a shared block)
+    cursor.start_pass()
+    assert cursor.enter(1) is False and cursor.position == 2
+    assert cursor.enter(0) is True and cursor.position == 3
+    assert cursor.enter(2) is True
+    assert cursor.enter(7) is False and cursor.position == 4   # never recorded: stays
+    assert cursor.resyncs == 2
+
+
+def test_upcoming_wraps_into_the_next_pass_skips_the_root_and_stops_after_one_pass():
+    cursor = recorded(0, 1, 2)
+    assert list(cursor.upcoming(2)) == [1, 2, 0]
+    assert list(cursor.upcoming(0)) == [0, 1, 2]
+    assert list(TraceCursor().upcoming(0)) == []
