@@ -28,6 +28,15 @@ start at `self`:
   without that cell's hooks, so its body is read as part of the construct,
   with its `self` standing for that cell.
 A construct without source (built at run time) reports nothing.
+
+    compiled_calls(cell) -> [("self._mlp", owner, "_mlp", [("self.fc1", fc1), ...]), ...]
+
+The `@mindspore.jit` methods (other than `construct`) that `cell`'s construct
+calls, directly or through plain helper methods, each with the sub-cells its
+body uses (called or otherwise). Those sub-cells run inside the method's
+graph: MindSpore 2.10 compiles their forward hooks into it (a prefetchd hook
+there fails to compile, and would run once at trace time, not at each call),
+so none of them, nor any cell under them, may carry a prefetchd hook.
 """
 import ast
 import functools
@@ -95,6 +104,7 @@ def _note(root, expr, obj, rest, found, depth, seen):
 
 def _is_framework(function):
     """Methods MindSpore itself defines (Cell's own API): they read no weights of the model."""
+    function = inspect.unwrap(function)          # a @jit method: its wrapper is MindSpore's, not it
     module = getattr(function, "__module__", "") or ""
     return module.startswith("mindspore.")
 
@@ -339,3 +349,45 @@ def _resolve(root, chain):
 
     follow(root, "self", 0)
     return out
+
+
+def is_jit(function):
+    """True if `function` is wrapped by mindspore.jit (MindSpore marks the wrapper)."""
+    return bool(getattr(function, "__wrapped_by_jit__", False))
+
+
+def compiled_calls(cell):
+    """(method expression, owner cell, method name, [(expression, sub-cell)]) for each
+    @jit method `cell`'s construct calls (through plain helpers too), with the sub-cells
+    run inside its graph. A compiled construct itself is not reported (the planner
+    treats the whole cell as compiled)."""
+    found = {}
+    if not is_jit(type(cell).construct):
+        _walk_calls(cell, type(cell).construct, (), "self", found, None, 0, set())
+    return [(expr, owner, name, list(cells.values())) for expr, owner, name, cells in found.values()]
+
+
+def _walk_calls(root, function, prefix, base, found, inside, depth, seen):
+    """Follow `function`'s chains from `root` (written `base`); `inside`: the key in `found`
+    of the jit method whose graph this body runs in, or None."""
+    ms = framework.mindspore()
+    key = (function, id(root), inside)
+    if key in seen or depth > _MAX_INLINE:
+        return
+    seen.add(key)
+    for chain in _chains(function):
+        for expr, obj, rest in _resolve(root, prefix + chain):
+            expr = base + expr[len("self"):]
+            if isinstance(obj, ms.nn.Cell):
+                if inside is not None:
+                    found[inside][3].setdefault(id(obj), (expr, obj))
+            elif rest and rest[0] == CALL and inspect.ismethod(obj) and isinstance(obj.__self__, ms.nn.Cell) \
+                    and not _is_framework(obj.__func__):
+                owner, method = obj.__self__, obj.__func__
+                owner_expr = expr[:-len(obj.__name__) - 1]
+                if inside is None and is_jit(method):
+                    here = (id(owner), method)
+                    found.setdefault(here, (expr, owner, obj.__name__, {}))
+                    _walk_calls(owner, method, (), owner_expr, found, here, depth + 1, seen)
+                else:
+                    _walk_calls(owner, method, (), owner_expr, found, inside, depth + 1, seen)

@@ -39,23 +39,54 @@ compute. `plan_units(model, high_watermark, lookahead)` walks the cell tree
   model's, a searched or split ancestor's) is pinned in the root as well.
 - If splitting moved blocks' own parameters to the root and the plan no
   longer fits, the blocks that own parameters directly are kept whole instead.
+- Cells a @jit *method* (not construct) calls run inside its graph, where
+  MindSpore 2.10 compiles their forward hooks (construct_reads.compiled_calls):
+  they are never units or searched, their caller is never split, and a plan
+  that would still hook one (a unit's cell, or a part probed in the recording
+  pass: prefetchd.parts.part_cells) is refused with PrefetchdError by cell and
+  method.
 
 `Plan.check_fits()` raises BudgetError for what can never run: a tensor or a
 unit larger than the high watermark, or a root plus two consecutive units
 (the one computing and the next, including the wrap from the last to the
-first) above it.
+first) above it. The message ends with the smallest device_budget under which
+re-planning the same model fits (Plan.min_device_budget), at the plan's
+lookahead and at 0.
 """
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .backend import framework
-from .construct_reads import direct_reads
+from .construct_reads import compiled_calls, direct_reads
 from .errors import BudgetError, PrefetchdError
+from . import parts as _parts
 
 ROOT_NAME = "<root>"
 _MERGE_FRACTION = 8          # siblings under unit_share / 8 are "tiny"
 _MAX_ROUNDS = 6              # splitting moves bytes to the root; the share shrinks; re-plan
+# What Config.__post_init__ makes the high watermark when high_watermark is not set:
+# int(device_budget * 0.95) (tests/test_planner_refusals.py checks the two agree).
+DEFAULT_HIGH_FRACTION = 0.95
+
+
+def budget_for_high_watermark(high, fraction=DEFAULT_HIGH_FRACTION):
+    """The smallest device_budget B with int(B * fraction) >= high (the Config's rounding)."""
+    budget = max(int(-(-high // fraction)), 1)
+    while int(budget * fraction) < high:
+        budget += 1
+    while budget > 1 and int((budget - 1) * fraction) >= high:
+        budget -= 1
+    return budget
+
+
+def _size_text(nbytes):
+    """'1536MiB (1610612736 bytes)': a size the Config reads, rounded up, and the exact bytes."""
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            gib = f", {-(-nbytes * 100 // (1 << 30)) / 100:.2f} GiB" if nbytes >= 1 << 30 else ""
+            return f"{-(-nbytes // scale)}{unit} ({nbytes} bytes{gib})"
+    return f"{nbytes} bytes"
 
 
 def param_nbytes(p):
@@ -97,54 +128,107 @@ class Plan:
     total_bytes: int
     explicit: bool = False
     compiled_model: bool = False   # the model's own construct is @jit: every parameter is root
+    replan: object = None          # fn(high_watermark, lookahead) -> the Plan with the same inputs
+    high_fraction: float = DEFAULT_HIGH_FRACTION   # high watermark / device_budget, for the hint
 
     def fits(self):
-        try:
-            self.check_fits()
-        except BudgetError:
-            return False
-        return True
+        return self._problem() is None
 
     def check_fits(self):
-        """Raise BudgetError naming what can never fit under the high watermark."""
+        """Raise BudgetError naming what can never fit under the high watermark, and the
+        smallest device_budget under which the same model, units= and no_split= would plan
+        units that fit (at this lookahead and at lookahead 0)."""
+        problem = self._problem()
+        if problem is not None:
+            raise BudgetError(problem + self.budget_hint())
+
+    def min_high_watermark(self, lookahead=None):
+        """The smallest high watermark (bytes) at which re-planning with the same inputs gives a
+        plan that fits, at `lookahead` (default: this plan's); None if it cannot be re-planned.
+        Found by bisection over the planner itself (page/granule rounding, splits, the root and
+        the unit share included): the plan at the result fits and the one a byte below does not."""
+        if self.replan is None:
+            return None
+        lookahead = self.lookahead if lookahead is None else lookahead
+
+        def fits(high):
+            return self.replan(high, lookahead).fits()
+        lo, hi = 0, max(_union_bytes(self.root, *self.units), 1)
+        while not fits(hi):                  # everything at once always fits; guard anyway
+            lo, hi = hi, hi * 2
+            if hi > 1 << 60:
+                return None
+        if fits(lo):
+            return lo
+        while hi - lo > 1:                   # fits(hi), not fits(lo)
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+    def min_device_budget(self, lookahead=None):
+        """The smallest device_budget whose high watermark (`high_fraction` of it, as the
+        Config sets it when high_watermark is not given) is min_high_watermark(lookahead)."""
+        high = self.min_high_watermark(lookahead)
+        return None if high is None else budget_for_high_watermark(high, self.high_fraction)
+
+    def budget_hint(self):
+        """'; ... device_budget >= ... at lookahead k (lookahead 0: ...)', or '' (no replan)."""
+        try:
+            need = self.min_high_watermark()
+        except PrefetchdError:
+            return ""
+        if need is None:
+            return ""
+        text = (f"; the smallest budget under which it plans units that fit: device_budget >= "
+                f"{_size_text(budget_for_high_watermark(need, self.high_fraction))} at lookahead "
+                f"{self.lookahead}")
+        if self.lookahead > 0:
+            # Lookahead changes only the unit share, so how finely blocks split: a larger one
+            # may need less (smaller units), not only more.
+            need0 = self.min_high_watermark(0)
+            text += (f" (lookahead 0: {_size_text(budget_for_high_watermark(need0, self.high_fraction))})"
+                     if need0 != need else " (the same at lookahead 0)")
+        return text + (f", with the high watermark at {self.high_fraction:.0%} of device_budget (the default; "
+                       f"a high watermark of at least {need} bytes)")
+
+    def _problem(self):
+        """What can never fit under the high watermark (a message), or None."""
         high = self.high_watermark
         for unit in [self.root, *self.units]:
             for p in unit.params:
                 if unit.size(p) > high:
-                    raise BudgetError(
-                        f"tensor {p.name!r} needs {unit.size(p)} bytes on the device tier; the high "
-                        f"watermark is {high} bytes: it can never be resident (raise device_budget so the "
-                        f"high watermark is at least {unit.size(p)} bytes)")
+                    return (f"tensor {p.name!r} needs {unit.size(p)} bytes on the device tier; the high "
+                            f"watermark is {high} bytes: it can never be resident")
         if self.root.nbytes > high and self.compiled_model:
-            raise BudgetError(
-                f"the model's construct is compiled (@jit): its cells run inside one graph where "
-                f"MindSpore skips their hooks, so all {self.root.nbytes} bytes of parameters form the root "
-                f"unit, above the high watermark {high}; compile its blocks' constructs instead of the "
-                f"model's, or raise device_budget")
+            return (f"the model's construct is compiled (@jit): its cells run inside one graph where "
+                    f"MindSpore skips their hooks, so all {self.root.nbytes} bytes of parameters form the root "
+                    f"unit, above the high watermark {high}; compile its blocks' constructs instead of the "
+                    f"model's, or raise device_budget")
         if self.root.nbytes > high:
-            raise BudgetError(
-                f"the root unit (parameters of cells outside every unit, and parameters a construct "
-                f"outside their unit reads directly: {_short(self.root.param_names)}) needs "
-                f"{self.root.nbytes} bytes, above the high watermark {high}; pass units= to stream "
-                f"some of those cells, or raise device_budget")
+            return (f"the root unit (parameters of cells outside every unit, and parameters a construct "
+                    f"outside their unit reads directly: {_short(self.root.param_names)}) needs "
+                    f"{self.root.nbytes} bytes, above the high watermark {high}; pass units= to stream "
+                    f"some of those cells, or raise device_budget")
         for unit in self.units:
             need = _union_bytes(self.root, unit)
             if need > high:
-                raise BudgetError(
-                    f"unit {unit.name!r} ({unit.nbytes} bytes) with the root unit ({self.root.nbytes} "
-                    f"bytes) needs {need} bytes, above the high watermark {high}: it can never be resident"
-                    f" (raise device_budget, or split it: units= / drop its class from no_split=)"
-                    + _kept_whole(unit))
+                return (f"unit {unit.name!r} ({unit.nbytes} bytes) with the root unit ({self.root.nbytes} "
+                        f"bytes) needs {need} bytes, above the high watermark {high}: it can never be resident"
+                        f" (raise device_budget, or split it: units= / drop its class from no_split=)"
+                        + _kept_whole(unit))
         n = len(self.units)
         for i in range(n if n > 1 else 0):
             a, b = self.units[i], self.units[(i + 1) % n]
             need = _union_bytes(self.root, a, b)
             if need > high:
-                raise BudgetError(
-                    f"units {a.name!r} ({a.nbytes} bytes) and {b.name!r} ({b.nbytes} bytes) run one after "
-                    f"the other; with the root unit ({self.root.nbytes} bytes) they need {need} bytes, "
-                    f"above the high watermark {high}: the next unit could never load while one computes "
-                    f"(raise device_budget, or pass units= with smaller units)" + _kept_whole(a))
+                return (f"units {a.name!r} ({a.nbytes} bytes) and {b.name!r} ({b.nbytes} bytes) run one after "
+                        f"the other; with the root unit ({self.root.nbytes} bytes) they need {need} bytes, "
+                        f"above the high watermark {high}: the next unit could never load while one computes "
+                        f"(raise device_budget, or pass units= with smaller units)" + _kept_whole(a))
+        return None
 
     def format_table(self):
         width = max([len(u.name) for u in self.units] + [len(ROOT_NAME), 4])
@@ -162,17 +246,29 @@ def plan_units(model, high_watermark, lookahead, units=None, no_split=(), block_
     """Plan `model`'s units for a device tier whose high watermark is `high_watermark` bytes.
     block_bytes: fn(nbytes) -> what a tensor of nbytes reserves on the device (the backend's
     block_bytes: a 4 KiB page on cpu, a 2 MiB granule under ACL/CUDA virtual memory);
-    None: the tensor's own bytes."""
+    None: the tensor's own bytes.
+    Raises PrefetchdError if a cell the hooks would hook runs inside a @jit method's graph."""
     no_split = tuple(no_split or ())
     size = param_nbytes if block_bytes is None else (lambda p: int(block_bytes(param_nbytes(p))))
+    jit = _jit_graph_cells(model)
+    plan = _plan(model, high_watermark, lookahead, units, no_split, size, jit)
+    _refuse_hooks_in_jit_graphs(model, plan, jit)
+
+    def replan(high, lookahead):
+        return _plan(model, high, lookahead, units, no_split, size, jit)
+    plan.replan = replan
+    return plan
+
+
+def _plan(model, high_watermark, lookahead, units, no_split, size, jit):
     all_params = _unique(model.get_parameters())
     total = sum(param_nbytes(p) for p in all_params)
     if units is not None:
         chosen = [_make_unit(name, [(name, cell)], size) for name, cell in _resolve(model, units)]
         return _finish(model, chosen, all_params, high_watermark, lookahead, total, size, explicit=True)
-    blocks = _find_blocks(model, "")
+    blocks = _find_blocks(model, "", jit)
     search = dict(model=model, blocks=blocks, all_params=all_params, high=high_watermark, lookahead=lookahead,
-                  total=total, no_split=no_split, size=size)
+                  total=total, no_split=no_split, size=size, jit=jit)
     plan = _search(**search, keep_owners=False)
     if not plan.fits():
         # Splitting moves a block's own parameters to the root; keeping such blocks
@@ -183,12 +279,12 @@ def plan_units(model, high_watermark, lookahead, units=None, no_split=(), block_
     return plan
 
 
-def _search(model, blocks, all_params, high, lookahead, total, no_split, size, keep_owners):
+def _search(model, blocks, all_params, high, lookahead, total, no_split, size, jit, keep_owners):
     share = high
     for _ in range(_MAX_ROUNDS):
         chosen = []
         for name, cell in blocks:
-            chosen.extend(_split(name, cell, share, no_split, size, keep_owners))
+            chosen.extend(_split(name, cell, share, no_split, size, jit, keep_owners))
         plan = _finish(model, _merge(chosen, share), all_params, high, lookahead, total, size)
         if plan.unit_share >= share:   # stable: no unit was sized for a larger share
             return plan
@@ -231,16 +327,18 @@ def _is_compiled(cell):
     return bool(getattr(type(cell).construct, "__wrapped_by_jit__", False))
 
 
-def _find_blocks(cell, prefix):
-    """(name, cell) of the repeated blocks under `cell`, top-down, in definition order."""
+def _find_blocks(cell, prefix, jit):
+    """(name, cell) of the repeated blocks under `cell`, top-down, in definition order.
+    Cells that run inside a @jit method's graph (`jit`) are neither blocks nor searched."""
     if _is_compiled(cell):
         return []
-    children = [(n, c) for n, c in cell.name_cells().items() if c is not None and _has_params(c)]
+    children = [(n, c) for n, c in cell.name_cells().items()
+                if c is not None and _has_params(c) and id(c) not in jit]
     if _is_container(cell):
         found = []
         for name, child in children:
             qualified = _join(prefix, name)
-            found.extend(_find_blocks(child, qualified) if _is_container(child) else [(qualified, child)])
+            found.extend(_find_blocks(child, qualified, jit) if _is_container(child) else [(qualified, child)])
         return found
     counts = {}
     for _, child in children:
@@ -252,11 +350,11 @@ def _find_blocks(cell, prefix):
         if counts.get(type(child), 0) >= 2:
             found.append((qualified, child))
         else:
-            found.extend(_find_blocks(child, qualified))
+            found.extend(_find_blocks(child, qualified, jit))
     return found
 
 
-def _split(name, cell, share, no_split, size, keep_owners=False):
+def _split(name, cell, share, no_split, size, jit, keep_owners=False):
     """Units for block `cell`: itself if it fits `share`, else its children's units."""
     unit = _make_unit(name, [(name, cell)], size)
     children = [(n, c) for n, c in cell.name_cells().items() if c is not None and _has_params(c)]
@@ -264,13 +362,13 @@ def _split(name, cell, share, no_split, size, keep_owners=False):
         whole = False                 # its hooks would never fire: its items are the units
     else:
         whole = unit.nbytes <= share or not children or (no_split and isinstance(cell, no_split)) \
-            or _is_compiled(cell) or _reads_descendants(cell) \
+            or _is_compiled(cell) or _reads_descendants(cell) or any(id(c) in jit for _, c in children) \
             or (keep_owners and any(True for _ in cell.get_parameters(expand=False)))
     if whole:
         return [unit]
     parts = []
     for child_name, child in children:
-        parts.extend(_split(_join(name, child_name), child, share, no_split, size, keep_owners))
+        parts.extend(_split(_join(name, child_name), child, share, no_split, size, jit, keep_owners))
     return parts
 
 
@@ -306,6 +404,57 @@ def _finish(model, units, all_params, high, lookahead, total, size, explicit=Fal
                     if id(p) in in_units)
     share = max((high - root.nbytes) // (2 + lookahead), 0)
     return Plan(units, root, high, share, lookahead, total, explicit, compiled_model=_is_compiled(model))
+
+
+def _jit_graph_cells(model):
+    """id(cell) -> (owner name, owner, method name, called expression) for every cell that
+    runs inside the graph of a @jit method (not a compiled construct) a construct calls,
+    and every cell under it (prefetchd/construct_reads.compiled_calls)."""
+    names = {}
+    for name, cell in model.cells_and_names():
+        names.setdefault(id(cell), name)
+    found = {}
+    for name, cell in model.cells_and_names():
+        if _is_compiled(cell):
+            continue
+        for _, owner, method, used in compiled_calls(cell):
+            owner_name = names.get(id(owner), name)
+            for expr, sub in used:
+                for _, inner in sub.cells_and_names():
+                    if inner is not owner:
+                        found.setdefault(id(inner), (owner_name, owner, method, expr))
+    return found
+
+
+def _refuse_hooks_in_jit_graphs(model, plan, jit):
+    """PrefetchdError if a cell the layer hooks would hook (a unit's cell, or a part of a
+    unit, which carries a probe in the recording pass: prefetchd/parts.py) runs inside
+    a @jit method's graph. MindSpore 2.10 compiles the forward hooks of the cells called
+    there into the graph: prefetchd's fail to compile ("Unsupported statement 'Import'"),
+    and a hook that compiled would run once, at trace time, not at every call."""
+    if not jit or not plan.units:
+        return
+    names = {}
+    for name, cell in model.cells_and_names():
+        names.setdefault(id(cell), name)
+    for unit in plan.units:
+        own = [c for _, c in unit.cells]
+        for cell in own + list(_parts.part_cells(own)):
+            if id(cell) not in jit:
+                continue
+            owner_name, owner, method, expr = jit[id(cell)]
+            kind = type(owner).__name__
+            role = (f"it is a cell of unit {unit.name!r}" if any(cell is c for c in own)
+                    else f"it is a part of unit {unit.name!r}, probed in the first forward")
+            where = repr(owner_name) if owner_name else "the model"
+            raise PrefetchdError(
+                f"prefetchd.offload: {where} ({kind}) calls {expr} from its @jit method {method!r}; "
+                f"MindSpore compiles the forward hooks of cells called inside a jit graph into that graph, "
+                f"where prefetchd's hooks cannot run, and {names.get(id(cell), type(cell).__name__)!r} would "
+                f"carry one ({role}). Decorate {kind}.construct with @mindspore.jit instead of {method!r} "
+                f"(a compiled cell streams whole, as one unit), drop @jit from {method!r}, or pass units= "
+                f"naming cells that neither contain {where} nor are called from {method!r} "
+                f"(cells left out of every unit are pinned in the root)")
 
 
 def _outside_units(model, units):

@@ -1,0 +1,287 @@
+"""What offload() refuses up front: every budget refusal names the smallest device_budget
+that plans units that fit (and that budget does fit), and cells whose hooks would run
+inside a @jit method's graph are refused by name instead of failing in the first forward."""
+import re
+
+import numpy as np
+import pytest
+
+import prefetchd
+from prefetchd.config import Config
+from prefetchd.errors import BudgetError, PrefetchdError
+from prefetchd.planner import DEFAULT_HIGH_FRACTION, budget_for_high_watermark, param_nbytes, plan_units
+
+PAGE = 4096
+
+
+def pages(n):
+    return -(-n // PAGE) * PAGE
+
+
+def nbytes(cell):
+    return sum(param_nbytes(p) for p in cell.get_parameters())
+
+
+def suggested(message):
+    """(budget at the plan's lookahead, budget at lookahead 0 or None) named by a refusal."""
+    found = re.search(r"device_budget >= \S+ \((\d+) bytes", message)
+    assert found, message
+    zero = re.search(r"\(lookahead 0: \S+ \((\d+) bytes", message)
+    if zero is None and "the same at lookahead 0" in message:
+        return int(found.group(1)), int(found.group(1))
+    return int(found.group(1)), int(zero.group(1)) if zero else None
+
+
+def high_of(budget):
+    return Config(device_budget=budget).high_watermark
+
+
+@pytest.fixture
+def kinds(ms):
+    nn, ops = ms.nn, ms.ops
+
+    class Block(nn.Cell):
+        def __init__(self, d):
+            super().__init__()
+            self.a, self.b = nn.Dense(d, d), nn.Dense(d, d)
+
+        def construct(self, x):
+            return self.b(self.a(x))
+
+    class Net(nn.Cell):
+        def __init__(self, d=64, n=6):
+            super().__init__()
+            self.embed = nn.Dense(d, d)
+            self.blocks = nn.CellList([Block(d) for _ in range(n)])
+
+        def construct(self, x):
+            x = self.embed(x)
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    class Compiled(Net):
+        @ms.jit
+        def construct(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    class ReadsChild(Block):               # kept whole: reads its child's weight directly
+        def construct(self, x):
+            y = self.b(self.a(x))
+            return y + ops.matmul(y, self.b.weight)
+
+    return Block, Net, Compiled, ReadsChild
+
+
+def test_the_default_high_fraction_is_the_configs():
+    for budget in (1, 4095, 1 << 20, 3 * (1 << 30) + 7):
+        assert high_of(budget) == int(budget * DEFAULT_HIGH_FRACTION)
+    for high in (1, 95, 96, 798720, 3 << 30):
+        budget = budget_for_high_watermark(high)
+        assert high_of(budget) >= high and (budget == 1 or high_of(budget - 1) < high)
+
+
+ROOT = pages(64 * 64 * 4) + pages(64 * 4)            # the embedding Dense, paged
+BLOCK = 2 * ROOT                                        # two Dense of the same shape
+CASES = {  # case: (high watermark, what the refusal names)
+    "tensor": (3 * PAGE, r"tensor 'embed\.weight' needs 16384 bytes"),
+    "root": (ROOT - 1, r"the root unit .* needs 20480 bytes"),
+    "unit": (ROOT + BLOCK - 1, r"unit 'blocks\.0' \(40960 bytes\) with the root unit"),
+    "pair": (ROOT + 2 * BLOCK - 1, r"units 'blocks\.0' .* and 'blocks\.1'"),
+    "compiled": (4 * BLOCK, r"the model's construct is compiled"),
+    "kept_whole": (ROOT + BLOCK - 1, r"'blocks\.0' is kept whole because its construct reads self\.b\.weight"),
+    "explicit": (2 * BLOCK, r"units 'blocks\.0' .* and 'blocks\.1'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_every_budget_refusal_names_the_smallest_budget_that_fits(kinds, case, lookahead):
+    """The budget a refusal names is computed by re-planning (page rounding, splits, the
+    root, the 95% high watermark): with it the plan fits, with a byte less it does not."""
+    block, net, compiled, reads_child = kinds
+    options = dict(block_bytes=pages)
+    if case == "compiled":
+        model = compiled()
+    elif case == "kept_whole":
+        model = net()
+        model.blocks = type(model.blocks)([reads_child(64) for _ in range(6)])
+    else:
+        model = net()
+    if case in ("unit", "pair"):
+        options["no_split"] = (block,)
+    if case == "explicit":
+        options["units"] = [f"blocks.{i}" for i in range(6)]
+    high, names = CASES[case]
+    plan = plan_units(model, high, lookahead, **options)
+    with pytest.raises(BudgetError, match=names) as refused:
+        plan.check_fits()
+    budget, budget0 = suggested(str(refused.value))
+    assert (budget0 is None) == (lookahead == 0)
+    for la, need in [(lookahead, budget)] + ([(0, budget0)] if budget0 else []):
+        plan_units(model, high_of(need), la, **options).check_fits()          # fits
+        assert not plan_units(model, high_of(need - 1), la, **options).fits()   # a byte less does not
+        assert not plan_units(model, high_of(need - 3 * PAGE), la, **options).fits()
+
+
+def test_a_model_a_tenth_above_the_budget_is_refused_naming_a_budget_that_runs(ms, kinds, make_daemon,
+                                                                                tmp_path):
+    """At offload(): blocks kept whole (no_split) of a model 10% above the budget. The named
+    budgets (lookahead 1, and 0) offload and run equal to the model itself, on the cpu
+    backend's 4 KiB pages; three pages less is refused."""
+    block, net, _, _ = kinds
+    np.random.seed(0)
+    first = net(d=128, n=2)
+    values = [p.asnumpy() for p in first.get_parameters()]
+    x = ms.Tensor(np.random.randn(2, 128).astype(np.float32))
+    expected = first(x).asnumpy()
+
+    def model():                                      # a closed handle's model does not run again
+        m = net(d=128, n=2)
+        for p, v in zip(m.get_parameters(), values):
+            p.set_data(ms.Tensor(v))
+        return m
+
+    options = dict(no_split=(block,))
+    stores = iter(str(tmp_path / f"store{i}") for i in range(10))
+
+    def daemon(budget):                               # one store per daemon
+        return make_daemon(device_budget=budget, store_dir=next(stores))
+
+    with pytest.raises(BudgetError, match="above the high watermark") as refused:
+        prefetchd.offload(model(), daemon(int(nbytes(first) / 1.1)), lookahead=1, **options)
+    budget, budget0 = suggested(str(refused.value))
+    assert "at lookahead 1" in str(refused.value) and budget0 is not None
+    for lookahead, need in [(1, budget), (0, budget0)]:
+        with pytest.raises(BudgetError):
+            prefetchd.offload(model(), daemon(need - 3 * PAGE), lookahead=lookahead, **options)
+        m = model()
+        handle = prefetchd.offload(m, daemon(need), lookahead=lookahead, **options)
+        for _ in range(3):
+            np.testing.assert_array_equal(m(x).asnumpy(), expected)
+        handle.close()
+
+
+# ------------------------------------------------------------------ @jit helper methods
+
+@pytest.fixture
+def jit_models(ms):
+    nn, ops = ms.nn, ms.ops
+
+    class MlpBlock(nn.Cell):
+        """Its construct calls a @jit helper that calls sub-cells (the probe's case)."""
+        def __init__(self, d):
+            super().__init__()
+            self.norm = nn.LayerNorm((d,))
+            self.fc1, self.fc2 = nn.Dense(d, 4 * d), nn.Dense(4 * d, d)
+
+        @ms.jit
+        def _mlp(self, x):
+            return self.fc2(ops.gelu(self.fc1(x)))
+
+        def construct(self, x):
+            return x + self._mlp(self.norm(x))
+
+    class WholeBlock(MlpBlock):
+        """The remedy the refusal names: the whole construct compiled."""
+        @ms.jit
+        def construct(self, x):
+            return x + self._mlp(self.norm(x))
+
+    class Plain(nn.Cell):
+        def __init__(self, d):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Dense(d, 4 * d), nn.Dense(4 * d, d)
+
+        def construct(self, x):
+            return x + self.fc2(ops.gelu(self.fc1(x)))
+
+    class Stack(nn.Cell):
+        def __init__(self, block, d=32, n=4):
+            super().__init__()
+            self.blocks = nn.CellList([block(d) for _ in range(n)])
+
+        def construct(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    class JitBody(Stack):
+        """The model's construct calls a @jit helper running every block: no block can be a unit."""
+        def __init__(self, d=32, n=4):
+            super().__init__(Plain, d, n)
+            self.inp = nn.Dense(d, d)
+
+        @ms.jit
+        def _body(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+        def construct(self, x):
+            return self._body(self.inp(x))
+
+    return MlpBlock, WholeBlock, Stack, JitBody
+
+
+def test_a_jit_helper_calling_sub_cells_is_refused_at_offload_naming_cell_and_method(ms, jit_models,
+                                                                                      make_daemon):
+    mlp_block, _, stack, _ = jit_models
+    model = stack(mlp_block)
+    daemon = make_daemon()
+    with pytest.raises(PrefetchdError, match=r"'blocks\.0' \(MlpBlock\) calls self\.fc1 from its @jit method "
+                                             r"'_mlp'.*Decorate MlpBlock\.construct with @mindspore\.jit"):
+        prefetchd.offload(model, daemon, lookahead=1)
+    assert list(daemon.names()) == []                 # refused before anything was registered
+    np.testing.assert_array_equal(model(ms.Tensor(np.ones((2, 32), np.float32))).shape, (2, 32))
+    # Units naming the sub-cells themselves would put unit hooks inside the graph.
+    with pytest.raises(PrefetchdError, match=r"it is a cell of unit 'blocks\.0\.fc1'"):
+        plan_units(stack(mlp_block), 1 << 30, 1, units=["blocks.0.fc1"])
+
+
+@pytest.mark.parametrize("which", ["whole_construct", "helper_over_blocks"])
+def test_jit_layouts_that_stream_soundly_match_the_model_on_every_pass(ms, jit_models, make_daemon, which):
+    """A compiled construct (the remedy) streams as one unit; a model whose @jit helper runs
+    every block keeps them in the root (no hook inside the graph). Graphs compiled before
+    offload() are invalidated: outputs equal the un-offloaded model on every pass."""
+    _, whole_block, stack, jit_body = jit_models
+    np.random.seed(1)
+    model = stack(whole_block) if which == "whole_construct" else jit_body()
+    x = ms.Tensor(np.random.randn(2, 32).astype(np.float32))
+    expected = model(x).asnumpy()                     # compiles the graphs before offload()
+    handle = prefetchd.offload(model, make_daemon(device_budget="8MiB"), lookahead=1)
+    plan = handle.plan()
+    if which == "helper_over_blocks":
+        assert plan.units == [] and len(plan.root.params) == len(list(model.get_parameters()))
+    else:
+        assert plan.units and all(isinstance(c, whole_block) for u in plan.units for _, c in u.cells)
+    for _ in range(3):
+        np.testing.assert_array_equal(model(x).asnumpy(), expected)
+    handle.close()
+
+
+def test_direct_reads_follow_into_jit_helpers(ms):
+    """A @jit helper reading a sub-cell's weight directly was skipped as 'MindSpore's own'
+    (its wrapper's module is mindspore's): its reads count like a plain helper's."""
+    from prefetchd.construct_reads import compiled_calls, direct_reads
+    nn, ops = ms.nn, ms.ops
+
+    class Tied(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Dense(4, 4), nn.Dense(4, 4)
+
+        @ms.jit
+        def _head(self, x):
+            return ops.matmul(self.fc1(x), self.fc2.weight)
+
+        def construct(self, x):
+            return self._head(x)
+
+    cell = Tied()
+    assert [e for e, _ in direct_reads(cell)] == ["self.fc2.weight"]
+    [(expr, owner, method, used)] = compiled_calls(cell)
+    assert (expr, owner, method) == ("self._head", cell, "_head")
+    assert [e for e, _ in used] == ["self.fc1"]          # fc2 is only read, not run, in the graph
