@@ -14,14 +14,14 @@ cell under a unit's cells that holds parameters:
   pass ends.
 - Afterwards, a unit that had entries takes them as cells beside those of its
   own cells that ran: pinned when the first of them starts, released when all
-  of them ran, like a unit of merged siblings. Its parts outside those
-  entries keep their probe, so a part that first runs in a later pass is
-  fetched on demand (held until another unit starts) instead of read unmapped.
-- Every other unit's probes are removed after the recording pass: each costs
-  a Python call per call of its cell.
-
-Not covered: a unit whose own cell ran in the recording pass and whose parts
-alone run in a later one (its probes are gone by then).
+  of them ran, like a unit of merged siblings.
+- Every other part keeps its pre-probe (the post-probes go: part depths matter
+  while recording only), so a part that first runs alone in a later pass (a
+  branch the recording pass did not take, `self.blocks[0].mlp(x)` after the
+  blocks) is fetched on demand and held until another unit starts, instead of
+  read unmapped. A probe inside its unit's running call returns at once: one
+  Python call per call of the part, beside MindSpore's dispatch of the part's
+  own ops.
 """
 from .backend import framework
 
@@ -75,7 +75,7 @@ class PartProbes:
     def adopt(self, units, hook_unit_cell):
         """After the recording pass: each unit entered by its parts takes its entries as
         cells (hook_unit_cell(cell) hooks each); probes stay on its parts outside them,
-        every other probe goes. Returns the units that had entries."""
+        the post-probes go. Returns the units that had entries."""
         parted = [u for u in units if u.entries]
         for unit in parted:
             unit.cells = (unit.cells if unit.own_ran else []) + unit.entries
@@ -88,11 +88,11 @@ class PartProbes:
         for key in list(self._probes):
             pre, post = self._probes[key]
             post.remove()                                  # part depths matter while recording only
-            if self._of[key][0].entries and key not in inside:
-                self._probes[key] = [pre]
-            else:
+            if key in inside:
                 pre.remove()
                 del self._probes[key]
+            else:
+                self._probes[key] = [pre]
         for unit in units:
             unit.last_output = None
         return parted

@@ -160,7 +160,7 @@ def test_holders_whose_outputs_are_kept_or_whose_parts_are_called_two_levels_dow
     assert stats["misses"] == 0 and stats["resyncs"] == 0, stats
 
 
-def test_probes_of_units_whose_own_cells_ran_are_removed_after_the_recording_pass(ms, x, tmp_path):
+def test_after_the_recording_pass_parts_keep_only_a_pre_probe(ms, x, tmp_path):
     _, _, _, Stage = classes(ms)
     ms.set_seed(0)
     model = ms.nn.SequentialCell([Stage() for _ in range(4)])
@@ -169,9 +169,47 @@ def test_probes_of_units_whose_own_cells_ran_are_removed_after_the_recording_pas
         handle = prefetchd.offload(model, daemon, lookahead=1)
         assert [cell for u in handle.plan().units for _, cell in u.cells] == list(model)
         parts = [cell for block in model for cell in (block.a, block.b)]
-        assert all(cell._forward_pre_hook for cell in parts)       # probed while recording
+        assert all(cell._forward_pre_hook and cell._forward_hook for cell in parts)   # recording
         model(x)
-        assert not any(cell._forward_pre_hook or cell._forward_hook for cell in parts)
+        assert all(len(cell._forward_pre_hook) == 1 and not cell._forward_hook for cell in parts)
+        handle.close()
+        assert not any(cell._forward_pre_hook for cell in parts)
+
+
+def test_a_part_called_alone_after_its_units_own_cell_ran_in_the_recording_pass(ms, x, tmp_path):
+    """Each block runs whole; in later passes the model also calls the third block's `a`
+    alone after the last block (its unit evicted by then): it was read unmapped (SIGSEGV)."""
+    _, _, _, Stage = classes(ms)
+    nn = ms.nn
+
+    class Revisits(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.CellList([Stage() for _ in range(6)])
+            self.revisit = None           # a callable the construct cannot be read through
+
+        def construct(self, x):
+            for block in self.blocks:
+                x = block(x)
+            if self.revisit is not None:
+                x = self.revisit(x)
+            return x
+
+    ms.set_seed(0)
+    model = Revisits()
+    model.set_train(False)
+    first_a = model.blocks[2].a
+    model.revisit = lambda v: first_a(v)
+    want = model(x).asnumpy()
+    model.revisit = None
+    with prefetchd.Daemon(device_budget=int(weight_bytes(model) * 0.55), store_dir=str(tmp_path / "s")) as daemon:
+        handle = prefetchd.offload(model, daemon, lookahead=1)
+        assert [cell for u in handle.plan().units for _, cell in u.cells] == list(model.blocks)
+        model(x)
+        model(x)
+        model.revisit = lambda v: first_a(v)
+        for i in range(2):
+            np.testing.assert_array_equal(model(x).asnumpy(), want, err_msg=f"pass {i} revisiting")
         handle.close()
 
 
