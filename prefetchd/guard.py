@@ -7,7 +7,18 @@ lost) and (b) turn Python-level use of a tensor whose device replica is gone
 into a NotResidentError instead of reading someone else's bytes. Kernels that
 receive the tensor inside C++ (e.g. a Cell's construct) do not go through
 these methods; there the layer hooks check residency before compute.
+
+A guarded tensor also refuses every MindSpore op it is an argument of
+(`ops.norm(p)`, `ops.assign(p, v)`, `p * 2`, `p.abs()`, a Primitive call):
+MindSpore 2.10's PyNative dispatch calls `__fallback__(op, args...)` on a tensor
+argument whose class defines it instead of running the kernel, so the op is
+refused before native code touches the unmapped memory (which would kill the
+process with SIGSEGV). The tracking class, which a tensor has while compute may
+use it, does not define it: the forward's ops never pay for a Python call.
+Not every entry point dispatches that way; docs/daemon-api.md ("Reading weights
+outside a forward") lists what is covered and what is not.
 """
+from .errors import NotResidentError, UseAfterFreeError
 _tracked = {}   # base class -> tracking subclass
 _guarded = {}   # base class -> guarding subclass
 
@@ -19,7 +30,20 @@ _READERS = ("asnumpy", "numpy", "__array__", "__getitem__", "item", "tolist", "_
             "__neg__", "__abs__", "sum", "mean", "copy_", "__setitem__", "asnumpy_of_slice_persistent_data",
             "set_data", "assign_value", "fill_", "zero_",
             # Copies read every byte (an optimizer's constructor clones each parameter).
-            "clone", "copy", "__copy__", "__deepcopy__")
+            "clone", "copy", "__copy__", "__deepcopy__",
+            # Hand the storage to native code without an op: pickling (Parameter.__reduce_ex__
+            # wraps it in a Tensor), checkpoint writers (save_checkpoint reads `param.data`,
+            # then `get_bytes`), moves and conversions.
+            "__reduce_ex__", "__reduce__", "get_bytes", "move_to", "to", "offload", "_offload", "storage",
+            "untyped_storage", "assign_value_cpp", "_update_tensor_data", "__bool__", "__float__", "__int__",
+            "__index__")
+# Properties read on the way to native code: `p.data` is a second framework tensor over the
+# same memory, which nothing guards (mindspore.save_checkpoint(net) reads every parameter that
+# way); a @jit function reads `const_arg` of each Tensor argument before its graph runs on it.
+_STORAGE_PROPERTIES = {"data": ".data (a second tensor over its memory)", "const_arg": "a @jit call with it as an argument"}
+_USE_HINT = ("outside an offloaded model's forward, use managed weights inside `with daemon.use([...])`, "
+             "which keeps them resident until the block ends (gradients and training through an "
+             "offloaded model are not supported)")
 
 
 def base_class(obj):
@@ -56,15 +80,46 @@ def _tracking_class(base):
     return cls
 
 
+def refusal(target, what):
+    """The error a guarded tensor raises when `what` (a method, an op) is tried on it."""
+    error = target.__dict__["_prefetchd_error"]()
+    if not isinstance(error, NotResidentError):
+        return error
+    message = f"refused {what}: {error}"
+    if isinstance(error, UseAfterFreeError):
+        pass                                  # no daemon involved: ops.free() released it
+    elif "daemon.use" in message:
+        message += " (gradients and training through an offloaded model are not supported)"
+    else:
+        message += f"; {_USE_HINT}"
+    return type(error)(error.name, error.tier, error.state, message)
+
+
+def _op_name(op):
+    name = getattr(op, "name", None)
+    return name if isinstance(name, str) and name else type(op).__name__
+
+
 def _guarding_class(base):
     cls = _guarded.get(base)
     if cls is None:
         def make(name):
             def method(self, *args, **kwargs):
-                raise self.__dict__["_prefetchd_error"]()
+                raise refusal(self, f"{name}()")
             method.__name__ = name
             return method
+
+        def storage(what):
+            def refuse(self, *value):
+                raise refusal(self, what)
+            return property(refuse, refuse)
+
+        def fallback(self, op, *args, **kwargs):
+            # MindSpore's dispatch, for an op taking this tensor (see the module docstring).
+            raise refusal(self, f"MindSpore op {_op_name(op)}")
         ns = {name: make(name) for name in _READERS if hasattr(base, name)}
+        ns.update({name: storage(what) for name, what in _STORAGE_PROPERTIES.items() if hasattr(base, name)})
+        ns["__fallback__"] = fallback
         ns["_prefetchd_wrapper"] = True
         ns["__repr__"] = lambda self: f"<prefetchd tensor {self.__dict__.get('_prefetchd_name')!r}: not resident>"
         ns["__str__"] = ns["__repr__"]
