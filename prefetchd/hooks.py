@@ -134,7 +134,8 @@ class Offloaded:
         for cell in {id(c): c for u in self.units for c in u.cells}.values():
             self._hook_unit_cell(cell)
         # Units whose own cell is never called are pinned from their parts' calls.
-        self._parts = PartProbes(self.units, self._by_cell, self._before_part, self._after_part)
+        self._parts = PartProbes(self.units, self._by_cell, self._before_part, self._after_part,
+                                 skip=self._plan.jit_cells)
         self._parted = []              # units pinned now by a part's call
         self._handles.append(model.register_forward_pre_hook(self._before_model))
         self._handles.append(model.register_forward_hook(self._after_model))

@@ -33,11 +33,11 @@ class PartProbes:
     Units are hooks.Unit objects: this class keeps their entries, part_depth and
     last_output; the hooks set own_ran and parted when they pin."""
 
-    def __init__(self, units, unit_cell_ids, before, after):
+    def __init__(self, units, unit_cell_ids, before, after, skip=()):
         self._of = {}          # id(part) -> the units it is part of (a shared cell: several)
         self._probes = {}      # id(part) -> its probe hooks' handles
         for unit in units:
-            for part in part_cells(unit.cells):
+            for part in part_cells(unit.cells, skip):
                 if id(part) in unit_cell_ids:
                     continue
                 self._of.setdefault(id(part), []).append(unit)
@@ -104,10 +104,12 @@ class PartProbes:
         self._probes.clear()
 
 
-def part_cells(unit_cells):
+def part_cells(unit_cells, skip=()):
     """The cells under `unit_cells` (not those themselves) that hold parameters, in
-    definition order. Cells under a compiled (@jit) cell are left out: they run
-    inside its graph, where hooks cannot run."""
+    definition order. Cells under a compiled (@jit) cell, and those in `skip` (ids of
+    cells a @jit method calls: prefetchd.planner) with what is under them, are left
+    out: they run inside a graph, where hooks cannot run (MindSpore would compile
+    the hook into the graph, and run it once, when tracing)."""
     ms = framework.mindspore()
     own = {id(c) for c in unit_cells}
     found, seen = [], set()
@@ -116,7 +118,7 @@ def part_cells(unit_cells):
         if getattr(type(cell).construct, "__wrapped_by_jit__", False):
             return
         for child in cell.name_cells().values():
-            if child is None or id(child) in seen or id(child) in own:
+            if child is None or id(child) in seen or id(child) in own or id(child) in skip:
                 continue
             seen.add(id(child))
             if not any(True for _ in child.get_parameters()):

@@ -41,10 +41,10 @@ compute. `plan_units(model, high_watermark, lookahead)` walks the cell tree
   longer fits, the blocks that own parameters directly are kept whole instead.
 - Cells a @jit *method* (not construct) calls run inside its graph, where
   MindSpore 2.10 compiles their forward hooks (construct_reads.compiled_calls):
-  they are never units or searched, their caller is never split, and a plan
-  that would still hook one (a unit's cell, or a part probed in the recording
-  pass: prefetchd.parts.part_cells) is refused with PrefetchdError by cell and
-  method.
+  they are never units or searched, their caller is never split, they get
+  no part probe (Plan.jit_cells: prefetchd.parts.part_cells skips them), and
+  a plan that would still hook one (a unit's cell, through units=) is refused
+  with PrefetchdError by cell and method.
 
 `Plan.check_fits()` raises BudgetError for what can never run: a tensor or a
 unit larger than the high watermark, or a root plus two consecutive units
@@ -130,6 +130,8 @@ class Plan:
     compiled_model: bool = False   # the model's own construct is @jit: every parameter is root
     replan: object = None          # fn(high_watermark, lookahead) -> the Plan with the same inputs
     high_fraction: float = DEFAULT_HIGH_FRACTION   # high watermark / device_budget, for the hint
+    # ids of the cells that run inside a @jit method's graph: never hooked (prefetchd.parts)
+    jit_cells: frozenset = frozenset()
 
     def fits(self):
         return self._problem() is None
@@ -252,6 +254,7 @@ def plan_units(model, high_watermark, lookahead, units=None, no_split=(), block_
     size = param_nbytes if block_bytes is None else (lambda p: int(block_bytes(param_nbytes(p))))
     jit = _jit_graph_cells(model)
     plan = _plan(model, high_watermark, lookahead, units, no_split, size, jit)
+    plan.jit_cells = frozenset(jit)
     _refuse_hooks_in_jit_graphs(model, plan, jit)
 
     def replan(high, lookahead):
@@ -439,7 +442,7 @@ def _refuse_hooks_in_jit_graphs(model, plan, jit):
         names.setdefault(id(cell), name)
     for unit in plan.units:
         own = [c for _, c in unit.cells]
-        for cell in own + list(_parts.part_cells(own)):
+        for cell in own + list(_parts.part_cells(own, skip=jit)):
             if id(cell) not in jit:
                 continue
             owner_name, owner, method, expr = jit[id(cell)]
