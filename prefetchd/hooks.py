@@ -111,6 +111,8 @@ class Offloaded:
         # Everything that can be refused is refused before anything is registered.
         self._plan = plan_units(model, self._high, self.lookahead, units=units, no_split=no_split,
                                 block_bytes=daemon.backend.block_bytes)
+        # The refusal's suggested device_budget assumes this daemon's high-watermark fraction.
+        self._plan.high_fraction = self._high / config.device_budget
         self._plan.check_fits()
         log.info("prefetchd.offload(%s):\n%s", type(model).__name__, self._plan.format_table())
         self._invalidate_compiled()
