@@ -143,6 +143,8 @@ class Offloaded:
         self._handles.append(model.register_forward_hook(self._after_model))
         # always_call: MindSpore runs it when the forward or another hook raised, too.
         self._handles.append(model.register_forward_hook(self._end_pass, always_call=True))
+        # Fires before any backward kernel of the model runs (its output's gradient comes first).
+        self._handles.append(model.register_backward_pre_hook(self._refuse_backward))
 
     # ---------------------------------------------------------------- setup
     def _hook_unit_cell(self, cell):
@@ -460,6 +462,16 @@ class Offloaded:
         self._handles.append(self.model.register_forward_pre_hook(self._refuse_closed))
         if self._owns_daemon:
             self.daemon.close()
+
+    def _refuse_backward(self, cell, grad_output):
+        """A backward pass would read weights released after their forward: unmapped pages, the
+        process would die. Refused before the first backward kernel; MindSpore raises it from
+        grad()/value_and_grad() and recovers (a plain forward afterwards runs as before)."""
+        raise PrefetchdError(
+            f"prefetchd: gradients through an offloaded model are not supported: this "
+            f"{type(self.model).__name__}'s units are released as soon as their forward ran, and the "
+            f"backward pass would read their weights after that. Compute gradients on a model that is "
+            f"not offloaded (prefetchd streams weights for inference)")
 
     def _refuse_closed(self, cell, inputs):
         raise PrefetchdError(

@@ -75,13 +75,16 @@ def act(case, d, net, w, x, ckpt):
         copy.deepcopy(net)
     elif case == "data":
         w.data.asnumpy()
-    # Not covered (see docs/daemon-api.md): the tests expect these to fail for now.
+    # Refused by the model's backward pre-hook (prefetchd/hooks.py).
     elif case == "grad_input":
         ms.grad(net, grad_position=0)(x).asnumpy()
     elif case == "grad_weights":
         ms.grad(net, grad_position=None, weights=net.trainable_params())(x)
     elif case == "value_and_grad":
         ms.value_and_grad(net, grad_position=0)(x)
+    elif case == "grad_of_loss":                 # the model inside a loss: its backward comes later
+        ms.grad(lambda v: (net(v) * net(v)).sum(), grad_position=0)(x)
+    # Not covered (see docs/daemon-api.md): the tests expect these to fail for now.
     elif case == "stack":
         ops.stack((w, w)).asnumpy()
     elif case == "tensor_alias":

@@ -48,13 +48,17 @@ def test_inside_use_the_same_actions_work_and_writes_are_kept(tmp_path):
     assert "use: ops.assign and set_data are kept through an eviction" in run.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="not covered: backward kernels read the weights in native code after "
-                   "the forward released them; refusing needs a check in the model's forward pre-hook "
-                   "(prefetchd/hooks.py), see docs/daemon-api.md")
-@pytest.mark.parametrize("case", ["grad_input", "grad_weights", "value_and_grad"])
+@pytest.mark.parametrize("case", ["grad_input", "grad_weights", "value_and_grad", "grad_of_loss"])
 def test_gradients_through_an_offloaded_model_are_refused(tmp_path, case):
+    """The backward would read weights released after their forward (SIGSEGV before): the
+    model's backward pre-hook refuses before any backward kernel runs, and plain forwards
+    afterwards still give the resident answer."""
     run = run_child(case, tmp_path)
-    assert run.returncode == 0 and refusal(run) is not None, (run.returncode, run.stdout, run.stderr[-2000:])
+    assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-2000:])
+    line = refusal(run)
+    assert line is not None and line.startswith(
+        "refused: PrefetchdError: prefetchd: gradients through an offloaded model are not supported"), run.stdout
+    assert run.stdout.endswith("ok\n"), run.stdout
 
 
 @pytest.mark.xfail(strict=True, reason="not covered: these reach the tensor's memory without MindSpore's "
