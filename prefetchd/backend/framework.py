@@ -99,11 +99,16 @@ class ComputeMarker:
         from .. import _native
         ms = mindspore()
         lib = _kernel_path()
-        # MindSpore loads prebuilt AOT libraries only from white-listed directories.
-        allowed = os.environ.get("MS_CUSTOM_AOT_WHITE_LIST", "")
-        directory = os.path.dirname(lib)
-        if directory not in allowed.split(":"):
-            os.environ["MS_CUSTOM_AOT_WHITE_LIST"] = ":".join(p for p in (allowed, directory) if p)
+        # MindSpore checks an AOT library against MS_CUSTOM_AOT_WHITE_LIST, one directory, each
+        # time it builds the kernel for a new shape; unset, it allows any path. Setting it here
+        # would refuse the user's own AOT kernels elsewhere: it is only read, never written.
+        allowed = os.environ.get("MS_CUSTOM_AOT_WHITE_LIST")
+        if allowed is not None:
+            legal = os.path.realpath(allowed)
+            if os.path.commonpath([os.path.realpath(lib), legal]) != legal:
+                raise RuntimeError(
+                    f"MS_CUSTOM_AOT_WHITE_LIST={allowed!r} does not contain prefetchd's compute-fence "
+                    f"kernel {lib}; set it to a directory holding both it and your own kernels")
         self._native = _native
         self._word_block = _native.aligned_buffer(64)
         self.word = np.frombuffer(self._word_block, np.int64, 1)
