@@ -32,6 +32,19 @@ def __getattr__(name):
     if name in _ERRORS:
         return getattr(import_module("prefetchd.errors"), name)
     if name in _LAZY:
-        module = import_module(_LAZY[name])
+        try:
+            module = import_module(_LAZY[name])
+        except ImportError as e:
+            if "_native" not in str(e):
+                raise
+            raise ImportError(_no_native_engine()) from e
         return module if name == "ops" else getattr(module, name)
     raise AttributeError(f"module 'prefetchd' has no attribute {name!r}")
+
+
+def _no_native_engine():
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    return (f"prefetchd's native engine (_native*.so) is not built in {here}. If that is a source "
+            f"checkout shadowing the installed package (python run from the checkout's directory), run "
+            f"from another directory; to use the checkout itself, build it in place: pip install -e .")

@@ -25,8 +25,8 @@ compute. `plan_units(model, high_watermark, lookahead)` walks the cell tree
 - Tiny neighbours (siblings smaller than unit_share / 8) are merged while the
   merged unit stays within the share: fewer hooks and fences per pass.
 - `units=` (explicit (name, cell) pairs or cell names) replaces the search
-  (no split, no merge); `no_split=` (cell classes, like Accelerate's
-  no_split_module_classes) keeps cells of those classes whole.
+  (no split, no merge); `no_split=` (cell classes or class names, like
+  Accelerate's no_split_module_classes) keeps cells of those classes whole.
 - A parameter shared by several units is listed in each (each pins it).
 - A cell whose construct is compiled (@jit) is never split or searched: its
   children run inside its graph, where their hooks cannot run. It is a unit
@@ -234,11 +234,15 @@ class Plan:
 
     def format_table(self):
         width = max([len(u.name) for u in self.units] + [len(ROOT_NAME), 4])
+        # Bytes as the device reserves them (each tensor rounded to the backend's block), so the
+        # shares are of their sum, which can exceed the parameters' own bytes.
+        listed = sum(u.nbytes for u in [self.root, *self.units])
         lines = [f"{'unit':<{width}}  {'params':>6}  {'bytes':>12}  {'share':>6}"]
         for unit in [self.root, *self.units]:
-            share = unit.nbytes / self.total_bytes if self.total_bytes else 0.0
+            share = unit.nbytes / listed if listed else 0.0
             lines.append(f"{unit.name:<{width}}  {len(unit.params):>6}  {unit.nbytes:>12}  {share:>6.1%}")
-        lines.append(f"{len(self.units)} units + root; {self.total_bytes} bytes in all; high watermark "
+        lines.append(f"{len(self.units)} units + root; {listed} bytes on the device in all ({self.total_bytes} "
+                     f"bytes of parameters); high watermark "
                      f"{self.high_watermark}; unit share {self.unit_share} (lookahead {self.lookahead})"
                      + ("; units given explicitly" if self.explicit else ""))
         return "\n".join(lines)
@@ -250,7 +254,7 @@ def plan_units(model, high_watermark, lookahead, units=None, no_split=(), block_
     block_bytes: a 4 KiB page on cpu, a 2 MiB granule under ACL/CUDA virtual memory);
     None: the tensor's own bytes.
     Raises PrefetchdError if a cell the hooks would hook runs inside a @jit method's graph."""
-    no_split = tuple(no_split or ())
+    no_split = _no_split_classes(model, no_split)
     size = param_nbytes if block_bytes is None else (lambda p: int(block_bytes(param_nbytes(p))))
     jit = _jit_graph_cells(model)
     plan = _plan(model, high_watermark, lookahead, units, no_split, size, jit)
@@ -261,6 +265,29 @@ def plan_units(model, high_watermark, lookahead, units=None, no_split=(), block_
         return _plan(model, high, lookahead, units, no_split, size, jit)
     plan.replan = replan
     return plan
+
+
+def _no_split_classes(model, no_split):
+    """no_split= as a tuple of classes: cell classes, or class names (Accelerate's
+    no_split_module_classes style) of cells in `model`. Anything else is refused by name."""
+    if isinstance(no_split, (str, type)):
+        no_split = (no_split,)
+    present = {}
+    for _, cell in model.cells_and_names():
+        present.setdefault(type(cell).__name__, type(cell))
+    classes = []
+    for item in no_split or ():
+        if isinstance(item, type):
+            classes.append(item)
+        elif isinstance(item, str):
+            if item not in present:
+                raise ValueError(f"prefetchd.offload: no_split={item!r} names no cell class of this model "
+                                 f"(no_split takes cell classes or class names, not cell paths; classes "
+                                 f"here: {', '.join(sorted(present))})")
+            classes.append(present[item])
+        else:
+            raise TypeError(f"prefetchd.offload: no_split takes cell classes or class names, got {item!r}")
+    return tuple(classes)
 
 
 def _plan(model, high_watermark, lookahead, units, no_split, size, jit):

@@ -594,3 +594,24 @@ def test_arena_alloc_prefers_the_requested_offset_when_free():
     busy = a.alloc(4096, x.offset)              # taken: falls back to first fit
     assert busy.offset not in (x.offset, off, off + 4096)
     assert a.alloc(4096, 12345).offset >= 0     # unaligned preference: ignored
+
+
+def test_a_source_tree_without_the_native_engine_says_so_instead_of_a_bare_import_error(tmp_path):
+    """`pip install .` then python in the checkout: the checkout's prefetchd/ (no _native*.so)
+    shadows the installed one. `-S` keeps the editable install's import hook out."""
+    import shutil
+    import site
+    import subprocess
+    import prefetchd
+    tree = tmp_path / "checkout"
+    shutil.copytree(os.path.dirname(prefetchd.__file__), tree / "prefetchd",
+                    ignore=shutil.ignore_patterns("_native*.so", "__pycache__"))
+    script = (f"import sys; sys.path[:0] = [{str(tree)!r}, *{site.getsitepackages()!r}]\n"
+              "import prefetchd\n"
+              "try:\n    prefetchd.Daemon(device_budget='1MiB').start()\n"
+              "except ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-S", "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(f"prefetchd's native engine (_native*.so) is not built in {tree / 'prefetchd'}"), \
+        out.stdout + out.stderr[-2000:]
+    assert "pip install -e ." in out.stdout

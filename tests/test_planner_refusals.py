@@ -295,3 +295,26 @@ def test_direct_reads_follow_into_jit_helpers(ms):
     [(expr, owner, method, used)] = compiled_calls(cell)
     assert (expr, owner, method) == ("self._head", cell, "_head")
     assert [e for e, _ in used] == ["self.fc1"]          # fc2 is only read, not run, in the graph
+
+
+def test_no_split_takes_classes_or_class_names_and_refuses_anything_else_by_name(ms):
+    nn = ms.nn
+
+    class Pair(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Dense(64, 64), nn.Dense(64, 64)
+
+        def construct(self, x):
+            return self.b(self.a(x))
+
+    model = nn.SequentialCell([Pair() for _ in range(4)])
+    small = 40 << 10                        # a Pair (33 KB) is split at this high watermark...
+    assert any(isinstance(c, nn.Dense) for u in plan_units(model, small, 1).units for _, c in u.cells)
+    for no_split in ([Pair], ["Pair"], "Pair", Pair):   # ...and kept whole when named
+        plan = plan_units(model, small, 1, no_split=no_split)
+        assert all(isinstance(c, Pair) for u in plan.units for _, c in u.cells), no_split
+    with pytest.raises(ValueError, match=r"no_split='0' names no cell class.*not cell paths.*Dense, Pair"):
+        plan_units(model, small, 1, no_split=["0"])
+    with pytest.raises(TypeError, match="no_split takes cell classes or class names, got 3"):
+        plan_units(model, small, 1, no_split=[3])

@@ -9,6 +9,11 @@ from .base import Backend, Completion, TransferKind
 
 
 def create(config):
+    try:
+        from .. import _native  # noqa: F401  (every backend needs the native engine)
+    except ImportError as e:
+        from .. import _no_native_engine
+        raise ImportError(_no_native_engine()) from e
     if config.backend == "cpu":
         from .cpu import CpuBackend
         return CpuBackend(config)
