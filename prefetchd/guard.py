@@ -18,11 +18,17 @@ use it, does not define it: the forward's ops never pay for a Python call.
 Not every entry point dispatches that way; docs/daemon-api.md ("Reading weights
 outside a forward") lists what is covered and what is not.
 """
+import numpy as np
+
 from .errors import NotResidentError, UseAfterFreeError
 _tracked = {}   # base class -> tracking subclass
 _guarded = {}   # base class -> guarding subclass
 
 _MUTATORS = ("__setitem__", "copy_", "assign_value", "set_data", "fill_", "zero_")
+# MindSpore 2.10 on CPU hands out numpy arrays that are views of the tensor's memory: for a
+# managed tensor that is its home, unmapped once it is evicted, so an array kept from inside
+# `daemon.use` (or a forward) would kill the process when read later. They return copies.
+_VIEWERS = ("asnumpy", "numpy", "__array__")
 # Reads and writes of a tensor whose device replica is gone: all refused, so
 # nothing is read from, or written into, memory that belongs to another tensor.
 _READERS = ("asnumpy", "numpy", "__array__", "__getitem__", "item", "tolist", "__add__", "__radd__",
@@ -74,7 +80,15 @@ def _tracking_class(base):
                 return result
             method.__name__ = name
             return method
+        def copying(name):
+            original = getattr(base, name)
+
+            def method(self, *args, **kwargs):
+                return np.array(original(self, *args, **kwargs), copy=True)
+            method.__name__ = name
+            return method
         ns = {name: make(name) for name in _MUTATORS if hasattr(base, name)}
+        ns.update({name: copying(name) for name in _VIEWERS if hasattr(base, name)})
         ns["_prefetchd_wrapper"] = True
         cls = _tracked[base] = type(base.__name__, (base,), ns)
     return cls

@@ -119,6 +119,15 @@ def use_case(d, net, x, ref, ckpt):
     with d.use([w1]):
         assert np.array_equal(w1.asnumpy(), ref[w1.name]), "set_data inside use was lost at eviction"
     print("use: ops.assign and set_data are kept through an eviction")
+    # Arrays taken inside use outlive it: MindSpore's asnumpy on CPU is a view of the tensor's
+    # memory, which is unmapped once the weight is evicted (the process died reading it).
+    with d.use([w2]):
+        kept = [w2.asnumpy(), w2.numpy(), np.asarray(w2)]
+    d.evict([w2]).result(30)
+    for _ in range(2):
+        net(x)
+    assert all(np.array_equal(a, ref[w2.name]) for a in kept), "an array taken inside use changed"
+    print("use: arrays taken inside use stay readable after the weight is evicted")
 
 
 def main():

@@ -46,6 +46,7 @@ def test_inside_use_the_same_actions_work_and_writes_are_kept(tmp_path):
     assert run.returncode == 0 and run.stdout.endswith("ok\n"), (run.returncode, run.stdout, run.stderr[-3000:])
     assert "use: norm, ops, jit and save_checkpoint give the resident values" in run.stdout
     assert "use: ops.assign and set_data are kept through an eviction" in run.stdout
+    assert "use: arrays taken inside use stay readable after the weight is evicted" in run.stdout
 
 
 @pytest.mark.parametrize("case", ["grad_input", "grad_weights", "value_and_grad", "grad_of_loss"])
