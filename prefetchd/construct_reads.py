@@ -362,7 +362,7 @@ def compiled_calls(cell):
     run inside its graph. A compiled construct itself is not reported (the planner
     treats the whole cell as compiled)."""
     found = {}
-    if not is_jit(type(cell).construct):
+    if not is_jit(cell.construct):
         _walk_calls(cell, type(cell).construct, (), "self", found, None, 0, set())
     return [(expr, owner, name, list(cells.values())) for expr, owner, name, cells in found.values()]
 

@@ -24,6 +24,7 @@ cell under a unit's cells that holds parameters:
   own ops.
 """
 from .backend import framework
+from .construct_reads import is_jit
 
 
 class PartProbes:
@@ -97,6 +98,12 @@ class PartProbes:
             unit.last_output = None
         return parted
 
+    def drop_under(self, cell):
+        """Remove the probes of the parts under `cell` (compiled since: they run in its graph)."""
+        for _, part in cell.cells_and_names():
+            for handle in self._probes.pop(id(part), ()):
+                handle.remove()
+
     def remove(self):
         for handles in self._probes.values():
             for handle in handles:
@@ -115,7 +122,7 @@ def part_cells(unit_cells, skip=()):
     found, seen = [], set()
 
     def walk(cell):
-        if getattr(type(cell).construct, "__wrapped_by_jit__", False):
+        if is_jit(cell.construct):                  # on the class or set on the instance
             return
         for child in cell.name_cells().values():
             if child is None or id(child) in seen or id(child) in own or id(child) in skip:

@@ -28,9 +28,15 @@ compute. `plan_units(model, high_watermark, lookahead)` walks the cell tree
   (no split, no merge); `no_split=` (cell classes or class names, like
   Accelerate's no_split_module_classes) keeps cells of those classes whole.
 - A parameter shared by several units is listed in each (each pins it).
-- A cell whose construct is compiled (@jit) is never split or searched: its
-  children run inside its graph, where their hooks cannot run. It is a unit
-  whole (or part of the root: a compiled model is all root).
+- A cell whose construct is compiled (@jit on the class's construct, or
+  `cell.construct = mindspore.jit(cell.construct)` on the instance) is never
+  split or searched: its children run inside its graph, where their hooks
+  cannot run. It is a unit whole (or part of the root: a compiled model is
+  all root). Compiled after offload(): a unit's cell loses its parts' probes
+  and streams whole; a cell holding units (the model, a split block) is
+  refused at its next call (prefetchd.hooks). `mindspore.jit(model)`, a
+  function over the model's construct, bypasses the model's hooks: not
+  supported (its units' hooks fail to compile inside that graph).
 - A CellList (or CellDict) is never called, only iterated or indexed, so its
   hooks never fire: it is never a unit itself; its items are.
 - A construct that reads a descendant's Parameter directly (not through the
@@ -58,7 +64,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import framework
-from .construct_reads import compiled_calls, direct_reads
+from .construct_reads import compiled_calls, direct_reads, is_jit
 from .errors import BudgetError, PrefetchdError
 from . import parts as _parts
 
@@ -353,8 +359,9 @@ def _join(prefix, name):
 
 
 def _is_compiled(cell):
-    """True if `cell.construct` is decorated with mindspore.jit (MindSpore marks the wrapper)."""
-    return bool(getattr(type(cell).construct, "__wrapped_by_jit__", False))
+    """True if `cell`'s construct is wrapped by mindspore.jit: @jit on the class's construct, or
+    `cell.construct = mindspore.jit(cell.construct)` on the instance (MindSpore marks the wrapper)."""
+    return is_jit(cell.construct)
 
 
 def _find_blocks(cell, prefix, jit):

@@ -318,3 +318,65 @@ def test_no_split_takes_classes_or_class_names_and_refuses_anything_else_by_name
         plan_units(model, small, 1, no_split=["0"])
     with pytest.raises(TypeError, match="no_split takes cell classes or class names, got 3"):
         plan_units(model, small, 1, no_split=[3])
+
+
+def _jit_stack(ms, n=4, hidden=64):
+    nn = ms.nn
+
+    class Block(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.fc1, self.fc2 = nn.LayerNorm((hidden,)), nn.Dense(hidden, 4 * hidden), nn.Dense(4 * hidden, hidden)
+
+        def construct(self, x):
+            return x + self.fc2(self.fc1(self.ln(x)))
+
+    class Stack(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.CellList([Block() for _ in range(n)])
+
+        def construct(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    np.random.seed(3)
+    model = Stack()
+    model.set_train(False)
+    return model, ms.Tensor(np.random.randn(2, 8, hidden).astype(np.float32))
+
+
+@pytest.mark.parametrize("when", ["before_offload", "after_recording"])
+def test_jit_set_on_block_instances_streams_each_block_whole(ms, make_daemon, when):
+    """`block.construct = mindspore.jit(block.construct)` (jit per instance, not @jit on the
+    class): before offload() the block's parts were still probed and MindSpore failed to
+    compile the probes into the block's graph; after the recording pass the probes kept on
+    the parts did the same. Either way the blocks now stream whole, equal to the model."""
+    model, x = _jit_stack(ms)
+    expected = model(x).asnumpy()
+    if when == "before_offload":
+        for layer in model.layers:
+            layer.construct = ms.jit(layer.construct)
+    handle = prefetchd.offload(model, make_daemon(device_budget="1MiB"), lookahead=1)
+    assert [c for u in handle.plan().units for _, c in u.cells] == list(model.layers)
+    model(x)
+    if when == "after_recording":
+        for layer in model.layers:
+            layer.construct = ms.jit(layer.construct)
+    for i in range(3):
+        np.testing.assert_array_equal(model(x).asnumpy(), expected, err_msg=f"pass {i}")
+    handle.close()
+
+
+def test_jit_set_after_offload_on_a_cell_holding_units_is_refused_by_name(ms, make_daemon):
+    """A block split into units, then compiled: its units' hooks would be inside its graph."""
+    model, x = _jit_stack(ms, hidden=128)
+    handle = prefetchd.offload(model, make_daemon(device_budget="700KiB"), lookahead=1)
+    assert all(name.startswith("layers.0.") for name, _ in handle.plan().units[0].cells)   # split
+    model(x)
+    model.layers[0].construct = ms.jit(model.layers[0].construct)
+    with pytest.raises(PrefetchdError, match=r"'layers\.0''s construct was compiled with mindspore\.jit after "
+                                             r"offload\(\), and it holds units"):
+        model(x)
+    handle.close()
