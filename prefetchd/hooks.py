@@ -47,7 +47,7 @@ import time
 from . import aliases
 from .backend import framework
 from .daemon import Daemon
-from .errors import DoubleRegisterError, NotResidentError, PrefetchdError
+from .errors import DoubleRegisterError, NotResidentError, PrefetchdError, ShutdownError
 from .guard import is_managed
 from .parts import PartProbes
 from .planner import plan_units
@@ -487,11 +487,15 @@ class Offloaded:
             h.remove()
         self._handles.clear()
         self._parts.remove()
-        self._release_all(None)
         self.closed = True
         self._handles.append(self.model.register_forward_pre_hook(self._refuse_closed))
-        if self._owns_daemon:
-            self.daemon.close()
+        try:
+            self._release_all(None)
+        except ShutdownError:                 # the daemon closed under the model: no pin is left
+            pass
+        finally:
+            if self._owns_daemon:
+                self.daemon.close()
 
     def _refuse_backward(self, cell, grad_output):
         """A backward pass would read weights released after their forward: unmapped pages, the
