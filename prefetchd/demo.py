@@ -18,6 +18,11 @@
 
     run_demo(size=2 << 30, budget=0.25, trace="run.json", plot="run.png")
 
+`budget` is a fraction of the model's weights in (0, 1] (a float: 0.25 = 25%) or
+bytes (an int, at most the model's weights): the device budget is then exactly
+that. The model is `size` bytes rounded to whole blocks of width `hidden`
+(`model_bytes_for`); fractions are of that, the model actually built.
+
 Returns 0, or 1 if any output differs from the resident model's or the peak
 device bytes exceeded the high watermark. Long phases (building the model,
 staging) report progress on stderr: a `\\r` line on a terminal, a line every
@@ -44,8 +49,40 @@ def _mib(n):
     return f"{n / 2**20:,.1f} MiB"
 
 
+def model_bytes_for(size, hidden):
+    """Weight bytes of the demo model built for `size` bytes at width `hidden`
+    (whole blocks, at least one: it can be larger or smaller than `size`)."""
+    from .model import estimate_bytes, layers_for
+    return estimate_bytes(hidden, layers_for(size, hidden))
+
+
+def device_budget_for(budget, model_bytes):
+    """The device budget in bytes of a `budget` option: a float is a fraction of
+    `model_bytes` in (0, 1] (at least 1 MiB), an int is bytes in (0, model_bytes].
+    ValueError naming the accepted forms otherwise."""
+    if isinstance(budget, float) and 0 < budget <= 1:
+        return max(int(model_bytes * budget), 1 << 20)
+    if isinstance(budget, int) and not isinstance(budget, bool) and 0 < budget <= model_bytes:
+        return budget
+    raise ValueError(f"budget {budget!r}: expected bytes (an int) up to the model's "
+                     f"{model_bytes} bytes of weights, or a fraction of them in (0, 1] (a float)")
+
+
+def check_output_path(path, what):
+    """Refuse, before the run, a file the run could not write at its end."""
+    full = os.path.abspath(os.path.expanduser(path))
+    directory = os.path.dirname(full)
+    if os.path.isdir(full):
+        raise ValueError(f"{what} {path!r} is a directory, not a file")
+    if not os.path.isdir(directory):
+        raise ValueError(f"{what} {path!r}: directory {directory} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path!r}: directory {directory} is not writable")
+
+
 def run_demo(args=None, /, **options):
-    """Run the demo; keyword options as in `DEFAULTS` (budget: a fraction of the model).
+    """Run the demo; keyword options as in `DEFAULTS` (budget: a fraction of the model
+    in (0, 1], or bytes: see `device_budget_for`).
 
     trace: write a Chrome trace (Perfetto, chrome://tracing) of the offloaded
     passes to this path; plot: draw it to this PNG (needs the `plot` extra).
@@ -58,8 +95,14 @@ def run_demo(args=None, /, **options):
     if unknown:
         raise TypeError(f"run_demo: unknown option(s) {', '.join(sorted(unknown))}")
     o = {**DEFAULTS, **options}
-    if not 0 < o["budget"] <= 1:
-        raise ValueError(f"run_demo: budget is a fraction of the model in (0, 1], got {o['budget']!r}")
+    o["device_budget"] = device_budget_for(o["budget"], model_bytes_for(o["size"], o["hidden"]))
+    port = o["metrics_port"]
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                             or not 0 <= port <= 65535):
+        raise ValueError(f"metrics_port {port!r}: expected a port 0-65535 (0: any free one)")
+    for key in ("trace", "plot"):
+        if o[key]:
+            check_output_path(o[key], key)
     if o["tier"] not in ("remote", "host"):
         raise ValueError(f"run_demo: tier must be 'remote' or 'host', got {o['tier']!r}")
     if o["plot"]:
@@ -104,9 +147,10 @@ def _run(o, say, quiet):
     hidden = o["hidden"]
     layers = layers_for(o["size"], hidden)
     model_bytes = estimate_bytes(hidden, layers)
-    budget = max(int(model_bytes * o["budget"]), 1 << 20)
+    budget = o["device_budget"]
     say(f"prefetchd demo: {layers} transformer blocks + tied embedding, hidden {hidden}, "
-        f"{_mib(model_bytes)} of fp32 weights; device budget {_mib(budget)} ({o['budget']:.0%}); "
+        f"{_mib(model_bytes)} of fp32 weights; device budget {_mib(budget)} "
+        f"({budget / model_bytes:.0%} of them); "
         f"weights on the {o['tier']} tier")
 
     own_store = o["store"] is None

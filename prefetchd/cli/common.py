@@ -2,6 +2,7 @@
 import argparse
 import json
 import logging
+import os
 import sys
 
 from ..config import ConfigError, parse_size
@@ -30,28 +31,40 @@ def size(text):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def budget(text):
+def budget(text, *, most=None):
     """A budget: "2GiB" (bytes, an int) or a fraction of the model: "25%" or 0.25
-    (a float; above 1 means more than one model's weights, e.g. 150% or 1.5)."""
+    (a float; above 1 means more than one model's weights, e.g. 150% or 1.5,
+    unless `most` caps it: demo_budget allows at most 100%)."""
     value = text.strip()
+    forms = ("a size (2GiB) or a fraction of the model "
+             + ("in (0, 100%] " if most == 1 else "") + "(25% or 0.25)")
     try:
         fraction = float(value[:-1]) / 100 if value.endswith("%") else float(value)
     except ValueError:
         fraction = None
     if fraction is not None:
-        if not 0 < fraction < float("inf"):
-            raise argparse.ArgumentTypeError(f"budget {text!r}: a fraction must be > 0")
+        if not 0 < fraction < float("inf") or (most is not None and fraction > most):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is out of range: expected {forms}")
         return fraction
     try:
-        return parse_size(value, "budget")
+        nbytes = parse_size(value, "budget")
     except ConfigError:
-        raise argparse.ArgumentTypeError(
-            f"budget {text!r}: expected a size (2GiB) or a fraction of the model (25% or 0.25)"
-        ) from None
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {forms}") from None
+    if nbytes <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: expected {forms}")
+    return nbytes
+
+
+def demo_budget(text):
+    """`prefetchd demo --budget`: bytes, or a fraction of the model in (0, 100%]."""
+    return budget(text, most=1)
 
 
 BUDGET_HELP = ("device budget: a size (2GiB) or a fraction of the model's weights "
                "(25%% or 0.25; 150%% = one and a half models)")
+DEMO_BUDGET_HELP = ("device budget: a size (2GiB), at most the model's weights, or a fraction "
+                    "of them in (0, 100%%] (25%% or 0.25)")
 
 
 def budget_fraction(value, model_bytes):
@@ -59,6 +72,31 @@ def budget_fraction(value, model_bytes):
     if value is None or isinstance(value, float):
         return value
     return value / model_bytes
+
+
+def port(text):
+    """A TCP port, 0-65535 (0: any free one)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)") from None
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: a port is 0-65535 "
+                                         f"(0: any free one)")
+    return n
+
+
+def writable_file(text):
+    """A file this process can create or replace: its directory exists and is writable."""
+    path = os.path.abspath(os.path.expanduser(text))
+    if not text or os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(f"{text!r}: directory {directory} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: directory {directory} is not writable")
+    return text
 
 
 def log_level(text):

@@ -39,7 +39,8 @@ def register(sub):
     p = sub.add_parser("keys", help="create CURVE certificates for a tcp control endpoint")
     p.add_argument("dir", help="directory to create (0700)")
     p.add_argument("--client", action="append", default=None,
-                   help="client certificate name (repeatable; default: client)")
+                   help="client certificate name, a plain file name: DIR/NAME.key_secret "
+                        "(repeatable; default: client)")
     p.set_defaults(func=cmd_keys)
 
 
@@ -63,9 +64,24 @@ def _client(args):
         name = name or config.name
     kwargs = {}
     if args.curve_dir:
-        kwargs = {"server_public_key": os.path.join(args.curve_dir, "server.key"),
-                  "client_keys": os.path.join(args.curve_dir, "client.key_secret")}
+        kwargs = {"server_public_key": _curve_file(args.curve_dir, "server.key"),
+                  "client_keys": _curve_file(args.curve_dir, "client.key_secret")}
     return Client(endpoint, timeout=args.timeout, name=name, **kwargs)
+
+
+def _curve_file(directory, name):
+    """DIR/name of a --curve-dir, or ConfigError saying what is missing (not a key error)."""
+    from ..config import ConfigError
+    made_by = f"(make one with `prefetchd keys {directory}`)"
+    if not os.path.exists(directory):
+        raise ConfigError(f"--curve-dir {directory}: the directory does not exist {made_by}")
+    if not os.path.isdir(directory):
+        raise ConfigError(f"--curve-dir {directory}: a file, not a directory {made_by}")
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+        raise ConfigError(f"--curve-dir {directory}: no {name} in it, so not a directory made "
+                          f"by `prefetchd keys`")
+    return path
 
 
 # ----------------------------------------------------------------------------- status
@@ -188,6 +204,9 @@ def cmd_keys(args):
     from ..control.keys import AUTHORIZED_DIR, create_keys
 
     clients = args.client or ["client"]
+    for c in clients:
+        _check_client_name(c)
+    _check_keys_dir(args.dir)
     directory = create_keys(args.dir, clients)
     print(f"server certificate: {os.path.join(directory, 'server.key_secret')} (keep private)")
     print(f"server public key:  {os.path.join(directory, 'server.key')} (give to clients)")
@@ -197,3 +216,31 @@ def cmd_keys(args):
     print(f"serve with:   daemon.serve('tcp://127.0.0.1:5555', curve_keys_dir={directory!r})")
     print(f"connect with: prefetchd status --endpoint tcp://127.0.0.1:5555 --curve-dir {directory}")
     return 0
+
+
+def _check_client_name(name):
+    """A client name becomes DIR/<name>.key_secret: a plain name, never a path."""
+    from ..control.keys import SERVER_SECRET
+    seps = {os.sep, os.altsep or os.sep, "/"}
+    if not name or name in (".", "..") or any(sep in name for sep in seps) or "\0" in name:
+        raise UsageError(f"keys: argument --client: {name!r}: a client name must be a plain "
+                         f"name (no path separator, not '.' or '..', not empty): its "
+                         f"certificate is DIR/NAME.key_secret")
+    if name + ".key_secret" == SERVER_SECRET:
+        raise UsageError(f"keys: argument --client: {name!r} is the server's certificate; "
+                         f"choose another client name")
+
+
+def _check_keys_dir(directory):
+    """DIR is a directory or can be made one: not a file, nor under one."""
+    from ..config import ConfigError
+    path = os.path.abspath(directory)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
+    if not os.path.isdir(path):
+        what = directory if path == os.path.abspath(directory) else path
+        raise ConfigError(f"keys: {what} is a file, not a directory; DIR is a directory to "
+                          f"create or to add certificates to")

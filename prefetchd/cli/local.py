@@ -1,7 +1,8 @@
 """Verbs that run in this process: demo, bench, stage, config, collect-env."""
 import os
 
-from .common import BUDGET_HELP, budget, budget_fraction, emit, positive_int, size
+from .common import (DEMO_BUDGET_HELP, UsageError, budget, budget_fraction, demo_budget,
+                     emit, port, positive_int, size, writable_file)
 
 
 def register(sub):
@@ -20,7 +21,7 @@ def register(sub):
     p = sub.add_parser("demo", help="stream a model larger than the device budget and check its outputs")
     p.add_argument("--size", type=size, default=2 << 30, help="model weight bytes (default 2GiB)")
     p.add_argument("--hidden", type=positive_int, default=1024, help="model width (default 1024)")
-    p.add_argument("--budget", type=budget, default=0.25, help=BUDGET_HELP + " (default 25%%)")
+    p.add_argument("--budget", type=demo_budget, default=0.25, help=DEMO_BUDGET_HELP + " (default 25%%)")
     p.add_argument("--batch", type=positive_int, default=8, help="batch size of an input (8)")
     p.add_argument("--seq", type=positive_int, default=16, help="sequence length of an input (16)")
     p.add_argument("--lookahead", type=positive_int, default=2, help="units prefetched ahead (2)")
@@ -28,11 +29,12 @@ def register(sub):
     p.add_argument("--tier", choices=["remote", "host"], default="remote",
                    help="where the weights live between uses (default: remote = files on disk)")
     p.add_argument("--store", help="store directory (default: a temporary directory)")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT while running")
+    p.add_argument("--metrics-port", type=port,
+                   help="serve Prometheus metrics on 127.0.0.1:PORT while running (0: any free one)")
     p.add_argument("--hold", type=float, default=0.0, help="keep serving metrics this many seconds at the end")
-    p.add_argument("--trace", metavar="FILE",
+    p.add_argument("--trace", metavar="FILE", type=writable_file,
                    help="write a Chrome/Perfetto trace (compute, copy streams, disk, scheduler) to FILE")
-    p.add_argument("--plot", metavar="FILE.png",
+    p.add_argument("--plot", metavar="FILE.png", type=writable_file,
                    help="draw the timeline to a PNG (needs matplotlib: pip install 'prefetchd[plot]')")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=cmd_demo)
@@ -50,7 +52,9 @@ def register(sub):
     runner.add_arguments(p)
     # Same units as every other verb (these replace the runner's flags of the same name).
     p.add_argument("--budget", type=budget, default=None,
-                   help=BUDGET_HELP + " (model: 25%%; serve: 50%% of a worker's weights)")
+                   help="device budget: a size (2GiB) or a fraction (25%% or 0.25); model: of the "
+                        "model's weights (default 25%%); serve: of a worker's weights, all its "
+                        "models (default 50%%)")
     p.add_argument("--repeats", type=positive_int, default=3, help="runs of each measurement (3)")
     p.add_argument("--lookahead", type=positive_int, default=2, help="model/serve: units prefetched ahead (2)")
     p.set_defaults(func=cmd_bench)
@@ -95,13 +99,24 @@ def cmd_config(args):
 
 
 def cmd_demo(args):
-    from ..demo import run_demo
-    args.budget = budget_fraction(args.budget, args.size)
+    from ..demo import _mib, model_bytes_for, run_demo
+    # A size is those bytes, a fraction is of the model built (whole blocks: not exactly
+    # --size); either way at most the model, refused before anything is staged.
+    model_bytes = model_bytes_for(args.size, args.hidden)
+    if isinstance(args.budget, int) and args.budget > model_bytes:
+        raise UsageError(f"demo: argument --budget: {_mib(args.budget)} is more than the "
+                         f"{_mib(model_bytes)} of weights of the model --size {_mib(args.size)} "
+                         f"--hidden {args.hidden} builds; expected a size (2GiB) up to that or a "
+                         f"fraction of the model in (0, 100%] (25% or 0.25)")
     return run_demo(args)
 
 
 def cmd_stage(args):
     from ..staging import stage_checkpoint
+    if os.path.isdir(args.checkpoint):
+        from ..config import ConfigError
+        raise ConfigError(f"stage: {args.checkpoint} is a directory; CHECKPOINT is a checkpoint "
+                          f"file (.ckpt or .safetensors)")
     # Staging picks the progress style itself: a \r line on a terminal, whole lines
     # every few seconds in a log file or pipe.
     report = stage_checkpoint(args.checkpoint, args.store, progress=not args.quiet)

@@ -12,6 +12,7 @@ Settings come from defaults < --config FILE / $PREFETCHD_CONFIG < PREFETCHD_* en
 Errors are one line on stderr (`prefetchd: error: ...`): exit code 2 for a command
 line that cannot be run, 1 for a failure; --debug adds the traceback.
 """
+import argparse
 import os
 import sys
 import traceback
@@ -19,23 +20,35 @@ import traceback
 from .common import Parser, UsageError, log_level, setup_logging
 
 
-def build_parser():
+def add_shared_options(parser, root=False):
+    """--version, --log-level, --debug: on the root parser (`prefetchd --debug demo`) and
+    on every verb (`prefetchd demo --debug`). A verb's copies have no default, so they
+    leave the root's value alone unless given, and given after the verb they win."""
     from .. import __version__
+    unset = {} if root else {"default": argparse.SUPPRESS}
+    parser.add_argument("--version", action="version", version=f"prefetchd {__version__}",
+                        help="print the version and exit")
+    parser.add_argument("--log-level", type=log_level,
+                        help="DEBUG, INFO, WARNING (default; or $PREFETCHD_LOG_LEVEL), ERROR",
+                        **(unset or {"default": os.environ.get("PREFETCHD_LOG_LEVEL",
+                                                               "WARNING").upper()}))
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of an error (and log at DEBUG)",
+                        **(unset or {"default": False}))
+
+
+def build_parser():
     from . import control, local, serve
 
     parser = Parser(prog="prefetchd",
                     description="Tiered-memory prefetcher for MindSpore (device / host / NVMe).")
-    parser.add_argument("--version", action="version", version=f"prefetchd {__version__}",
-                        help="print the version and exit")
-    parser.add_argument("--log-level", type=log_level,
-                        default=os.environ.get("PREFETCHD_LOG_LEVEL", "WARNING").upper(),
-                        help="DEBUG, INFO, WARNING (default; or $PREFETCHD_LOG_LEVEL), ERROR")
-    parser.add_argument("--debug", action="store_true",
-                        help="print the traceback of an error (and log at DEBUG)")
+    add_shared_options(parser, root=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     local.register(sub)
     control.register(sub)
     serve.register(sub)
+    for verb in set(sub.choices.values()):
+        add_shared_options(verb)
     return parser
 
 

@@ -6,7 +6,7 @@ import logging
 import sys
 
 from ..config import ENV_PREFIX, ConfigError
-from .common import BUDGET_HELP, budget, positive_int, seconds
+from .common import BUDGET_HELP, UsageError, budget, port, positive_int, seconds
 
 from ..serve.spec import SERVE_OPTIONS as SERVE_DEFAULTS
 
@@ -41,7 +41,7 @@ def register(sub):
     p.add_argument("--no-hints", dest="hints", action="store_false", default=None,
                    help="do not send prefetch hints to workers")
     p.add_argument("--request-timeout", type=seconds, help="seconds before a request gets TIMEOUT (30)")
-    p.add_argument("--metrics-port", type=int,
+    p.add_argument("--metrics-port", type=port,
                    help="export the front's and all workers' metrics on this port (0: any free one)")
     p.add_argument("--metrics-addr", help="address of the metrics port (127.0.0.1)")
     p.set_defaults(func=cmd_serve)
@@ -92,9 +92,47 @@ def serve_spec(o, log_level="WARNING"):
                      model=model, model_bytes_hint=o["model_bytes"], checkpoint_store=checkpoint)
 
 
+def check_flags(args):
+    """Refuse a --endpoint or --model given on the command line that cannot work, before
+    anything starts (UsageError, exit 2). The same values from the [serve] table of a
+    config file are refused later as configuration errors (exit 1)."""
+    if args.endpoint is not None:
+        from ..control.endpoints import resolve_endpoint
+        try:
+            resolve_endpoint(args.endpoint, "serve", bind=True)
+        except ConfigError as e:
+            raise UsageError(f"serve: argument --endpoint: {e}") from None
+    if args.model is not None:
+        _check_model(args.model)
+
+
+def _check_model(path):
+    """--model module:function names an importable module with that callable; a module
+    that exists but fails to import is left to load_factory (a failure, exit 1)."""
+    import importlib
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"serve: argument --model: {path!r}: expected module:function "
+                         f"(e.g. mypkg.models:build)")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        missing = e.name or ""
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
+            raise UsageError(f"serve: argument --model: {path!r}: no module named {missing!r} "
+                             f"(is it on PYTHONPATH?)") from None
+        return          # the module is there; one of its own imports is missing
+    except Exception:   # noqa: BLE001 - the module's own error: load_factory reports it
+        return
+    if not callable(getattr(module, attr, None)):
+        raise UsageError(f"serve: argument --model: {path!r}: module {module_name} has no "
+                         f"callable {attr!r}")
+
+
 def cmd_serve(args):
     from ..serve import Front
 
+    check_flags(args)
     o = serve_options(args)
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     spec = serve_spec(o, level)

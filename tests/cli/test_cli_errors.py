@@ -8,9 +8,9 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run(*args):
+def run(*args, env=None):
     return subprocess.run([sys.executable, "-m", "prefetchd.cli", *args], capture_output=True,
-                          text=True, cwd=REPO, timeout=120)
+                          text=True, cwd=REPO, timeout=120, env={**os.environ, **(env or {})})
 
 
 def one_error_line(out):
@@ -30,6 +30,7 @@ def test_usage_errors_are_one_line_and_exit_2():
     for args, named in ((["--log-level", "LOUD", "status"], "LOUD"),
                         (["demo", "--budget", "lots"], "lots"),
                         (["serve", "--workers", "zero"], "zero"),
+                        (["serve", "--model", "no_such_module_x:build"], "no_such_module_x"),
                         (["frobnicate"], "frobnicate")):
         out = run(*args)
         assert out.returncode == 2, (args, out.stderr)
@@ -47,8 +48,10 @@ def test_failures_are_one_line_exit_1_and_traceback_only_with_debug(tmp_path):
     assert out.returncode == 1 and "lookahead" in one_error_line(out)
     out = run("--debug", "config", "validate", "--config", str(bad))
     assert out.returncode == 1 and "Traceback" in out.stderr
-    out = run("serve", "--model", "no_such_module_x:build")
-    assert out.returncode == 1 and "no_such_module_x" in one_error_line(out)
+    # A --model module that exists but fails to import is a failure, not a bad command line.
+    (tmp_path / "broken_factory_x.py").write_text("import no_such_dependency_x\n")
+    out = run("serve", "--model", "broken_factory_x:build", env={"PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 1 and "no_such_dependency_x" in one_error_line(out)
 
 
 def test_every_flag_has_help_and_budget_means_the_same_everywhere():
