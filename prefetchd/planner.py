@@ -321,7 +321,7 @@ def _search(model, blocks, all_params, high, lookahead, total, no_split, size, j
         chosen = []
         for name, cell in blocks:
             chosen.extend(_split(name, cell, share, no_split, size, jit, keep_owners))
-        plan = _finish(model, _merge(chosen, share), all_params, high, lookahead, total, size)
+        plan = _finish(model, _merge(_drop_shared(chosen), share), all_params, high, lookahead, total, size)
         if plan.unit_share >= share:   # stable: no unit was sized for a larger share
             return plan
         share = plan.unit_share
@@ -407,6 +407,18 @@ def _split(name, cell, share, no_split, size, jit, keep_owners=False):
     for child_name, child in children:
         parts.extend(_split(_join(name, child_name), child, share, no_split, size, jit, keep_owners))
     return parts
+
+
+def _drop_shared(units):
+    """Units whose cell is a unit of several split blocks too (one rotary-embedding cell that
+    every layer holds) are dropped: the cell's hooks can pin one unit only, so every other
+    block's unit would wait for a call that never comes and stay pinned to the pass end.
+    Its parameters go to the root (they are read by every block anyway)."""
+    count = {}
+    for unit in units:
+        for _, cell in unit.cells:
+            count[id(cell)] = count.get(id(cell), 0) + 1
+    return [u for u in units if all(count[id(cell)] == 1 for _, cell in u.cells)]
 
 
 def _merge(units, share):
