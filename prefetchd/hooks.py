@@ -269,6 +269,11 @@ class Offloaded:
             self._session.set_trace([[r.name for r in self._unit(i).records] for i in self.trace])
         else:
             self._estimator.streamed()
+            if self._cursor.end_pass():
+                self._session.set_trace([[r.name for r in self._unit(i).records] for i in self.trace])
+                if self._cursor.retraces == 1:
+                    log.info("prefetchd.offload: a pass ran units the trace did not hold (a changed route "
+                             "or branch); its order is the trace now (counted in stats()['retraces'])")
         # The next pass starts with the root, then the first units of the trace:
         # the policy sees the pass end (the root is the nearest step, not the farthest).
         self._session.at(len(self.trace) - 1)
@@ -471,8 +476,11 @@ class Offloaded:
     # ---------------------------------------------------------------- teardown
     def stats(self):
         """units: planned units (root excluded); trace: steps of one pass (root included);
-        misses: units not resident in time (fetched on demand, or raised with strict=True)."""
+        misses: units not resident in time (fetched on demand, or raised with strict=True);
+        resyncs: units that were not the trace's next step; retraces: passes that ran a unit
+        the trace lacked, whose order became the trace."""
         return {"units": len(self.units), "trace": len(self.trace), "resyncs": self.resyncs,
+                "retraces": self._cursor.retraces,
                 "stall_seconds": self.stall_seconds, "misses": self.misses,
                 "root_bytes": self.root.nbytes, "lookahead": self.lookahead,
                 "predicted_pass_seconds": self.estimate.pass_seconds if self.estimate else None}

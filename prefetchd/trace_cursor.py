@@ -4,8 +4,12 @@ The trace is the order of one pass: ROOT, then the index of each unit as it
 started in the recording pass (a unit may appear several times). Later passes
 move the cursor as units start; a unit other than the expected one (an early
 exit, a skipped layer, another branch) re-synchronises to its nearest
-occurrence ahead and is counted. Pure bookkeeping, no I/O and no pinning: the
-layer hooks (prefetchd/hooks.py) prefetch what `upcoming` names.
+occurrence ahead and is counted. A pass that ran a unit the trace does not
+hold (an MoE expert the recording pass did not route to, a branch taken
+since) becomes the trace (`end_pass`), so the next pass prefetches it; a pass
+that only skipped units (an early exit) leaves the trace as it was. Pure
+bookkeeping, no I/O and no pinning: the layer hooks (prefetchd/hooks.py)
+prefetch what `upcoming` names.
 """
 ROOT = -1        # the root unit's step in the trace
 
@@ -15,18 +19,34 @@ class TraceCursor:
         self.steps = []          # ROOT, then unit indices in execution order
         self.position = 0        # index into steps of the step running now
         self.resyncs = 0         # starts that were not the expected next step
+        self.retraces = 0        # passes that became the trace (end_pass)
+        self._seen = []          # this pass's steps so far
+        self._new = False        # this pass ran a unit the trace does not hold
 
     def start_pass(self):
         self.position = 0
+        self._seen = [ROOT]
+        self._new = False
 
     def record(self, index):
         """Recording pass: `index` started."""
         self.steps.append(index)
 
+    def end_pass(self):
+        """A later pass ended. True if it ran a unit the trace did not hold: its order is the
+        trace from now on."""
+        if not self._new:
+            return False
+        self.steps = self._seen
+        self.retraces += 1
+        self._new = False
+        return True
+
     def enter(self, index):
         """A later pass: unit `index` starts. False when it was not the expected next step
         (the position moved to its nearest occurrence ahead, or stayed where it was for a
         unit the trace never saw)."""
+        self._seen.append(index)
         steps, n = self.steps, len(self.steps)
         if self.position + 1 < n and steps[self.position + 1] == index:
             self.position += 1
@@ -37,6 +57,8 @@ class TraceCursor:
             if steps[pos] == index:
                 self.position = pos
                 break
+        else:
+            self._new = True
         return False
 
     def upcoming(self, start):

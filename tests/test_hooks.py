@@ -455,3 +455,41 @@ def test_offload_refuses_a_daemon_never_started_and_a_bad_lookahead(ms, store_di
             with pytest.raises(ValueError, match="lookahead must be an int >= 0"):
                 prefetchd.offload(net, daemon, lookahead=bad)
         assert not daemon.names()             # nothing was registered by a refused offload
+
+
+def test_a_route_the_recording_pass_did_not_take_becomes_the_trace(ms, store_dir):
+    """MoE: the recording pass routes to experts 0-1, later passes to 2-5. Those were never in
+    the trace, so they were never prefetched: every pass missed all four. The first pass
+    that runs them is the trace from then on."""
+    nn = ms.nn
+
+    class MoE(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.CellList([nn.SequentialCell([nn.Dense(64, 256), nn.Dense(256, 64)])
+                                        for _ in range(6)])
+            self.route = (0, 1)
+
+        def construct(self, x):
+            out = x
+            for e in self.route:           # a router's choice, made on the host
+                out = out + self.experts[e](x)
+            return out
+
+    ms.set_seed(0)
+    model = MoE()
+    model.set_train(False)
+    x = ms.Tensor(np.ones((2, 64), np.float32))
+    model.route = (2, 3, 4, 5)
+    want = model(x).asnumpy()
+    model.route = (0, 1)
+    with prefetchd.Daemon(device_budget="700KiB", store_dir=store_dir) as daemon:
+        handle = prefetchd.offload(model, daemon, lookahead=1)
+        model(x)                                        # recorded with experts 0 and 1
+        names = [u.name for u in handle.units]
+        model.route = (2, 3, 4, 5)
+        for i in range(3):
+            np.testing.assert_array_equal(model(x).asnumpy(), want, err_msg=f"pass {i}")
+        assert handle.stats()["retraces"] == 1
+        assert [names[i] for i in handle.trace[1:]] == [f"experts.{e}.{d}" for e in (2, 3, 4, 5) for d in (0, 1)]
+        handle.close()

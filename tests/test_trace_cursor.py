@@ -32,3 +32,22 @@ def test_upcoming_wraps_into_the_next_pass_skips_the_root_and_stops_after_one_pa
     assert list(cursor.upcoming(2)) == [1, 2, 0]
     assert list(cursor.upcoming(0)) == [0, 1, 2]
     assert list(TraceCursor().upcoming(0)) == []
+
+
+def test_a_pass_that_ran_a_unit_the_trace_lacks_becomes_the_trace():
+    cursor = recorded(0, 1, 4)             # the recording pass routed to experts 0 and 1
+    cursor.start_pass()
+    for index in (2, 3, 4):                # this pass routes to 2 and 3
+        cursor.enter(index)
+    assert cursor.end_pass() is True and cursor.steps == [ROOT, 2, 3, 4] and cursor.retraces == 1
+    cursor.start_pass()
+    assert [cursor.enter(i) for i in (2, 3, 4)] == [True, True, True]
+    assert cursor.end_pass() is False
+
+
+def test_a_pass_that_only_skipped_units_leaves_the_trace():
+    cursor = recorded(0, 1, 2, 3)
+    cursor.start_pass()
+    for index in (0, 1):                   # an early exit
+        cursor.enter(index)
+    assert cursor.end_pass() is False and cursor.steps == [ROOT, 0, 1, 2, 3] and cursor.retraces == 0
