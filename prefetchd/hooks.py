@@ -52,7 +52,7 @@ from .guard import is_managed
 from .parts import PartProbes
 from .planner import plan_units
 from .trace_cursor import ROOT, TraceCursor
-from .construct_reads import is_jit
+from .compiled_later import CompiledLater
 from .estimate import PassEstimator
 
 log = logging.getLogger("prefetchd.hooks")
@@ -140,8 +140,8 @@ class Offloaded:
         self._parts = PartProbes(self.units, self._by_cell, self._before_part, self._after_part,
                                  skip=self._plan.jit_cells)
         self._parted = []              # units pinned now by a part's call
-        self._compiled_cells = {id(c) for u in self.units for c in u.cells if is_jit(c.construct)}
-        self._unit_holders = _unit_holders(model, self._plan.units)
+        self._compiled_later = CompiledLater(model, self.units, self._plan.units, self._parts,
+                                             lambda cell: _cell_name(model, cell))
         self._handles.append(model.register_forward_pre_hook(self._before_model))
         self._handles.append(model.register_forward_hook(self._after_model))
         # always_call: MindSpore runs it when the forward or another hook raised, too.
@@ -153,31 +153,6 @@ class Offloaded:
     def _hook_unit_cell(self, cell):
         self._handles.append(cell.register_forward_pre_hook(self._before_unit))
         self._handles.append(cell.register_forward_hook(self._after_unit))
-
-    def _refuse_units_compiled_inside(self):
-        """A cell holding units (the model, a block split into units) compiled with mindspore.jit
-        after offload() would compile the units' hooks into its graph, where they cannot run
-        (MindSpore fails to compile them, or runs them once, when tracing)."""
-        for name, holder in self._unit_holders:
-            if is_jit(holder.construct):
-                where = f"{name!r}" if name else f"this {type(self.model).__name__}"
-                raise PrefetchdError(
-                    f"prefetchd: {where}'s construct was compiled with mindspore.jit after offload(), and it "
-                    f"holds units (their hooks would be compiled into its graph, where they cannot run). "
-                    f"Compile it before offload(): prefetchd then streams a compiled cell whole (the model "
-                    f"itself: as one root unit, which must fit the budget)")
-
-    def _drop_probes_under_compiled(self):
-        """A unit cell compiled (mindspore.jit on its construct) after offload() runs its parts
-        inside its graph, where their probes cannot run: they go (the unit's own hooks stay
-        outside the graph and pin it whole)."""
-        for unit in self.units:
-            for cell in unit.cells:
-                if id(cell) not in self._compiled_cells and is_jit(cell.construct):
-                    self._compiled_cells.add(id(cell))
-                    self._parts.drop_under(cell)
-                    log.info("prefetchd.offload: %s was compiled after offload(); it streams whole",
-                             _cell_name(self.model, cell))
 
     def _invalidate_compiled(self):
         """Graphs compiled before offload() read the storage they saw then: make them recompile."""
@@ -229,12 +204,12 @@ class Offloaded:
 
     # ---------------------------------------------------------------- hooks
     def _before_model(self, cell, inputs):
-        self._refuse_units_compiled_inside()
+        self._compiled_later.refuse_compiled_holders()
         if self._pass_thread != threading.get_ident():   # (the same thread: a nested call runs through)
             self._pass_lock.acquire()
             self._pass_thread = threading.get_ident()
         self._release_all(None)               # a pass that raised midway left pins behind
-        self._drop_probes_under_compiled()
+        self._compiled_later.drop_probes_under_compiled()
         for unit in self.units:
             unit.part_depth = 0
         self._high = self._session.high_watermark
@@ -553,16 +528,6 @@ def _refuse_managed(model):
             f"prefetchd.offload: parameter {managed.name!r} is already managed by a prefetchd daemon "
             f"(part of another offloaded model, or registered by hand); a tensor streams through one "
             f"daemon, once")
-
-
-def _unit_holders(model, planned_units):
-    """(name, cell) of each cell above a unit's cell (the model, blocks split into units)."""
-    prefixes = set()
-    for unit in planned_units:
-        for name, _ in unit.cells:
-            parts = name.split(".")
-            prefixes.update(".".join(parts[:i]) for i in range(len(parts)))
-    return [(name, cell) for name, cell in model.cells_and_names() if name in prefixes]
 
 
 def _lookahead(value, config):
