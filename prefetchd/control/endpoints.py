@@ -114,8 +114,10 @@ def resolve_endpoint(endpoint, name="default", *, bind=False, allow_remote=False
             host = "127.0.0.1"
         if bind:
             if not is_loopback(host) and not allow_remote:
-                raise ConfigError(f"endpoint {endpoint!r}: tcp binds loopback unless told otherwise; "
-                                  f"pass allow_remote=True (and set curve_keys_dir) to listen on {host}")
+                raise ConfigError(f"endpoint {endpoint!r}: tcp binds loopback unless told otherwise; set "
+                                  f"allow_remote (Daemon(allow_remote=True), PREFETCHD_ALLOW_REMOTE=1, or "
+                                  f"allow_remote = true in the config file) and curve_keys_dir to listen "
+                                  f"on {host}")
             if port in ("0", ""):
                 port = "*"
         return join_tcp(host, port)
