@@ -198,7 +198,8 @@ def run(directory, args):
     layer_bytes = (hidden * hidden + hidden) * 4
     layers = args.layers or max(4, round(parse_size(args.size, "--size") / layer_bytes))
     model_bytes = layers * layer_bytes
-    budget = int(model_bytes * args.budget)
+    # Bytes (an int) are the device budget; a fraction is of the model built (whole layers).
+    budget = args.budget if isinstance(args.budget, int) else int(model_bytes * args.budget)
     batches = args.batch or [8]
     cases = tuple(getattr(args, "cases", None) or CASES)
     steady = bool(getattr(args, "steady", False))

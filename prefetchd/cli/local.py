@@ -135,8 +135,9 @@ def cmd_bench(args):
         from ..config import parse_size
         if args.budget is None:
             args.budget = 0.25
-        elif not isinstance(args.budget, float):
+        elif not isinstance(args.budget, float) and args.kind != "model":
             args.budget = args.budget / parse_size(args.size, "--size")
+        # bench model takes bytes as bytes: its model is whole layers, not exactly --size.
         result = runner.run(args)
     emit(result, args.json)
     return 0 if result.get("ok", True) else 1

@@ -187,3 +187,12 @@ def test_stage_a_directory_and_a_missing_curve_dir_say_so(tmp_path):
     out = run("status", "--endpoint", "tcp://127.0.0.1:9", "--curve-dir", str(ckpt_dir))
     line = one_error_line(out)
     assert out.returncode == 1 and "z85" not in line and "server.key" in line
+
+
+def test_bench_model_budget_in_bytes_is_those_bytes(tmp_path):
+    """It was a fraction of --size applied to the model built (whole layers, not --size)."""
+    out = run("bench", "model", "--json", "--size", "1MiB", "--hidden", "128", "--batch", "1", "--repeats", "1",
+              "--steady", "--budget", "300KiB", "--dir", str(tmp_path), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["device_budget"] == 300 << 10 and report["model_bytes"] != 1 << 20, report["model_bytes"]
