@@ -280,7 +280,7 @@ def _print_report(r):
     print(f"offloaded: {r['offloaded_seconds_per_pass']:.3f}s per pass "
           f"(first pass {r['first_pass_seconds']:.3f}s records the trace); "
           f"{r['offloaded_seconds_per_pass'] / r['resident_seconds_per_pass']:.2f}x resident")
-    print(f"stall {r['stall_seconds']:.3f}s total, hit rate {r['hit_rate']:.1%}, "
+    print(f"all passes, the recording one included: stall {r['stall_seconds']:.3f}s, hit rate {r['hit_rate']:.1%}, "
           f"moved {_mib(r['bytes_moved'])} at {r['bandwidth_MBps']:,.0f} MB/s, "
           f"{r['evictions']} evictions, {r['fences']} compute fences")
     if r.get("predicted_seconds_per_pass") is not None:
