@@ -64,9 +64,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import framework
-from .construct_reads import compiled_calls, direct_reads, is_jit
+from .construct_reads import direct_reads, is_jit
 from .errors import BudgetError, PrefetchdError
-from . import parts as _parts
+from .jit_graphs import cells_in_jit_graphs, refuse_units_in_jit_graphs
 
 ROOT_NAME = "<root>"
 _MERGE_FRACTION = 8          # siblings under unit_share / 8 are "tiny"
@@ -262,10 +262,10 @@ def plan_units(model, high_watermark, lookahead, units=None, no_split=(), block_
     Raises PrefetchdError if a cell the hooks would hook runs inside a @jit method's graph."""
     no_split = _no_split_classes(model, no_split)
     size = param_nbytes if block_bytes is None else (lambda p: int(block_bytes(param_nbytes(p))))
-    jit = _jit_graph_cells(model)
+    jit = cells_in_jit_graphs(model)
     plan = _plan(model, high_watermark, lookahead, units, no_split, size, jit)
     plan.jit_cells = frozenset(jit)
-    _refuse_hooks_in_jit_graphs(model, plan, jit)
+    refuse_units_in_jit_graphs(model, plan, jit)
 
     def replan(high, lookahead):
         return _plan(model, high, lookahead, units, no_split, size, jit)
@@ -453,57 +453,6 @@ def _finish(model, units, all_params, high, lookahead, total, size, explicit=Fal
                     if id(p) in in_units)
     share = max((high - root.nbytes) // (2 + lookahead), 0)
     return Plan(units, root, high, share, lookahead, total, explicit, compiled_model=_is_compiled(model))
-
-
-def _jit_graph_cells(model):
-    """id(cell) -> (owner name, owner, method name, called expression) for every cell that
-    runs inside the graph of a @jit method (not a compiled construct) a construct calls,
-    and every cell under it (prefetchd/construct_reads.compiled_calls)."""
-    names = {}
-    for name, cell in model.cells_and_names():
-        names.setdefault(id(cell), name)
-    found = {}
-    for name, cell in model.cells_and_names():
-        if _is_compiled(cell):
-            continue
-        for _, owner, method, used in compiled_calls(cell):
-            owner_name = names.get(id(owner), name)
-            for expr, sub in used:
-                for _, inner in sub.cells_and_names():
-                    if inner is not owner:
-                        found.setdefault(id(inner), (owner_name, owner, method, expr))
-    return found
-
-
-def _refuse_hooks_in_jit_graphs(model, plan, jit):
-    """PrefetchdError if a cell the layer hooks would hook (a unit's cell, or a part of a
-    unit, which carries a probe in the recording pass: prefetchd/parts.py) runs inside
-    a @jit method's graph. MindSpore 2.10 compiles the forward hooks of the cells called
-    there into the graph: prefetchd's fail to compile ("Unsupported statement 'Import'"),
-    and a hook that compiled would run once, at trace time, not at every call."""
-    if not jit or not plan.units:
-        return
-    names = {}
-    for name, cell in model.cells_and_names():
-        names.setdefault(id(cell), name)
-    for unit in plan.units:
-        own = [c for _, c in unit.cells]
-        for cell in own + list(_parts.part_cells(own, skip=jit)):
-            if id(cell) not in jit:
-                continue
-            owner_name, owner, method, expr = jit[id(cell)]
-            kind = type(owner).__name__
-            role = (f"it is a cell of unit {unit.name!r}" if any(cell is c for c in own)
-                    else f"it is a part of unit {unit.name!r}, probed in the first forward")
-            where = repr(owner_name) if owner_name else "the model"
-            raise PrefetchdError(
-                f"prefetchd.offload: {where} ({kind}) calls {expr} from its @jit method {method!r}; "
-                f"MindSpore compiles the forward hooks of cells called inside a jit graph into that graph, "
-                f"where prefetchd's hooks cannot run, and {names.get(id(cell), type(cell).__name__)!r} would "
-                f"carry one ({role}). Decorate {kind}.construct with @mindspore.jit instead of {method!r} "
-                f"(a compiled cell streams whole, as one unit), drop @jit from {method!r}, or pass units= "
-                f"naming cells that neither contain {where} nor are called from {method!r} "
-                f"(cells left out of every unit are pinned in the root)")
 
 
 def _outside_units(model, units):
