@@ -241,11 +241,11 @@ class Offloaded:
                                      self._planned_tier(), self.stall_seconds, self._high)
             self._recording = False
             self._adopt_entries()
-            self._session.set_trace([[r.name for r in self._unit(i).records] for i in self.trace])
+            self._publish_trace()
         else:
             self._estimator.streamed()
             if self._cursor.end_pass():
-                self._session.set_trace([[r.name for r in self._unit(i).records] for i in self.trace])
+                self._publish_trace()
                 if self._cursor.retraces == 1:
                     log.info("prefetchd.offload: a pass ran units the trace did not hold (a changed route "
                              "or branch); its order is the trace now (counted in stats()['retraces'])")
@@ -437,6 +437,10 @@ class Offloaded:
     @property
     def resyncs(self):
         return self._cursor.resyncs
+
+    def _publish_trace(self):
+        """Give the daemon's eviction policy the trace (tensor names per step)."""
+        self._session.set_trace([[r.name for r in self._unit(i).records] for i in self.trace])
 
     def _unit(self, step):
         return self.root if step == ROOT else self.units[step]
