@@ -13,10 +13,41 @@ finds which outputs of which cells are views (`view_positions`); every pass
 copies those outputs (`copy_positions`) while the unit is still pinned, so the
 copy is dispatched before the fence behind the unit's kernels. A cell that
 returns a view only on passes after the recording one is not covered.
+
+`ViewCopies` keeps which outputs of which cells those are, per unit; the layer
+hooks (prefetchd/hooks.py) pass every output that leaves a unit (a unit's
+cell, an entry part, the model for the root unit) through it.
 """
 import itertools
+import logging
 
 from .backend import framework
+
+log = logging.getLogger("prefetchd.hooks")
+
+
+class ViewCopies:
+    """The outputs of cells that are views of their unit's weights: found in the recording
+    pass, copied while the unit is pinned, on every pass. name_of_cell: fn(cell) -> its
+    name in the model, for the log line."""
+
+    def __init__(self, name_of_cell):
+        self._name_of_cell = name_of_cell
+        # (id(unit), id(cell)) -> positions in flat_tensors of its outputs that are views
+        self._positions = {}
+
+    def copied(self, unit, cell, output, recording):
+        """`output` of `cell`, with what are views of `unit`'s weights copied. `unit`: its
+        `records` (the daemon's, with bound addresses) and `name`."""
+        key = (id(unit), id(cell))
+        if recording:
+            positions = view_positions(output, unit.records)
+            if positions:
+                self._positions[key] = positions
+                log.info("prefetchd.offload: %s returns a view of the weights of unit %r; that output "
+                         "is copied before the unit is released", self._name_of_cell(cell), unit.name)
+        positions = self._positions.get(key)
+        return output if not positions else copy_positions(output, positions)
 
 
 def flat_tensors(value):

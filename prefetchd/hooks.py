@@ -38,17 +38,20 @@ trace expects (early exit, skipped layer, other branch) re-synchronises the
 trace position and is counted. Hooks do not fire under graph mode, so
 offload() refuses it. A pass that runs none of the units (embeddings only)
 is fine; the first pass that runs some records the trace.
+
+What offload() and an offloaded model refuse, with the messages, is in
+prefetchd.refusals; the copies of outputs that are views of a unit's weights
+(found in the recording pass) in prefetchd.aliases.ViewCopies.
 """
 import logging
-import operator
 import threading
 import time
 
-from . import aliases
+from . import refusals
+from .aliases import ViewCopies
 from .backend import framework
 from .daemon import Daemon
 from .errors import DoubleRegisterError, NotResidentError, PrefetchdError, ShutdownError
-from .guard import is_managed
 from .parts import PartProbes
 from .planner import plan_units
 from .trace_cursor import ROOT, TraceCursor
@@ -62,8 +65,7 @@ log = logging.getLogger("prefetchd.hooks")
 class Unit:
     """A planned unit at run time: its cells, the daemon records of its parameters, pin state."""
     __slots__ = ("index", "name", "cells", "records", "nbytes", "held", "ran", "params", "compiled",
-                 "addresses", "dispatched_ns", "entries", "own_ran", "parted", "part_depth", "last_output",
-                 "view_outputs")
+                 "addresses", "dispatched_ns", "entries", "own_ran", "parted", "part_depth", "last_output")
 
     def __init__(self, index, planned, records, compiled):
         self.index, self.name = index, planned.name
@@ -82,9 +84,6 @@ class Unit:
         self.parted = False       # pinned now by an entry
         self.part_depth = 0       # part calls running now
         self.last_output = None   # of the last part call (the fence behind them)
-        # id(cell) -> positions of its outputs that are views of the unit's weights
-        # (prefetchd.aliases), found in the recording pass, copied before every release.
-        self.view_outputs = {}
 
 
 class Offloaded:
@@ -98,12 +97,13 @@ class Offloaded:
                                  "forward hooks and a compiled graph keeps the storage it saw at compile "
                                  "time (call mindspore.set_context(mode=mindspore.PYNATIVE_MODE))")
         daemon._check_open()          # a Daemon never started (or closed) is refused by name
-        _refuse_managed(model)
+        refusals.refuse_managed(model)
         config = daemon.config
         self.model = model
         self.daemon = daemon
         # "auto": the cost model (prefetchd.plan) picks it from the recording pass.
-        self._estimator = PassEstimator(daemon, _lookahead(lookahead, config), lookahead == "auto")
+        self._estimator = PassEstimator(daemon, refusals.lookahead_count(lookahead, config),
+                                        lookahead == "auto")
         self.tier = tier
         self.auto_fetch = config.auto_fetch if auto_fetch is None else bool(auto_fetch)
         self.strict = strict
@@ -140,8 +140,11 @@ class Offloaded:
         self._parts = PartProbes(self.units, self._by_cell, self._before_part, self._after_part,
                                  skip=self._plan.jit_cells)
         self._parted = []              # units pinned now by a part's call
-        self._compiled_later = CompiledLater(model, self.units, self._plan.units, self._parts,
-                                             lambda cell: _cell_name(model, cell))
+        def name_of(cell):
+            return _cell_name(model, cell)
+        # Outputs that are views of their unit's weights, copied before it is released.
+        self._views = ViewCopies(name_of)
+        self._compiled_later = CompiledLater(model, self.units, self._plan.units, self._parts, name_of)
         self._handles.append(model.register_forward_pre_hook(self._before_model))
         self._handles.append(model.register_forward_hook(self._after_model))
         # always_call: MindSpore runs it when the forward or another hook raised, too.
@@ -229,7 +232,7 @@ class Offloaded:
             self._prefetch_from(1, self.root.nbytes)
 
     def _after_model(self, cell, inputs, output):
-        output = self._copy_views(self.root, cell, output)
+        output = self._views.copied(self.root, cell, output, self._recording)
         self._release_all(_first_tensor(output))
         if self._recording and self._ran == 0 and self.units:
             # A pass that ran none of the units (embeddings only, every block skipped) read
@@ -285,7 +288,7 @@ class Offloaded:
         unit.ran.add(id(cell))
         last = len(unit.ran) == len(unit.cells)
         timed = last and self._recording and self._time_unit(unit, _first_tensor(output))
-        output = self._copy_views(unit, cell, output)
+        output = self._views.copied(unit, cell, output, self._recording)
         if last:
             self._release(unit, _first_tensor(output), timed=timed)
             if not self._recording:
@@ -296,26 +299,15 @@ class Offloaded:
 
     def _time_unit(self, unit, output):
         """Recording pass: time `unit`'s compute to a fence behind `output` (waits for it), before
-        _copy_views asks for addresses. That query drains MindSpore's op queue, and a fence after
-        it times the unit's kernels launched from an idle queue: twice their time in a pass
-        (measured, 16 Dense(4096, 4096) at batch 8). False without a compute marker."""
+        the view check (prefetchd.aliases.ViewCopies) asks for addresses. That query drains
+        MindSpore's op queue, and a fence after it times the unit's kernels launched from an idle
+        queue: twice their time in a pass (measured, 16 Dense(4096, 4096) at batch 8). False
+        without a compute marker."""
         marker = self._session.marker
         if marker is None or output is None or not unit.records:
             return False
         self._estimator.released(unit.name, marker.mark(output), unit.dispatched_ns)
         return True
-
-    def _copy_views(self, unit, cell, output):
-        """`output` of `cell`, with what are views of `unit`'s weights copied (prefetchd.aliases):
-        found in the recording pass, copied while the unit is pinned, on every pass."""
-        if self._recording:
-            positions = aliases.view_positions(output, unit.records)
-            if positions:
-                unit.view_outputs[id(cell)] = positions
-                log.info("prefetchd.offload: %s returns a view of the weights of unit %r; that output "
-                         "is copied before the unit is released", _cell_name(self.model, cell), unit.name)
-        positions = unit.view_outputs.get(id(cell))
-        return output if not positions else aliases.copy_positions(output, positions)
 
     # ---------------------------------------------------------------- parts (prefetchd.parts)
     def _before_part(self, cell, inputs):
@@ -329,7 +321,7 @@ class Offloaded:
     def _after_part(self, cell, inputs, output):
         unit = self._parts.unit_of(cell)
         if unit.parted and unit.part_depth == 1:      # an entry: its output leaves the unit
-            output = self._copy_views(unit, cell, output)
+            output = self._views.copied(unit, cell, output, self._recording)
         self._parts.ran(cell, _first_tensor(output), self._recording)
         return output
 
@@ -499,51 +491,12 @@ class Offloaded:
             if self._owns_daemon:
                 self.daemon.close()
 
+    # ---------------------------------------------------------------- refusals (prefetchd.refusals)
     def _refuse_backward(self, cell, grad_output):
-        """A backward pass would read weights released after their forward: unmapped pages, the
-        process would die. Refused before the first backward kernel; MindSpore raises it from
-        grad()/value_and_grad() and recovers (a plain forward afterwards runs as before)."""
-        raise PrefetchdError(
-            f"prefetchd: gradients through an offloaded model are not supported: this "
-            f"{type(self.model).__name__}'s units are released as soon as their forward ran, and the "
-            f"backward pass would read their weights after that. Compute gradients on a model that is "
-            f"not offloaded (prefetchd streams weights for inference)")
+        raise refusals.backward_refused(self.model)
 
     def _refuse_closed(self, cell, inputs):
-        raise PrefetchdError(
-            f"prefetchd: this {type(self.model).__name__} was offloaded to daemon "
-            f"{self.daemon.config.name!r} and its handle was closed; its weights live in that daemon's "
-            f"tiers, not in ordinary memory, so it cannot run any more (keep the handle open while the "
-            f"model is used)")
-
-
-def _refuse_managed(model):
-    """A model (or a parameter of it) already streamed by a daemon cannot be offloaded again:
-    its weights no longer sit in ordinary memory, and two daemons would each move them."""
-    previous = model.__dict__.get("_prefetchd")
-    if previous is not None:
-        state = "whose handle was closed" if previous.closed else "still in use"
-        raise PrefetchdError(
-            f"prefetchd.offload: this {type(model).__name__} is already offloaded to daemon "
-            f"{previous.daemon.config.name!r} ({state}); a model streams through one daemon, once")
-    managed = next((p for p in model.get_parameters() if is_managed(p)), None)
-    if managed is not None:
-        raise PrefetchdError(
-            f"prefetchd.offload: parameter {managed.name!r} is already managed by a prefetchd daemon "
-            f"(part of another offloaded model, or registered by hand); a tensor streams through one "
-            f"daemon, once")
-
-
-def _lookahead(value, config):
-    if value in (None, "auto"):
-        return config.lookahead
-    try:
-        count = operator.index(value)          # an int, numpy's too; not 2.0 or "2"
-    except TypeError:
-        count = -1
-    if isinstance(value, bool) or count < 0:
-        raise ValueError(f'prefetchd.offload: lookahead must be an int >= 0 or "auto", got {value!r}')
-    return count
+        raise refusals.closed_refused(self.model, self.daemon.config.name)
 
 
 def _cell_name(model, cell):

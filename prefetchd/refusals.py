@@ -1,0 +1,63 @@
+"""What offload() refuses, and what an offloaded model refuses to do, with their messages.
+
+The layer hooks (prefetchd/hooks.py) call these: `refuse_managed` and
+`lookahead_count` when offload() starts, before anything is registered;
+`backward_refused` from the model's backward pre-hook, and `closed_refused`
+from the pre-hook a closed handle leaves on the model (the hooks raise what
+these return). Messages are part of the contract: tests match them.
+"""
+import operator
+
+from .errors import PrefetchdError
+from .guard import is_managed
+
+
+def refuse_managed(model):
+    """A model (or a parameter of it) already streamed by a daemon cannot be offloaded again:
+    its weights no longer sit in ordinary memory, and two daemons would each move them."""
+    previous = model.__dict__.get("_prefetchd")
+    if previous is not None:
+        state = "whose handle was closed" if previous.closed else "still in use"
+        raise PrefetchdError(
+            f"prefetchd.offload: this {type(model).__name__} is already offloaded to daemon "
+            f"{previous.daemon.config.name!r} ({state}); a model streams through one daemon, once")
+    managed = next((p for p in model.get_parameters() if is_managed(p)), None)
+    if managed is not None:
+        raise PrefetchdError(
+            f"prefetchd.offload: parameter {managed.name!r} is already managed by a prefetchd daemon "
+            f"(part of another offloaded model, or registered by hand); a tensor streams through one "
+            f"daemon, once")
+
+
+def lookahead_count(value, config):
+    """offload()'s lookahead= as a count: None and "auto" start from config.lookahead (the cost
+    model replaces it for "auto"); an int >= 0 (numpy's too), else ValueError."""
+    if value in (None, "auto"):
+        return config.lookahead
+    try:
+        count = operator.index(value)          # an int, numpy's too; not 2.0 or "2"
+    except TypeError:
+        count = -1
+    if isinstance(value, bool) or count < 0:
+        raise ValueError(f'prefetchd.offload: lookahead must be an int >= 0 or "auto", got {value!r}')
+    return count
+
+
+def backward_refused(model):
+    """A backward pass would read weights released after their forward: unmapped pages, the
+    process would die. Raised before the first backward kernel; MindSpore raises it from
+    grad()/value_and_grad() and recovers (a plain forward afterwards runs as before)."""
+    return PrefetchdError(
+        f"prefetchd: gradients through an offloaded model are not supported: this "
+        f"{type(model).__name__}'s units are released as soon as their forward ran, and the "
+        f"backward pass would read their weights after that. Compute gradients on a model that is "
+        f"not offloaded (prefetchd streams weights for inference)")
+
+
+def closed_refused(model, daemon_name):
+    """A model whose handle was closed: its weights stay in the daemon's tiers, unmapped here."""
+    return PrefetchdError(
+        f"prefetchd: this {type(model).__name__} was offloaded to daemon "
+        f"{daemon_name!r} and its handle was closed; its weights live in that daemon's "
+        f"tiers, not in ordinary memory, so it cannot run any more (keep the handle open while the "
+        f"model is used)")
