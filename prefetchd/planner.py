@@ -57,13 +57,14 @@ unit larger than the high watermark, or a root plus two consecutive units
 (the one computing and the next, including the wrap from the last to the
 first) above it. The message ends with the smallest device_budget under which
 re-planning the same model fits (Plan.min_device_budget), at the plan's
-lookahead and at 0.
+lookahead and at 0: the bisection and the text are prefetchd.budget_hint's.
 """
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .backend import framework
+from .budget_hint import DEFAULT_HIGH_FRACTION, budget_for_high_watermark, hint_text, lowest_fitting
 from .construct_reads import direct_reads, is_jit
 from .errors import BudgetError, PrefetchdError
 from .jit_graphs import cells_in_jit_graphs, refuse_units_in_jit_graphs
@@ -71,28 +72,6 @@ from .jit_graphs import cells_in_jit_graphs, refuse_units_in_jit_graphs
 ROOT_NAME = "<root>"
 _MERGE_FRACTION = 8          # siblings under unit_share / 8 are "tiny"
 _MAX_ROUNDS = 6              # splitting moves bytes to the root; the share shrinks; re-plan
-# What Config.__post_init__ makes the high watermark when high_watermark is not set:
-# int(device_budget * 0.95) (tests/test_planner_refusals.py checks the two agree).
-DEFAULT_HIGH_FRACTION = 0.95
-
-
-def budget_for_high_watermark(high, fraction=DEFAULT_HIGH_FRACTION):
-    """The smallest device_budget B with int(B * fraction) >= high (the Config's rounding)."""
-    budget = max(int(-(-high // fraction)), 1)
-    while int(budget * fraction) < high:
-        budget += 1
-    while budget > 1 and int((budget - 1) * fraction) >= high:
-        budget -= 1
-    return budget
-
-
-def _size_text(nbytes):
-    """'1536MiB (1610612736 bytes)': a size the Config reads, rounded up, and the exact bytes."""
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            gib = f", {-(-nbytes * 100 // (1 << 30)) / 100:.2f} GiB" if nbytes >= 1 << 30 else ""
-            return f"{-(-nbytes // scale)}{unit} ({nbytes} bytes{gib})"
-    return f"{nbytes} bytes"
 
 
 def param_nbytes(p):
@@ -153,28 +132,13 @@ class Plan:
     def min_high_watermark(self, lookahead=None):
         """The smallest high watermark (bytes) at which re-planning with the same inputs gives a
         plan that fits, at `lookahead` (default: this plan's); None if it cannot be re-planned.
-        Found by bisection over the planner itself (page/granule rounding, splits, the root and
-        the unit share included): the plan at the result fits and the one a byte below does not."""
+        Found by bisection over the planner itself (prefetchd.budget_hint): the plan at the
+        result fits and the one a byte below does not."""
         if self.replan is None:
             return None
         lookahead = self.lookahead if lookahead is None else lookahead
-
-        def fits(high):
-            return self.replan(high, lookahead).fits()
-        lo, hi = 0, max(_union_bytes(self.root, *self.units), 1)
-        while not fits(hi):                  # everything at once always fits; guard anyway
-            lo, hi = hi, hi * 2
-            if hi > 1 << 60:
-                return None
-        if fits(lo):
-            return lo
-        while hi - lo > 1:                   # fits(hi), not fits(lo)
-            mid = (lo + hi) // 2
-            if fits(mid):
-                hi = mid
-            else:
-                lo = mid
-        return hi
+        return lowest_fitting(lambda high: self.replan(high, lookahead).fits(),
+                              max(_union_bytes(self.root, *self.units), 1))
 
     def min_device_budget(self, lookahead=None):
         """The smallest device_budget whose high watermark (`high_fraction` of it, as the
@@ -184,23 +148,7 @@ class Plan:
 
     def budget_hint(self):
         """'; ... device_budget >= ... at lookahead k (lookahead 0: ...)', or '' (no replan)."""
-        try:
-            need = self.min_high_watermark()
-        except PrefetchdError:
-            return ""
-        if need is None:
-            return ""
-        text = (f"; the smallest budget under which it plans units that fit: device_budget >= "
-                f"{_size_text(budget_for_high_watermark(need, self.high_fraction))} at lookahead "
-                f"{self.lookahead}")
-        if self.lookahead > 0:
-            # Lookahead changes only the unit share, so how finely blocks split: a larger one
-            # may need less (smaller units), not only more.
-            need0 = self.min_high_watermark(0)
-            text += (f" (lookahead 0: {_size_text(budget_for_high_watermark(need0, self.high_fraction))})"
-                     if need0 != need else " (the same at lookahead 0)")
-        return text + (f", with the high watermark at {self.high_fraction:.0%} of device_budget (the default; "
-                       f"a high watermark of at least {need} bytes)")
+        return hint_text(self.min_high_watermark, self.lookahead, self.high_fraction)
 
     def _problem(self):
         """What can never fit under the high watermark (a message), or None."""

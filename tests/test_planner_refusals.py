@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 import prefetchd
+from prefetchd.budget_hint import DEFAULT_HIGH_FRACTION, budget_for_high_watermark
 from prefetchd.config import Config
 from prefetchd.errors import BudgetError, PrefetchdError
-from prefetchd.planner import DEFAULT_HIGH_FRACTION, budget_for_high_watermark, param_nbytes, plan_units
+from prefetchd.planner import param_nbytes, plan_units
 
 PAGE = 4096
 
