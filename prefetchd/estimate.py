@@ -6,14 +6,21 @@ pins or moves a tensor:
     estimator.recording_started(marker, stall_seconds)   # recording pass, root pinned
     estimator.released(name, epoch, dispatched_ns)       # after each unit of that pass
     estimator.recorded(units, root, tier, ...)           # its end: the cost model's plan
+    estimator.released(name, epoch, dispatched_ns)       # later passes, while refining
     estimator.streamed()                                 # after each later pass: refined
+    estimator.close()
 
 The recording pass times each unit alone (prefetchd.recording); the cost model
-(prefetchd.plan) plans from those timings and the measured transfer rates; the
-next passes refine the rates (prefetchd.refine). An estimate that cannot be
-made is logged and skipped: it never breaks the user's forward.
+(prefetchd.plan) plans from those timings and the measured transfer rates. The
+next passes refine the rates and the compute (prefetchd.refine): while the
+estimate is refined, a FenceClock thread notes when compute reaches each unit's
+release fence (the fences the hooks mark anyway; nothing waits for them), and
+a pass whose fences were all reached by the end of this or the next pass gives
+its units' compute. An estimate that cannot be made is logged and skipped: it
+never breaks the user's forward.
 """
 import logging
+import statistics
 
 from . import plan as cost_model
 from .backend.base import checksum_rate, copy_rate
@@ -33,26 +40,42 @@ class PassEstimator:
         self.auto = auto
         self.estimate = None
         self._timer = None           # RecordingTimer while the recording pass runs
-        self._refinement = None      # refine.Refinement while the streamed passes' rates settle
+        self._refinement = None      # refine.Refinement while the streamed passes' figures settle
+        self._marker = None          # the compute marker the fences are marked on
+        self._units = ()             # (name, kind) per unit, trace order (the root excluded)
+        self._clock = None           # FenceClock of a streamed pass, and the names it timed
+        self._clock_names = []
+        self._clock_open = False     # its pass is still running
 
     def recording_started(self, marker, stall_seconds):
         """The recording pass pinned its root. Without a compute marker nothing is timed."""
         if marker is None:
             return
+        self._marker = marker
         if self._timer is None:
             self._timer = RecordingTimer(marker)
         self._timer.pass_started(stall_seconds)
 
     def released(self, name, epoch, dispatched_ns):
-        """A unit of the recording pass was released behind fence `epoch` (waits for its compute)."""
-        if self._timer is not None and epoch is not None:
+        """A unit was released behind fence `epoch`; dispatched_ns None: the root. In the
+        recording pass this waits for the unit's compute; later nothing waits."""
+        if epoch is None:
+            return
+        if self._timer is not None:
             self._timer.released(name, epoch, dispatched_ns)
+        elif dispatched_ns is not None and self._refinement is not None and self._marker is not None:
+            if self._clock is None:
+                self._clock, self._clock_names, self._clock_open = cost_model.FenceClock(self._marker), [], True
+            if self._clock_open:
+                self._clock.unit(epoch, dispatched_ns)
+                self._clock_names.append(name)
 
     def recorded(self, units, root_bytes, tier, stall_seconds, high_watermark):
         """The recording pass ended; `units` in trace order (the root excluded)."""
         timer, self._timer = self._timer, None
         if timer is None:
             return
+        self._units = tuple((u.name, unit_kind(u.cells, u.params)) for u in units)
         backend = self.daemon.backend
         contended = bool(backend.copy_contention)
         try:
@@ -67,32 +90,64 @@ class PassEstimator:
                 checksum_rate=checksum_rate(),
                 # ...and compute is charged for them at that rate (plan.Inputs.copy_cpu_rate).
                 copy_cpu_rate=copy_rate() if contended else 0.0)
-            self._adopt(cost_model.plan(inputs, None if self.auto else self.lookahead), "recording pass")
+            self._adopt(cost_model.plan(inputs, None if self.auto else self.lookahead),
+                        "rates and compute of the recording pass")
         except (TimeoutError, ValueError) as e:
             log.info("prefetchd.offload: no pass-time estimate (%s)", e)
             return
         self._refinement = Refinement(inputs, self.daemon.snapshot()[1])
 
     def streamed(self):
-        """A streamed pass ended: the plan again with its transfer rates, until they settle."""
+        """A streamed pass ended: the plan again with its transfer rates and, once a timed pass's
+        fences were reached, its compute; until they settle."""
+        if self._clock is not None and self._clock_open:
+            self._clock.seal()           # its thread ends once compute reached the pass's fences
+        self._clock_open = False
         refinement, self._refinement = self._refinement, None
         if refinement is None:
             return
+        compute = self._timed_compute()
         try:
-            refined, following = refinement.step(self.daemon.snapshot()[1])
+            refined, following = refinement.step(self.daemon.snapshot()[1], compute)
             if refined is not None:
                 self._adopt(cost_model.plan(refined, None if self.auto else self.lookahead),
-                            "last streamed pass")
+                            "rates of the last streamed pass" +
+                            ("; compute timed in a streamed pass" if compute is not None else ""))
         except ValueError as e:      # never break the user's forward over an estimate
             log.info("prefetchd.offload: the estimate was not refined (%s)", e)
+            self.close()
             return
         self._refinement = following
+        if following is None:
+            self.close()
+
+    def _timed_compute(self):
+        """Per-unit compute seconds (trace order) of the timed pass once compute reached all
+        its fences, else None (tried again after the next pass). None, too, for a pass that
+        ran other units than the trace's, or not in its order (a resync)."""
+        clock = self._clock
+        if clock is None or not clock.reached():
+            return None
+        self._clock, names = None, self._clock_names
+        dispatch_ns, fence_ns = clock.stop()
+        if tuple(names) != tuple(name for name, _ in self._units):
+            return None
+        seconds = cost_model.compute_seconds_from_fences(dispatch_ns, fence_ns)
+        # The mean of a kind, not its median: a pipelined pass has no one-off costs to drop,
+        # and fences passed together give one unit its neighbours' time (the sum is right).
+        return cost_model.pooled(seconds, [kind for _, kind in self._units], statistic=statistics.fmean)
+
+    def close(self):
+        """Stop timing (the handle closed, or the estimate settled)."""
+        clock, self._clock = self._clock, None
+        if clock is not None:
+            clock.close()
 
     def _adopt(self, estimate, source):
         self.estimate = estimate
         if self.auto:
             self.lookahead = estimate.lookahead
         log.info("prefetchd.offload: lookahead %d%s; predicted %.3f s per pass (%s-bound; compute %.3f s, "
-                 "copies %.3f s, of which disk %.3f s; rates of the %s)", self.lookahead,
+                 "copies %.3f s, of which disk %.3f s; %s)", self.lookahead,
                  " (auto)" if self.auto else "", estimate.pass_seconds, estimate.bound, estimate.compute_seconds,
                  estimate.io_seconds, estimate.disk_seconds, source)

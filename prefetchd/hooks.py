@@ -398,8 +398,8 @@ class Offloaded:
                         "misses of this unit are counted in stats()['misses'] only", unit.name, miss)
 
     def _release(self, unit, dependency, timed=False):
-        """Unpin `unit` behind a fence on `dependency`; in the recording pass its compute is
-        timed to that fence unless `timed` says it was already (_time_unit)."""
+        """Unpin `unit` behind a fence on `dependency`; its compute is timed to that fence
+        (prefetchd.estimate) unless `timed` says it was already (_time_unit)."""
         unit.held = False
         unit.parted = False
         unit.ran.clear()
@@ -408,8 +408,9 @@ class Offloaded:
         # A fence behind this unit's kernels lets its memory be reused as soon as
         # they ran, without draining later units' compute.
         epoch = self._session.release(unit.records, dependency, unit=unit.name)
-        if self._recording and not timed:
-            # Waits for the unit's compute: the recording pass times each unit alone.
+        if not timed:
+            # The recording pass waits for the unit's compute (each unit timed alone); while
+            # the estimate is refined, later passes are timed by a thread, nothing waits.
             self._estimator.released(unit.name, epoch, None if unit is self.root else unit.dispatched_ns)
 
     def _release_all(self, dependency):
@@ -488,6 +489,7 @@ class Offloaded:
         except ShutdownError:                 # the daemon closed under the model: no pin is left
             pass
         finally:
+            self._estimator.close()
             if self._owns_daemon:
                 self.daemon.close()
 

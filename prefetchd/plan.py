@@ -321,19 +321,20 @@ def compute_seconds_from_fences(dispatch_ns, fence_ns):
     return out
 
 
-def pooled(seconds, kinds, least=3):
-    """Each unit's compute seconds replaced by the median over the units of its kind
-    (e.g. the same cell types and parameter shapes) where at least `least` share it:
-    the same kernels on the same shapes take the same time, and the median drops
-    one-off costs that land on one of them in a single timed pass (the framework's
-    first call at a shape, a page-fault burst, another process)."""
+def pooled(seconds, kinds, least=3, statistic=statistics.median):
+    """Each unit's compute seconds replaced by the median (or `statistic`) over the units
+    of its kind (e.g. the same cell types and parameter shapes) where at least `least`
+    share it: the same kernels on the same shapes take the same time, and the median
+    drops one-off costs that land on one of them in a single timed pass (the framework's
+    first call at a shape, a page-fault burst, another process). statistics.fmean keeps
+    the kind's sum: right where fences passed together gave one unit its neighbours' time."""
     if len(seconds) != len(kinds):
         raise ValueError(f"{len(seconds)} compute times but {len(kinds)} unit kinds")
     groups = {}
     for s, kind in zip(seconds, kinds):
         groups.setdefault(kind, []).append(s)
-    medians = {k: statistics.median(v) for k, v in groups.items() if len(v) >= least}
-    return [medians.get(kind, s) for s, kind in zip(seconds, kinds)]
+    pooled_by_kind = {k: statistic(v) for k, v in groups.items() if len(v) >= least}
+    return [pooled_by_kind.get(kind, s) for s, kind in zip(seconds, kinds)]
 
 
 def measure(unit_bytes, dispatch_ns, fence_ns, *, high_watermark, host_budget, stats=None,
@@ -377,6 +378,7 @@ class FenceClock:
         self._marker, self._clock = marker, clock
         self._queue = queue.SimpleQueue()
         self._dispatch, self._fences = [], []
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="prefetchd-fence-clock", daemon=True)
         self._thread.start()
 
@@ -384,8 +386,21 @@ class FenceClock:
         self._dispatch.append(dispatched_ns)
         self._queue.put(epoch)
 
-    def stop(self, timeout=30.0):
+    def reached(self):
+        """Compute reached every fence given so far: stop() returns at once."""
+        return len(self._fences) == len(self._dispatch)
+
+    def seal(self):
+        """No more units: the thread ends once compute reached the fences given."""
         self._queue.put(None)
+
+    def close(self):
+        """Stop timing without waiting: the thread ends within one wait (0.2 s)."""
+        self._closed.set()
+        self.seal()
+
+    def stop(self, timeout=30.0):
+        self.seal()
         self._thread.join(timeout)
         if self._thread.is_alive() or len(self._fences) != len(self._dispatch):
             raise TimeoutError(f"compute reached {len(self._fences)} of {len(self._dispatch)} fences "
@@ -399,6 +414,6 @@ class FenceClock:
                 return
             deadline = time.monotonic() + 60.0
             while self._marker.wait(epoch, 0.2) < epoch:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or self._closed.is_set():
                     return           # stop() reports the shortfall
             self._fences.append(self._clock())

@@ -1,4 +1,5 @@
 """Layer decorators: an offloaded model computes exactly what the resident model computes."""
+import threading
 import time
 
 import numpy as np
@@ -347,6 +348,32 @@ def test_lookahead_auto_is_chosen_by_the_cost_model_from_the_first_pass(make_dae
     stats = handle.stats()
     assert stats["lookahead"] == handle.lookahead and stats["predicted_pass_seconds"] == estimate.pass_seconds
     assert daemon.status()["device"]["peak"] <= daemon.status()["device"]["high_watermark"]
+
+
+def test_the_estimate_takes_compute_from_a_streamed_pass_not_the_recording_pass(make_daemon, reference):
+    """The recording pass times each unit alone, so what runs beside a unit there (Python
+    dispatch from an idle queue, here a sleep inside each unit's span on that pass only) is
+    counted as its compute. The estimate is refined with compute timed in a streamed pass."""
+    x, want, _ = reference
+    clocks = lambda: {t for t in threading.enumerate() if t.name == "prefetchd-fence-clock"}  # noqa: E731
+    before = clocks()
+    model, handle, daemon = offloaded(make_daemon, 1.0, lookahead=1)
+    assert [u.name for u in handle.plan().units] == [f"blocks.{i}" for i in range(L)]
+    slow = [True]
+    for block in model.blocks:       # hooked after offload(): runs inside the unit's timed span
+        block.register_forward_pre_hook(lambda cell, inputs: time.sleep(0.03) if slow[0] else None)
+    np.testing.assert_array_equal(model(x).asnumpy(), want)
+    recorded = handle.estimate.compute_seconds
+    assert recorded >= L * 0.03
+    slow[0] = False
+    for _ in range(4):
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
+    assert handle.estimate.compute_seconds < recorded - L * 0.02, (recorded, handle.estimate.compute_seconds)
+    handle.close()
+    deadline = time.monotonic() + 2.0
+    while clocks() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not clocks() - before, "a timing thread outlived the handle"
 
 
 def test_a_model_staged_to_host_ram_gets_a_host_tier_estimate(make_daemon, reference):

@@ -266,7 +266,9 @@ def test_a_refinement_takes_each_passes_rates_until_they_settle():
     assert start.left == PASSES
     first, following = start.step(moved(live, 2e9, 1.0, 8e9, 1.0))      # 2 and 8 GB/s: moved a lot
     assert (first.disk_rate, first.h2d_rate) == (2e9, 8e9) and following.left == PASSES - 1
-    assert following.step(live.snapshot()) == (None, None)               # a pass that moved nothing
+    nothing, later = following.step(live.snapshot())                     # a pass that moved nothing...
+    assert nothing is None and later.left == PASSES - 2 and later.since is following.since
+    following = later                                                    # ...refines nothing, and goes on
     settled, done = following.step(moved(live, 2.1e9, 1.0, 8e9, 1.0))   # within 10%: settled
     assert settled.disk_rate == pytest.approx(2.1e9) and done is None
 
@@ -284,3 +286,40 @@ def test_a_refinement_keeps_the_copy_rate_where_copies_share_computes_cores():
     assert (refined.disk_rate, refined.h2d_rate) == (1e9, 9e9)
     live.record_transfer("h2d", 3e9, 1.0)                                 # a pass of copies only
     assert start.step(live.snapshot())[0].h2d_rate == 9e9
+
+
+def test_a_refinement_takes_compute_timed_in_a_streamed_pass_and_charges_no_copies_again():
+    """Compute timed in a streamed pass holds what the copies beside it took from compute's
+    cores already: the refined inputs charge copies nothing more and plan the copy stream at
+    the rate it ran beside compute."""
+    from prefetchd.refine import Refinement
+    from prefetchd.stats import Stats
+    live = Stats()
+    start = Refinement(inputs(h2d=9e9, copy_contention=1, copy_cpu_rate=9e9, tier="host"), live.snapshot())
+    live.record_transfer("h2d", 3e9, 1.0)
+    timed = [0.005] * len(start.inputs.compute_seconds)
+    refined, following = start.step(live.snapshot(), timed)
+    assert refined.compute_seconds == tuple(timed)
+    assert (refined.copy_contention, refined.copy_cpu_rate, refined.h2d_rate) == (0.0, 0.0, 3e9)
+    assert following is not None, "compute changed by more than SETTLED: not settled yet"
+    assert P.plan(refined).pass_seconds < P.plan(start.inputs).pass_seconds
+
+
+def test_fence_clock_sealed_ends_its_thread_once_the_fences_are_reached():
+    marker = FakeMarker()
+    clock = P.FenceClock(marker)
+    clock.unit(1, time.monotonic_ns())
+    clock.seal()
+    assert not clock.reached()
+    marker.reach(1)
+    clock._thread.join(2.0)
+    assert not clock._thread.is_alive() and clock.reached()
+    assert len(clock.stop()[1]) == 1
+
+
+def test_fence_clock_closed_ends_its_thread_without_its_fences():
+    clock = P.FenceClock(FakeMarker())
+    clock.unit(1, time.monotonic_ns())
+    clock.close()
+    clock._thread.join(2.0)
+    assert not clock._thread.is_alive()
