@@ -361,14 +361,15 @@ def test_the_estimate_takes_compute_from_a_streamed_pass_not_the_recording_pass(
     assert [u.name for u in handle.plan().units] == [f"blocks.{i}" for i in range(L)]
     slow = [True]
     for block in model.blocks:       # hooked after offload(): runs inside the unit's timed span
-        block.register_forward_pre_hook(lambda cell, inputs: time.sleep(0.03) if slow[0] else None)
+        block.register_forward_pre_hook(lambda cell, inputs: time.sleep(0.1) if slow[0] else None)
     np.testing.assert_array_equal(model(x).asnumpy(), want)
     recorded = handle.estimate.compute_seconds
-    assert recorded >= L * 0.03
+    assert recorded >= L * 0.1
     slow[0] = False
     for _ in range(4):
         np.testing.assert_array_equal(model(x).asnumpy(), want)
-    assert handle.estimate.compute_seconds < recorded - L * 0.02, (recorded, handle.estimate.compute_seconds)
+    # Most of the sleeps gone; the rest is slack for the timing thread waking late on busy cores.
+    assert handle.estimate.compute_seconds < recorded - L * 0.07, (recorded, handle.estimate.compute_seconds)
     handle.close()
     deadline = time.monotonic() + 2.0
     while clocks() - before and time.monotonic() < deadline:
@@ -399,7 +400,7 @@ def test_the_recording_pass_times_each_unit_with_no_load_beside_it(make_daemon, 
     daemon.timeline = daemon._core.timeline = Timeline(None)
     model = build_model(hidden, layers, seed=3)
     handle = prefetchd.offload(model, daemon, lookahead=1)
-    x = make_inputs(32, 64, hidden, seed=5)       # tens of ms of compute per unit on this machine
+    x = make_inputs(96, 64, hidden, seed=5)       # ~100 ms of compute per unit on this machine
     model(x).asnumpy()
     assert handle.estimate is not None
     recorded = spans(daemon.timeline)
@@ -407,8 +408,9 @@ def test_the_recording_pass_times_each_unit_with_no_load_beside_it(make_daemon, 
     loads = [(s, e) for s, e, _, _ in recorded[LOAD_STREAM]]
     assert len(computes) >= layers and loads
     # ns: a span's end is stamped by a Python thread woken by the fence, late when the
-    # hooks' thread holds the GIL; a load beside compute would overlap it all
-    slack = 8_000_000
+    # hooks' thread holds the GIL or the cores are busy (8 ms was exceeded under load);
+    # a load beside compute would overlap most of a ~100 ms span
+    slack = 30_000_000
     overlaps = [(c, l) for c in computes for l in loads if l[0] < c[1] - slack and c[0] < l[1]]
     assert not overlaps, f"loads ran beside compute on the recording pass: {overlaps[:3]}"
 
