@@ -377,6 +377,20 @@ def test_the_estimate_takes_compute_from_a_streamed_pass_not_the_recording_pass(
     assert not clocks() - before, "a timing thread outlived the handle"
 
 
+def test_a_handle_closed_while_a_streamed_pass_is_being_timed_leaves_no_timing_thread(make_daemon, reference):
+    x, want, _ = reference
+    clocks = lambda: {t for t in threading.enumerate() if t.name == "prefetchd-fence-clock"}  # noqa: E731
+    before = clocks()
+    model, handle, daemon = offloaded(make_daemon, 0.3, lookahead=1)
+    for _ in range(2):               # the recording pass, then one streamed pass being timed
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
+    handle.close()
+    deadline = time.monotonic() + 2.0
+    while clocks() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not clocks() - before, "a timing thread outlived the handle"
+
+
 def test_a_model_staged_to_host_ram_gets_a_host_tier_estimate(make_daemon, reference):
     """Registered on the remote tier, then all staged to host RAM (what `demo --tier host`
     does): no pass reads the disk, and the cost model still predicts a pass."""
