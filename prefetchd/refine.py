@@ -16,7 +16,8 @@ with the compute it measured, until the figures settle (within SETTLED of the
 last pass's) or PASSES passes. Compute measured in a streamed pass already
 holds what the copies beside it took from compute's cores, so those inputs
 charge copies nothing more (copy_contention 0) and take the copy stream's
-rate as measured beside compute.
+rate as measured beside compute. The figures are settled once two timed
+passes in a row agree.
 Pure: numbers in, numbers out; the layer hooks (prefetchd/hooks.py) plan and log.
 """
 import dataclasses
@@ -58,6 +59,8 @@ class Refinement:
         refined = dataclasses.replace(old, **changes)
         pairs = [(refined.disk_rate, old.disk_rate), (refined.h2d_rate, old.h2d_rate),
                  (sum(refined.compute_seconds), sum(old.compute_seconds))]
-        settled = all(abs(new / was - 1) <= SETTLED for new, was in pairs if was)
+        # Settled only on a pass whose compute was timed too: its rates alone would leave the
+        # recording pass's compute (or one timed pass's) unconfirmed.
+        settled = compute is not None and all(abs(new / was - 1) <= SETTLED for new, was in pairs if was)
         following = None if settled or self.left <= 1 else Refinement(refined, now, self.left - 1)
         return refined, following

@@ -263,13 +263,16 @@ def test_a_refinement_takes_each_passes_rates_until_they_settle():
 
     live = Stats()
     start = Refinement(inputs(), live.snapshot())
+    timed = start.inputs.compute_seconds                                 # compute timed in the pass
     assert start.left == PASSES
-    first, following = start.step(moved(live, 2e9, 1.0, 8e9, 1.0))      # 2 and 8 GB/s: moved a lot
+    first, following = start.step(moved(live, 2e9, 1.0, 8e9, 1.0), timed)   # 2 and 8 GB/s: moved a lot
     assert (first.disk_rate, first.h2d_rate) == (2e9, 8e9) and following.left == PASSES - 1
     nothing, later = following.step(live.snapshot())                     # a pass that moved nothing...
     assert nothing is None and later.left == PASSES - 2 and later.since is following.since
     following = later                                                    # ...refines nothing, and goes on
-    settled, done = following.step(moved(live, 2.1e9, 1.0, 8e9, 1.0))   # within 10%: settled
+    same, untimed = following.step(moved(live, 2.1e9, 1.0, 8e9, 1.0))    # within 10%, compute not timed:
+    assert same.disk_rate == pytest.approx(2.1e9) and untimed is not None    # not settled
+    settled, done = untimed.step(moved(live, 2.1e9, 1.0, 8e9, 1.0), timed)  # timed and within 10%
     assert settled.disk_rate == pytest.approx(2.1e9) and done is None
 
 
