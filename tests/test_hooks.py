@@ -350,13 +350,24 @@ def test_lookahead_auto_is_chosen_by_the_cost_model_from_the_first_pass(make_dae
     assert daemon.status()["device"]["peak"] <= daemon.status()["device"]["high_watermark"]
 
 
+def fence_clocks():
+    """The timing threads alive now (prefetchd.plan.FenceClock)."""
+    return {t for t in threading.enumerate() if t.name == "prefetchd-fence-clock"}
+
+
+def assert_no_new_fence_clocks(before, within=2.0):
+    deadline = time.monotonic() + within
+    while fence_clocks() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not fence_clocks() - before, "a timing thread outlived the handle"
+
+
 def test_the_estimate_takes_compute_from_a_streamed_pass_not_the_recording_pass(make_daemon, reference):
     """The recording pass times each unit alone, so what runs beside a unit there (Python
     dispatch from an idle queue, here a sleep inside each unit's span on that pass only) is
     counted as its compute. The estimate is refined with compute timed in a streamed pass."""
     x, want, _ = reference
-    clocks = lambda: {t for t in threading.enumerate() if t.name == "prefetchd-fence-clock"}  # noqa: E731
-    before = clocks()
+    before = fence_clocks()
     model, handle, daemon = offloaded(make_daemon, 1.0, lookahead=1)
     assert [u.name for u in handle.plan().units] == [f"blocks.{i}" for i in range(L)]
     slow = [True]
@@ -371,24 +382,17 @@ def test_the_estimate_takes_compute_from_a_streamed_pass_not_the_recording_pass(
     # Most of the sleeps gone; the rest is slack for the timing thread waking late on busy cores.
     assert handle.estimate.compute_seconds < recorded - L * 0.07, (recorded, handle.estimate.compute_seconds)
     handle.close()
-    deadline = time.monotonic() + 2.0
-    while clocks() - before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not clocks() - before, "a timing thread outlived the handle"
+    assert_no_new_fence_clocks(before)
 
 
 def test_a_handle_closed_while_a_streamed_pass_is_being_timed_leaves_no_timing_thread(make_daemon, reference):
     x, want, _ = reference
-    clocks = lambda: {t for t in threading.enumerate() if t.name == "prefetchd-fence-clock"}  # noqa: E731
-    before = clocks()
+    before = fence_clocks()
     model, handle, daemon = offloaded(make_daemon, 0.3, lookahead=1)
     for _ in range(2):               # the recording pass, then one streamed pass being timed
         np.testing.assert_array_equal(model(x).asnumpy(), want)
     handle.close()
-    deadline = time.monotonic() + 2.0
-    while clocks() - before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not clocks() - before, "a timing thread outlived the handle"
+    assert_no_new_fence_clocks(before)
 
 
 def test_a_model_staged_to_host_ram_gets_a_host_tier_estimate(make_daemon, reference):
