@@ -39,6 +39,7 @@ def test_report_fields(report):
         plan = r["plan"]
         assert plan["prefetchd"]["predicted"] > 0 and plan["prefetchd"]["measured"] == r["seconds"]["prefetchd"]
         assert plan["refined"]["predicted"] > 0 and plan["refined"]["measured"] == r["seconds"]["prefetchd"]
+        assert plan["refined"]["compute_seconds"] > 0 and plan["refined"]["bound"] in ("compute", "io")
         assert plan["compute_from_fences"] is True
         assert plan["units"] == report["layers"]
     batch = report["batches"][0]

@@ -131,7 +131,9 @@ def plan_report(methods, report, layer_seconds, rates, lookahead, tier, resident
         # What the offloaded model itself predicts (handle.estimate, what lookahead="auto"
         # and `prefetchd demo` use): the same model, compute from its recording pass, and
         # transfer rates re-measured on its streamed passes, where compute runs beside them.
-        "refined": _pair(estimate.pass_seconds, report["seconds"]["prefetchd"]) if estimate else None,
+        # Its compute (timed in a streamed pass once refined) beside the bench's compute_seconds.
+        "refined": dict(_pair(estimate.pass_seconds, report["seconds"]["prefetchd"]),
+                        compute_seconds=estimate.compute_seconds, bound=estimate.bound) if estimate else None,
         "prefetchd_first_pass": _pair(p.first_pass_seconds, report["first_pass"]["prefetchd"]),
         "on_demand": _pair(demand.pass_seconds, report["seconds"]["on_demand"]),
         "host_cached_units": list(p.host_cached),
