@@ -4,7 +4,8 @@ The layer hooks (prefetchd/hooks.py) call it at pass boundaries; nothing here
 pins or moves a tensor:
 
     estimator.recording_started(marker, stall_seconds)   # recording pass, root pinned
-    estimator.released(name, epoch, dispatched_ns)       # after each unit of that pass
+    estimator.time_unit(marker, name, output, ...)       # after each unit of that pass (or
+    estimator.released(name, epoch, dispatched_ns)       #   released, behind the unit's own fence)
     estimator.recorded(units, root, tier, ...)           # its end: the cost model's plan
     estimator.released(name, epoch, dispatched_ns)       # later passes, while refining
     estimator.streamed()                                 # after each later pass: refined
@@ -43,9 +44,8 @@ class PassEstimator:
         self._refinement = None      # refine.Refinement while the streamed passes' figures settle
         self._marker = None          # the compute marker the fences are marked on
         self._units = ()             # (name, kind) per unit, trace order (the root excluded)
-        self._clock = None           # FenceClock of a streamed pass, and the names it timed
-        self._clock_names = []
-        self._clock_open = False     # its pass is still running
+        self._clock = None           # FenceClock of a streamed pass (sealed once it ended),
+        self._clock_names = []       # and the units it timed
 
     def recording_started(self, marker, stall_seconds):
         """The recording pass pinned its root. Without a compute marker nothing is timed."""
@@ -65,10 +65,18 @@ class PassEstimator:
             self._timer.released(name, epoch, dispatched_ns)
         elif dispatched_ns is not None and self._refinement is not None and self._marker is not None:
             if self._clock is None:
-                self._clock, self._clock_names, self._clock_open = cost_model.FenceClock(self._marker), [], True
-            if self._clock_open:
+                self._clock, self._clock_names = cost_model.FenceClock(self._marker), []
+            if not self._clock.sealed:
                 self._clock.unit(epoch, dispatched_ns)
                 self._clock_names.append(name)
+
+    def time_unit(self, marker, name, output, dispatched_ns):
+        """Recording pass: a fence behind `output` (a unit's), and wait for it (released).
+        False, timing nothing, without a compute marker or an output to fence."""
+        if marker is None or output is None:
+            return False
+        self.released(name, marker.mark(output), dispatched_ns)
+        return True
 
     def recorded(self, units, root_bytes, tier, stall_seconds, high_watermark):
         """The recording pass ended; `units` in trace order (the root excluded)."""
@@ -100,9 +108,8 @@ class PassEstimator:
     def streamed(self):
         """A streamed pass ended: the plan again with its transfer rates and, once a timed pass's
         fences were reached, its compute; until they settle."""
-        if self._clock is not None and self._clock_open:
+        if self._clock is not None:
             self._clock.seal()           # its thread ends once compute reached the pass's fences
-        self._clock_open = False
         refinement, self._refinement = self._refinement, None
         if refinement is None:
             return

@@ -6,8 +6,8 @@ plans the model's units (prefetchd.planner: repeated blocks at any depth,
 split to fit the budget, plus a ROOT unit holding every parameter outside the
 blocks), refuses at once what can never fit (BudgetError naming the tensor or
 unit), drops graphs MindSpore compiled for the model before (they would read
-the old storage), registers every parameter with the daemon, and installs
-forward hooks:
+the old storage) and registers every parameter with the daemon
+(prefetchd.registration), and installs forward hooks:
 
 - the model's pre-hook pins the root unit for the whole forward; its
   post-hook releases it behind a compute fence on the output, then prefetches
@@ -47,11 +47,11 @@ import logging
 import threading
 import time
 
-from . import refusals
+from . import registration, refusals
 from .aliases import ViewCopies
 from .backend import framework
 from .daemon import Daemon
-from .errors import DoubleRegisterError, NotResidentError, PrefetchdError, ShutdownError
+from .errors import NotResidentError, PrefetchdError, ShutdownError
 from .parts import PartProbes
 from .planner import plan_units
 from .trace_cursor import ROOT, TraceCursor
@@ -116,8 +116,9 @@ class Offloaded:
         self._plan.high_fraction = self._high / config.device_budget
         self._plan.check_fits()
         log.info("prefetchd.offload(%s):\n%s", type(model).__name__, self._plan.format_table())
-        self._invalidate_compiled()
-        records = self._register(tier, checkpoint)
+        registration.drop_compiled_graphs(model)
+        params = {id(p): p for u in [self._plan.root, *self._plan.units] for p in u.params}
+        records = registration.register(daemon, model, params, tier, checkpoint)
         self.root = Unit(ROOT, self._plan.root, [records[id(p)] for p in self._plan.root.params], [model])
         self.units = [Unit(i, planned, [records[id(p)] for p in planned.params],
                            [c for _, cell in planned.cells for _, c in cell.cells_and_names()])
@@ -156,39 +157,6 @@ class Offloaded:
     def _hook_unit_cell(self, cell):
         self._handles.append(cell.register_forward_pre_hook(self._before_unit))
         self._handles.append(cell.register_forward_hook(self._after_unit))
-
-    def _invalidate_compiled(self):
-        """Graphs compiled before offload() read the storage they saw then: make them recompile."""
-        for name, cell in self.model.cells_and_names():
-            try:
-                framework.invalidate_compiled(cell)
-            except RuntimeError as e:
-                raise PrefetchdError(f"prefetchd.offload: cell {name or type(cell).__name__!r} has "
-                                     f"compiled graphs prefetchd cannot invalidate: {e}") from None
-
-    def _register(self, tier, checkpoint):
-        """Register every parameter (root and units) once; id(param) -> daemon record."""
-        params = {id(p): p for u in [self._plan.root, *self._plan.units] for p in u.params}
-        if checkpoint is not None:
-            # Weights come from the store (staged now from a file, or already there).
-            self.daemon.register_checkpoint(self.model, checkpoint=None if checkpoint is True else checkpoint)
-            handles = {key: self.daemon.handle(p.name) for key, p in params.items()}
-        else:
-            self._refuse_taken_names(params.values())
-            handles = {key: self.daemon.register(p, p.name, tier=tier) for key, p in params.items()}
-        return {key: self.daemon.record(handle) for key, handle in handles.items()}
-
-    def _refuse_taken_names(self, params):
-        """Names are unique in one daemon: a clash is refused before any parameter is
-        registered (one found midway left the earlier ones managed, and the model stuck)."""
-        taken, seen = set(self.daemon.names()), set()
-        for p in params:
-            if p.name in taken or p.name in seen:
-                raise DoubleRegisterError(
-                    f"prefetchd.offload: a tensor named {p.name!r} is already registered (names are unique in "
-                    f"one daemon: a second model whose parameters have the same names needs its own daemon, "
-                    f"or a prefix, e.g. model.update_parameters_name('second.')); nothing was registered")
-            seen.add(p.name)
 
     @property
     def lookahead(self):
@@ -287,7 +255,11 @@ class Offloaded:
             return None
         unit.ran.add(id(cell))
         last = len(unit.ran) == len(unit.cells)
-        timed = last and self._recording and self._time_unit(unit, _first_tensor(output))
+        # Recording pass: timed to a fence before the view check asks for addresses. That query
+        # drains MindSpore's op queue, and a fence after it times the unit's kernels launched
+        # from an idle queue: twice their time in a pass (16 Dense(4096, 4096) at batch 8).
+        timed = last and self._recording and bool(unit.records) and self._estimator.time_unit(
+            self._session.marker, unit.name, _first_tensor(output), unit.dispatched_ns)
         output = self._views.copied(unit, cell, output, self._recording)
         if last:
             self._release(unit, _first_tensor(output), timed=timed)
@@ -296,18 +268,6 @@ class Offloaded:
                 # ago for want of a free range can be placed now, before it would miss.
                 self._prefetch_from(self._cursor.position + 1, self._held_bytes())
         return output
-
-    def _time_unit(self, unit, output):
-        """Recording pass: time `unit`'s compute to a fence behind `output` (waits for it), before
-        the view check (prefetchd.aliases.ViewCopies) asks for addresses. That query drains
-        MindSpore's op queue, and a fence after it times the unit's kernels launched from an idle
-        queue: twice their time in a pass (measured, 16 Dense(4096, 4096) at batch 8). False
-        without a compute marker."""
-        marker = self._session.marker
-        if marker is None or output is None or not unit.records:
-            return False
-        self._estimator.released(unit.name, marker.mark(output), unit.dispatched_ns)
-        return True
 
     # ---------------------------------------------------------------- parts (prefetchd.parts)
     def _before_part(self, cell, inputs):
@@ -399,7 +359,7 @@ class Offloaded:
 
     def _release(self, unit, dependency, timed=False):
         """Unpin `unit` behind a fence on `dependency`; its compute is timed to that fence
-        (prefetchd.estimate) unless `timed` says it was already (_time_unit)."""
+        (prefetchd.estimate) unless `timed` says it was already (PassEstimator.time_unit)."""
         unit.held = False
         unit.parted = False
         unit.ran.clear()

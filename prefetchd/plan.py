@@ -379,6 +379,7 @@ class FenceClock:
         self._queue = queue.SimpleQueue()
         self._dispatch, self._fences = [], []
         self._closed = threading.Event()
+        self.sealed = False          # no more units (seal, stop, close)
         self._thread = threading.Thread(target=self._run, name="prefetchd-fence-clock", daemon=True)
         self._thread.start()
 
@@ -392,7 +393,9 @@ class FenceClock:
 
     def seal(self):
         """No more units: the thread ends once compute reached the fences given."""
-        self._queue.put(None)
+        if not self.sealed:
+            self.sealed = True
+            self._queue.put(None)
 
     def close(self):
         """Stop timing without waiting: the thread ends within one wait (0.2 s)."""
