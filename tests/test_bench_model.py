@@ -47,6 +47,10 @@ def test_report_fields(report):
     by_case = {r["case"]: [p["seconds"] for p in r["prefetchd"]["passes"][1:]] for r in report["results"]}
     assert batch["remote_over_host_paired"] == pytest.approx(
         float(np.median([a / b for a, b in zip(by_case["remote"], by_case["host"])])))
+    low, high = batch["remote_over_host_paired_range"]
+    assert low <= batch["remote_over_host_paired"] <= high
+    resident = report["results"][0]["resident_passes"][1:]
+    assert batch["resident_spread"] == pytest.approx((max(resident) - min(resident)) / float(np.median(resident)))
     assert len(batch["layer_compute_seconds"]) == report["layers"]
     rates = report["raw_rates"]["4"]
     assert rates["disk_read"]["bytes"] == report["model_bytes"] == rates["h2d_copy"]["bytes"]
@@ -124,3 +128,26 @@ def test_daemon_rates_come_from_its_own_io_only_passes():
     assert _daemon_disk_rate([one(0, GB, 9.0), one(GB, 0, 0.5)], 4 * GB) is None
     assert _daemon_disk_rate([one(0, GB, 9.0), one(4 * GB, GB, 0.5)], 4 * GB) is None
     assert _daemon_disk_rate(None, 4 * GB) is None
+
+
+def test_targets_are_decided_on_the_figures_reported(report):
+    """Each of issue #15's checks says what it was decided on: a target that could not fail
+    (always True, or counting cases the run did not have) would be a claim, not a check."""
+    targets = report["targets"]
+    estimate = targets["estimate_within_15pct"]
+    assert set(estimate) == {f'4/{case}' for case in CASES} and targets["estimate_cases"] == len(CASES)
+    for r in report["results"]:
+        refined = r["plan"]["refined"]
+        error = abs(refined["predicted"] - refined["measured"]) / refined["measured"]
+        assert estimate[f'4/{r["case"]}'] is (error <= 0.15)
+    assert targets["estimate_within_15pct_met"] == sum(estimate.values())
+    paired = report["batches"][0]["remote_over_host_paired"]
+    assert targets["remote_within_1.05x_of_host"] == {"4": paired <= 1.05}
+
+
+def test_targets_of_a_pair_off_by_more_than_15_percent_are_not_met():
+    from prefetchd.bench.model import _within
+    assert _within({"predicted": 1.0, "measured": 1.1}) is True
+    assert _within({"predicted": 1.0, "measured": 1.25}) is False     # under-predicted by 20%
+    assert _within({"predicted": 1.3, "measured": 1.0}) is False      # over-predicted by 30%
+    assert _within(None) is False and _within({"predicted": None, "measured": 1.0}) is False
