@@ -32,6 +32,7 @@ def describe(config, registry, core, *, closed, running):
                  "cached": cached, "cached_bytes": cached_bytes},
         "remote": {"bytes": be.store_bytes() if be and running else 0},
         "loads_from": dict(core.stats.loads_from) if core else {"host": 0, "remote": 0},
+        "load_bytes_from": dict(core.stats.load_bytes_from) if core else {"host": 0, "remote": 0},
         "queue_depth": len(core.inbox) + len(core.loads.queue) if core else 0,
         "in_flight": len(core.transfers) if core else 0,
         "pinned": pinned, "pinned_bytes": pinned_bytes,
