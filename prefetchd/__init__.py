@@ -15,6 +15,7 @@ _LAZY = {
     "TensorHandle": "prefetchd.handle",
     "offload": "prefetchd.hooks",
     "offloaded": "prefetchd.hooks",
+    "load_param_into_net": "prefetchd.reload",
     "Client": "prefetchd.control",
     "tier": "prefetchd.ops",
     "ops": "prefetchd.ops",

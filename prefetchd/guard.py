@@ -48,8 +48,9 @@ _READERS = ("asnumpy", "numpy", "__array__", "__getitem__", "item", "tolist", "_
 # way); a @jit function reads `const_arg` of each Tensor argument before its graph runs on it.
 _STORAGE_PROPERTIES = {"data": ".data (a second tensor over its memory)", "const_arg": "a @jit call with it as an argument"}
 _USE_HINT = ("outside an offloaded model's forward, use managed weights inside `with daemon.use([...])`, "
-             "which keeps them resident until the block ends (gradients and training through an "
-             "offloaded model are not supported)")
+             "which keeps them resident until the block ends")
+_LOAD_HINT = ("load new values with prefetchd.load_param_into_net (gradients and training through an "
+              "offloaded model are not supported)")
 
 
 def base_class(obj):
@@ -103,9 +104,9 @@ def refusal(target, what):
     if isinstance(error, UseAfterFreeError):
         pass                                  # no daemon involved: ops.free() released it
     elif "daemon.use" in message:
-        message += " (gradients and training through an offloaded model are not supported)"
+        message += f"; {_LOAD_HINT}"
     else:
-        message += f"; {_USE_HINT}"
+        message += f"; {_USE_HINT}, and {_LOAD_HINT}"
     return type(error)(error.name, error.tier, error.state, message)
 
 

@@ -43,6 +43,7 @@ What offload() and an offloaded model refuse, with the messages, is in
 prefetchd.refusals; the copies of outputs that are views of a unit's weights
 (found in the recording pass) in prefetchd.aliases.ViewCopies.
 """
+import contextlib
 import logging
 import threading
 import time
@@ -172,6 +173,15 @@ class Offloaded:
     def plan(self):
         """The unit plan (prefetchd.planner.Plan): units, root unit, budget figures."""
         return self._plan
+
+    @contextlib.contextmanager
+    def between_passes(self):
+        """Hold this model's forwards off (callers on other threads wait) while the block runs;
+        refused inside one of its forwards, whose pins and prefetches it would cut across."""
+        if self._pass_thread == threading.get_ident():
+            raise PrefetchdError("refused inside this model's forward: run it between forwards")
+        with self._pass_lock:
+            yield
 
     # ---------------------------------------------------------------- hooks
     def _before_model(self, cell, inputs):

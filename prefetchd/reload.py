@@ -1,0 +1,87 @@
+"""New values for an offloaded model's parameters: `prefetchd.load_param_into_net`.
+
+`mindspore.load_param_into_net(net, params)` reads each parameter's `.data`,
+which prefetchd refuses for a weight that is not resident (its home is
+unmapped: reading it would kill the process), so on an offloaded model it
+stops at the first such weight. This takes the same arguments and returns the
+same two lists, and writes each parameter inside `daemon.use([p])`, one at a
+time so it fits any budget the model fits. There `set_data` is adopted into
+the parameter's replica and marked dirty, so the value is written back to the
+parameter's tier before that replica can be dropped (core/binding.py).
+
+Every name, shape and dtype is checked before anything is written: a refused
+load changes nothing.
+"""
+import numpy as np
+
+from .errors import PrefetchdError
+from .guard import is_managed
+
+
+def load_param_into_net(net, parameter_dict, strict_load=False):
+    """Load `parameter_dict` (name -> Parameter, Tensor or numpy array, e.g. from
+    mindspore.load_checkpoint) into `net`. Returns (param_not_load, ckpt_not_load): the
+    net's parameters the dict had no value for, and the dict's names the net has no
+    parameter of. Names must match exactly; strict_load=True refuses the load if either
+    list would be non-empty. A net that is not offloaded is loaded by MindSpore's own."""
+    from .backend.framework import mindspore
+    ms = mindspore()
+    handle = getattr(net, "_prefetchd", None)
+    if handle is None:
+        return ms.load_param_into_net(net, parameter_dict, strict_load=strict_load)
+    if handle.closed:
+        raise PrefetchdError("prefetchd.load_param_into_net: this model's offload was closed; its "
+                             "weights live in the daemon's tiers no more")
+    if not isinstance(parameter_dict, dict):
+        raise TypeError(f"parameter_dict must be a dict of name -> Parameter/Tensor/array, "
+                        f"not {type(parameter_dict).__name__}")
+    params = {p.name: p for p in net.get_parameters()}
+    not_loaded = [name for name in params if name not in parameter_dict]
+    unused = [name for name in parameter_dict if name not in params]
+    if strict_load and (not_loaded or unused):
+        raise PrefetchdError(f"prefetchd.load_param_into_net(strict_load=True) refused, nothing loaded: "
+                             f"{_names(not_loaded)} of the net have no value, {_names(unused)} of the "
+                             f"dict are not parameters of the net")
+    todo = [(params[name], value) for name, value in parameter_dict.items() if name in params]
+    for param, value in todo:
+        _check(param, value)
+        if is_managed(value):
+            # Its data may be refused mid-load (not resident), leaving the net half-loaded.
+            raise PrefetchdError(f"prefetchd.load_param_into_net refused, nothing loaded: the value for "
+                                 f"{param.name!r} is itself managed by prefetchd; load from a checkpoint "
+                                 f"(mindspore.load_checkpoint) or from arrays")
+    with handle.between_passes():     # a forward on another thread never reads a half-written weight
+        for param, value in todo:
+            array = _array(value)
+            with handle.daemon.use([param]):
+                param.set_data(ms.Tensor(np.ascontiguousarray(array)))
+    return not_loaded, unused
+
+
+def _names(names):
+    if not names:
+        return "none"
+    shown = ", ".join(repr(n) for n in names[:3])
+    return f"{len(names)} ({shown}{', ...' if len(names) > 3 else ''})"
+
+
+def _meta(value):
+    """(shape, dtype name) of a Parameter, Tensor or array, without reading its data."""
+    from .dtypes import name_of
+    try:
+        return tuple(value.shape), name_of(value.dtype)
+    except (AttributeError, TypeError, KeyError, ValueError):
+        raise TypeError(f"a value of type {type(value).__name__} is not a Parameter, Tensor or numpy "
+                        f"array") from None
+
+
+def _check(param, value):
+    shape, dtype = _meta(value)
+    want_shape, want_dtype = _meta(param)
+    if shape != want_shape or dtype != want_dtype:
+        raise PrefetchdError(f"prefetchd.load_param_into_net refused, nothing loaded: {param.name!r} is "
+                             f"{want_shape} {want_dtype}, the value given is {shape} {dtype}")
+
+
+def _array(value):
+    return value if isinstance(value, np.ndarray) else value.asnumpy()

@@ -1,0 +1,137 @@
+"""prefetchd.load_param_into_net: a checkpoint loaded into a model already offloaded, the way
+a user swaps in fine-tuned weights (mindspore.save_checkpoint / load_checkpoint files)."""
+import threading
+
+import numpy as np
+import pytest
+
+import prefetchd
+from prefetchd import NotResidentError, PrefetchdError
+from test_host_cache import UNIT_BLOCKS, Net
+
+
+def _seeded(ms, seed):
+    ms.set_seed(seed)
+    return Net()
+
+
+@pytest.fixture
+def setup(ms, make_daemon, tmp_path):
+    """(offloaded model, daemon, x, its outputs, a checkpoint of another model and its outputs)."""
+    x = ms.Tensor(np.random.default_rng(1).standard_normal((4, 128), dtype=np.float32))
+    old, new = _seeded(ms, 0), _seeded(ms, 7)
+    path = str(tmp_path / "new.ckpt")
+    ms.save_checkpoint(new, path)
+    model = _seeded(ms, 0)
+    daemon = make_daemon(device_budget=4 * UNIT_BLOCKS, host_budget=2 * UNIT_BLOCKS)
+    prefetchd.offload(model, daemon, lookahead=1)
+    model(x)
+    return model, daemon, x, old(x).asnumpy(), path, new(x).asnumpy()
+
+
+def test_a_checkpoint_loads_into_an_offloaded_model_and_stays_through_evictions(ms, setup):
+    model, daemon, x, _, path, want = setup
+    assert prefetchd.load_param_into_net(model, ms.load_checkpoint(path)) == ([], [])
+    for _ in range(4):      # every unit is evicted and reloaded each pass (budget: 4 of 8 units)
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
+    assert daemon.snapshot()[1].writebacks > 0
+
+
+def test_mindspores_own_loader_is_refused_and_points_to_ours(ms, setup):
+    model, _, x, before, path, _ = setup
+    with pytest.raises(NotResidentError, match=r"prefetchd\.load_param_into_net"):
+        ms.load_param_into_net(model, ms.load_checkpoint(path))
+    np.testing.assert_array_equal(model(x).asnumpy(), before)
+
+
+def test_names_the_net_lacks_or_the_dict_lacks_are_listed_and_strict_refuses_them(ms, setup):
+    model, _, x, before, path, _ = setup
+    params = ms.load_checkpoint(path)
+    params = {k: v for k, v in params.items() if k.startswith("blocks.")}
+    del params["blocks.2.fc.bias"]
+    params["head.weight"] = ms.Tensor(np.zeros(3, np.float32))
+    with pytest.raises(PrefetchdError, match=r"nothing loaded: 1 \('blocks.2.fc.bias'\) of the net.*"
+                                             r"1 \('head.weight'\) of the dict"):
+        prefetchd.load_param_into_net(model, params, strict_load=True)
+    np.testing.assert_array_equal(model(x).asnumpy(), before)
+    assert prefetchd.load_param_into_net(model, params) == (["blocks.2.fc.bias"], ["head.weight"])
+    weight = model.blocks[2].fc.weight
+    with model._prefetchd.daemon.use([weight]):
+        np.testing.assert_array_equal(weight.asnumpy(), params["blocks.2.fc.weight"].asnumpy())
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "type", "managed"])
+def test_a_wrong_value_is_refused_before_anything_is_written(ms, setup, bad):
+    model, _, x, before, path, _ = setup
+    params = ms.load_checkpoint(path)
+    last = "blocks.7.fc.weight"           # the last one: every other would be written first
+    if bad == "shape":
+        params[last] = ms.Tensor(np.zeros((128, 64), np.float32))
+        match = r"'blocks.7.fc.weight' is \(128, 128\) float32, the value given is \(128, 64\) float32"
+    elif bad == "dtype":
+        params[last] = ms.Tensor(np.zeros((128, 128), np.float16))
+        match = r"the value given is \(128, 128\) float16"
+    elif bad == "type":
+        params[last] = [[0.0] * 128] * 128
+        match = "not a Parameter, Tensor or numpy array"
+    else:
+        params[last] = model.blocks[7].fc.weight       # another managed tensor, not resident
+        match = "is itself managed by prefetchd"
+    with pytest.raises((PrefetchdError, TypeError), match=match):
+        prefetchd.load_param_into_net(model, params)
+    np.testing.assert_array_equal(model(x).asnumpy(), before)
+
+
+def test_forwards_on_another_thread_see_the_old_weights_or_the_new_never_a_mix(ms, setup):
+    model, _, x, before, path, want = setup
+    params = ms.load_checkpoint(path)
+    seen, errors, done = [], [], threading.Event()
+
+    def forwards():
+        try:
+            while not done.is_set():
+                seen.append(model(x).asnumpy())
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    worker = threading.Thread(target=forwards)
+    worker.start()
+    try:
+        while not seen:
+            worker.join(0.01)
+        prefetchd.load_param_into_net(model, params)
+        count = len(seen)
+        while len(seen) < count + 2 and worker.is_alive():
+            worker.join(0.01)
+    finally:
+        done.set()
+        worker.join(60)
+    assert not errors and not worker.is_alive()
+    kinds = ["old" if np.array_equal(s, before) else "new" if np.array_equal(s, want) else "mixed" for s in seen]
+    assert "mixed" not in kinds and kinds[-1] == "new", kinds
+    assert kinds == sorted(kinds, key=lambda k: k == "new"), kinds   # old ones, then new ones
+
+
+def test_inside_a_forward_it_is_refused(ms, make_daemon, tmp_path):
+    path = str(tmp_path / "c.ckpt")
+    ms.save_checkpoint(_seeded(ms, 3), path)
+    model, caught = _seeded(ms, 0), []
+
+    def load_midway(cell, inputs):        # a hook of the model's fourth block: inside its forward
+        try:
+            prefetchd.load_param_into_net(model, ms.load_checkpoint(path))
+        except PrefetchdError as e:
+            caught.append(str(e))
+    prefetchd.offload(model, make_daemon(device_budget=4 * UNIT_BLOCKS), lookahead=1)
+    model.blocks[3].register_forward_pre_hook(load_midway)
+    x = ms.Tensor(np.ones((2, 128), np.float32))
+    model(x)
+    assert caught and "refused inside this model's forward" in caught[0]
+    np.testing.assert_array_equal(model(x).asnumpy(), _seeded(ms, 0)(x).asnumpy())   # nothing loaded
+
+
+def test_a_model_that_is_not_offloaded_is_loaded_by_mindspore(ms, tmp_path):
+    path = str(tmp_path / "c.ckpt")
+    ms.save_checkpoint(_seeded(ms, 3), path)
+    model = _seeded(ms, 0)
+    assert prefetchd.load_param_into_net(model, ms.load_checkpoint(path)) == ([], [])
+    np.testing.assert_array_equal(model.blocks[0].fc.weight.asnumpy(), _seeded(ms, 3).blocks[0].fc.weight.asnumpy())
