@@ -7,6 +7,7 @@ pins or moves a tensor:
     estimator.time_unit(marker, name, output, ...)       # after each unit of that pass (or
     estimator.released(name, epoch, dispatched_ns)       #   released, behind the unit's own fence)
     estimator.recorded(units, root, tier, ...)           # its end: the cost model's plan
+    estimator.recording_abandoned()                      # ... or it raised: the next pass records
     estimator.released(name, epoch, dispatched_ns)       # later passes, while refining
     estimator.streamed()                                 # after each later pass: refined
     estimator.close()
@@ -55,6 +56,13 @@ class PassEstimator:
         if self._timer is None:
             self._timer = RecordingTimer(marker)
         self._timer.pass_started(stall_seconds)
+
+    def recording_abandoned(self):
+        """The recording pass raised: its timings are dropped, and the next pass (which records
+        the trace again) is timed afresh. Mixing the two gave unit counts that matched nothing."""
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.close()
 
     def released(self, name, epoch, dispatched_ns):
         """A unit was released behind fence `epoch`; dispatched_ns None: the root. In the
@@ -149,6 +157,7 @@ class PassEstimator:
         clock, self._clock = self._clock, None
         if clock is not None:
             clock.close()
+        self.recording_abandoned()
 
     def _adopt(self, estimate, source):
         self.estimate = estimate

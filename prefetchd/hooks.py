@@ -313,6 +313,8 @@ class Offloaded:
 
     def _end_pass(self, cell, inputs, output):
         if self._pass_thread == threading.get_ident():
+            if self._recording:       # _after_model never ran (the forward raised) or ran no unit
+                self._estimator.recording_abandoned()
             self._pass_thread = None
             self._pass_lock.release()
 

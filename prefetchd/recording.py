@@ -44,6 +44,10 @@ class RecordingTimer:
         self._start = (0, 0.0)    # (ns after the root's pin, stall seconds then)
         self._end_ns = None       # when the output's fence was reached
 
+    def close(self):
+        """Stop timing without waiting (a recording pass that raised, or a closed handle)."""
+        self._clock.close()
+
     def pass_started(self, stall_seconds):
         self._start = (time.monotonic_ns(), stall_seconds)
         self._end_ns = None
