@@ -6,11 +6,12 @@ before any hook is installed:
     drop_compiled_graphs(model)                       # graphs compiled before offload()
     records = register(daemon, model, params, tier, checkpoint)   # id(param) -> daemon record
 
-A name clash is refused before any parameter is registered, so a refusal
-leaves the model as it was.
+A name clash, or host-tier weights the host budget cannot hold, is refused
+before any parameter is registered, so a refusal leaves the model as it was.
 """
 from .backend import framework
-from .errors import DoubleRegisterError, PrefetchdError
+from .errors import BudgetError, DoubleRegisterError, PrefetchdError
+from .plan import block_bytes as host_block_bytes
 
 
 def drop_compiled_graphs(model):
@@ -32,6 +33,8 @@ def register(daemon, model, params, tier, checkpoint):
         handles = {key: daemon.handle(p.name) for key, p in params.items()}
     else:
         _refuse_taken_names(daemon, params.values())
+        if tier == "host":
+            _refuse_beyond_the_host_budget(daemon, params.values())
         handles = {key: daemon.register(p, p.name, tier=tier) for key, p in params.items()}
     return {key: daemon.record(handle) for key, handle in handles.items()}
 
@@ -47,3 +50,18 @@ def _refuse_taken_names(daemon, params):
                 f"one daemon: a second model whose parameters have the same names needs its own daemon, "
                 f"or a prefix, e.g. model.update_parameters_name('second.')); nothing was registered")
         seen.add(p.name)
+
+
+def _refuse_beyond_the_host_budget(daemon, params):
+    """Host-tier weights live in the host pool for good: a model it cannot hold is refused whole
+    (staging them one by one stopped at the first that did not fit, the earlier ones managed
+    and the model stuck). Cached replicas of the remote tier count as free: they are dropped
+    for room."""
+    need = sum(host_block_bytes(p.nbytes) for p in params)
+    host = daemon.status()["host"]
+    free = host["budget"] - host["used"] + host["cached_bytes"]
+    if need > free:
+        raise BudgetError(
+            f"prefetchd.offload(tier='host'): the model's {len(params)} parameters need {need} bytes of host "
+            f"RAM, and the host budget has {free} of {host['budget']} bytes free; raise host_budget, or keep "
+            f"them on disk with tier='remote' (host RAM then caches what fits); nothing was registered")

@@ -123,3 +123,22 @@ def test_a_weight_changed_under_a_host_cache_too_small_for_the_model_is_not_lost
     # And it reads back as the new value outside a forward.
     with daemon.use([weight]):
         np.testing.assert_array_equal(weight.asnumpy(), new_weight)
+
+
+def test_host_tier_weights_the_host_budget_cannot_hold_are_refused_with_nothing_registered(
+        ms, make_daemon, case, tmp_path):
+    """Staged one by one, they stopped at the first that did not fit: the earlier ones stayed
+    managed, the model refused to run, and no other daemon could take it."""
+    x, want = case
+    small = make_daemon(device_budget=4 * UNIT_BLOCKS, host_budget=4 * UNIT_BLOCKS)
+    model = build(ms)
+    with pytest.raises(prefetchd.BudgetError, match=r"tier='host'.*16 parameters need \d+ bytes.*"
+                                                    r"nothing was registered"):
+        prefetchd.offload(model, small, lookahead=1, tier="host")
+    assert small.names() == [] and small.status()["host"]["used"] == 0
+    np.testing.assert_array_equal(model(x).asnumpy(), want)          # still the user's, resident
+    (tmp_path / "other").mkdir()
+    roomy = make_daemon(device_budget=4 * UNIT_BLOCKS, host_budget="64MiB", store_dir=str(tmp_path / "other"))
+    prefetchd.offload(model, roomy, lookahead=1, tier="host")
+    np.testing.assert_array_equal(model(x).asnumpy(), want)
+    assert roomy.status()["loads_from"]["remote"] == 0
