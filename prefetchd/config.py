@@ -38,7 +38,7 @@ def parse_size(value, key="size"):
             raise ConfigError(f"{key}: {value} bytes is beyond any machine (limit 1 PiB)")
         return value
     if isinstance(value, float) and value.is_integer() and value >= 1:
-        return int(value)
+        return parse_size(int(value), key)      # the same limit as an int's
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m and m.group(2).lower() in _UNITS:
@@ -47,6 +47,9 @@ def parse_size(value, key="size"):
                 raise ConfigError(f"{key}: {value!r} is beyond any machine (limit 1 PiB)")
             if n == int(n):
                 return int(n)
+        if m and m.group(2).lower() not in _UNITS:
+            raise ConfigError(f"{key}: unknown unit {m.group(2)!r} in {value!r} (units: B, KiB, MiB, GiB, "
+                              f"TiB, K, M, G, T, KB, MB, GB, TB; any case)")
         raise ConfigError(f"{key}: cannot read {value!r} as a size (examples: 1048576, '512MiB', '2GiB')")
     raise ConfigError(f"{key}: expected a size, got {type(value).__name__} {value!r}")
 

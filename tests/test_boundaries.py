@@ -106,6 +106,7 @@ def test_a_dropped_daemon_is_shut_down_with_a_warning(store_dir, make_param, cap
     ("shutdown_timeout", "nan", "finite"),
     ("shutdown_timeout", "inf", "finite"),
     ("device_budget", "1000000TiB", "beyond any machine"),
+    ("host_budget", "2PiB", "unknown unit 'PiB'"),
     ("verify_reads", "false", "always verified"),
     ("name", "a b/c", "letters, digits"),
     ("max_message_size", 10, "at least 1024"),
@@ -119,6 +120,14 @@ def test_every_config_value_is_checked_at_load_naming_the_key_and_source(key, va
         Config.load(env=env)
     assert key in str(err.value)
     with pytest.raises(ConfigError, match=key):
+        Config.load(env={}, **{key: value})
+
+
+@pytest.mark.parametrize("key", ["host_budget", "device_budget"])
+@pytest.mark.parametrize("value", [1e20, float(2 ** 51)])
+def test_a_float_size_has_the_same_limit_as_an_int(key, value):
+    """A TOML `host_budget = 1e20` or an argument float was accepted past the 1 PiB limit."""
+    with pytest.raises(ConfigError, match=f"{key}: {int(value)} bytes is beyond any machine"):
         Config.load(env={}, **{key: value})
 
 

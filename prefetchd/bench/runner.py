@@ -5,9 +5,21 @@ these machines are shared and noisy, so absolute numbers from different runs
 do not compare.
 """
 import argparse
+import math
 import os
 import shutil
 import tempfile
+
+
+def _fraction_of_the_model(text):
+    """--host-budget: a finite fraction >= 0 of the model's bytes (above 1 covers it)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction of the model, e.g. 0.5, not {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"a fraction of the model must be finite and >= 0, not {text!r}")
+    return value
 
 
 def add_arguments(parser):
@@ -33,7 +45,7 @@ def add_arguments(parser):
     parser.add_argument("--no-drop-caches", action="store_true", help="do not drop the page cache between runs")
     parser.add_argument("--steady", action="store_true",
                         help="model: steady state, no page-cache drop between passes (default: cold, dropped)")
-    parser.add_argument("--host-budget", type=float, default=0.5,
+    parser.add_argument("--host-budget", type=_fraction_of_the_model, default=0.5,
                         help="model: host budget of the remote-small-host case, as a fraction of the model (0.5)")
     parser.add_argument("--torch-python", default=None,
                         help="accelerate: interpreter with torch and accelerate (default: $PREFETCHD_TORCH_PYTHON, "

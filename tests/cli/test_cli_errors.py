@@ -30,6 +30,8 @@ def test_usage_errors_are_one_line_and_exit_2():
     for args, named in ((["--log-level", "LOUD", "status"], "LOUD"),
                         (["demo", "--budget", "lots"], "lots"),
                         (["serve", "--workers", "zero"], "zero"),
+                        (["bench", "model", "--host-budget", "nan"], "--host-budget"),
+                        (["bench", "model", "--host-budget", "-1"], "--host-budget"),
                         (["serve", "--model", "no_such_module_x:build"], "no_such_module_x"),
                         (["frobnicate"], "frobnicate")):
         out = run(*args)
