@@ -30,8 +30,8 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
     if handle is None:
         return ms.load_param_into_net(net, parameter_dict, strict_load=strict_load)
     if handle.closed:
-        raise PrefetchdError("prefetchd.load_param_into_net: this model's offload was closed; its "
-                             "weights live in the daemon's tiers no more")
+        raise PrefetchdError("prefetchd.load_param_into_net refused: this model's offload was closed "
+                             "(handle.close()), so it no longer runs; nothing loaded")
     if not isinstance(parameter_dict, dict):
         raise TypeError(f"parameter_dict must be a dict of name -> Parameter/Tensor/array, "
                         f"not {type(parameter_dict).__name__}")

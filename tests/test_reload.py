@@ -135,3 +135,10 @@ def test_a_model_that_is_not_offloaded_is_loaded_by_mindspore(ms, tmp_path):
     model = _seeded(ms, 0)
     assert prefetchd.load_param_into_net(model, ms.load_checkpoint(path)) == ([], [])
     np.testing.assert_array_equal(model.blocks[0].fc.weight.asnumpy(), _seeded(ms, 3).blocks[0].fc.weight.asnumpy())
+
+
+def test_a_closed_offload_is_refused(ms, setup):
+    model, _, _, _, path, _ = setup
+    model._prefetchd.close()
+    with pytest.raises(PrefetchdError, match="offload was closed"):
+        prefetchd.load_param_into_net(model, ms.load_checkpoint(path))
