@@ -1,15 +1,19 @@
 """What offload() refuses, and what an offloaded model refuses to do, with their messages.
 
-The layer hooks (prefetchd/hooks.py) call these: `refuse_managed` and
-`lookahead_count` when offload() starts, before anything is registered;
+The layer hooks (prefetchd/hooks.py) call these: `refuse_managed`,
+`lookahead_count` and `usable_lookahead` when offload() starts, before anything
+is registered;
 `backward_refused` from the model's backward pre-hook, and `closed_refused`
 from the pre-hook a closed handle leaves on the model (the hooks raise what
 these return). Messages are part of the contract: tests match them.
 """
+import logging
 import operator
 
 from .errors import PrefetchdError
 from .guard import is_managed
+
+log = logging.getLogger("prefetchd.hooks")
 
 
 def refuse_managed(model):
@@ -40,6 +44,22 @@ def lookahead_count(value, config):
         count = -1
     if isinstance(value, bool) or count < 0:
         raise ValueError(f'prefetchd.offload: lookahead must be an int >= 0 or "auto", got {value!r}')
+    return count
+
+
+def usable_lookahead(model, count):
+    """`count`, or at most one less than the model's cells that hold parameters: no plan has
+    more units than those (they are what the planner splits down to), so a larger lookahead
+    prefetches nothing more, and only made the planner split every block to its leaves while
+    the handle reported the number asked for. Logged when lowered."""
+    holders = sum(1 for _, cell in model.cells_and_names() if next(iter(cell.get_parameters(expand=False)), None)
+                  is not None)
+    usable = max(0, holders - 1)
+    if count > usable:
+        log.warning("prefetchd.offload: lookahead %d is more than this model can use (%d cells hold "
+                    "parameters, so at most %d units come after the one computing); using %d",
+                    count, holders, usable, usable)
+        return usable
     return count
 
 

@@ -525,6 +525,20 @@ def test_offload_refuses_a_daemon_never_started_and_a_bad_lookahead(ms, store_di
         assert not daemon.names()             # nothing was registered by a refused offload
 
 
+def test_a_lookahead_beyond_the_models_cells_is_lowered_to_what_it_can_use(make_daemon, reference, caplog):
+    """lookahead=10**18 planned units for it (every block split to its leaves, a unit share of
+    0 bytes) and the handle reported 10**18 while at most n-1 units can follow the one computing."""
+    x, want, resident = reference
+    holders = sum(1 for _, c in resident.cells_and_names() if list(c.get_parameters(expand=False)))
+    caplog.set_level("WARNING", logger="prefetchd.hooks")
+    model, handle, _ = offloaded(make_daemon, 0.5, lookahead=10 ** 18)
+    assert handle.lookahead == holders - 1 == handle.stats()["lookahead"]
+    assert f"lookahead {10 ** 18} is more than this model can use" in caplog.text
+    table = handle.plan().format_table()
+    assert f"(lookahead {holders - 1})" in table and str(10 ** 18) not in table    # planned for what it uses
+    np.testing.assert_array_equal(model(x).asnumpy(), want)
+
+
 def test_a_route_the_recording_pass_did_not_take_becomes_the_trace(ms, store_dir):
     """MoE: the recording pass routes to experts 0-1, later passes to 2-5. Those were never in
     the trace, so they were never prefetched: every pass missed all four. The first pass
