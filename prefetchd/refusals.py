@@ -47,20 +47,20 @@ def lookahead_count(value, config):
     return count
 
 
-def usable_lookahead(model, count):
+def usable_lookahead(model, count, asked=True):
     """`count`, or at most one less than the model's cells that hold parameters: no plan has
     more units than those (they are what the planner splits down to), so a larger lookahead
     prefetches nothing more, and only made the planner split every block to its leaves while
-    the handle reported the number asked for. Logged when lowered."""
+    the handle reported the number asked for. Logged when lowered from one asked for (not
+    from the config's default, or "auto"'s starting point)."""
     holders = sum(1 for _, cell in model.cells_and_names() if next(iter(cell.get_parameters(expand=False)), None)
                   is not None)
     usable = max(0, holders - 1)
-    if count > usable:
+    if count > usable and asked:
         log.warning("prefetchd.offload: lookahead %d is more than this model can use (%d cells hold "
                     "parameters, so at most %d units come after the one computing); using %d",
                     count, holders, usable, usable)
-        return usable
-    return count
+    return min(count, usable)
 
 
 def backward_refused(model):
