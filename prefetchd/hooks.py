@@ -103,10 +103,8 @@ class Offloaded:
         self.model = model
         self.daemon = daemon
         # "auto": the cost model (prefetchd.plan) picks it from the recording pass.
-        self._estimator = PassEstimator(
-            daemon, refusals.usable_lookahead(model, refusals.lookahead_count(lookahead, config),
-                                              asked=lookahead not in (None, "auto")),
-            lookahead == "auto")
+        self._estimator = PassEstimator(daemon, refusals.lookahead_count(lookahead, config, model),
+                                        lookahead == "auto")
         self.tier = tier
         self.auto_fetch = config.auto_fetch if auto_fetch is None else bool(auto_fetch)
         self.strict = strict

@@ -1,8 +1,7 @@
 """What offload() refuses, and what an offloaded model refuses to do, with their messages.
 
-The layer hooks (prefetchd/hooks.py) call these: `refuse_managed`,
-`lookahead_count` and `usable_lookahead` when offload() starts, before anything
-is registered;
+The layer hooks (prefetchd/hooks.py) call these: `refuse_managed` and
+`lookahead_count` when offload() starts, before anything is registered;
 `backward_refused` from the model's backward pre-hook, and `closed_refused`
 from the pre-hook a closed handle leaves on the model (the hooks raise what
 these return). Messages are part of the contract: tests match them.
@@ -33,26 +32,23 @@ def refuse_managed(model):
             f"daemon, once")
 
 
-def lookahead_count(value, config):
+def lookahead_count(value, config, model):
     """offload()'s lookahead= as a count: None and "auto" start from config.lookahead (the cost
-    model replaces it for "auto"); an int >= 0 (numpy's too), else ValueError."""
-    if value in (None, "auto"):
-        return config.lookahead
-    try:
-        count = operator.index(value)          # an int, numpy's too; not 2.0 or "2"
-    except TypeError:
-        count = -1
-    if isinstance(value, bool) or count < 0:
-        raise ValueError(f'prefetchd.offload: lookahead must be an int >= 0 or "auto", got {value!r}')
-    return count
-
-
-def usable_lookahead(model, count, asked=True):
-    """`count`, or at most one less than the model's cells that hold parameters: no plan has
-    more units than those (they are what the planner splits down to), so a larger lookahead
-    prefetches nothing more, and only made the planner split every block to its leaves while
-    the handle reported the number asked for. Logged when lowered from one asked for (not
-    from the config's default, or "auto"'s starting point)."""
+    model replaces it for "auto"); an int >= 0 (numpy's too), else ValueError. Either way at
+    most one less than the model's cells that hold parameters: no plan has more units than
+    those (what the planner splits down to), so a larger lookahead prefetches nothing more;
+    it only made the planner split every block to its leaves while the handle reported the
+    number asked for. Lowering one the user asked for is logged."""
+    asked = value not in (None, "auto")
+    if not asked:
+        count = config.lookahead
+    else:
+        try:
+            count = operator.index(value)          # an int, numpy's too; not 2.0 or "2"
+        except TypeError:
+            count = -1
+        if isinstance(value, bool) or count < 0:
+            raise ValueError(f'prefetchd.offload: lookahead must be an int >= 0 or "auto", got {value!r}')
     holders = sum(1 for _, cell in model.cells_and_names() if next(iter(cell.get_parameters(expand=False)), None)
                   is not None)
     usable = max(0, holders - 1)
