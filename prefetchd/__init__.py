@@ -10,12 +10,11 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Config": "prefetchd.config",
-    "ConfigError": "prefetchd.config",
     "Daemon": "prefetchd.daemon",
     "TensorHandle": "prefetchd.handle",
     "offload": "prefetchd.hooks",
     "offloaded": "prefetchd.hooks",
-    "load_param_into_net": "prefetchd.reload",
+    "load_param_into_net": "prefetchd.hooks",
     "Client": "prefetchd.control",
     "tier": "prefetchd.ops",
     "ops": "prefetchd.ops",
@@ -23,7 +22,7 @@ _LAZY = {
 _ERRORS = (
     "PrefetchdError", "NotResidentError", "UnknownTensorError", "DoubleRegisterError",
     "BudgetError", "PinnedError", "ShutdownError", "UseAfterFreeError", "IntegrityError",
-    "StorageError", "StagingError",
+    "StorageError", "StagingError", "ConfigError",
 )
 
 __all__ = sorted([*_LAZY, *_ERRORS, "__version__"])

@@ -22,7 +22,7 @@ class Attachments:
         return self.exporter.port if self.exporter else None
 
     def export_metrics(self, daemon, addr, port):
-        from .metrics import start_exporter
+        from .telemetry.metrics import start_exporter
         self.exporter = start_exporter(daemon, addr, port)
 
     def serve(self, daemon, endpoint, **kwargs):

@@ -11,7 +11,7 @@ import re
 import tomllib
 from dataclasses import dataclass, fields
 
-from .errors import PrefetchdError
+from .errors import ConfigError
 
 ENV_PREFIX = "PREFETCHD_"
 
@@ -21,10 +21,6 @@ _UNITS = {"": 1, "b": 1,
           "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
 _MAX_SIZE = 1 << 50          # 1 PiB: larger is a typo, not a budget
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-
-class ConfigError(PrefetchdError, ValueError):
-    """A configuration value that cannot be used; the message names the key."""
 
 
 def parse_size(value, key="size"):

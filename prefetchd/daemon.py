@@ -36,8 +36,8 @@ from .core.session import ComputeSession
 from .core.status import describe
 from .errors import ShutdownError, UnknownTensorError
 from .handle import TensorHandle
-from .stats import Stats
-from .timeline import Timeline
+from .telemetry.stats import Stats
+from .telemetry.timeline import Timeline
 
 log = logging.getLogger("prefetchd")
 

@@ -36,6 +36,10 @@ class IntegrityError(StorageError):
     """Data read back from the remote tier failed its checksum."""
 
 
+class ConfigError(PrefetchdError, ValueError):
+    """A configuration value that cannot be used; the message names the key."""
+
+
 class StagingError(PrefetchdError, ValueError):
     """A checkpoint or store that cannot be staged or read back.
 

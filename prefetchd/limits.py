@@ -13,7 +13,7 @@ Swap is not counted: a device tier that swaps is no device tier.
 import os
 from typing import NamedTuple
 
-from .config import ConfigError
+from .errors import ConfigError
 
 # cgroup v1 reports "no limit" as a huge page-rounded number, v2 as "max".
 _UNLIMITED = 1 << 60

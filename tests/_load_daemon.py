@@ -2,7 +2,7 @@
 
     python tests/_load_daemon.py --store-dir DIR [--port 0] [--seconds 120] [--name load]
 
-Streams the demo transformer (prefetchd.model) through a Daemon with
+Streams the demo transformer (prefetchd.demo.model) through a Daemon with
 `prefetchd.offload` -- the real layer hooks: trace, lookahead prefetches, pins,
 stall accounting -- on a device budget smaller than the model, so every forward
 pass loads from the remote tier and evicts at the watermark. Now and then a
@@ -39,7 +39,7 @@ def main(argv=None):
     import mindspore as ms
     import numpy as np
     import prefetchd
-    from prefetchd.model import build_model, make_inputs
+    from prefetchd.demo.model import build_model, make_inputs
 
     ms.set_device("CPU")
     stop = threading.Event()

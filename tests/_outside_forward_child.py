@@ -75,7 +75,7 @@ def act(case, d, net, w, x, ckpt):
         copy.deepcopy(net)
     elif case == "data":
         w.data.asnumpy()
-    # Refused by the model's backward pre-hook (prefetchd/hooks.py).
+    # Refused by the model's backward pre-hook (prefetchd/hooks/offload.py).
     elif case == "grad_input":
         ms.grad(net, grad_position=0)(x).asnumpy()
     elif case == "grad_weights":

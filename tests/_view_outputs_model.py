@@ -40,7 +40,7 @@ class Table(nn.Cell):
 
 
 class Holder(nn.Cell):
-    """Its parts are called, never it (prefetchd.parts)."""
+    """Its parts are called, never it (prefetchd.hooks.parts)."""
     def __init__(self):
         super().__init__()
         self.table = Table()

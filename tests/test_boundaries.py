@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from prefetchd import Daemon
-from prefetchd.config import Config, ConfigError
+from prefetchd.config import Config
+from prefetchd.errors import ConfigError
 from prefetchd.errors import BudgetError, UnknownTensorError
 
 MiB = 1 << 20

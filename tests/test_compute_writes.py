@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import prefetchd
-from prefetchd.planner import param_nbytes
+from prefetchd.hooks.planner import param_nbytes
 
 PASSES = 4
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import prefetchd
-from prefetchd import demo as demo_mod
-from prefetchd.model import (MAX_SEQ, block_params, build_model, estimate_bytes, layers_for, make_inputs,
+from prefetchd.demo import run as demo_mod
+from prefetchd.demo.model import (MAX_SEQ, block_params, build_model, estimate_bytes, layers_for, make_inputs,
                              top_params, vocab_for)
 
 SMALL = dict(size=24 << 20, hidden=256, passes=2, batch=2, seq=8)

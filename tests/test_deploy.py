@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from prefetchd.config import Config, ConfigError
+from prefetchd.config import Config
+
+from prefetchd.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

@@ -202,7 +202,7 @@ def test_bitflip_is_caught_by_the_checksum(daemon, make_param):
     with pytest.raises(IntegrityError, match="(?i)checksum"):
         daemon.prefetch(a).result(10)
     assert daemon.stats.checksum_failures == 1
-    from prefetchd.metrics import render
+    from prefetchd.telemetry.metrics import render
     assert "prefetchd_checksum_failures_total" in render(daemon)
     _assert_other_still_fine(daemon, b)
 

@@ -7,7 +7,7 @@ import pytest
 
 import prefetchd
 from prefetchd.errors import NotResidentError, PrefetchdError
-from prefetchd.model import block_params, build_model, estimate_bytes, make_inputs
+from prefetchd.demo.model import block_params, build_model, estimate_bytes, make_inputs
 
 H, L = 256, 6
 
@@ -372,7 +372,7 @@ def test_lookahead_auto_is_chosen_by_the_cost_model_from_the_first_pass(make_dae
 
 
 def fence_clocks():
-    """The timing threads alive now (prefetchd.plan.FenceClock)."""
+    """The timing threads alive now (prefetchd.cost.model.FenceClock)."""
     return {t for t in threading.enumerate() if t.name == "prefetchd-fence-clock"}
 
 
@@ -433,7 +433,8 @@ def test_the_recording_pass_times_each_unit_with_no_load_beside_it(make_daemon, 
     """The plan times compute on the recording pass; a load on the same cores would be
     counted twice (in the time and again as copy contention), so each unit's loads wait
     for the previous unit's compute fence there. Later passes overlap them as usual."""
-    from prefetchd.timeline import COMPUTE, LOAD_STREAM, Timeline, spans
+    from prefetchd.telemetry.timeline import COMPUTE, LOAD_STREAM, Timeline
+    from prefetchd.telemetry.timeline_report import spans
     hidden, layers = 512, 4
     daemon = make_daemon(device_budget=int(estimate_bytes(hidden, layers) * 0.5))
     daemon.timeline = daemon._core.timeline = Timeline(None)

@@ -7,7 +7,7 @@ import pytest
 
 import prefetchd
 from prefetchd.errors import PinnedError
-from prefetchd.model import build_model, estimate_bytes
+from prefetchd.demo.model import build_model, estimate_bytes
 
 
 def messages(caplog):

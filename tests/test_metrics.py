@@ -1,4 +1,4 @@
-"""prefetchd.metrics: exposition names, types and labels; values that follow the
+"""prefetchd.telemetry.metrics: exposition names, types and labels; values that follow the
 daemon's work; per-daemon registries; the HTTP exporter's lifecycle; and the
 dashboard/alert files only referring to metrics that exist."""
 import gzip
@@ -22,8 +22,8 @@ from hypothesis import given, settings, strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 import prefetchd
-from prefetchd import metrics
-from prefetchd.stats import SECONDS_BUCKETS, SIZE_BUCKETS, Stats
+from prefetchd.telemetry import metrics
+from prefetchd.telemetry.stats import SECONDS_BUCKETS, SIZE_BUCKETS, Stats
 
 ms = pytest.importorskip("mindspore")
 

@@ -1,4 +1,4 @@
-"""Units whose own cell is never called, only its parts (prefetchd/parts.py).
+"""Units whose own cell is never called, only its parts (prefetchd/hooks/parts.py).
 
 A backbone whose stem and stages the model calls one by one, a plain holder of
 sub-cells: with the holder planned as one unit, nothing pinned it and its
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import prefetchd
-from prefetchd.planner import param_nbytes
+from prefetchd.hooks.planner import param_nbytes
 
 H = 256
 PASSES = 3

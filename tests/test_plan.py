@@ -1,4 +1,4 @@
-"""prefetchd.plan: the cost model on synthetic inputs (no MindSpore)."""
+"""prefetchd.cost.model: the cost model on synthetic inputs (no MindSpore)."""
 import sys
 import threading
 import time
@@ -6,7 +6,8 @@ import time
 import pytest
 
 from helpers import FakeMarker
-from prefetchd import plan as P
+from prefetchd.cost import model as P
+from prefetchd.cost.fence_clock import FenceClock
 
 MiB = 1 << 20
 
@@ -18,7 +19,7 @@ def inputs(n=8, unit=64 * MiB, compute=0.05, disk=1e9, h2d=4e9, high=None, host=
 
 
 def test_no_mindspore_import():
-    code = "import sys, prefetchd.plan; print('mindspore' in sys.modules)"
+    code = "import sys, prefetchd.cost.model; print('mindspore' in sys.modules)"
     import subprocess
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
@@ -129,7 +130,7 @@ def test_compute_seconds_from_fences_excludes_stalls():
 
 
 def test_measure_takes_rates_from_stats():
-    from prefetchd.stats import Stats
+    from prefetchd.telemetry.stats import Stats
     s = Stats()
     s.record_transfer("load", 100 * MiB, 0.1)
     s.record_transfer("h2d", 100 * MiB, 0.025)
@@ -143,7 +144,7 @@ def test_measure_takes_rates_from_stats():
 
 def test_fence_clock_times_fences_as_compute_reaches_them():
     marker = FakeMarker()
-    clock = P.FenceClock(marker)
+    clock = FenceClock(marker)
     for epoch in (1, 2, 3):
         clock.unit(epoch, time.monotonic_ns())
 
@@ -161,7 +162,7 @@ def test_fence_clock_times_fences_as_compute_reaches_them():
 
 
 def test_fence_clock_reports_fences_never_reached():
-    clock = P.FenceClock(FakeMarker())
+    clock = FenceClock(FakeMarker())
     clock.unit(1, time.monotonic_ns())
     with pytest.raises(TimeoutError, match="0 of 1"):
         clock.stop(timeout=0.3)
@@ -241,7 +242,7 @@ def test_measure_pools_compute_by_unit_kind():
 
 
 def test_rates_since_a_snapshot_count_only_what_moved_in_between():
-    from prefetchd.stats import Stats
+    from prefetchd.telemetry.stats import Stats
     live = Stats()
     live.record_transfer("load", 100 * MiB, 1.0)          # the recording pass: slow first writes
     live.record_transfer("h2d", 100 * MiB, 1.0)
@@ -253,8 +254,8 @@ def test_rates_since_a_snapshot_count_only_what_moved_in_between():
 
 
 def test_a_refinement_takes_each_passes_rates_until_they_settle():
-    from prefetchd.refine import PASSES, Refinement
-    from prefetchd.stats import Stats
+    from prefetchd.cost.refine import PASSES, Refinement
+    from prefetchd.telemetry.stats import Stats
 
     def moved(stats, disk_bytes, disk_s, h2d_bytes, h2d_s):
         stats.record_transfer("load", disk_bytes, disk_s)
@@ -279,8 +280,8 @@ def test_a_refinement_takes_each_passes_rates_until_they_settle():
 def test_a_refinement_keeps_the_copy_rate_where_copies_share_computes_cores():
     """On the cpu backend a pass's copies are slowed by the compute beside them, which the
     plan charges to compute already (copy_contention): only the disk rate is refined."""
-    from prefetchd.refine import Refinement
-    from prefetchd.stats import Stats
+    from prefetchd.cost.refine import Refinement
+    from prefetchd.telemetry.stats import Stats
     live = Stats()
     start = Refinement(inputs(h2d=9e9, copy_contention=1, copy_cpu_rate=9e9), live.snapshot())
     live.record_transfer("load", 1e9, 1.0)
@@ -295,8 +296,8 @@ def test_a_refinement_takes_compute_timed_in_a_streamed_pass_and_charges_no_copi
     """Compute timed in a streamed pass holds what the copies beside it took from compute's
     cores already: the refined inputs charge copies nothing more and plan the copy stream at
     the rate it ran beside compute."""
-    from prefetchd.refine import Refinement
-    from prefetchd.stats import Stats
+    from prefetchd.cost.refine import Refinement
+    from prefetchd.telemetry.stats import Stats
     live = Stats()
     start = Refinement(inputs(h2d=9e9, copy_contention=1, copy_cpu_rate=9e9, tier="host"), live.snapshot())
     live.record_transfer("h2d", 3e9, 1.0)
@@ -310,7 +311,7 @@ def test_a_refinement_takes_compute_timed_in_a_streamed_pass_and_charges_no_copi
 
 def test_fence_clock_sealed_ends_its_thread_once_the_fences_are_reached():
     marker = FakeMarker()
-    clock = P.FenceClock(marker)
+    clock = FenceClock(marker)
     clock.unit(1, time.monotonic_ns())
     clock.seal()
     assert not clock.reached()
@@ -321,7 +322,7 @@ def test_fence_clock_sealed_ends_its_thread_once_the_fences_are_reached():
 
 
 def test_fence_clock_closed_ends_its_thread_without_its_fences():
-    clock = P.FenceClock(FakeMarker())
+    clock = FenceClock(FakeMarker())
     clock.unit(1, time.monotonic_ns())
     clock.close()
     clock._thread.join(2.0)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from prefetchd.errors import BudgetError, PrefetchdError
-from prefetchd.planner import ROOT_NAME, param_nbytes, plan_units
+from prefetchd.hooks.planner import ROOT_NAME, param_nbytes, plan_units
 
 
 @pytest.fixture
@@ -290,7 +290,7 @@ def test_explicit_units_that_could_never_run_hooks_are_refused(ms, stages):
 
 
 def test_direct_reads_follow_attributes_and_constant_indexes_but_not_metadata(ms):
-    from prefetchd.construct_reads import direct_reads
+    from prefetchd.hooks.construct_reads import direct_reads
     nn, ops = ms.nn, ms.ops
 
     class Reader(nn.Cell):
@@ -322,7 +322,7 @@ def _linear(x, layer):
 def test_direct_reads_follow_names_bound_to_sub_cells_helpers_and_methods(ms):
     """Each of these read a sub-cell's weights outside its call and died with SIGSEGV when
     the block was split; calls, loops over blocks, `is None` tests and len() read nothing."""
-    from prefetchd.construct_reads import direct_reads
+    from prefetchd.hooks.construct_reads import direct_reads
     nn, ops = ms.nn, ms.ops
 
     class Proj(nn.Cell):

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import prefetchd
-from prefetchd.budget_hint import DEFAULT_HIGH_FRACTION, budget_for_high_watermark
+from prefetchd.hooks.budget_hint import DEFAULT_HIGH_FRACTION, budget_for_high_watermark
 from prefetchd.config import Config
 from prefetchd.errors import BudgetError, PrefetchdError
-from prefetchd.planner import param_nbytes, plan_units
+from prefetchd.hooks.planner import param_nbytes, plan_units
 
 PAGE = 4096
 
@@ -276,7 +276,7 @@ def test_jit_layouts_that_stream_soundly_match_the_model_on_every_pass(ms, jit_m
 def test_direct_reads_follow_into_jit_helpers(ms):
     """A @jit helper reading a sub-cell's weight directly was skipped as 'MindSpore's own'
     (its wrapper's module is mindspore's): its reads count like a plain helper's."""
-    from prefetchd.construct_reads import compiled_calls, direct_reads
+    from prefetchd.hooks.construct_reads import compiled_calls, direct_reads
     nn, ops = ms.nn, ms.ops
 
     class Tied(nn.Cell):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import prefetchd
-from prefetchd.planner import param_nbytes
+from prefetchd.hooks.planner import param_nbytes
 
 try:
     import tqdm  # noqa: F401  (mindcv imports it for download progress bars only)

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from helpers import FakeMarker
-from prefetchd import recording
+from prefetchd.cost import recording
 
 MiB = 1 << 20
 

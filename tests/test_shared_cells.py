@@ -1,4 +1,4 @@
-"""A cell shared by several blocks (prefetchd/planner.py, _drop_shared).
+"""A cell shared by several blocks (prefetchd/hooks/planner.py, _drop_shared).
 
 One rotary-embedding cell that every decoder layer holds (`self.rot = rot`): with the
 layers split into units, each layer's unit listed `rot`, but a cell's hooks can pin one
@@ -66,7 +66,7 @@ def test_a_cell_every_block_shares_is_pinned_in_the_root_and_the_layers_stream(m
 
 
 def test_cells_that_are_not_shared_stay_in_their_blocks_units(ms):
-    from prefetchd.planner import plan_units
+    from prefetchd.hooks.planner import plan_units
     net = model(ms, shared=False)
     plan = plan_units(net, 1_200_000, 1)
     assert not plan.root.params

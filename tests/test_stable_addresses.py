@@ -8,7 +8,7 @@ import textwrap
 import numpy as np
 
 import prefetchd
-from prefetchd.model import build_model, estimate_bytes, make_inputs
+from prefetchd.demo.model import build_model, estimate_bytes, make_inputs
 
 MiB = 1 << 20
 

@@ -10,7 +10,7 @@ import pytest
 
 import prefetchd
 from prefetchd import _native
-from prefetchd.model import build_model, make_inputs
+from prefetchd.demo.model import build_model, make_inputs
 from prefetchd.staging import INDEX_FILE, CheckpointError, stage_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""prefetchd.timeline: the Chrome trace it writes (valid JSON, named tracks, spans
+"""prefetchd.telemetry.timeline: the Chrome trace it writes (valid JSON, named tracks, spans
 on the tracks they occupied), the ring bound, the cost when tracing is off, the
 where-the-time-went breakdown, compute spans ended by a real compute fence, and
 (once the daemon records into it) the trace of a real demo run."""
@@ -10,9 +10,10 @@ import timeit
 import numpy as np
 import pytest
 
-from prefetchd import timeline as tlm
-from prefetchd.timeline import (COMPUTE, DISK_READS, DISK_WRITES, KIND_TRACKS, LOAD_STREAM, SCHEDULER,
-                                STORE_STREAM, TRACKS, NullTimeline, Timeline, breakdown, spans, summarize)
+from prefetchd.telemetry import timeline as tlm
+from prefetchd.telemetry.timeline import (COMPUTE, DISK_READS, DISK_WRITES, KIND_TRACKS, LOAD_STREAM, SCHEDULER,
+                                          STORE_STREAM, TRACKS, NullTimeline, Timeline)
+from prefetchd.telemetry.timeline_report import breakdown, plot, spans, summarize
 
 MS = 1_000_000
 
@@ -227,7 +228,7 @@ def test_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path):
     tl = Timeline()
     tl.span(COMPUTE, "u", 0, 1)
     with pytest.raises(ImportError, match=r"prefetchd\[plot\]"):
-        tlm.plot(tl, tmp_path / "t.png")
+        plot(tl, tmp_path / "t.png")
 
 
 def test_plot_draws_a_png(tmp_path):
@@ -235,14 +236,14 @@ def test_plot_draws_a_png(tmp_path):
     tl = Timeline()
     tl.span(COMPUTE, "u", 0, 5 * MS)
     tl.transfer("load", "w", 10, 1 * MS, 3 * MS)
-    out = tlm.plot(tl, tmp_path / "t.png")
+    out = plot(tl, tmp_path / "t.png")
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
 def test_trace_of_a_real_demo_run_shows_copies_overlapping_compute(tmp_path):
-    from prefetchd.demo import run_demo
+    from prefetchd.demo.run import run_demo
     trace = tmp_path / "demo.json"
     rc = run_demo(size=48 << 20, hidden=512, passes=2, trace=str(trace), quiet=True)
     assert rc == 0

@@ -1,5 +1,5 @@
-"""The trace cursor (prefetchd/trace_cursor.py): pure bookkeeping, no threads, no I/O."""
-from prefetchd.trace_cursor import ROOT, TraceCursor
+"""The trace cursor (prefetchd/hooks/trace_cursor.py): pure bookkeeping, no threads, no I/O."""
+from prefetchd.hooks.trace_cursor import ROOT, TraceCursor
 
 
 def recorded(*indices):

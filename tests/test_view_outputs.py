@@ -1,4 +1,4 @@
-"""Cells that return views of their own weights (prefetchd/aliases.py).
+"""Cells that return views of their own weights (prefetchd/hooks/views.py).
 
 `self.pos_embed[:, :n]`, a transpose, a reshape or the Parameter itself share the
 weight's storage; read after the unit was released, they were pages no longer
@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from prefetchd import aliases
+from prefetchd.hooks import views as aliases
 
 CHILD = os.path.join(os.path.dirname(__file__), "_view_outputs_model.py")
 

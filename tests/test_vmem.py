@@ -487,7 +487,8 @@ def test_available_memory_reads_ram_and_cgroup_limits(tmp_path):
 def test_a_budget_beyond_available_memory_is_refused_with_the_numbers(tmp_path):
     from prefetchd import limits
     from prefetchd.backend import create
-    from prefetchd.config import Config, ConfigError
+    from prefetchd.config import Config
+    from prefetchd.errors import ConfigError
 
     available = limits.available_memory()
     with pytest.raises(ConfigError) as err:

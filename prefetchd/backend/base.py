@@ -150,7 +150,7 @@ def open_store(config):
     import shutil
     import tempfile
     from .. import _native
-    from ..config import ConfigError
+    from ..errors import ConfigError
     from ..errors import StorageError
     temporary = not config.store_dir
     directory = tempfile.mkdtemp(prefix="prefetchd-store-") if temporary else config.store_dir

@@ -465,7 +465,7 @@ def run(directory, args):
 def bench_accelerate(directory, **options):
     """Python entry point: `bench_accelerate(dir, size="4MiB", hidden=256, batch=[4], repeats=1,
     torch_python=...)`; options are the flags of `prefetchd bench accelerate`."""
-    from .runner import run_from_python
+    from .common import run_from_python
     defaults = dict(hidden=None, layers=None, size="1GiB", budget=0.25, batch=None, repeats=3,
                     lookahead=2, torch_python=None, threads=2)
     return run_from_python(run, directory, defaults, options)

@@ -20,7 +20,7 @@ streamed pass ends when its outputs are computed and the prefetches it issued fo
 pass have landed. Cold mode drops the page cache before every pass; `--steady` does not.
 Per pass: rebinds (0 with stable addresses), reclaims, device loads by source tier, host
 hit rate, misses. Outputs of every streamed pass are checked against the resident model's.
-The plan (prefetchd/plan.py), fed with per-layer compute times from compute fences and the
+The plan (prefetchd/cost/model.py), fed with per-layer compute times from compute fences and the
 measured rates, predicts each streamed pass; the report puts prediction and measurement
 side by side.
 """
@@ -114,7 +114,7 @@ def _interleave(methods, passes, drop):
 def _layer_seconds(methods, hidden, layers):
     """Per-layer compute seconds of the resident model from compute fences (None if unavailable)."""
     from ..backend.framework import ComputeMarker
-    from ..plan import compute_seconds_from_fences
+    from ..cost.model import compute_seconds_from_fences
     try:
         marker = ComputeMarker()
     except Exception:  # noqa: BLE001 - no fence kernel: the plan spreads the resident time evenly
@@ -262,7 +262,7 @@ def _within(pair):
 def bench_model(directory, **options):
     """Python entry point: `bench_model(dir, size="4MiB", hidden=256, batch=[4], repeats=1, steady=True)`.
     Options are the CLI flags of `prefetchd bench model` (plus `cases`, a subset of CASES)."""
-    from .runner import run_from_python
+    from .common import run_from_python
     defaults = dict(hidden=256, layers=None, size="64MiB", budget=0.25, batch=None, repeats=3,
                     lookahead=2, steady=False, no_drop_caches=False, host_budget=0.5, cases=None)
     return run_from_python(run, directory, defaults, options)

@@ -59,8 +59,8 @@ class Resident:
         return {}
 
     def compute_profile(self, marker):
-        """(dispatch_ns, fence_ns) per layer of one pass, from compute fences (plan.FenceClock)."""
-        from ..plan import FenceClock
+        """(dispatch_ns, fence_ns) per layer of one pass, from compute fences (cost.fence_clock.FenceClock)."""
+        from ..cost.fence_clock import FenceClock
         clock = FenceClock(marker)
         dispatched = {}
         handles = []
@@ -86,7 +86,7 @@ class Streamed:
 
     def __init__(self, ms, hidden, layers, x, *, tier, lookahead, device_budget, host_budget, store_dir, name):
         from ..daemon import Daemon
-        from ..hooks import offload
+        from ..hooks.offload import offload
         self.model, self.x = build(ms, hidden, layers), x
         self.daemon = Daemon(device_budget=device_budget, host_budget=host_budget, store_dir=store_dir,
                              name=name).start()
@@ -125,7 +125,7 @@ class IoOnly:
 
     def __init__(self, ms, hidden, layers, *, tier, lookahead, device_budget, host_budget, store_dir, name):
         from ..daemon import Daemon
-        from ..hooks import offload
+        from ..hooks.offload import offload
         self.model = build(ms, hidden, layers)
         self.lookahead = lookahead
         self.daemon = Daemon(device_budget=device_budget, host_budget=host_budget, store_dir=store_dir,

@@ -2,7 +2,7 @@
 prediction next to the measurement."""
 import statistics
 
-from .. import plan as plans
+from ..cost import model as plans
 from ..backend.base import checksum_rate
 
 

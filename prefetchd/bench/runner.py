@@ -88,13 +88,3 @@ def _run(args, scratch, parse_size):
         seconds = args.seconds if args.seconds is not None else args.minutes * 60
         return soak.run(scratch, seconds=seconds)
     raise ValueError(args.kind)
-
-
-def run_from_python(run, directory, defaults, options):
-    """A benchmark's Python entry point: `run(directory, args)` with `options` (the
-    CLI flags' names) over `defaults`; an option the benchmark lacks is a TypeError."""
-    unknown = set(options) - set(defaults)
-    if unknown:
-        raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(defaults)}")
-    os.makedirs(directory, exist_ok=True)
-    return run(directory, argparse.Namespace(**{**defaults, **options}))

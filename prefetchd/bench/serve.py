@@ -72,7 +72,7 @@ def bench_serve(args):
     request, so most requests switch models. Both modes run against the same warm workers, so the
     ratios compare like with like on a noisy machine.
     """
-    from ..model import estimate_bytes
+    from ..demo.model import estimate_bytes
     from ..serve import Front, ServeSpec
 
     workers = max(1, int(getattr(args, "workers", 2) or 2))

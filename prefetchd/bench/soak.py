@@ -115,8 +115,8 @@ def _producer(ms, daemon, tid, stop, counters, seed, tensors_per_thread=8):
 
 
 def _streamer(ms, daemon, stop, counters):
-    from ..hooks import offload
-    from ..model import build_model, make_inputs
+    from ..hooks.offload import offload
+    from ..demo.model import build_model, make_inputs
     with _MINDSPORE:
         ref = build_model(256, 6, seed=9)
         x = make_inputs(2, 8, 256, seed=10)

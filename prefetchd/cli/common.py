@@ -5,7 +5,9 @@ import logging
 import os
 import sys
 
-from ..config import ConfigError, parse_size
+from ..config import parse_size
+
+from ..errors import ConfigError
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 

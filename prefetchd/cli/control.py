@@ -71,7 +71,7 @@ def _client(args):
 
 def _curve_file(directory, name):
     """DIR/name of a --curve-dir, or ConfigError saying what is missing (not a key error)."""
-    from ..config import ConfigError
+    from ..errors import ConfigError
     made_by = f"(make one with `prefetchd keys {directory}`)"
     if not os.path.exists(directory):
         raise ConfigError(f"--curve-dir {directory}: the directory does not exist {made_by}")
@@ -233,7 +233,7 @@ def _check_client_name(name):
 
 def _check_keys_dir(directory):
     """DIR is a directory or can be made one: not a file, nor under one."""
-    from ..config import ConfigError
+    from ..errors import ConfigError
     path = os.path.abspath(directory)
     while not os.path.exists(path):
         parent = os.path.dirname(path)

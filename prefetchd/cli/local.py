@@ -99,7 +99,7 @@ def cmd_config(args):
 
 
 def cmd_demo(args):
-    from ..demo import _mib, model_bytes_for, run_demo
+    from ..demo.run import _mib, model_bytes_for, run_demo
     # A size is those bytes, a fraction is of the model built (whole blocks: not exactly
     # --size); either way at most the model, refused before anything is staged.
     model_bytes = model_bytes_for(args.size, args.hidden)
@@ -114,7 +114,7 @@ def cmd_demo(args):
 def cmd_stage(args):
     from ..staging import stage_checkpoint
     if os.path.isdir(args.checkpoint):
-        from ..config import ConfigError
+        from ..errors import ConfigError
         raise ConfigError(f"stage: {args.checkpoint} is a directory; CHECKPOINT is a checkpoint "
                           f"file (.ckpt or .safetensors)")
     # Staging picks the progress style itself: a \r line on a terminal, whole lines

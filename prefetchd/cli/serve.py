@@ -5,7 +5,9 @@ import argparse
 import logging
 import sys
 
-from ..config import ENV_PREFIX, ConfigError
+from ..config import ENV_PREFIX
+
+from ..errors import ConfigError
 from .common import BUDGET_HELP, UsageError, budget, port, positive_int, seconds
 
 from ..serve.spec import SERVE_OPTIONS as SERVE_DEFAULTS

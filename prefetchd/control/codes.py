@@ -1,6 +1,6 @@
 """Reply codes <-> exceptions: what the server answers for a daemon error, and
 what a client raises for an error reply."""
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..errors import (BudgetError, PinnedError, PrefetchdError, ShutdownError, StorageError,
                       UnknownTensorError)
 from . import protocol as P

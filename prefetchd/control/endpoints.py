@@ -13,7 +13,7 @@ import os
 import socket
 import stat
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 IPC_PATH_MAX = 107          # sun_path is 108 bytes with the terminating NUL
 

@@ -8,7 +8,7 @@ import shutil
 import zmq
 import zmq.auth
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 SERVER_SECRET = "server.key_secret"
 SERVER_PUBLIC = "server.key"

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..errors import ShutdownError
 from . import keys, protocol as P
 from .codes import BadArguments, error_code

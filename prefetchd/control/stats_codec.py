@@ -1,4 +1,4 @@
-"""prefetchd.stats.Stats <-> JSON, for the `stats` op and metrics of remote daemons."""
+"""prefetchd.telemetry.stats.Stats <-> JSON, for the `stats` op and metrics of remote daemons."""
 import math
 from dataclasses import fields
 
@@ -23,8 +23,8 @@ def stats_to_json(stats):
 
 
 def stats_from_json(doc):
-    """The inverse of stats_to_json: a prefetchd.stats.Stats (for metrics of a remote daemon)."""
-    from ..stats import Histogram, Stats
+    """The inverse of stats_to_json: a prefetchd.telemetry.stats.Stats (for metrics of a remote daemon)."""
+    from ..telemetry.stats import Histogram, Stats
 
     def hist(v):
         h = Histogram(v["buckets"])

@@ -20,7 +20,7 @@ import time
 from .. import _native
 from ..backend.base import TransferKind
 from ..errors import BudgetError, IntegrityError, PinnedError, PrefetchdError, ShutdownError, StorageError
-from ..timeline import NullTimeline
+from ..telemetry.timeline import NullTimeline
 from .hostcache import HostCache
 from .loads import Loads
 from .memory import DeviceMemory

@@ -30,7 +30,7 @@ class FrontCollector:
 
     def _worker_families(self, workers, up):
         merged = {}
-        from ..metrics import DaemonCollector
+        from ..telemetry.metrics import DaemonCollector
         for w in workers:
             doc = None
             if w["ready"]:
@@ -85,7 +85,7 @@ def start_front_exporter(front, addr="127.0.0.1", port=0):
     returned Exporter's close() also closes the collector's clients."""
     from prometheus_client import CollectorRegistry
 
-    from ..metrics_server import serve_registry
+    from ..telemetry.metrics_server import serve_registry
 
     collector = FrontCollector(front)
     registry = CollectorRegistry(auto_describe=False)

@@ -6,7 +6,7 @@ as factory(seed=SEED) and returns (cell, input_spec): a mindspore.nn.Cell and a
 list of (shape, dtype name) pairs, one per positional input, e.g.
 [((4, 16, 256), "float32")], or (shape, integer dtype, high) for ids drawn from
 [0, high). Workers feed it seeded random inputs of that spec.
-The default factory builds the demo model (prefetchd.model).
+The default factory builds the demo model (prefetchd.demo.model).
 
 With a checkpoint store (`checkpoint_store`, a directory made by `prefetchd
 stage`) the factory's parameters are not its own: it is called inside
@@ -18,7 +18,9 @@ import importlib
 import os
 from dataclasses import dataclass
 
-from ..config import ENV_PREFIX, Config, ConfigError
+from ..config import ENV_PREFIX, Config
+
+from ..errors import ConfigError
 
 DEMO_FACTORY = "prefetchd.serve.spec:demo_model"
 
@@ -69,7 +71,7 @@ class ServeSpec:
             return self.model_bytes_hint
         if self.checkpoint_store:
             return sum(t["nbytes"] for t in checkpoint_tensors(self.checkpoint_store).values())
-        from ..model import estimate_bytes
+        from ..demo.model import estimate_bytes
         return estimate_bytes(self.hidden, self.layers)
 
     def device_budget(self):
@@ -78,7 +80,7 @@ class ServeSpec:
         fraction = 1.5 if self.budget is None else self.budget
         floor = 0
         if self.is_demo():   # at least lookahead + 2 blocks, so a forward pass can progress
-            from ..model import block_params
+            from ..demo.model import block_params
             floor = (self.lookahead + 2) * block_params(self.hidden) * 4
         return max(int(self.model_bytes() * fraction), floor)
 
@@ -148,8 +150,8 @@ def build_weight_set(spec, seed):
 
 
 def demo_model(seed=0, spec=None):
-    """The default factory: prefetchd.model's demo model at the spec's size."""
-    from ..model import build_model
+    """The default factory: prefetchd.demo.model's demo model at the spec's size."""
+    from ..demo.model import build_model
     spec = spec or ServeSpec()
     cell = build_model(hidden=spec.hidden, layers=spec.layers, heads=spec.heads, seed=seed,
                        materialize=not spec.checkpoint_store)

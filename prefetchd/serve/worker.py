@@ -26,7 +26,7 @@ import time
 
 import zmq
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..control import protocol as P
 from .spec import ServeSpec, build_weight_set, worker_config
 
@@ -75,7 +75,7 @@ def build_models(spec, daemon):
     The one place that decides what a worker runs; everything else treats a model
     as `cell(*inputs) -> tensor`.
     """
-    from ..hooks import offload
+    from ..hooks.offload import offload
 
     models = {}
     for i, name in enumerate(spec.model_names()):

@@ -9,7 +9,7 @@ import secrets
 import pytest
 import zmq
 
-from prefetchd.config import ConfigError
+from prefetchd.errors import ConfigError
 from prefetchd.control import Client, Server, create_keys
 from prefetchd.control import protocol as P
 

@@ -16,7 +16,7 @@ import zmq
 
 from helpers import wait_until
 from prefetchd.control import protocol as P
-from prefetchd.config import ConfigError
+from prefetchd.errors import ConfigError
 from prefetchd.errors import (PinnedError, ShutdownError, StorageError, UnknownTensorError)
 from prefetchd.control import (BusyError, Client, RequestTimeout, Server, ServiceError,
                                resolve_endpoint, runtime_dir)

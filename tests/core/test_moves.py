@@ -18,7 +18,7 @@ from prefetchd.core.registry import Registry
 from prefetchd.core.requests import Kind, Request, settle
 from prefetchd.core.scheduler import Scheduler
 from prefetchd.errors import PrefetchdError, StorageError
-from prefetchd.stats import Stats
+from prefetchd.telemetry.stats import Stats
 
 from .fake_backend import FakeBackend
 

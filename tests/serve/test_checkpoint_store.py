@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import wait_until
-from prefetchd.config import ConfigError
+from prefetchd.errors import ConfigError
 from prefetchd.control import Client, RequestTimeout
 from prefetchd.serve.spec import ServeSpec, check_checkpoint_store, demo_model
 from prefetchd.serve.worker import link_checkpoint_store, make_inputs
@@ -114,7 +114,7 @@ def test_fractional_budget_of_a_custom_model_uses_the_store_size(staged):
     from prefetchd.cli.serve import register, serve_options, serve_spec
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    custom = ["serve", "--model", "prefetchd.model:build_model", "--budget", "50%"]
+    custom = ["serve", "--model", "prefetchd.demo.model:build_model", "--budget", "50%"]
     with pytest.raises(ConfigError, match="needs --model-bytes"):       # nothing to size it by
         serve_spec(serve_options(parser.parse_args(custom)))
     spec = serve_spec(serve_options(parser.parse_args(

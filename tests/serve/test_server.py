@@ -242,7 +242,7 @@ def test_cli_serve_and_status(tmp_path):
 
 
 def test_serve_options_flags_over_file_over_defaults(tmp_path, monkeypatch):
-    from prefetchd.config import ConfigError
+    from prefetchd.errors import ConfigError
     from prefetchd.cli.serve import register, serve_options
     monkeypatch.delenv("PREFETCHD_CONFIG", raising=False)
     parser = argparse.ArgumentParser()

@@ -34,13 +34,13 @@ compute. `plan_units(model, high_watermark, lookahead)` walks the cell tree
   cannot run. It is a unit whole (or part of the root: a compiled model is
   all root). Compiled after offload(): a unit's cell loses its parts' probes
   and streams whole; a cell holding units (the model, a split block) is
-  refused at its next call (prefetchd.hooks). `mindspore.jit(model)`, a
+  refused at its next call (prefetchd.hooks.offload). `mindspore.jit(model)`, a
   function over the model's construct, bypasses the model's hooks: not
   supported (its units' hooks fail to compile inside that graph).
 - A CellList (or CellDict) is never called, only iterated or indexed, so its
   hooks never fire: it is never a unit itself; its items are.
 - A construct that reads a descendant's Parameter directly (not through the
-  descendant's call; prefetchd/construct_reads.py) is never split, and a
+  descendant's call; prefetchd/hooks/construct_reads.py) is never split, and a
   parameter read that way by a construct running outside every unit (the
   model's, a searched or split ancestor's) is pinned in the root as well.
 - If splitting moved blocks' own parameters to the root and the plan no
@@ -48,7 +48,7 @@ compute. `plan_units(model, high_watermark, lookahead)` walks the cell tree
 - Cells a @jit *method* (not construct) calls run inside its graph, where
   MindSpore 2.10 compiles their forward hooks (construct_reads.compiled_calls):
   they are never units or searched, their caller is never split, they get
-  no part probe (Plan.jit_cells: prefetchd.parts.part_cells skips them), and
+  no part probe (Plan.jit_cells: prefetchd.hooks.parts.part_cells skips them), and
   a plan that would still hook one (a unit's cell, through units=) is refused
   with PrefetchdError by cell and method.
 
@@ -57,16 +57,16 @@ unit larger than the high watermark, or a root plus two consecutive units
 (the one computing and the next, including the wrap from the last to the
 first) above it. The message ends with the smallest device_budget under which
 re-planning the same model fits (Plan.min_device_budget), at the plan's
-lookahead and at 0: the bisection and the text are prefetchd.budget_hint's.
+lookahead and at 0: the bisection and the text are prefetchd.hooks.budget_hint's.
 """
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backend import framework
+from ..backend import framework
 from .budget_hint import DEFAULT_HIGH_FRACTION, budget_for_high_watermark, hint_text, lowest_fitting
 from .construct_reads import direct_reads, is_jit
-from .errors import BudgetError, PrefetchdError
+from ..errors import BudgetError, PrefetchdError
 from .jit_graphs import cells_in_jit_graphs, refuse_units_in_jit_graphs
 
 ROOT_NAME = "<root>"
@@ -115,7 +115,7 @@ class Plan:
     compiled_model: bool = False   # the model's own construct is @jit: every parameter is root
     replan: object = None          # fn(high_watermark, lookahead) -> the Plan with the same inputs
     high_fraction: float = DEFAULT_HIGH_FRACTION   # high watermark / device_budget, for the hint
-    # ids of the cells that run inside a @jit method's graph: never hooked (prefetchd.parts)
+    # ids of the cells that run inside a @jit method's graph: never hooked (prefetchd.hooks.parts)
     jit_cells: frozenset = frozenset()
 
     def fits(self):
@@ -132,7 +132,7 @@ class Plan:
     def min_high_watermark(self, lookahead=None):
         """The smallest high watermark (bytes) at which re-planning with the same inputs gives a
         plan that fits, at `lookahead` (default: this plan's); None if it cannot be re-planned.
-        Found by bisection over the planner itself (prefetchd.budget_hint): the plan at the
+        Found by bisection over the planner itself (prefetchd.hooks.budget_hint): the plan at the
         result fits and the one a byte below does not."""
         if self.replan is None:
             return None

@@ -1,6 +1,6 @@
 """What offload() refuses, and what an offloaded model refuses to do, with their messages.
 
-The layer hooks (prefetchd/hooks.py) call these: `refuse_managed` and
+The layer hooks (prefetchd/hooks/offload.py) call these: `refuse_managed` and
 `lookahead_count` when offload() starts, before anything is registered;
 `backward_refused` from the model's backward pre-hook, and `closed_refused`
 from the pre-hook a closed handle leaves on the model (the hooks raise what
@@ -9,8 +9,8 @@ these return). Messages are part of the contract: tests match them.
 import logging
 import operator
 
-from .errors import PrefetchdError
-from .guard import is_managed
+from ..errors import PrefetchdError
+from ..guard import is_managed
 
 log = logging.getLogger("prefetchd.hooks")
 

@@ -2,18 +2,18 @@
 
     handle = prefetchd.offload(model, daemon, lookahead=2)
 
-plans the model's units (prefetchd.planner: repeated blocks at any depth,
+plans the model's units (prefetchd.hooks.planner: repeated blocks at any depth,
 split to fit the budget, plus a ROOT unit holding every parameter outside the
 blocks), refuses at once what can never fit (BudgetError naming the tensor or
 unit), drops graphs MindSpore compiled for the model before (they would read
 the old storage) and registers every parameter with the daemon
-(prefetchd.registration), and installs forward hooks:
+(prefetchd.hooks.registration), and installs forward hooks:
 
 - the model's pre-hook pins the root unit for the whole forward; its
   post-hook releases it behind a compute fence on the output, then prefetches
   the root and the first `lookahead` units for the next pass;
 - first forward: records the execution order (the trace), fetching on demand,
-  one unit at a time so prefetchd.recording can time each for the cost model;
+  one unit at a time so prefetchd.cost.recording can time each for the cost model;
 - afterwards, before a unit runs: prefetch the next `lookahead` units of the
   trace that fit beside what is pinned, then wait for the unit (the wait is
   the stall time), pin and bind it; after its cells ran: fence and unpin, and
@@ -40,8 +40,8 @@ offload() refuses it. A pass that runs none of the units (embeddings only)
 is fine; the first pass that runs some records the trace.
 
 What offload() and an offloaded model refuse, with the messages, is in
-prefetchd.refusals; the copies of outputs that are views of a unit's weights
-(found in the recording pass) in prefetchd.aliases.ViewCopies.
+prefetchd.hooks.refusals; the copies of outputs that are views of a unit's weights
+(found in the recording pass) in prefetchd.hooks.views.ViewCopies.
 """
 import contextlib
 import logging
@@ -49,15 +49,15 @@ import threading
 import time
 
 from . import registration, refusals
-from .aliases import ViewCopies
-from .backend import framework
-from .daemon import Daemon
-from .errors import NotResidentError, PrefetchdError, ShutdownError
+from .views import ViewCopies
+from ..backend import framework
+from ..daemon import Daemon
+from ..errors import NotResidentError, PrefetchdError, ShutdownError
 from .parts import PartProbes
 from .planner import plan_units
 from .trace_cursor import ROOT, TraceCursor
 from .compiled_later import CompiledLater
-from .estimate import PassEstimator
+from ..cost.estimate import PassEstimator
 
 log = logging.getLogger("prefetchd.hooks")
 
@@ -79,7 +79,7 @@ class Unit:
         self.compiled = compiled  # cells whose compiled graphs would read these parameters
         self.addresses = None     # the parameters' storage when they were last bound
         self.dispatched_ns = 0    # recording pass: when its kernels started to be dispatched
-        # Calls of its parts (prefetchd.parts), recording pass:
+        # Calls of its parts (prefetchd.hooks.parts), recording pass:
         self.entries = []         # parts that ran while no cell of the unit ran
         self.own_ran = False      # a cell of its own ran
         self.parted = False       # pinned now by an entry
@@ -102,7 +102,7 @@ class Offloaded:
         config = daemon.config
         self.model = model
         self.daemon = daemon
-        # "auto": the cost model (prefetchd.plan) picks it from the recording pass.
+        # "auto": the cost model (prefetchd.cost.model) picks it from the recording pass.
         self._estimator = PassEstimator(daemon, refusals.lookahead_count(lookahead, config, model),
                                         lookahead == "auto")
         self.tier = tier
@@ -166,12 +166,12 @@ class Offloaded:
 
     @property
     def estimate(self):
-        """The cost model's plan (prefetchd.plan.Plan: pass_seconds, ...) once the recording pass
+        """The cost model's plan (prefetchd.cost.model.Schedule: pass_seconds, ...) once the recording pass
         ran, refined by the next passes; None without one."""
         return self._estimator.estimate
 
     def plan(self):
-        """The unit plan (prefetchd.planner.Plan): units, root unit, budget figures."""
+        """The unit plan (prefetchd.hooks.planner.Plan): units, root unit, budget figures."""
         return self._plan
 
     @contextlib.contextmanager
@@ -279,7 +279,7 @@ class Offloaded:
                 self._prefetch_from(self._cursor.position + 1, self._held_bytes())
         return output
 
-    # ---------------------------------------------------------------- parts (prefetchd.parts)
+    # ---------------------------------------------------------------- parts (prefetchd.hooks.parts)
     def _before_part(self, cell, inputs):
         unit = self._parts.entry(cell, self._recording)
         if unit is not None:
@@ -371,7 +371,7 @@ class Offloaded:
 
     def _release(self, unit, dependency, timed=False):
         """Unpin `unit` behind a fence on `dependency`; its compute is timed to that fence
-        (prefetchd.estimate) unless `timed` says it was already (PassEstimator.time_unit)."""
+        (prefetchd.cost.estimate) unless `timed` says it was already (PassEstimator.time_unit)."""
         unit.held = False
         unit.parted = False
         unit.ran.clear()
@@ -396,7 +396,7 @@ class Offloaded:
     # ---------------------------------------------------------------- trace
     @property
     def trace(self):
-        """The recorded order of one pass: ROOT, then unit indices (prefetchd.trace_cursor)."""
+        """The recorded order of one pass: ROOT, then unit indices (prefetchd.hooks.trace_cursor)."""
         return self._cursor.steps
 
     @property
@@ -465,7 +465,7 @@ class Offloaded:
             if self._owns_daemon:
                 self.daemon.close()
 
-    # ---------------------------------------------------------------- refusals (prefetchd.refusals)
+    # ---------------------------------------------------------------- refusals (prefetchd.hooks.refusals)
     def _refuse_backward(self, cell, grad_output):
         raise refusals.backward_refused(self.model)
 
@@ -494,10 +494,10 @@ def offload(model, daemon=None, lookahead=None, units=None, auto_fetch=None, *, 
     """Stream `model`'s parameters through `daemon` (a new one from Config.load() if None).
 
     lookahead / auto_fetch: None takes daemon.config.lookahead / .auto_fetch;
-    lookahead="auto" lets the cost model (prefetchd.plan) choose it from the
+    lookahead="auto" lets the cost model (prefetchd.cost.model) choose it from the
     first pass (logged with the predicted pass time; `handle.estimate`).
     units: explicit units, (name, cell) pairs or cell names (default: planned,
-    see prefetchd.planner); no_split: cell classes never split into children.
+    see prefetchd.hooks.planner); no_split: cell classes never split into children.
     strict: a unit not resident in time raises NotResidentError instead of
     being fetched on demand and counted as a miss.
     tier: where weights live between uses, "remote" (files) or "host" (RAM).

@@ -8,7 +8,7 @@ descendant — a block doing `ops.matmul(y, self.fc2.weight)`, a model reading
 its tied embedding `self.transformer.wte.embedding_table`, a helper given the
 cell (`linear(x, self.q_proj)`) — reads it outside that descendant's call,
 where nothing pinned it: the page is unmapped and the kernel dies. The planner
-(prefetchd/planner.py) keeps such a block whole, or pins the parameter in the
+(prefetchd/hooks/planner.py) keeps such a block whole, or pins the parameter in the
 root unit.
 
 Found from the construct's source with `ast`, following expressions that
@@ -44,7 +44,7 @@ import inspect
 import textwrap
 import types
 
-from .backend import framework
+from ..backend import framework
 
 # Attributes of a Parameter that read no bytes from its storage.
 METADATA = frozenset({"shape", "dtype", "ndim", "name", "itemsize", "nbytes", "requires_grad", "size",

@@ -5,12 +5,12 @@ a block's construct, runs fc1 and fc2 inside that method's graph, and
 MindSpore 2.10 compiles the forward hooks of cells called there into it:
 prefetchd's fail to compile ("Unsupported statement 'Import'"), and a hook
 that compiled would run once, at trace time, not at every call. The planner
-(prefetchd/planner.py) never makes such cells units or searches them, and the
-part probes (prefetchd/parts.py) skip them; a plan that would still hook one
+(prefetchd/hooks/planner.py) never makes such cells units or searches them, and the
+part probes (prefetchd/hooks/parts.py) skip them; a plan that would still hook one
 (`units=` naming it) is refused here.
 """
 from .construct_reads import compiled_calls, is_jit
-from .errors import PrefetchdError
+from ..errors import PrefetchdError
 
 
 def cells_in_jit_graphs(model):

@@ -8,7 +8,7 @@ occurrence ahead and is counted. A pass that ran a unit the trace does not
 hold (an MoE expert the recording pass did not route to, a branch taken
 since) becomes the trace (`end_pass`), so the next pass prefetches it; a pass
 that only skipped units (an early exit) leaves the trace as it was. Pure
-bookkeeping, no I/O and no pinning: the layer hooks (prefetchd/hooks.py)
+bookkeeping, no I/O and no pinning: the layer hooks (prefetchd/hooks/offload.py)
 prefetch what `upcoming` names.
 """
 ROOT = -1        # the root unit's step in the trace

@@ -14,8 +14,8 @@ load changes nothing.
 """
 import numpy as np
 
-from .errors import PrefetchdError
-from .guard import is_managed
+from ..errors import PrefetchdError
+from ..guard import is_managed
 
 
 def load_param_into_net(net, parameter_dict, strict_load=False):
@@ -24,7 +24,7 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
     net's parameters the dict had no value for, and the dict's names the net has no
     parameter of. Names must match exactly; strict_load=True refuses the load if either
     list would be non-empty. A net that is not offloaded is loaded by MindSpore's own."""
-    from .backend.framework import mindspore
+    from ..backend.framework import mindspore
     ms = mindspore()
     handle = getattr(net, "_prefetchd", None)
     if handle is None:
@@ -67,7 +67,7 @@ def _names(names):
 
 def _meta(value):
     """(shape, dtype name) of a Parameter, Tensor or array, without reading its data."""
-    from .dtypes import name_of
+    from ..dtypes import name_of
     try:
         return tuple(value.shape), name_of(value.dtype)
     except (AttributeError, TypeError, KeyError, ValueError):

@@ -15,13 +15,13 @@ copy is dispatched before the fence behind the unit's kernels. A cell that
 returns a view only on passes after the recording one is not covered.
 
 `ViewCopies` keeps which outputs of which cells those are, per unit; the layer
-hooks (prefetchd/hooks.py) pass every output that leaves a unit (a unit's
+hooks (prefetchd/hooks/offload.py) pass every output that leaves a unit (a unit's
 cell, an entry part, the model for the root unit) through it.
 """
 import itertools
 import logging
 
-from .backend import framework
+from ..backend import framework
 
 log = logging.getLogger("prefetchd.hooks")
 

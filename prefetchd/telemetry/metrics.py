@@ -8,7 +8,7 @@ Nothing here runs on the scheduler's hot path. At scrape time the collector
 calls `daemon.snapshot()` once -- one consistent copy of the status dict and the
 `Stats` counters, taken under the daemon's lock -- and turns that copy into
 metric families outside the lock. The scheduler only bumps plain integers and
-histogram slots (see `prefetchd.stats`); no per-request Python objects are kept.
+histogram slots (see `prefetchd.telemetry.stats`); no per-request Python objects are kept.
 
 Names follow the Prometheus conventions: prefix `prefetchd_`, base units (bytes,
 seconds), ratios 0..1 ending in `_ratio`, counters exposed with `_total`,
@@ -34,7 +34,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from . import __version__
+from .. import __version__
 from .metrics_server import Exporter, MetricsServer, serve_registry
 
 __all__ = ["DaemonCollector", "Exporter", "MetricsServer", "make_registry", "render", "serve_registry",
@@ -141,7 +141,7 @@ def build_info():
             ms = "none"
         native = "none"
         try:
-            from . import _native
+            from .. import _native
             native = str(_native.build_info().get("version", "unknown"))
         except Exception:  # not built (source checkout) or an older engine: say so, never fail a scrape
             native = "none" if "prefetchd._native" not in sys.modules else "unknown"

@@ -1,6 +1,6 @@
 """The predicted pass time of one offloaded model, and with lookahead="auto" its lookahead.
 
-The layer hooks (prefetchd/hooks.py) call it at pass boundaries; nothing here
+The layer hooks (prefetchd/hooks/offload.py) call it at pass boundaries; nothing here
 pins or moves a tensor:
 
     estimator.recording_started(marker, stall_seconds)   # recording pass, root pinned
@@ -12,9 +12,9 @@ pins or moves a tensor:
     estimator.streamed()                                 # after each later pass: refined
     estimator.close()
 
-The recording pass times each unit alone (prefetchd.recording); the cost model
-(prefetchd.plan) plans from those timings and the measured transfer rates. The
-next passes refine the rates and the compute (prefetchd.refine): while the
+The recording pass times each unit alone (prefetchd.cost.recording); the cost model
+(prefetchd.cost.model) plans from those timings and the measured transfer rates. The
+next passes refine the rates and the compute (prefetchd.cost.refine): while the
 estimate is refined, a FenceClock thread notes when compute reaches each unit's
 release fence (the fences the hooks mark anyway; nothing waits for them), and
 a pass whose fences were all reached by the end of this or the next pass gives
@@ -24,8 +24,9 @@ never breaks the user's forward.
 import logging
 import statistics
 
-from . import plan as cost_model
-from .backend.base import checksum_rate, copy_rate
+from . import model as cost_model
+from ..backend.base import checksum_rate, copy_rate
+from .fence_clock import FenceClock
 from .recording import RecordingTimer, unit_kind
 from .refine import Refinement
 
@@ -33,7 +34,7 @@ log = logging.getLogger("prefetchd.hooks")
 
 
 class PassEstimator:
-    """`estimate` (a plan.Plan, or None) and `lookahead`: the one asked for, or with
+    """`estimate` (a cost.model.Schedule, or None) and `lookahead`: the one asked for, or with
     auto=True the plan's once there is one."""
 
     def __init__(self, daemon, lookahead, auto):
@@ -73,7 +74,7 @@ class PassEstimator:
             self._timer.released(name, epoch, dispatched_ns)
         elif dispatched_ns is not None and self._refinement is not None and self._marker is not None:
             if self._clock is None:
-                self._clock, self._clock_names = cost_model.FenceClock(self._marker), []
+                self._clock, self._clock_names = FenceClock(self._marker), []
             if not self._clock.sealed:
                 self._clock.unit(epoch, dispatched_ns)
                 self._clock_names.append(name)

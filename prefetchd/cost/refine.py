@@ -11,19 +11,19 @@ The recording pass's estimate is a first guess on two counts:
   (docs/performance.md, "compute from a streamed pass").
 
 So after each streamed pass the plan is made again with that pass's transfer
-rates and, where its units' compute fences were timed (prefetchd.estimate),
+rates and, where its units' compute fences were timed (prefetchd.cost.estimate),
 with the compute it measured, until the figures settle (within SETTLED of the
 last pass's) or PASSES passes. Compute measured in a streamed pass already
 holds what the copies beside it took from compute's cores, so those inputs
 charge copies nothing more (copy_contention 0) and take the copy stream's
 rate as measured beside compute. The figures are settled once two timed
 passes in a row agree.
-Pure: numbers in, numbers out; the layer hooks (prefetchd/hooks.py) plan and log.
+Pure: numbers in, numbers out; the layer hooks (prefetchd/hooks/offload.py) plan and log.
 """
 import dataclasses
 from dataclasses import dataclass
 
-from . import plan as cost_model
+from . import model as cost_model
 
 PASSES = 5        # streamed passes whose measurements may refine the estimate
 SETTLED = 0.10    # ... until they change by at most this fraction from one pass to the next

@@ -1,13 +1,13 @@
 """The budget hint: the smallest device_budget under which a model's units would fit.
 
-A plan refused at offload() (prefetchd.planner.Plan.check_fits) ends its
+A plan refused at offload() (prefetchd.hooks.planner.Plan.check_fits) ends its
 BudgetError with that budget, at the plan's lookahead and at 0. It is found by
 bisection over the planner itself, so page/granule rounding, splits, the root
 and the unit share are all included: this module gets the re-planning as a
 function (`fits(high)`, or `min_high(lookahead)`) and never imports the planner.
 The Plan's min_high_watermark, min_device_budget and budget_hint call it.
 """
-from .errors import PrefetchdError
+from ..errors import PrefetchdError
 
 # What Config.__post_init__ makes the high watermark when high_watermark is not set:
 # int(device_budget * 0.95) (tests/test_planner_refusals.py checks the two agree).

@@ -5,7 +5,7 @@ cell, only its parts: a backbone whose stem and stages the model calls one by
 one (`self.backbone.stem(x)`, `for stage in self.backbone.stages: ...`), a
 plain holder of sub-cells. Nothing would pin such a unit and its weights
 would be read unmapped (the process dies). So the layer hooks
-(prefetchd/hooks.py) put a probe on every part of every unit, that is every
+(prefetchd/hooks/offload.py) put a probe on every part of every unit, that is every
 cell under a unit's cells that holds parameters:
 
 - Recording pass: a probe that fires while no cell of its unit is running is
@@ -23,7 +23,7 @@ cell under a unit's cells that holds parameters:
   Python call per call of the part, beside MindSpore's dispatch of the part's
   own ops.
 """
-from .backend import framework
+from ..backend import framework
 from .construct_reads import is_jit
 
 
@@ -114,7 +114,7 @@ class PartProbes:
 def part_cells(unit_cells, skip=()):
     """The cells under `unit_cells` (not those themselves) that hold parameters, in
     definition order. Cells under a compiled (@jit) cell, and those in `skip` (ids of
-    cells a @jit method calls: prefetchd.planner) with what is under them, are left
+    cells a @jit method calls: prefetchd.hooks.planner) with what is under them, are left
     out: they run inside a graph, where hooks cannot run (MindSpore would compile
     the hook into the graph, and run it once, when tracing)."""
     ms = framework.mindspore()

@@ -2,13 +2,13 @@
 cache keeps, and how long a pass takes (in the spirit of FlexGen's).
 
     inputs = measure(unit_bytes, dispatch_ns, fence_ns, stats=daemon.stats, ...)   # after a first pass
-    p = plan(inputs)                  # p.lookahead, p.host_cached, p.pass_seconds, ...
+    p = plan(inputs)                  # a Schedule: p.lookahead, p.host_cached, p.pass_seconds, ...
     p = plan(inputs, lookahead=3)     # the same for a given lookahead (clamped to the budget)
 
 Pure Python, no MindSpore: everything it needs is numbers the layer hooks and
 the daemon already record.
 
-The pipeline it simulates is the one prefetchd/hooks.py drives. One copy
+The pipeline it simulates is the one prefetchd/hooks/offload.py drives. One copy
 stream moves units in trace order (a disk read, or a host->device copy, or
 both for a disk read that fills the host cache). Compute runs units in order
 on the framework's queue. Python dispatches unit j's kernels as soon as j is
@@ -37,10 +37,7 @@ trace every cached unit is reused before any incoming one, so nothing is
 displaced and those units stay. Those units copy from RAM every later pass;
 the others are read from disk straight into the device block.
 """
-import queue
 import statistics
-import threading
-import time
 from dataclasses import dataclass, field
 
 ALIGN = 4096                 # host and device blocks are reserved in 4 KiB pages (backend.block_bytes)
@@ -108,7 +105,9 @@ class Inputs:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Schedule:
+    """What the cost model chose for a model and what it predicts: how far ahead to prefetch,
+    which units the host cache keeps, and the pass times that follow (seconds)."""
     lookahead: int               # units prefetched ahead
     max_lookahead: int           # what the device budget allows beside the root and the unit computing
     clamped: bool                # a requested lookahead was above max_lookahead
@@ -281,7 +280,7 @@ def plan(inputs, lookahead=None):
     first, _ = simulate(inputs, 0, first_io, warm=False, k_next=k, io_next=steady_io, copies=first_copies)
     io_total = sum(steady_io)
     disk = sum(disk for disk, _ in steady_moves)
-    return Plan(lookahead=k, max_lookahead=k_max, clamped=clamped, host_cached=host_cached(inputs),
+    return Schedule(lookahead=k, max_lookahead=k_max, clamped=clamped, host_cached=host_cached(inputs),
                 first_pass_seconds=first, pass_seconds=steady, stall_seconds=stall,
                 compute_seconds=compute_total, io_seconds=io_total, disk_seconds=disk,
                 bound="io" if io_total > compute_total else "compute", by_lookahead=by_k)
@@ -360,63 +359,3 @@ def measure(unit_bytes, dispatch_ns, fence_ns, *, high_watermark, host_budget, s
                   disk_rate=disk_rate or 0.0, h2d_rate=h2d_rate, high_watermark=high_watermark,
                   host_budget=host_budget, root_bytes=root_bytes, root_seconds=root_seconds, tier=tier,
                   copy_contention=copy_contention, checksum_rate=checksum_rate, copy_cpu_rate=copy_cpu_rate)
-
-
-class FenceClock:
-    """When compute fences were reached, for `compute_seconds_from_fences`.
-
-    marker: anything with `wait(epoch, timeout) -> epoch reached` (the daemon's
-    `compute_marker()`). Per unit, after its kernels were dispatched:
-    `clock.unit(marker.mark(output), dispatched_ns)`; `stop()` returns
-    (dispatch_ns, fence_ns). A thread sleeps on the fence word meanwhile (futex,
-    GIL released), so timing costs the compute thread nothing. Units whose
-    fences were passed together get the same time (their compute is then
-    attributed to the first of them): the sum stays right.
-    """
-
-    def __init__(self, marker, clock=time.monotonic_ns):
-        self._marker, self._clock = marker, clock
-        self._queue = queue.SimpleQueue()
-        self._dispatch, self._fences = [], []
-        self._closed = threading.Event()
-        self.sealed = False          # no more units (seal, stop, close)
-        self._thread = threading.Thread(target=self._run, name="prefetchd-fence-clock", daemon=True)
-        self._thread.start()
-
-    def unit(self, epoch, dispatched_ns):
-        self._dispatch.append(dispatched_ns)
-        self._queue.put(epoch)
-
-    def reached(self):
-        """Compute reached every fence given so far: stop() returns at once."""
-        return len(self._fences) == len(self._dispatch)
-
-    def seal(self):
-        """No more units: the thread ends once compute reached the fences given."""
-        if not self.sealed:
-            self.sealed = True
-            self._queue.put(None)
-
-    def close(self):
-        """Stop timing without waiting: the thread ends within one wait (0.2 s)."""
-        self._closed.set()
-        self.seal()
-
-    def stop(self, timeout=30.0):
-        self.seal()
-        self._thread.join(timeout)
-        if self._thread.is_alive() or len(self._fences) != len(self._dispatch):
-            raise TimeoutError(f"compute reached {len(self._fences)} of {len(self._dispatch)} fences "
-                               f"within {timeout}s")
-        return list(self._dispatch), list(self._fences)
-
-    def _run(self):
-        while True:
-            epoch = self._queue.get()
-            if epoch is None:
-                return
-            deadline = time.monotonic() + 60.0
-            while self._marker.wait(epoch, 0.2) < epoch:
-                if time.monotonic() > deadline or self._closed.is_set():
-                    return           # stop() reports the shortfall
-            self._fences.append(self._clock())

@@ -1,6 +1,6 @@
 """Cells compiled with mindspore.jit after offload().
 
-The planner (prefetchd/planner.py) handles cells compiled before offload(): a
+The planner (prefetchd/hooks/planner.py) handles cells compiled before offload(): a
 compiled cell streams whole. A user may also compile later
 (`cell.construct = mindspore.jit(cell.construct)` between passes). MindSpore
 then compiles the forward hooks of the cells called inside that graph into it,
@@ -8,7 +8,7 @@ where prefetchd's hooks cannot run (they fail to compile, or would run once,
 when tracing). So, before each pass:
 
 - a unit's own cell compiled since: the probes on its parts go
-  (prefetchd.parts); the unit's own hooks stay outside its graph and pin it
+  (prefetchd.hooks.parts); the unit's own hooks stay outside its graph and pin it
   whole, as if it had been compiled before offload();
 - a cell holding units (the model, a block split into units) compiled since:
   refused by name, since their hooks would be inside its graph.
@@ -22,7 +22,7 @@ of the model at all and cannot be seen from here: it is not supported.
 import logging
 
 from .construct_reads import is_jit
-from .errors import PrefetchdError
+from ..errors import PrefetchdError
 
 log = logging.getLogger("prefetchd.hooks")
 
@@ -30,7 +30,7 @@ log = logging.getLogger("prefetchd.hooks")
 class CompiledLater:
     def __init__(self, model, units, planned_units, parts, name_of):
         """units: the hooks' Unit objects (their `cells` grow when parts' entries are adopted);
-        planned_units: the planner's; parts: the prefetchd.parts.PartProbes on their parts;
+        planned_units: the planner's; parts: the prefetchd.hooks.parts.PartProbes on their parts;
         name_of(cell): the cell's name in the model, for the log."""
         self._units = units
         self._compiled = {id(c) for u in units for c in u.cells if is_jit(c.construct)}

@@ -22,7 +22,7 @@ import zlib
 
 import numpy as np
 
-from .backend.framework import mindspore
+from ..backend.framework import mindspore
 
 MAX_SEQ = 128   # positions the positional embedding covers
 

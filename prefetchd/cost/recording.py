@@ -1,6 +1,6 @@
-"""Timing a model's recording pass for the cost model (prefetchd.plan).
+"""Timing a model's recording pass for the cost model (prefetchd.cost.model).
 
-The layer hooks (prefetchd/hooks.py) record the trace on a model's first
+The layer hooks (prefetchd/hooks/offload.py) record the trace on a model's first
 forward; a RecordingTimer times that pass so the plan can predict later ones:
 
     timer = RecordingTimer(marker)                  # the daemon's compute marker
@@ -23,7 +23,8 @@ forward; a RecordingTimer times that pass so the plan can predict later ones:
 import logging
 import time
 
-from . import plan
+from . import model as plan
+from .fence_clock import FenceClock
 
 log = logging.getLogger("prefetchd.hooks")
 
@@ -39,7 +40,7 @@ def unit_kind(cells, params):
 class RecordingTimer:
     def __init__(self, marker):
         self._marker = marker
-        self._clock = plan.FenceClock(marker)
+        self._clock = FenceClock(marker)
         self._serial = True       # waiting for each unit's fence
         self._start = (0, 0.0)    # (ns after the root's pin, stall seconds then)
         self._end_ns = None       # when the output's fence was reached

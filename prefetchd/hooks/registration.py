@@ -1,6 +1,6 @@
 """Handing a planned model's parameters to its daemon, once, at offload().
 
-The layer hooks (prefetchd/hooks.py) call these after the plan was checked and
+The layer hooks (prefetchd/hooks/offload.py) call these after the plan was checked and
 before any hook is installed:
 
     drop_compiled_graphs(model)                       # graphs compiled before offload()
@@ -9,9 +9,9 @@ before any hook is installed:
 A name clash, or host-tier weights the host budget cannot hold, is refused
 before any parameter is registered, so a refusal leaves the model as it was.
 """
-from .backend import framework
-from .errors import BudgetError, DoubleRegisterError, PrefetchdError
-from .plan import block_bytes as host_block_bytes
+from ..backend import framework
+from ..errors import BudgetError, DoubleRegisterError, PrefetchdError
+from ..cost.model import block_bytes as host_block_bytes
 
 
 def drop_compiled_graphs(model):

@@ -37,8 +37,9 @@ import time
 
 import numpy as np
 
-from .staging import Progress, stage_tensors, write_index
-from .timeline import SCHEDULER, plot as plot_timeline, require_plot, summarize
+from ..staging import Progress, stage_tensors, write_index
+from ..telemetry.timeline import SCHEDULER
+from ..telemetry.timeline_report import plot as plot_timeline, require_plot, summarize
 
 DEFAULTS = dict(size=2 << 30, hidden=1024, budget=0.25, batch=8, seq=16, lookahead=2, passes=3,
                 tier="remote", store=None, metrics_port=None, hold=0.0, json=False, trace=None, plot=None,
@@ -134,12 +135,12 @@ def _progress(label, quiet, total_bytes=None, total_tensors=None):
 
 
 def _run(o, say, quiet):
-    from . import offload
-    from .backend.base import open_store
-    from .backend.framework import mindspore
-    from .config import Config
-    from .daemon import Daemon
-    from .limits import available_memory
+    from ..hooks import offload
+    from ..backend.base import open_store
+    from ..backend.framework import mindspore
+    from ..config import Config
+    from ..daemon import Daemon
+    from ..limits import available_memory
     from .model import build_model, estimate_bytes, init_values, layers_for, make_inputs
 
     ms = mindspore()

@@ -1,0 +1,13 @@
+"""What the benchmark modules share (below runner, which dispatches to them)."""
+import argparse
+import os
+
+
+def run_from_python(run, directory, defaults, options):
+    """A benchmark's Python entry point: `run(directory, args)` with `options` (the
+    CLI flags' names) over `defaults`; an option the benchmark lacks is a TypeError."""
+    unknown = set(options) - set(defaults)
+    if unknown:
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(defaults)}")
+    os.makedirs(directory, exist_ok=True)
+    return run(directory, argparse.Namespace(**{**defaults, **options}))

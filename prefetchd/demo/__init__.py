@@ -1,0 +1,1 @@
+"""`prefetchd demo`: the demo transformer (model) and the job that streams it (run)."""

@@ -1,0 +1,23 @@
+"""What offload() does to a MindSpore model: plan its units, hook its cells, stream its weights.
+
+Modules, by role (imports point down this list, never up):
+
+    offload          offload() / @offloaded and the Offloaded handle: hooks, pass lock, close, stats
+    reload           load_param_into_net: new values for an offloaded model, between its passes
+    registration     the planned parameters handed to the daemon, once
+    refusals         what offload() and an offloaded model refuse, and the messages
+    compiled_later   cells compiled with mindspore.jit after offload()
+    views            outputs that are views of a unit's weights, copied while it is pinned
+    parts            probes on units' parts (a unit called only through its parts)
+    trace_cursor     the recorded order and where a pass is in it (no I/O)
+    planner          the unit plan from the cell tree (no daemon, no side effects)
+    budget_hint      the smallest device_budget a refused plan would fit under
+    jit_graphs       cells a @jit method's graph runs (never units)
+    construct_reads  the weight reads a construct's source makes
+
+The rules the planner follows are described once, in docs/offload.md.
+"""
+from .offload import Offloaded, offload, offloaded
+from .reload import load_param_into_net
+
+__all__ = ["Offloaded", "offload", "offloaded", "load_param_into_net"]
