@@ -1,4 +1,4 @@
-"""Run by tests/test_compute_marker.py in its own process: a broken MindSpore op
+"""Run by tests/native/test_compute_marker.py in its own process: a broken MindSpore op
 queue stays broken for the life of the process, so this must not share one.
 
 Threads meet at a barrier, then each builds a compute marker (or a daemon's

@@ -1,4 +1,4 @@
-"""Child of tests/test_outside_forward.py: one thing a user does with an offloaded model's
+"""Child of tests/hooks/test_outside_forward.py: one thing a user does with an offloaded model's
 weights outside its forward. A regression dies here with SIGSEGV (a native read of an
 unmapped home), not in the test process.
 

@@ -1,4 +1,4 @@
-"""Child of tests/test_view_outputs.py: a model whose cells return views of their own
+"""Child of tests/hooks/test_view_outputs.py: a model whose cells return views of their own
 weights, streamed through a small budget; prints one line per pass (max abs error
 against the resident model) and 'ok'. A regression dies here with SIGSEGV (a read of
 an unmapped home), not in the test process."""

@@ -3,7 +3,7 @@ runs the venv's `prefetchd` with flags `prefetchd serve` accepts; the
 Kubernetes example names the command the same way and ships a config prefetchd
 loads; every example TOML uses known keys only; the Prometheus and Grafana
 files parse. `promtool check` and a real Prometheus run in
-tests/test_prometheus_integration.py, not here.
+tests/telemetry/test_prometheus_integration.py, not here.
 """
 import argparse
 import json

@@ -10,7 +10,7 @@ The Plan's min_high_watermark, min_device_budget and budget_hint call it.
 from ..errors import PrefetchdError
 
 # What Config.__post_init__ makes the high watermark when high_watermark is not set:
-# int(device_budget * 0.95) (tests/test_planner_refusals.py checks the two agree).
+# int(device_budget * 0.95) (tests/hooks/test_planner_refusals.py checks the two agree).
 DEFAULT_HIGH_FRACTION = 0.95
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from prefetchd.hooks import views as aliases
 
-CHILD = os.path.join(os.path.dirname(__file__), "_view_outputs_model.py")
+CHILD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_view_outputs_model.py")
 
 
 @pytest.mark.parametrize("kind", ["slice", "offset_slice", "transpose", "reshape", "itself", "tuple", "root",

@@ -27,7 +27,7 @@ from prefetchd.telemetry.stats import SECONDS_BUCKETS, SIZE_BUCKETS, Stats
 
 ms = pytest.importorskip("mindspore")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "dashboards" / "prefetchd.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 

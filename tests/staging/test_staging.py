@@ -13,7 +13,7 @@ from prefetchd import _native
 from prefetchd.demo.model import build_model, make_inputs
 from prefetchd.staging import INDEX_FILE, CheckpointError, stage_checkpoint
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def write_safetensors(path, tensors):

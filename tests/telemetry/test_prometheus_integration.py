@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "prometheus"
 PROM_CONFIG = DEPLOY / "prometheus.yml"
 ALERTS = DEPLOY / "alerts.yml"
 DASHBOARD = ROOT / "dashboards" / "prefetchd.json"
-LOAD_SCRIPT = Path(__file__).with_name("_load_daemon.py")
+LOAD_SCRIPT = Path(__file__).resolve().parents[1] / "_load_daemon.py"
 RATE_INTERVAL = "15s"
 # Alerts a healthy daemon under load never even starts (pending) -- the load-
 # dependent ones (stalls, refused prefetches) may, and wait out their `for:`.

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-CHILD = os.path.join(os.path.dirname(__file__), "_outside_forward_child.py")
+CHILD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_outside_forward_child.py")
 NATIVE_LINE = "prefetchd: a managed tensor was read while it was not resident"
 
 

@@ -6,7 +6,7 @@ Kernels write a Parameter's storage without its Python API, so the guard never
 sees it: BatchNorm's running statistics in training mode, a KV cache kept in
 Parameters and updated with ops.assign / scatter_update (as MindSpore LLM code
 does), in PyNative and under @jit. The cpu backend maps resident homes
-read-only and counts their first write (tests/test_write_watch.py).
+read-only and counts their first write (tests/native/test_write_watch.py).
 """
 import numpy as np
 import pytest

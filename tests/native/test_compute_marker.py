@@ -10,7 +10,7 @@ import sys
 
 from helpers import ENV
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # tests/, where the child scripts are
 
 
 def test_markers_and_first_uses_from_several_threads_at_once_leave_mindspore_working(tmp_path):
