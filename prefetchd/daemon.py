@@ -131,7 +131,7 @@ class Daemon:
 
     def serve(self, endpoint, **kwargs):
         """Answer other processes over ZeroMQ at `endpoint` (see docs/control-plane.md)."""
-        self._check_open()
+        self.check_open()
         return self._attachments.serve(self, endpoint, **kwargs)
 
     @property
@@ -180,7 +180,8 @@ class Daemon:
             live_daemons.discard(self)
         self.timeline.close()      # writes config.trace once the scheduler has stopped
 
-    def _check_open(self):
+    def check_open(self):
+        """Raise ShutdownError, saying which, unless the daemon is started and not closed."""
         if self._state != "running":
             if self._state == "new":
                 raise ShutdownError("daemon not started: call start() or use it as a context manager")
@@ -189,7 +190,7 @@ class Daemon:
 
     def _submit(self, request):
         with self._lock:
-            self._check_open()
+            self.check_open()
             request.seq = self._core.next_seq()
             self._core.inbox.append(request)
         self.backend.notify()
@@ -208,7 +209,7 @@ class Daemon:
         if not framework.is_tensor(tensor):
             raise TypeError(f"register() takes a mindspore Tensor or Parameter, not {type(tensor).__name__}")
         name = check_name(name if name is not None else getattr(tensor, "name", None))
-        self._check_open()
+        self.check_open()
         array = np.ascontiguousarray(framework.host_copy(tensor))
         rec = ManagedTensor(name=name, shape=tuple(array.shape), dtype=array.dtype,
                             nbytes=array.nbytes, target=tensor)
@@ -235,7 +236,7 @@ class Daemon:
     def register_remote(self, name, shape, dtype, *, target=None):
         """Manage a tensor whose data is already in the store under `name`."""
         check_name(name)
-        self._check_open()
+        self.check_open()
         if not self.backend.store_contains(name):
             raise UnknownTensorError(f"the store has no tensor named {name!r}")
         info = self.backend.store_info(name)
@@ -262,7 +263,7 @@ class Daemon:
         `no_init_parameters`: its weights never need to exist in RAM.
         """
         from . import staging
-        self._check_open()
+        self.check_open()
         if checkpoint is not None:
             # The file's checksum (if it has one) is checked before anything reaches
             # the live store: a corrupt checkpoint must not half-replace good tensors.
@@ -310,7 +311,7 @@ class Daemon:
         check_priority(priority)
         check_deadline(deadline)
         recs = self._records_of(tensors)
-        self._check_open()
+        self.check_open()
         if all(r.state is State.RESIDENT for r in recs):
             # Hit: nothing to schedule. Reading `state` races only with an eviction
             # that could follow a queued hit just as well.
@@ -382,7 +383,7 @@ class Daemon:
     # ------------------------------------------------------------------ compute (the layer hooks)
     def compute_session(self, owner=None):
         """What one model's layer hooks call per unit (core/session.py); `owner` keys its trace."""
-        self._check_open()
+        self.check_open()
         return ComputeSession(self, self._core, self._binding, owner)
 
     def set_trace(self, steps, owner=None):

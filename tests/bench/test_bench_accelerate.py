@@ -109,7 +109,7 @@ def test_the_child_refuses_bad_requests_and_says_why(tmp_path):
     """The child script under this interpreter: without torch it answers 'error ...' at once;
     the parent turns that into a ProtocolError naming the cause."""
     cfg = {"hidden": 8, "layers": 2, "batch": 1, "threads": 1, "offload_dir": str(tmp_path)}
-    out = subprocess.run([sys.executable, ba.__file__, "--child", json.dumps(cfg)], input="quit\n",
+    out = subprocess.run([sys.executable, ba.child_script.__file__, "--child", json.dumps(cfg)], input="quit\n",
                          capture_output=True, text=True, timeout=120)
     first = out.stdout.splitlines()[0]
     if first.startswith("error "):

@@ -1,0 +1,142 @@
+"""The two kinds of pass an offloaded model runs, called by the Offloaded handle's hooks.
+
+RecordingPass, the first pass that runs a unit: records the execution order (the trace),
+fetches every unit on demand, and runs one unit at a time so the cost model can time each
+unit's compute with no copy beside it. StreamingPass, every pass after it: follows the
+trace, prefetching `lookahead` units ahead of the one computing; a unit that was not
+resident in time is a miss (fetched on demand, or NotResidentError with strict=True).
+
+Both take the same calls, in this order within a pass:
+    begin()            the model's pre-hook, before the root is pinned
+    acquire(unit)      pin a unit (the root, then each unit as it is entered)
+    after_root()       the root is pinned
+    enter(unit)        a unit's first cell (or part) is about to run: step the trace, pin it
+    timed(unit, out)   its last cell ran: time its compute now (recording) or leave it
+    after_release()    a unit was released: its memory may admit a prefetch now
+    finish()           the model's post-hook ran the pass to its end
+    abandoned()        the pass ended without finish() (it raised, or ran no unit)
+"""
+import logging
+
+from .trace_cursor import ROOT
+
+log = logging.getLogger("prefetchd.hooks")
+
+
+class RecordingPass:
+    recording = True
+
+    def __init__(self, cursor, session, pins, estimator, tier_of):
+        self._cursor, self._session, self._pins = cursor, session, pins
+        self._estimator, self._tier_of = estimator, tier_of
+
+    def begin(self):
+        self._cursor.steps = [ROOT]
+
+    def acquire(self, unit):
+        self._pins.acquire(unit, auto_fetch=True)
+
+    def after_root(self):
+        self._estimator.recording_started(self._session.marker, self._pins.stall_seconds)
+
+    def enter(self, unit):
+        self._cursor.record(unit.index)
+        self.acquire(unit)
+
+    def timed(self, unit, output):
+        # Timed to a fence before the view check asks for addresses. That query drains
+        # MindSpore's op queue, and a fence after it times the unit's kernels launched from
+        # an idle queue: twice their time in a pass (16 Dense(4096, 4096) at batch 8).
+        return bool(unit.records) and self._estimator.time_unit(self._session.marker, unit.name, output,
+                                                                unit.dispatched_ns)
+
+    def after_release(self):
+        pass
+
+    def finish(self, high_watermark):
+        """The trace is recorded: the cost model gets the pass's timings."""
+        pins = self._pins
+        units = [pins.units[i] for i in self._cursor.steps if i != ROOT]
+        self._estimator.recorded(units, pins.root.nbytes, self._tier_of(), pins.stall_seconds, high_watermark)
+
+    def abandoned(self):
+        self._estimator.recording_abandoned()
+
+
+class StreamingPass:
+    recording = False
+
+    def __init__(self, cursor, session, pins, estimator, lookahead_of, high_of, *, auto_fetch):
+        self._cursor, self._session, self._pins = cursor, session, pins
+        self._estimator = estimator
+        self._lookahead_of, self._high_of = lookahead_of, high_of
+        self._auto_fetch = auto_fetch
+
+    def begin(self):
+        self._session.at(0)
+
+    def acquire(self, unit):
+        pins = self._pins
+        # lookahead 0 loads every unit on demand by design: not a miss to warn about
+        auto = self._auto_fetch or (self._lookahead_of() == 0 and not pins.strict)
+        # the prefetches behind a missed unit were issued before the miss: issue them again
+        pins.acquire(unit, auto_fetch=auto, after_miss=lambda: self.prefetch_from(
+            self._cursor.position + 1, pins.held_bytes() + unit.nbytes))
+
+    def after_root(self):
+        self.prefetch_from(1, self._pins.root.nbytes)
+
+    def enter(self, unit):
+        if not self._cursor.enter(unit.index):
+            self._session.resynced()
+        self._session.at(self._cursor.position)
+        self.prefetch_from(self._cursor.position + 1, self._pins.held_bytes() + unit.nbytes)
+        self.acquire(unit)
+
+    def timed(self, unit, output):
+        return False
+
+    def after_release(self):
+        # Its memory is free once its kernels ran: a prefetch refused a moment ago for
+        # want of a free range can be placed now, before it would miss.
+        self.prefetch_from(self._cursor.position + 1, self._pins.held_bytes())
+
+    def finish(self, high_watermark):
+        """True when the pass ran units the trace lacked: its order is the trace now."""
+        self._estimator.streamed()
+        return self._cursor.end_pass()
+
+    def abandoned(self):
+        pass
+
+    def prepare_next(self):
+        """The next pass starts with the root, then the first units of the trace: the policy
+        sees the pass end (the root is the nearest step, not the farthest)."""
+        root = self._pins.root
+        self._session.at(len(self._cursor.steps) - 1)
+        if root.records:
+            self._session.prefetch(root.records, priority=self._lookahead_of() + 1)
+        self.prefetch_from(1, root.nbytes)
+
+    def prefetch_from(self, start, pinned_bytes):
+        """Prefetch the next `lookahead` units of the trace from `start` that fit beside the pinned ones."""
+        # Never ask for more than fits beside what computes now: a prefetch that
+        # evicts the next unit to make room for the one after is thrash.
+        lookahead = self._lookahead_of()
+        room = self._high_of() - pinned_bytes
+        ahead = 0
+        for index in self._cursor.upcoming(start):
+            if ahead >= lookahead:
+                break
+            unit = self._pins.units[index]
+            ahead += 1
+            if unit.held:
+                continue
+            room -= unit.nbytes
+            if room < 0:
+                break
+            # Nearer units first: priority falls with distance.
+            future = self._session.prefetch(unit.records, priority=lookahead - ahead + 1)
+            # A refused prefetch (e.g. no free range large enough) shows up as a miss later.
+            future.add_done_callback(lambda f, name=unit.name: f.exception() is not None and log.debug(
+                "prefetch of %s failed: %s", name, f.exception()))

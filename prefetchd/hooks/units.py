@@ -1,0 +1,138 @@
+"""Units at run time and their pins: what a pass of an offloaded model holds on the device.
+
+A `Unit` is a planned unit (prefetchd.hooks.planner) bound to the daemon records of its
+parameters. `Pins` pins and releases units through the model's compute session, counting
+the time compute waited (stall) and the units that were not resident in time (misses).
+"""
+import logging
+import time
+
+from ..backend import framework
+from ..errors import NotResidentError
+
+log = logging.getLogger("prefetchd.hooks")
+
+
+class Unit:
+    """A planned unit at run time: its cells, the daemon records of its parameters, pin state."""
+    __slots__ = ("index", "name", "cells", "records", "nbytes", "held", "ran", "params", "compiled",
+                 "addresses", "dispatched_ns", "entries", "own_ran", "parted", "part_depth", "last_output")
+
+    def __init__(self, index, planned, records, compiled):
+        self.index, self.name = index, planned.name
+        self.cells = [cell for _, cell in planned.cells]
+        self.records = records
+        self.nbytes = planned.nbytes
+        self.held = False
+        self.ran = set()          # ids of its cells that finished since it was pinned
+        self.params = planned.params
+        self.compiled = compiled  # cells whose compiled graphs would read these parameters
+        self.addresses = None     # the parameters' storage when they were last bound
+        self.dispatched_ns = 0    # recording pass: when its kernels started to be dispatched
+        # Calls of its parts (prefetchd.hooks.parts), recording pass:
+        self.entries = []         # parts that ran while no cell of the unit ran
+        self.own_ran = False      # a cell of its own ran
+        self.parted = False       # pinned now by an entry
+        self.part_depth = 0       # part calls running now
+        self.last_output = None   # of the last part call (the fence behind them)
+
+
+class Pins:
+    """Pin and release units through `session` (core.session.ComputeSession).
+
+    A unit is pinned before its first cell runs and released behind a compute fence on its
+    output, so its memory is reused only once its kernels ran. `estimator` times each
+    release (prefetchd.cost.estimate.PassEstimator).
+    """
+
+    def __init__(self, session, estimator, root, units, *, strict):
+        self.session, self.estimator = session, estimator
+        self.root, self.units = root, units
+        self.strict = strict
+        self.stall_seconds = 0.0
+        self.misses = 0
+        self._warned = set()           # units whose first miss was logged
+
+    def acquire(self, unit, *, auto_fetch, after_miss=None):
+        """Pin `unit`, fetching it on demand if `auto_fetch`; otherwise a unit not resident is a
+        miss (raised with strict=True, else counted, fetched, then `after_miss()`)."""
+        if not unit.records:
+            return
+        if auto_fetch:
+            stall = self.session.acquire(unit.records, auto_fetch=True, unit=unit.name)
+        else:
+            try:
+                stall = self.session.acquire(unit.records, auto_fetch=False, unit=unit.name)
+            except NotResidentError as miss:
+                self.misses += 1
+                if self.strict:
+                    raise
+                self._note_miss(unit, miss)
+                stall = self.session.acquire(unit.records, auto_fetch=True, unit=unit.name)
+                if after_miss is not None and unit is not self.root:
+                    after_miss()
+        self.stall_seconds += stall
+        unit.held = True
+        _recompile_if_moved(unit)
+        unit.ran.clear()
+        unit.dispatched_ns = time.monotonic_ns()
+
+    def release(self, unit, dependency, timed=False):
+        """Unpin `unit` behind a fence on `dependency`; its compute is timed to that fence
+        (prefetchd.cost.estimate) unless `timed` says it was already (PassEstimator.time_unit)."""
+        unit.held = False
+        unit.parted = False
+        unit.ran.clear()
+        if not unit.records:
+            return
+        # A fence behind this unit's kernels lets its memory be reused as soon as
+        # they ran, without draining later units' compute.
+        epoch = self.session.release(unit.records, dependency, unit=unit.name)
+        if not timed:
+            # The recording pass waits for the unit's compute (each unit timed alone); while
+            # the estimate is refined, later passes are timed by a thread, nothing waits.
+            self.estimator.released(unit.name, epoch, None if unit is self.root else unit.dispatched_ns)
+
+    def release_all(self, dependency):
+        for unit in [*self.units, self.root]:
+            if unit.held:
+                self.release(unit, dependency)
+
+    def held_bytes(self):
+        return sum(u.nbytes for u in [self.root, *self.units] if u.held)
+
+    def _note_miss(self, unit, miss):
+        if unit.name not in self._warned:
+            self._warned.add(unit.name)
+            log.warning("prefetchd: unit %r was not resident in time (%s); fetched on demand. Later "
+                        "misses of this unit are counted in stats()['misses'] only", unit.name, miss)
+
+
+def _recompile_if_moved(unit):
+    """A graph compiled (@jit) while the unit's parameters lived elsewhere must not run:
+    when their storage moved since they were last bound, drop the graphs of the unit's
+    cells so the call about to run recompiles against the current storage (correct,
+    slow; with stable addresses the storage never moves and nothing recompiles).
+    The addresses are the daemon's own record of where it bound each tensor:
+    asking MindSpore (Tensor.data_ptr) waits for its whole op queue to drain."""
+    addresses = tuple(rec.bound_address for rec in unit.records)
+    if unit.addresses is not None and addresses != unit.addresses:
+        for cell in unit.compiled:
+            framework.invalidate_compiled(cell)
+    unit.addresses = addresses
+
+
+def cell_name(model, cell):
+    return next((name for name, c in model.cells_and_names() if c is cell), type(cell).__name__)
+
+
+def first_tensor(value):
+    ms = framework.mindspore()
+    if isinstance(value, ms.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            found = first_tensor(v)
+            if found is not None:
+                return found
+    return None
