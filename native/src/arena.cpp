@@ -83,7 +83,7 @@ ArenaImpl::ArenaImpl(size_t capacity, size_t alignment, bool huge_pages)
     // Nothing is faulted in here: a page costs memory from its first write on
     // and is reused (never zeroed again) after that, so a budget larger than
     // what is actually loaded costs address space only. Whether the budget can
-    // ever be backed is checked by the backend (prefetchd/backend/limits.py).
+    // ever be backed is checked by the backend (prefetchd/limits.py, check_budgets).
     if (capacity_ > 0) free_[0] = capacity_;
 }
 
