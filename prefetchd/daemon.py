@@ -101,7 +101,8 @@ class Daemon:
             live_daemons.add(self)
         core, registry = self._core, self._registry
         self._thread = threading.Thread(
-            target=run, args=(weakref.ref(self), core, lambda: Binding.release_all(registry)),
+            target=run, args=(weakref.ref(self), core, lambda: Binding.release_all(registry),
+                              self._events.deliver),
             name=f"prefetchd-scheduler-{self.name}", daemon=True)
         self._thread.start()
         # A daemon its owner dropped without close() is shut down, and says so.
@@ -170,6 +171,11 @@ class Daemon:
                 self._shutdown_sent = True
                 self._core.inbox.append(Request(Kind.SHUTDOWN, args=deadline))
                 self.backend.notify()
+            if self._thread is threading.current_thread():
+                # From a listener or a future callback: the scheduler stops once it
+                # returns; it cannot wait for itself. A later close() (or the exit hook)
+                # finds it stopped and finishes.
+                return
             self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
             if self._thread.is_alive():
                 log.error("prefetchd %s: scheduler did not stop within %.1fs", self.name, timeout)

@@ -25,6 +25,7 @@ from ..errors import ConfigError
 from ..errors import ShutdownError
 from . import keys, protocol as P
 from .codes import BadArguments, error_code
+from .connections import DEFAULT_FD_RESERVE, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_PEER, ConnectionGuard
 from .endpoints import bind, join_tcp, resolve_endpoint, split_tcp, unlink_ipc_files
 from .ioloop import IOLoop
 from .leases import LeaseTable
@@ -86,6 +87,10 @@ class Server:
       allow_remote      allow binding tcp on a non-loopback address (needs curve_keys_dir)
       allow_insecure_remote  allow_remote without CURVE: anyone who can reach the port
                         controls the daemon
+      max_connections   connections held at once by the ROUTER and PUB sockets (512); the
+                        excess is dropped (prefetchd.control.connections)
+      max_connections_per_peer  from one process (ipc) or address (tcp) (64)
+      fd_reserve        descriptors below RLIMIT_NOFILE kept for the store (64)
 
     The server implements prefetchd.control.ioloop.LoopHandler: setup/poll_items/
     tick/poll_timeout/teardown/release are called by its IOLoop only.
@@ -94,7 +99,9 @@ class Server:
     def __init__(self, daemon, endpoint, *, events_endpoint=None, max_message_size=None,
                  max_outstanding=1024, max_outstanding_per_client=256, hwm=1000,
                  max_wait=600.0, default_lease=30.0, max_lease=3600.0, curve_keys_dir=None,
-                 allow_remote=False, allow_insecure_remote=False, name=None):
+                 allow_remote=False, allow_insecure_remote=False, name=None,
+                 max_connections=DEFAULT_MAX_CONNECTIONS, max_connections_per_peer=DEFAULT_MAX_PER_PEER,
+                 fd_reserve=DEFAULT_FD_RESERVE):
         config = getattr(daemon, "config", None)
         self.daemon = daemon
         self.name = name or getattr(config, "name", None) or "default"
@@ -129,6 +136,8 @@ class Server:
         self.default_lease = default_lease
         self.max_lease = max_lease
         self.counters = ServerCounters()
+        self.connections = ConnectionGuard(max_connections, max_connections_per_peer, fd_reserve,
+                                           on_pause=self._stop_listening, on_resume=self._listen)
         self.leases = LeaseTable(daemon.unpin, self.counters)
         self._loop = IOLoop(self, f"prefetchd-server-{self.name}")
         self._auth = None
@@ -207,16 +216,35 @@ class Server:
         self._router = self._make_socket(ctx, zmq.ROUTER, curve)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.maxmsgsize = 4 * self.max_message_size + 64
+        self.connections.watch(self._router)     # before bind: no connection goes unseen
         self._bind(self._router, self.endpoint)
         self.endpoint = self._router.last_endpoint.decode()
         self._pub = self._make_socket(ctx, zmq.PUB, curve)
+        self.connections.watch(self._pub)
         self._bind(self._pub, self.events_endpoint)
         self.events_endpoint = self._pub.last_endpoint.decode()
 
     def poll_items(self):
-        return [(self._router, self._handle)]
+        return [(self._router, self._handle)] + self.connections.poll_items()
+
+    def _stop_listening(self):
+        """The guard's pause: no new connections while descriptors are short."""
+        for sock, endpoint in ((self._router, self.endpoint), (self._pub, self.events_endpoint)):
+            try:
+                sock.unbind(endpoint)
+            except zmq.ZMQError as e:
+                log.warning("prefetchd server: could not stop listening on %s: %s", endpoint, e)
+
+    def _listen(self):
+        for sock, endpoint in ((self._router, self.endpoint), (self._pub, self.events_endpoint)):
+            try:
+                self._bind(sock, endpoint)
+            except (zmq.ZMQError, ConfigError) as e:
+                log.error("prefetchd server: could not listen on %s again: %s", endpoint, e)
+        log.info("prefetchd server: accepting connections again on %s", self.endpoint)
 
     def tick(self):
+        self.connections.settle()
         self._drain_completions()
         self._drain_events()
         self._run_timers()
@@ -233,6 +261,7 @@ class Server:
         for pending in self._pending.values():
             self._send(pending.envelope, P.encode_error(pending.rid, P.SHUTDOWN, "server closing"))
         self._pending.clear()
+        self.connections.close()
         for sock in (self._router, self._pub):
             if sock is not None:
                 sock.close(linger=0)
@@ -278,6 +307,7 @@ class Server:
                 "events_published": c.events_published, "events_dropped": c.events_dropped,
                 "leases_granted": c.leases_granted, "leases_expired": c.leases_expired,
                 "leases_released": c.leases_released,
+                "connections": self.connections.held, "connections_dropped": self.connections.dropped,
                 "requests": dict(c.requests), "errors": dict(c.errors)}
 
     # -- replies

@@ -299,9 +299,12 @@ class Scheduler:
         self.memory.close()
 
 
-def run(daemon_ref, scheduler, release_targets):
+def run(daemon_ref, scheduler, release_targets, deliver_events=lambda: None):
     """The scheduler thread's body. Holds the daemon only weakly between iterations,
-    so a daemon its owner dropped can be collected (and its finalizer close it)."""
+    so a daemon its owner dropped can be collected (and its finalizer close it).
+
+    Listeners (`deliver_events`) and future callbacks run after the lock is
+    released: they may call back into the daemon (status, flush, close)."""
     backend = scheduler.backend
     while True:
         deadline = scheduler.shutdown_deadline
@@ -316,6 +319,10 @@ def run(daemon_ref, scheduler, release_targets):
             settled = scheduler.outcomes.take()
             if stop:
                 release_targets()
+        try:
+            deliver_events()     # before the futures: a waiter sees the listener's effects
+        except Exception:
+            log.exception("prefetchd %s: delivering events failed", scheduler.name)
         if settled:
             daemon = daemon_ref()
             unpin = daemon.unpin if daemon is not None else (lambda recs: None)

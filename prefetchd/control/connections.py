@@ -1,0 +1,236 @@
+"""Bounds on the connections a server's sockets accept, so peers cannot use up the
+process's file descriptors.
+
+Every connection libzmq accepts is a descriptor in the daemon's process, and at
+the RLIMIT_NOFILE limit libzmq 4.3's ipc listener does not fail the accept: it
+aborts the process (`Too many open files (src/ipc_listener.cpp)`, SIGABRT), with
+every dirty tensor not yet written back. libzmq has no option that bounds
+accepted connections, so the guard watches each socket's monitor (ACCEPTED and
+DISCONNECTED carry the connection's descriptor) and shuts down (shutdown(2);
+libzmq then closes it and frees the descriptor) every accepted connection beyond
+
+  - `max_connections` held at once by the server's sockets,
+  - `max_per_peer` from one peer (a process, by SO_PEERCRED, on ipc; an address
+    on tcp), so one process opening clients in a loop cannot crowd others out,
+  - the admit line: limit - 2 * `fd_reserve` descriptors in use (one reserve for
+    the store's reads and write-backs, one for what libzmq accepts before the
+    guard runs).
+
+When the descriptors in use come within `fd_reserve` of the soft limit anyway (a
+burst accepted faster than the guard drops it), the guard stops the listeners
+(unbinds them; connected peers stay) until the descriptors in use are back at
+the admit line. A burst of more than `fd_reserve` connections accepted before
+the guard runs could still reach the limit, which is why a server also raises
+the soft RLIMIT_NOFILE to the hard one (`raise_fd_limit`). At the default reserve
+of 64 and a limit of 1024: admitted up to 896 descriptors, listeners stopped above 960.
+Peers that connect and never finish a ZMTP/CURVE handshake are dropped by
+libzmq itself after `handshake_ivl` (socket options in `configure`).
+"""
+import collections
+import logging
+import os
+import resource
+import socket
+import struct
+
+import zmq
+
+log = logging.getLogger("prefetchd.control.connections")
+
+DEFAULT_MAX_CONNECTIONS = 512
+DEFAULT_MAX_PER_PEER = 64
+DEFAULT_FD_RESERVE = 64
+HANDSHAKE_IVL_MS = 5000          # a peer has this long to finish its handshake (CURVE included)
+HEARTBEAT_IVL_MS = 10000         # ZMTP pings find peers that vanished without a FIN
+HEARTBEAT_TIMEOUT_MS = 30000
+MAX_RAISED_FD_LIMIT = 1 << 16
+
+_PEERCRED = struct.Struct("3i")
+
+
+def open_descriptors():
+    """Descriptors open in this process now."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+
+
+def raise_fd_limit(cap=MAX_RAISED_FD_LIMIT):
+    """Raise the soft RLIMIT_NOFILE to the hard one (at most `cap`), as Go's runtime does
+    at start: the common 1024 soft limit is the cliff libzmq falls off. Returns the new
+    soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(cap, hard if hard != resource.RLIM_INFINITY else cap)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            log.info("prefetchd server: raised the descriptor limit from %d to %d", soft, want)
+            return want
+        except (ValueError, OSError) as e:
+            log.warning("prefetchd server: could not raise the descriptor limit from %d: %s", soft, e)
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def configure(sock):
+    """Socket options that drop peers which hold a connection without speaking ZMTP."""
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+
+
+def _peer_of(fd):
+    """(peer key, socket) of an accepted descriptor; None if it is no longer a socket."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        if sock.family == socket.AF_UNIX:
+            pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                           _PEERCRED.size))
+            return ("pid", pid, uid)
+        return ("addr", sock.getpeername()[0])
+    except OSError:
+        return None
+    finally:
+        sock.detach()             # the descriptor stays libzmq's
+
+
+def _shut_down(fd):
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.detach()
+
+
+class ConnectionGuard:
+    """Watches a server's sockets; runs on its I/O thread (see the module docstring)."""
+
+    def __init__(self, max_connections=DEFAULT_MAX_CONNECTIONS, max_per_peer=DEFAULT_MAX_PER_PEER,
+                 fd_reserve=DEFAULT_FD_RESERVE, *, on_pause=None, on_resume=None, raise_limit=True):
+        for name, value in (("max_connections", max_connections), ("max_per_peer", max_per_peer),
+                            ("fd_reserve", fd_reserve)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, not {value!r}")
+        self.max_connections = max_connections
+        self.max_per_peer = max_per_peer
+        self.fd_reserve = fd_reserve
+        self.fd_limit = raise_fd_limit() if raise_limit else resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self._on_pause, self._on_resume = on_pause, on_resume
+        self._monitors = []
+        self._live = {}                  # fd -> peer key of a connection we let in
+        self._per_peer = collections.Counter()
+        self._doomed = set()             # fds shut down, their DISCONNECTED not seen yet
+        self._accepted = []              # fds accepted since the last settle()
+        self.dropped = 0
+        self.paused = False
+
+    @property
+    def held(self):
+        """Connections held now (let in, not yet disconnected)."""
+        return len(self._live)
+
+    def watch(self, sock):
+        """Monitor `sock`; returns the monitor socket the I/O loop polls (on_monitor)."""
+        configure(sock)
+        mon = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._monitors.append((sock, mon))
+        return mon
+
+    def poll_items(self):
+        return [(mon, self.on_monitor) for _, mon in self._monitors]
+
+    def on_monitor(self, frames):
+        if len(frames) != 2 or len(frames[0]) != 6:
+            return
+        event, fd = struct.unpack("=hi", frames[0])
+        if event == zmq.EVENT_ACCEPTED:
+            self._accepted.append(fd)
+        elif event == zmq.EVENT_DISCONNECTED:
+            self._gone(fd)
+
+    def _gone(self, fd):
+        if fd in self._accepted:
+            self._accepted.remove(fd)
+        self._doomed.discard(fd)
+        key = self._live.pop(fd, None)
+        if key is not None:
+            self._per_peer[key] -= 1
+            if self._per_peer[key] <= 0:
+                del self._per_peer[key]
+
+    def settle(self):
+        """Admit or drop what was accepted since the last call (after every poll)."""
+        self._drain()            # every queued event first: a descriptor seen gone is not shut down
+        if self._accepted:
+            budget = self.admit_line
+            per_peer = self.per_peer_budget
+            in_use = open_descriptors()
+            accepted, self._accepted = self._accepted, []
+            for fd in accepted:
+                key = _peer_of(fd)
+                if key is None:
+                    continue
+                if (len(self._live) >= self.max_connections or in_use > budget
+                        or self._per_peer[key] >= per_peer):
+                    if _shut_down(fd):
+                        self._doomed.add(fd)
+                        self.dropped += 1
+                    continue
+                self._live[fd] = key
+                self._per_peer[key] += 1
+            in_use = open_descriptors()
+            if not self.paused and in_use > self.pause_line:
+                self._set_paused(True, in_use)
+        if self.paused and not self._doomed and open_descriptors() <= self.admit_line:
+            self._set_paused(False, None)
+
+    @property
+    def admit_line(self):
+        """Descriptors in use above which a new connection is dropped."""
+        return self.fd_limit - 2 * self.fd_reserve
+
+    @property
+    def pause_line(self):
+        """Descriptors in use above which the listeners stop (only the store's reserve left)."""
+        return self.fd_limit - self.fd_reserve
+
+    @property
+    def per_peer_budget(self):
+        """max_per_peer, lowered at a low limit so that four peers fit under the admit line."""
+        return max(1, min(self.max_per_peer, self.admit_line // 4))
+
+    def _set_paused(self, paused, in_use):
+        self.paused = paused
+        if paused:
+            log.warning("prefetchd server: %d of %d descriptors in use; not accepting connections "
+                        "until some close (%d dropped so far)", in_use, self.fd_limit, self.dropped)
+        callback = self._on_pause if paused else self._on_resume
+        if callback is not None:
+            callback()
+
+    def _drain(self):
+        for _, mon in self._monitors:
+            while True:
+                try:
+                    frames = mon.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.on_monitor(frames)
+
+    def close(self):
+        for sock, mon in self._monitors:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            mon.close(linger=0)
+        self._monitors.clear()
