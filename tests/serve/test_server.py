@@ -229,6 +229,18 @@ def test_cli_serve_and_status(tmp_path):
             with ServeClient(endpoint, timeout=30) as sc:
                 (y,) = sc.infer("m1", _x(0))
             assert y.shape[0] == 2
+        np.save(tmp_path / "x.npy", _x(0))
+        out = subprocess.run([sys.executable, "-m", "prefetchd.cli", "infer", "--endpoint", endpoint,
+                              "--model", "m1", str(tmp_path / "x.npy"), "--out", str(tmp_path / "o")],
+                             env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split("\t")[0] == str(tmp_path / "o" / "output0.npy")
+        assert np.array_equal(np.load(tmp_path / "o" / "output0.npy"), y)
+        np.save(tmp_path / "bad.npy", np.array([object()]), allow_pickle=True)
+        out = subprocess.run([sys.executable, "-m", "prefetchd.cli", "infer", "--endpoint", endpoint,
+                              "--model", "m1", str(tmp_path / "bad.npy")],
+                             env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "not a readable .npy" in out.stderr
         out = subprocess.run([sys.executable, "-m", "prefetchd.cli", "status", "--endpoint", endpoint],
                              env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
