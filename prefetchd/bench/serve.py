@@ -14,34 +14,38 @@ def _percentile(values, q):
     return ordered[k]
 
 
-def run_load(endpoint, models, requests, concurrency, hint, seed=0, timeout=60.0):
-    """Closed-loop load: `concurrency` requests outstanding, models drawn at random.
+def run_load(endpoint, models, requests, concurrency, hint, inputs, seed=0, timeout=60.0):
+    """Closed-loop load: `concurrency` requests outstanding, models drawn at random,
+    each request carrying the arrays `inputs` (prefetchd.serve.wire).
 
     Returns {"requests", "errors", "seconds", "rps", "p50_seconds", "p99_seconds", ...}.
     """
     import zmq
 
     from ..control import protocol as P
+    from ..serve.wire import encode_arrays
 
     rng = random.Random(seed)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     sock.connect(endpoint)
+    headers, buffers = encode_arrays(inputs)
     latencies, errors, sent, outstanding = [], {}, 0, {}
     started = time.perf_counter()
     try:
         while sent < requests or outstanding:
             while sent < requests and len(outstanding) < concurrency:
                 rid = P.new_rid(sent)
-                body = {"model": rng.choice(models), "seed": rng.randrange(4), "hint": hint}
-                sock.send_multipart(P.encode_request(rid, "infer", body, timeout))
+                body = {"model": rng.choice(models), "inputs": headers, "hint": hint}
+                sock.send_multipart(P.encode_request(rid, "infer", body, timeout, buffers),
+                                    copy=False)
                 outstanding[rid] = time.perf_counter()
                 sent += 1
             if not sock.poll(int(timeout * 1000)):
                 errors["NO_REPLY"] = errors.get("NO_REPLY", 0) + len(outstanding)
                 break
-            rid, doc = P.decode_reply(sock.recv_multipart())
+            rid, doc, _ = P.decode_reply(sock.recv_multipart(), tensors=True)
             t0 = outstanding.pop(rid, None)
             if t0 is None:
                 continue
@@ -95,11 +99,14 @@ def bench_serve(args):
     front.start()
     try:
         names = spec.model_names()
-        run_load(front.endpoint, names, 2 * models * workers, concurrency, False, seed=99)  # warm-up
+        import numpy as np
+        x = [np.random.default_rng(0).standard_normal((spec.batch, spec.seq, hidden))
+             .astype(np.float32)]
+        run_load(front.endpoint, names, 2 * models * workers, concurrency, False, x, seed=99)
         for r in range(repeats):
             for mode, hint in (("no_hints", False), ("hints", True)):
                 phases[mode].append(run_load(front.endpoint, names, requests, concurrency, hint,
-                                             seed=r))
+                                             x, seed=r))
         counters = dict(front.counters)
     finally:
         front.close()

@@ -7,6 +7,7 @@
     prefetchd collect-env
     prefetchd status|ctl|keys         the ZeroMQ control plane (prefetchd.cli.control)
     prefetchd serve                   front + N inference workers (prefetchd.cli.serve)
+    prefetchd infer --endpoint EP --model NAME x.npy ...   .npy in, .npy out (prefetchd.cli.infer)
 
 Settings come from defaults < --config FILE / $PREFETCHD_CONFIG < PREFETCHD_* env < flags.
 Errors are one line on stderr (`prefetchd: error: ...`): exit code 2 for a command
@@ -38,7 +39,7 @@ def add_shared_options(parser, root=False):
 
 
 def build_parser():
-    from . import control, local, serve
+    from . import control, infer, local, serve
 
     parser = Parser(prog="prefetchd",
                     description="Tiered-memory prefetcher for MindSpore (device / host / NVMe).")
@@ -47,6 +48,7 @@ def build_parser():
     local.register(sub)
     control.register(sub)
     serve.register(sub)
+    infer.register(sub)
     for verb in set(sub.choices.values()):
         add_shared_options(verb)
     return parser

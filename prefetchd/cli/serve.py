@@ -20,8 +20,9 @@ def register(sub):
     p.add_argument("--endpoint", help="front endpoint for inference clients (default ipc://serve.sock "
                                       "in the runtime directory)")
     p.add_argument("--workers", type=positive_int, help="worker processes (2)")
-    p.add_argument("--model", help="module:function returning (cell, input_spec) for one weight "
-                                   "set, called as function(seed=N) (default: the demo model)")
+    p.add_argument("--model", help="module:function returning (cell, signature), a servable or a "
+                                   "generate-capable causal LM for one weight set, called as "
+                                   "function(seed=N) (default: the demo model)")
     p.add_argument("--model-bytes", type=_size, help="weight bytes of one --model weight set, for "
                                                      "a fractional --budget (e.g. 512MiB)")
     p.add_argument("--models", type=positive_int, help="weight sets per worker, m0, m1, ... (2; 1 with "
@@ -43,10 +44,26 @@ def register(sub):
     p.add_argument("--no-hints", dest="hints", action="store_false", default=None,
                    help="do not send prefetch hints to workers")
     p.add_argument("--request-timeout", type=seconds, help="seconds before a request gets TIMEOUT (30)")
+    p.add_argument("--max-batch-size", type=positive_int,
+                   help="rows of one batch: requests for a model are joined up to this (8; 1: off)")
+    p.add_argument("--max-queue-delay-ms", type=_milliseconds,
+                   help="how long a request may wait for others to join its batch (2)")
+    p.add_argument("--heartbeat-timeout", type=seconds,
+                   help="seconds a worker may not answer its heartbeat before it is replaced (15)")
     p.add_argument("--metrics-port", type=port,
                    help="export the front's and all workers' metrics on this port (0: any free one)")
     p.add_argument("--metrics-addr", help="address of the metrics port (127.0.0.1)")
     p.set_defaults(func=cmd_serve)
+
+
+def _milliseconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 60_000:
+        raise argparse.ArgumentTypeError(f"{text!r}: milliseconds from 0 to 60000")
+    return value
 
 
 def _size(text):
@@ -140,7 +157,9 @@ def cmd_serve(args):
     spec = serve_spec(o, level)
     front = Front(o["endpoint"], workers=o["workers"], spec=spec, hints=o["hints"],
                   request_timeout=o["request_timeout"], metrics_port=o["metrics_port"],
-                  metrics_addr=o["metrics_addr"])
+                  metrics_addr=o["metrics_addr"], max_batch_size=o["max_batch_size"],
+                  max_queue_delay_ms=o["max_queue_delay_ms"],
+                  heartbeat_timeout=o["heartbeat_timeout"])
     print(f"prefetchd serve: starting {o['workers']} workers; front on {front.endpoint}"
           + (f"; metrics on {o['metrics_addr']}:{o['metrics_port']}"
              if o["metrics_port"] is not None else ""), file=sys.stderr)

@@ -40,7 +40,9 @@ class LoopHandler(Protocol):
         """Create and bind sockets; an exception fails start()."""
 
     def poll_items(self) -> list:
-        """[(zmq socket, on_frames(frames)) or (fd, on_ready())] to poll this round."""
+        """[(zmq socket, on_frames(frames)), (zmq socket, on_frames, copy) or
+        (fd, on_ready())] to poll this round; copy=False hands on_frames zmq.Frames
+        (no copy: tensors are viewed in place)."""
 
     def tick(self) -> None:
         """Runs after every poll: drain hand-offs, dispatch, run timers."""
@@ -212,16 +214,16 @@ class IOLoop:
             poller = zmq.Poller()          # rebuilt each round: the handler's sockets may change
             poller.register(ctl, zmq.POLLIN)
             items = handler.poll_items()
-            for item, _ in items:
+            for item, *_ in items:
                 poller.register(item, zmq.POLLIN)
             ready = dict(poller.poll(self._timeout_ms()))
             if ready.get(ctl) and self._drain_wake(ctl):
                 return
-            for item, callback in items:
+            for item, callback, *copy in items:
                 if not ready.get(item):
                     continue
                 if isinstance(item, zmq.Socket):
-                    self._drain(item, callback)
+                    self._drain(item, callback, copy[0] if copy else True)
                 else:
                     self._guard(callback)
             handler.tick()
@@ -242,10 +244,10 @@ class IOLoop:
             self._wake_sent = False
         return stop
 
-    def _drain(self, sock, on_frames):
+    def _drain(self, sock, on_frames, copy=True):
         for _ in range(MAX_BATCH):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
             except zmq.Again:
                 return
             self._guard(on_frames, frames)

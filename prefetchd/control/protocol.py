@@ -11,7 +11,8 @@ and its reply carries the same magic and request id::
 
 A ROUTER prepends the peer identity (and REQ peers an empty delimiter), which
 the server strips and echoes. Events on the PUB socket are two frames,
-``[topic, JSON event]``. JSON, not pickle: a peer never makes the server run
+``[topic, JSON event]``. A `prefetchd serve` infer request or reply may carry
+tensor frames after the body (prefetchd.serve.wire). JSON, not pickle: a peer never makes the server run
 code, and a body is bounded by `max_message_size` before it is parsed.
 """
 import json
@@ -69,15 +70,16 @@ def loads(data):
     return json.loads(data, parse_constant=_no_constants)
 
 
-def encode_request(rid, op, args=None, timeout=None):
+def encode_request(rid, op, args=None, timeout=None, tensors=()):
+    """The frames of a request; `tensors` are frames after the body (prefetchd.serve.wire)."""
     body = {"op": op, "args": args or {}}
     if timeout is not None:
         body["timeout"] = timeout
-    return [MAGIC, rid, dumps(body)]
+    return [MAGIC, rid, dumps(body), *tensors]
 
 
-def encode_ok(rid, result):
-    return [MAGIC, rid, dumps({"ok": True, "result": result})]
+def encode_ok(rid, result, tensors=()):
+    return [MAGIC, rid, dumps({"ok": True, "result": result}), *tensors]
 
 
 def encode_error(rid, code, reason):
@@ -139,8 +141,14 @@ def decode_request(payload, max_message_size=DEFAULT_MAX_MESSAGE_SIZE):
     return rid, op, args, timeout
 
 
-def decode_reply(frames):
-    """(rid, doc) of a reply received on a DEALER; ProtocolError if it is not one."""
+def decode_reply(frames, tensors=False):
+    """(rid, doc) of a reply received on a DEALER; ProtocolError if it is not one.
+    tensors=True: (rid, doc, the frames after the body), for replies that carry tensors
+    (frames may then be zmq.Frames: only the first three are read as bytes)."""
+    if tensors:
+        head = [f.bytes if hasattr(f, "bytes") else f for f in frames[:3]]
+        rid, doc = decode_reply(head)
+        return rid, doc, frames[3:]
     if len(frames) != 3 or frames[0] != MAGIC or len(frames[1]) != RID_SIZE:
         raise ProtocolError(BAD_REQUEST, "malformed reply")
     try:

@@ -1,39 +1,35 @@
-"""`prefetchd serve`'s front: a ROUTER for inference clients that routes requests
-to N worker processes (prefetchd.serve.pool) with prefetch hints.
+"""`prefetchd serve`'s front: a ROUTER for inference clients that batches their
+requests per model (prefetchd.serve.batching) and routes the batches to N worker
+processes (prefetchd.serve.pool) with prefetch hints.
 
     front (this process)                       worker k (spawned process)
-    ROUTER  <- clients: infer/status/ping      DEALER -> front work socket
-    ROUTER  -> workers: jobs (work socket)     Daemon + its control Server (ipc)
-    DEALER  -> each worker's control Server    the served models, offloaded
+    ROUTER  <- clients: infer/generate/        DEALER -> front work socket
+               status/ping                     Daemon + its control Server (ipc)
+    ROUTER  -> workers: batches (work socket)  the served models, offloaded
+    DEALER  -> each worker's control Server
+
+Requests carry their tensors as frames after the JSON header (prefetchd.serve.wire),
+checked against the model's signature before they are queued
+(prefetchd.serve.admission); the front forwards the frames to the worker without
+a copy, and answers each request with its own rows of the batch's outputs.
 
 A device budget smaller than all the weight sets means switching to another
-model has to load its weights. The front knows which model a queued request
-needs, so when it routes a request to a worker whose last model is a different
-one it first asks that worker's daemon to prefetch the model's first units; the
-load then overlaps the request ahead of it.
+model has to load its weights. When the front routes a batch to a worker whose
+last model is a different one, it first asks that worker's daemon to prefetch
+the model's first units; the load then overlaps the batch ahead of it.
 
 The front never blocks on a worker: it polls every worker's process sentinel
 with its sockets (one prefetchd.control.ioloop.IOLoop thread), so a worker that
 dies fails its in-flight requests at once (INTERNAL, "worker ... died") and is
-respawned; a request that outlives `request_timeout` is answered TIMEOUT.
-The `status` op's fan-out to the workers' daemons is prefetchd.serve.status;
-requests and their deadlines are prefetchd.serve.jobs.
-
-Request (PFD1 frames, see prefetchd.control.protocol), op "infer":
-    {"model": "m1", "seed": 0, "hint": true}
-Reply result:
-    {"model", "worker", "pid", "checksum", "compute_seconds", "queue_seconds",
-     "seconds", "hinted"}
+respawned; one that stops answering its heartbeat (prefetchd.serve.heartbeat) is
+killed and replaced the same way; a request that outlives `request_timeout` is
+answered TIMEOUT. The `status` op is prefetchd.serve.status.
 """
 import collections
-import dataclasses
 import itertools
 import logging
 import os
-import secrets
-import shutil
 import signal
-import tempfile
 import threading
 import time
 
@@ -41,168 +37,88 @@ import zmq
 
 from ..control import protocol as P
 from ..control.codes import BadArguments
-from ..control.endpoints import bind, ensure_private_dir, resolve_endpoint, runtime_dir, unlink_ipc_files
 from ..control.ioloop import IOLoop
-from ..control.ops import Op, flag, integer, number
-from .jobs import Deadlines, Job, model_name
+from ..control.ops import Op, flag, integer
+from .admission import MAX_NEW_TOKENS, ModelInfo, admit
+from .batching import Batch, Batcher, Job
+from .deadlines import Deadlines
+from .front_sockets import FrontSockets
+from .heartbeat import Heartbeats
+from .histograms import BATCH_BUCKETS, QUEUE_BUCKETS, Histogram
 from .pool import WorkerPool
-from .spec import ServeSpec, check_checkpoint_store
+from .spec import ServeSpec
 from .status import StatusGathers, status_document
-from .worker import MAX_DELAY, READY, STOP
+from .worker import READY
 
 log = logging.getLogger("prefetchd.serve.front")
 
+TENSOR_OPS = ("infer", "generate")
 
-class Front:
+
+def _model_name(key, value):
+    if not isinstance(value, str):
+        raise BadArguments(f"'{key}' must be a model name")
+    return value
+
+
+def _headers(key, value):
+    if not isinstance(value, list):
+        raise BadArguments(f"'{key}' must be a list of {{dtype, shape}} objects")
+    return value
+
+
+class Front(FrontSockets):
     """The front process' router. `start()` spawns the workers and waits until
     they are ready; `close()` stops everything within its timeout. Implements
-    prefetchd.control.ioloop.LoopHandler (setup/poll_items/tick/poll_timeout/
-    teardown/release are for its IOLoop only)."""
+    prefetchd.control.ioloop.LoopHandler (its lifecycle and sockets are
+    prefetchd.serve.front_sockets.FrontSockets)."""
 
     def __init__(self, endpoint=None, *, workers=2, spec=None, hints=True, request_timeout=30.0,
-                 start_timeout=180.0, respawn=True, max_queue=1024, max_inflight_per_worker=4,
+                 start_timeout=180.0, respawn=True, max_queue=1024, max_inflight_per_worker=2,
                  max_message_size=P.DEFAULT_MAX_MESSAGE_SIZE, name="serve", metrics_port=None,
-                 metrics_addr="127.0.0.1"):
-        self.spec = spec or ServeSpec()
-        self.name = name
-        self.endpoint = resolve_endpoint(endpoint or f"ipc://{name}.sock", name, bind=True)
+                 metrics_addr="127.0.0.1", max_batch_size=8, max_queue_delay_ms=2.0,
+                 heartbeat_interval=1.0, heartbeat_timeout=15.0):
+        super().__init__(endpoint, name, (spec or ServeSpec()).with_configured_store(),
+                         metrics_port, metrics_addr, start_timeout, max_message_size)
         self.n_workers = workers
         self.hints = hints
         self.request_timeout = request_timeout
-        self.start_timeout = start_timeout
         self.respawn = respawn
         self.max_queue = max_queue
-        self.max_message_size = max_message_size
         self.counters = collections.Counter()
-        self.metrics_port, self.metrics_addr = metrics_port, metrics_addr
-        self._exporter = None
-        if self.spec.store_dir is None:
-            from ..config import Config
-            configured = Config.load(self.spec.config_path).store_dir
-            if configured:
-                self.spec = dataclasses.replace(self.spec, store_dir=configured)
-        self._owns_store = self.spec.store_dir is None    # a temporary one, made by start()
-        if self.spec.checkpoint_store:     # refused here, not by every worker as it starts
-            check_checkpoint_store(self.spec, self.spec.store_dir)
-        tag = f"{os.getpid()}-{secrets.token_hex(2)}"
-        base = runtime_dir()
-        self._pool = WorkerPool(
-            workers, lambda i: f"ipc://{os.path.join(base, f'{name}-{tag}-w{i}.sock')}",
-            f"ipc://{os.path.join(base, f'{name}-{tag}-work.sock')}", self.spec,
-            max_inflight_per_worker)
+        self._pool = WorkerPool(workers, self._control_endpoint, self._work_endpoint, self.spec,
+                                max_inflight_per_worker)
         self._loop = IOLoop(self, f"prefetchd-front-{name}", max_poll=0.5)
         self._ops = {"ping": Op(self._op_ping), "status": Op(self._op_status),
-                     "infer": Op(self._op_infer, {
-                         "model": (model_name, None), "seed": (integer(0, 2 ** 31 - 1), 0),
-                         "hint": (flag, None), "delay": (number(0, MAX_DELAY), 0)})}
-        self._router = self._work = None
-        self._queue = collections.deque()
+                     "infer": Op(self._op_infer, self._tensor_args()),
+                     "generate": Op(self._op_generate, dict(
+                         self._tensor_args(), max_new_tokens=(integer(1, MAX_NEW_TOKENS), None)))}
+        self._models = {}              # name -> ModelInfo, from the first worker's READY
+        self._batcher = Batcher(max_batch_size, max_queue_delay_ms / 1000.0)
         self._deadlines = Deadlines()
-        self._job_ids = itertools.count(1)
+        self._heartbeats = Heartbeats(heartbeat_interval, heartbeat_timeout)
+        self._batch_ids = itertools.count(1)
         self._ctl_ids = itertools.count(1)
         self._hints_waiting = {}       # control rid -> slot, for hints
         self._status = StatusGathers(self._send, lambda: P.new_rid(next(self._ctl_ids)))
-        self._ready_event = threading.Event()
-        self._start_error = None
-        self._closed = False
-        self._ipc_files = []
+        self.histograms = {}           # model -> {"batch_size": Histogram, "queue_seconds": ...}
 
-    # -- lifecycle
-
-    def start(self, wait_ready=True):
-        if self._loop.running:
-            return self
-        ensure_private_dir(runtime_dir())
-        if self._owns_store:
-            # Beside a checkpoint store: worker stores hard-link its files, so same filesystem.
-            near = (os.path.dirname(os.path.realpath(self.spec.checkpoint_store))
-                    if self.spec.checkpoint_store else None)
-            self.spec = dataclasses.replace(self.spec, store_dir=tempfile.mkdtemp(
-                prefix=".prefetchd-serve-" if near else "prefetchd-serve-", dir=near))
-            self._pool.spec = self.spec
-        try:
-            self._loop.start(30)
-        except BaseException:
-            if self._owns_store:
-                shutil.rmtree(self.spec.store_dir, ignore_errors=True)
-            raise
-        if wait_ready and not self._ready_event.wait(self.start_timeout):
-            self.close(10)
-            raise TimeoutError(f"prefetchd serve: workers not ready within {self.start_timeout:g}s")
-        if self._start_error is not None:
-            self.close(10)
-            raise self._start_error
-        if self.metrics_port is not None:
-            from .metrics import start_front_exporter
-            self._exporter = start_front_exporter(self, self.metrics_addr, self.metrics_port)
-            self.metrics_port = self._exporter.port
-        log.info("prefetchd serve: %d workers ready; front on %s", self.n_workers, self.endpoint)
-        return self
-
-    def close(self, timeout=10.0):
-        if self._closed:
-            return
-        self._closed = True
-        deadline = time.monotonic() + timeout
-        if self._exporter is not None:
-            self._exporter.close(1.0)
-        self._loop.close(max(0.0, deadline - time.monotonic()))
-        self._pool.stop(deadline)
-        if self._owns_store:
-            shutil.rmtree(self.spec.store_dir, ignore_errors=True)
-
-    def serve_forever(self):
-        """Run until SIGINT/SIGTERM (for the CLI)."""
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        self.start()
-        try:
-            while not stop.wait(0.5) and self._loop.running:
-                pass
-        finally:
-            self.close()
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def workers(self):
-        """[(index, pid, ready)] — a snapshot for tests and the CLI."""
-        return [(s.index, s.pid, s.ready) for s in self._pool.slots]
+    @staticmethod
+    def _tensor_args():
+        return {"model": (_model_name, None), "inputs": (_headers, None), "hint": (flag, None)}
 
     def snapshot(self):
-        """What the front's metrics report: counters, queue depth and each worker's
-        public state (safe to call from another thread: copies only)."""
-        return {"counters": dict(self.counters), "queued": len(self._queue),
-                "workers": [s.public() for s in list(self._pool.slots)]}
+        """What the front's metrics report: counters, queue depth, each worker's public
+        state and the per-model histograms (safe from another thread: copies only)."""
+        return {"counters": dict(self.counters), "queued": len(self._batcher),
+                "workers": [s.public() for s in list(self._pool.slots)],
+                "histograms": {m: {k: h.snapshot() for k, h in hs.items()}
+                               for m, hs in list(self.histograms.items())}}
 
-    @property
-    def socket_files(self):
-        """The ipc socket files the front bound (removed by close())."""
-        return [self.endpoint[len("ipc://"):], self._pool.work_endpoint[len("ipc://"):]]
-
-    @property
-    def running(self):
-        return self._loop.running
-
-    # -- LoopHandler (I/O thread)
-
-    def setup(self, ctx):
-        self._router = self._socket(ctx, zmq.ROUTER)
-        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._router.maxmsgsize = 4 * self.max_message_size + 64
-        self._bind(self._router, self.endpoint)
-        self.endpoint = self._router.last_endpoint.decode()
-        self._work = self._socket(ctx, zmq.ROUTER)
-        self._work.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._bind(self._work, self._pool.work_endpoint)
-        self._pool.start(ctx)
+    # -- LoopHandler (I/O thread); setup/teardown are FrontSockets'
 
     def poll_items(self):
-        items = [(self._router, self._on_request), (self._work, self._on_worker_message)]
+        items = [(self._router, self._on_request, False), (self._work, self._on_worker_message, False)]
         for s in self._pool.slots:
             if s.ctl is not None:
                 items.append((s.ctl, lambda frames, s=s: self._on_control_reply(s, frames)))
@@ -215,53 +131,21 @@ class Front:
         self._run_timers()
 
     def poll_timeout(self):
-        nearest = min((t for t in (self._deadlines.nearest(), self._status.nearest_deadline())
+        nearest = min((t for t in (self._deadlines.nearest(), self._status.nearest_deadline(),
+                                   self._batcher.next_wakeup(), self._heartbeats.next_due())
                        if t is not None), default=None)
         return None if nearest is None else nearest - time.monotonic()
 
-    def teardown(self):
-        for job in list(self._queue):
-            self._reply_error(job, P.SHUTDOWN, "server closing")
-        self._queue.clear()
+    def outstanding_jobs(self):
+        """Every job not yet answered (teardown answers them SHUTDOWN)."""
+        jobs = self._batcher.drain()
         for s in self._pool.slots:
-            for job in list(s.inflight.values()):
-                self._reply_error(job, P.SHUTDOWN, "server closing")
+            for batch in s.inflight.values():
+                jobs.extend(batch.pending())
             s.inflight.clear()
-            if s.ready and self._work is not None:
-                try:
-                    self._work.send_multipart([s.identity, STOP], zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
-        for sock in (self._router, self._work):
-            if sock is not None:
-                sock.close(linger=0)
-        self._router = self._work = None
-        self._pool.close_sockets()
-        unlink_ipc_files(self._ipc_files)
-        self._ipc_files.clear()
-
-    def release(self):
-        pass
-
-    @staticmethod
-    def _socket(ctx, kind):
-        sock = ctx.socket(kind)
-        sock.linger = 0
-        sock.sndhwm = sock.rcvhwm = 1000
-        return sock
-
-    def _bind(self, sock, address):
-        ipc_file = bind(sock, address)
-        if ipc_file is not None:
-            self._ipc_files.append(ipc_file)
+        return jobs
 
     # -- replies
-
-    def _send(self, envelope, frames):
-        try:
-            self._router.send_multipart(envelope + frames, zmq.NOBLOCK)
-        except zmq.ZMQError:
-            self.counters["replies_dropped"] += 1
 
     def _error(self, envelope, rid, code, reason):
         self.counters["errors"] += 1
@@ -269,142 +153,206 @@ class Front:
         self._send(envelope, P.encode_error(rid, code, reason))
 
     def _reply_error(self, job, code, reason):
+        job.done = True
         self._error(job.envelope, job.rid, code, reason)
 
     # -- clients: the op table
 
     def _on_request(self, frames):
-        envelope, payload = P.split_envelope(frames)
+        n = 2 if len(frames) >= 2 and len(frames[1]) == 0 else 1
+        envelope = [f.bytes for f in frames[:n]]
+        head, tensors = [f.bytes for f in frames[n:n + 3]], frames[n + 3:]
         try:
-            rid, op, args, timeout = P.decode_request(payload, self.max_message_size)
+            rid, op, args, timeout = P.decode_request(head, self.max_message_size)
         except P.ProtocolError as e:
             self.counters["malformed"] += 1
             self._send(envelope, P.encode_error(e.rid, e.code, e.reason))
             return
         spec = self._ops.get(op)
-        if spec is None:
-            self._error(envelope, rid, P.BAD_REQUEST,
-                        f"unknown op {op[:64]!r}; known: {', '.join(sorted(self._ops))}")
-            return
         try:
-            spec.handler(envelope, rid, spec.validate(args), timeout)
+            if spec is None:
+                raise BadArguments(f"unknown op {op[:64]!r}; known: {', '.join(sorted(self._ops))}")
+            if tensors and op not in TENSOR_OPS:
+                raise BadArguments(f"{len(tensors)} frames after the body; only "
+                                   f"{' and '.join(TENSOR_OPS)} carry tensors")
+            spec.handler(envelope, rid, spec.validate(args), timeout, tensors)
         except BadArguments as e:
             self._error(envelope, rid, P.BAD_REQUEST, f"{op}: {e}")
 
-    def _op_ping(self, envelope, rid, args, timeout):
+    def _op_ping(self, envelope, rid, args, timeout, tensors):
         self._send(envelope, P.encode_ok(rid, {
             "pong": True, "protocol": P.MAGIC.decode(), "pid": os.getpid(),
-            "workers": sum(s.ready for s in self._pool.slots), "models": self.spec.model_names()}))
+            "workers": sum(s.ready for s in self._pool.slots), "models": self.spec.model_names(),
+            "max_batch_size": self._batcher.max_batch_size}))
 
-    def _op_infer(self, envelope, rid, args, timeout):
+    def _op_infer(self, envelope, rid, args, timeout, tensors, kind="infer"):
         model = args["model"]
-        if model not in self.spec.model_names():
+        info = self._models.get(model)
+        if info is None:
+            if model in self.spec.model_names():
+                self._error(envelope, rid, P.BUSY, "no worker has started yet")
+                return
             raise BadArguments(f"unknown model {str(model)[:64]!r}; "
                                f"models: {', '.join(self.spec.model_names())}")
-        if len(self._queue) >= self.max_queue:
+        if args["inputs"] is None:
+            raise BadArguments("needs 'inputs': a {dtype, shape} header per tensor frame")
+        rows, key = admit(info, kind, args["inputs"], tensors, self.spec.max_tensor_bytes,
+                          args.get("max_new_tokens"))
+        if len(self._batcher) >= self.max_queue:
             self.counters["busy"] += 1
-            self._error(envelope, rid, P.BUSY, f"{len(self._queue)} requests queued")
+            self._error(envelope, rid, P.BUSY, f"{len(self._batcher)} requests queued")
             return
         now = time.monotonic()
         wait = min(timeout or self.request_timeout, self.request_timeout)
         hint = self.hints if args["hint"] is None else args["hint"]
-        job = Job(envelope, rid, model, {"model": model, "seed": args["seed"],
-                                         "delay": args["delay"]}, hint, now + wait, now)
-        self._queue.append(job)
+        job = Job(envelope, rid, model, kind, args["inputs"], list(tensors), rows, key, hint,
+                  now + wait, now, args.get("max_new_tokens"))
+        self._batcher.add(job)
         self._deadlines.add(job)
         self.counters["requests"] += 1
 
-    # -- routing
+    def _op_generate(self, envelope, rid, args, timeout, tensors):
+        self._op_infer(envelope, rid, args, timeout, tensors, kind="generate")
+
+    # -- batching and routing
 
     def _dispatch(self):
-        while self._queue:
-            job = self._queue[0]
-            s = self._pool.pick(job.model)
-            if s is None:
-                return
-            self._queue.popleft()
-            if job.hint and s.last_model != job.model:
-                self._hint(s, job.model)
-                job.hinted = True
-            job.job_id = P.new_rid(next(self._job_ids))
-            job.worker = s
-            try:
-                self._work.send_multipart([s.identity, job.job_id, P.dumps(job.body)], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                s.ready = False            # its connection is gone; the sentinel will tell why
-                self._queue.appendleft(job)
-                continue
-            s.inflight[job.job_id] = job
-            s.last_model = job.model
+        now = time.monotonic()
+        for model in self._batcher.ready_models(now):
+            while model in self._batcher.ready_models(now):
+                s = self._pool.pick(model)
+                if s is None:
+                    return
+                self._send_batch(s, model, self._batcher.take(model), now)
+
+    def _send_batch(self, s, model, jobs, now):
+        batch = Batch(P.new_rid(next(self._batch_ids)), model, jobs, s, now)
+        if any(j.hint for j in jobs) and s.last_model != model:
+            batch.hinted = self._hint(s, model)
+        try:
+            self._work.send_multipart([s.identity, batch.job_id, P.dumps(batch.body()),
+                                       *batch.frames()], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
+            s.ready = False            # its connection is gone; the sentinel will tell why
+            for job in reversed(jobs):
+                self._batcher.add(job)
+            return
+        hs = self.histograms.setdefault(model, {"batch_size": Histogram(BATCH_BUCKETS),
+                                                "queue_seconds": Histogram(QUEUE_BUCKETS)})
+        hs["batch_size"].observe(batch.rows)
+        for job in jobs:
+            job.batch = batch
+            hs["queue_seconds"].observe(now - job.received)
+        s.inflight[batch.job_id] = batch
+        s.last_model = model
+        self.counters["batches"] += 1
 
     def _hint(self, s, model):
         names = s.hints.get(model)
         if not names:
-            return
+            return False
         rid = P.new_rid(next(self._ctl_ids))
         try:
             s.ctl.send_multipart(P.encode_request(rid, "prefetch", {
                 "names": names, "wait": False, "priority": 1}), zmq.NOBLOCK)
         except zmq.ZMQError:
             self.counters["hints_dropped"] += 1
-            return
+            return False
         self._hints_waiting[rid] = s
         self.counters["hints_sent"] += 1
+        return True
 
     # -- workers
 
     def _on_worker_message(self, frames):
-        if len(frames) != 3:
+        if len(frames) < 3:
             return
-        s = self._pool.by_identity(frames[0])
+        s = self._pool.by_identity(frames[0].bytes)
         if s is None:
             return                          # a previous generation; it is exiting
-        if frames[1] == READY:
-            self._pool.on_ready(s, P.loads(frames[2]))
+        if frames[1].bytes == READY:
+            info = P.loads(frames[2].bytes)
+            self._pool.on_ready(s, info)
+            self._heartbeats.on_ready(s)
+            for name, doc in info["models"].items():
+                self._models.setdefault(name, ModelInfo.from_json(doc))
             if self._pool.all_ready():
                 self._ready_event.set()
             return
-        job = s.inflight.pop(frames[1], None)
-        if job is None:
-            return                          # timed out already
-        doc = P.loads(frames[2])
-        now = time.monotonic()
-        if doc.get("ok"):
-            s.served += 1
-            result = dict(doc["result"], seconds=now - job.received, hinted=job.hinted,
-                          queue_seconds=now - job.received - doc["result"]["compute_seconds"])
-            self._send(job.envelope, P.encode_ok(job.rid, result))
-        else:
+        batch = s.inflight.pop(frames[1].bytes, None)
+        if batch is not None:
+            self._on_batch_reply(s, batch, P.loads(frames[2].bytes), frames[3:])
+
+    def _on_batch_reply(self, s, batch, doc, out_frames):
+        if not doc.get("ok"):
             s.failed += 1
-            self._reply_error(job, doc.get("code", P.INTERNAL), doc.get("reason", ""))
+            for job in batch.pending():
+                self._reply_error(job, doc.get("code", P.INTERNAL), doc.get("reason", ""))
+            return
+        s.served += 1
+        now, r = time.monotonic(), doc["result"]
+        at = 0
+        for job, headers in zip(batch.jobs, r["outputs"]):
+            frames, at = out_frames[at:at + len(headers)], at + len(headers)
+            if job.done:
+                continue                    # timed out already
+            job.done = True
+            self._send(job.envelope, P.encode_ok(job.rid, {
+                "model": batch.model, "worker": r["worker"], "pid": r["pid"], "outputs": headers,
+                "batch_size": r["batch"], "compute_seconds": r["compute_seconds"],
+                "queue_seconds": batch.sent - job.received, "seconds": now - job.received,
+                "hinted": batch.hinted}, frames))
 
     def _on_death(self, s):
-        reason, jobs = self._pool.on_death(s, self.respawn and not self._closed)
-        for job in jobs:
-            self._reply_error(job, P.INTERNAL, reason)
+        reason, batches = self._pool.on_death(s, self.respawn and not self._closed)
+        for batch in batches:
+            for job in batch.pending():
+                self._reply_error(job, P.INTERNAL, reason)
         self.counters["worker_deaths"] += 1
         for rid, slot in list(self._hints_waiting.items()):
             if slot is s:
                 self._hints_waiting.pop(rid)
+        self._heartbeats.forget(s)
         self._status.on_death(s)
         if self._pool.none_alive():
             self._start_error = RuntimeError("prefetchd serve: no worker could be started")
             self._ready_event.set()
 
-    # -- status (prefetchd.serve.status)
+    def _replace_hung(self, s, now):
+        """A worker that stopped answering: fail its requests now, kill it (the sentinel respawns it)."""
+        silent = self._heartbeats.timeout
+        log.warning("prefetchd serve: worker %d (pid %s) answered no heartbeat for %.3gs; "
+                    "replacing it", s.index, s.pid, silent)
+        self.counters["workers_hung"] += 1
+        s.ready = False
+        for batch in s.inflight.values():
+            for job in batch.pending():
+                self._reply_error(job, P.INTERNAL, f"worker {s.index} (pid {s.pid}) hung: no "
+                                                   f"heartbeat for {silent:.3g}s; replaced")
+        s.inflight.clear()
+        self._heartbeats.forget(s)
+        try:
+            os.kill(s.pid, signal.SIGKILL)
+        except (ProcessLookupError, TypeError):
+            pass
 
-    def _op_status(self, envelope, rid, args, timeout):
+    # -- status (prefetchd.serve.status) and control replies
+
+    def _op_status(self, envelope, rid, args, timeout, tensors):
         self._status.start(envelope, rid, self._pool.slots, self._status_document)
 
     def _status_document(self, results):
         return status_document({"endpoint": self.endpoint, "hints": self.hints,
-                                "queued": len(self._queue), "models": self.spec.model_names(),
+                                "queued": len(self._batcher), "models": self.spec.model_names(),
+                                "max_batch_size": self._batcher.max_batch_size,
                                 "counters": dict(self.counters)}, self._pool.slots, results)
 
     def _on_control_reply(self, s, frames):
         try:
             rid, doc = P.decode_reply(frames)
         except P.ProtocolError:
+            return
+        if self._heartbeats.heard(s, rid):
             return
         if self._hints_waiting.pop(rid, None) is not None:
             self.counters["hints_ok" if doc.get("ok") else "hints_failed"] += 1
@@ -416,15 +364,21 @@ class Front:
     def _run_timers(self):
         now = time.monotonic()
         for job in self._deadlines.expired(now):
-            if job.worker is not None:
-                if job.worker.inflight.pop(job.job_id, None) is None:
-                    continue                # answered
-            elif job in self._queue:
-                self._queue.remove(job)
-            else:
+            if job.done:
                 continue
+            if job.batch is None:
+                self._batcher.remove(job)
             self.counters["timeouts"] += 1
-            where = f"on worker {job.worker.index}" if job.worker else "waiting for a worker"
-            self._reply_error(job, P.TIMEOUT, f"infer did not complete within "
+            where = (f"on worker {job.batch.worker.index}" if job.batch else "waiting for a worker")
+            self._reply_error(job, P.TIMEOUT, f"{job.kind} did not complete within "
                                               f"{job.deadline - job.received:.3g}s ({where})")
+        for s in self._heartbeats.hung(self._pool.slots, now):
+            self._replace_hung(s, now)
+        for s in self._heartbeats.due(self._pool.slots, now):
+            rid = P.new_rid(next(self._ctl_ids))
+            try:
+                s.ctl.send_multipart(P.encode_request(rid, "ping", {}), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue
+            self._heartbeats.sent(s, rid, now)
         self._status.finish(now)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from .worker import worker_main
+from .worker import remove_worker_store, worker_main
 
 log = logging.getLogger("prefetchd.serve.pool")
 
@@ -27,7 +27,7 @@ class WorkerSlot:
     ready: bool = False
     pid: int | None = None
     hints: dict = field(default_factory=dict)   # model -> tensor names of its first units
-    inflight: dict = field(default_factory=dict)
+    inflight: dict = field(default_factory=dict)   # batch job id -> prefetchd.serve.batching.Batch
     last_model: str | None = None
     served: int = 0
     failed: int = 0
@@ -80,7 +80,7 @@ class WorkerPool:
 
     def on_ready(self, slot, info):
         slot.ready, slot.pid, slot.start_failures = True, info["pid"], 0
-        slot.hints = info.get("hints", {})
+        slot.hints = {name: doc.get("hints", []) for name, doc in info.get("models", {}).items()}
         log.info("prefetchd serve: worker %d ready (pid %d)", slot.index, slot.pid)
 
     def all_ready(self):
@@ -99,8 +99,8 @@ class WorkerPool:
         return best
 
     def on_death(self, slot, respawn):
-        """Account for a dead worker; returns (reason, failed jobs). Respawns it unless
-        `respawn` is false or it failed to start too often."""
+        """Account for a dead worker; returns (reason, its in-flight batches). Removes its
+        store, then respawns it unless `respawn` is false or it failed to start too often."""
         slot.process.join(1.0)        # the sentinel fires just before the child is reapable
         code = slot.process.exitcode
         if not slot.ready:
@@ -108,8 +108,10 @@ class WorkerPool:
         how = f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
         reason = f"worker {slot.index} (pid {slot.pid}) died ({how}) while serving the request"
         jobs = list(slot.inflight.values())
-        log.warning("prefetchd serve: worker %d (pid %s) died (%s); %d requests failed",
+        log.warning("prefetchd serve: worker %d (pid %s) died (%s); %d batches failed",
                     slot.index, slot.pid, how, len(jobs))
+        if code is not None:           # reaped: nothing uses its store any more
+            remove_worker_store(self.spec, slot.index, slot.generation)
         slot.inflight.clear()
         slot.deaths += 1
         if slot.start_failures >= MAX_START_FAILURES:
@@ -144,4 +146,7 @@ class WorkerPool:
             if p.is_alive():
                 p.kill()
                 p.join(1.0)
+        for s in self.slots:
+            if s.process is not None and not s.process.is_alive():
+                remove_worker_store(self.spec, s.index, s.generation)
         return procs

@@ -2,11 +2,10 @@
 spawn boundary), the model factories, and each worker daemon's Config.
 
 A model factory is "module:function". The function is called once per weight set
-as factory(seed=SEED) and returns (cell, input_spec): a mindspore.nn.Cell and a
-list of (shape, dtype name) pairs, one per positional input, e.g.
-[((4, 16, 256), "float32")], or (shape, integer dtype, high) for ids drawn from
-[0, high). Workers feed it seeded random inputs of that spec.
-The default factory builds the demo model (prefetchd.demo.model).
+as factory(seed=SEED) and returns what prefetchd.serve.servable makes a Servable
+of: (cell, signature), a servable object, or a generate-capable causal LM. The
+default factory builds the demo model (prefetchd.demo.model), signature
+[((batch, seq, hidden), "float32")]: any batch, that seq and hidden.
 
 With a checkpoint store (`checkpoint_store`, a directory made by `prefetchd
 stage`) the factory's parameters are not its own: it is called inside
@@ -14,12 +13,13 @@ MindSpore's `no_init_parameters()` (so a large model's weights never need to
 exist in RAM), and every parameter is served from the store under its own
 name, which must match the checkpoint's. One weight set, m0, is served then.
 """
+import dataclasses
 import importlib
 import os
+import tempfile
 from dataclasses import dataclass
 
 from ..config import ENV_PREFIX, Config
-
 from ..errors import ConfigError
 
 DEMO_FACTORY = "prefetchd.serve.spec:demo_model"
@@ -29,7 +29,8 @@ SERVE_OPTIONS = {"endpoint": None, "workers": 2, "models": None, "hidden": 256, 
                  "batch": 4, "seq": 16, "budget": None, "lookahead": 2, "store": None,
                  "hints": True, "request_timeout": 30.0, "metrics_port": None,
                  "metrics_addr": "127.0.0.1", "model": None, "model_bytes": None,
-                 "checkpoint_store": None}
+                 "checkpoint_store": None, "max_batch_size": 8, "max_queue_delay_ms": 2.0,
+                 "heartbeat_timeout": 15.0}
 
 
 @dataclass
@@ -51,14 +52,30 @@ class ServeSpec:
     seed: int = 0
     log_level: str = "WARNING"
     config_path: str | None = None  # prefetchd TOML file for the workers' daemons
-    model: str = DEMO_FACTORY  # "module:function" returning (cell, input_spec)
+    model: str = DEMO_FACTORY  # "module:function" returning a servable (prefetchd.serve.servable)
     model_bytes_hint: int | None = None  # bytes of one weight set of a custom model (for budget)
     checkpoint_store: str | None = None  # a `prefetchd stage` store the weights are served from
+    max_tensor_bytes: int = 256 << 20  # a request's tensors, in all (and its reply's, per tensor)
 
     def __post_init__(self):
         if self.checkpoint_store and self.models != 1:
             raise ConfigError(f"--checkpoint-store serves the one weight set the store holds; "
                               f"--models {self.models} would need {self.models} (use --models 1)")
+
+    def with_configured_store(self):
+        """This spec, its store_dir from the prefetchd config (file, env) if it has none."""
+        if self.store_dir is not None:
+            return self
+        configured = Config.load(self.config_path).store_dir
+        return dataclasses.replace(self, store_dir=configured) if configured else self
+
+    def with_temporary_store(self):
+        """This spec with a new temporary store_dir (the caller removes it). Beside a
+        checkpoint store: worker stores hard-link its files, so same filesystem."""
+        near = (os.path.dirname(os.path.realpath(self.checkpoint_store))
+                if self.checkpoint_store else None)
+        return dataclasses.replace(self, store_dir=tempfile.mkdtemp(
+            prefix=".prefetchd-serve-" if near else "prefetchd-serve-", dir=near))
 
     def model_names(self):
         return [f"m{i}" for i in range(self.models)]
@@ -133,7 +150,7 @@ def check_checkpoint_store(spec, store_root=None):
 
 
 def build_weight_set(spec, seed):
-    """(cell, input_spec) of one weight set, checked."""
+    """The Servable of one weight set (prefetchd.serve.servable), checked."""
     factory = load_factory(spec.model)
     kwargs = {"spec": spec} if spec.is_demo() else {}
     if spec.checkpoint_store:
@@ -143,10 +160,8 @@ def build_weight_set(spec, seed):
             made = factory(seed=seed, **kwargs)
     else:
         made = factory(seed=seed, **kwargs)
-    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], (list, tuple))):
-        raise ConfigError(f"--model {spec.model}: the factory must return (cell, input_spec), "
-                          f"got {type(made).__name__}")
-    return made
+    from .servable import as_servable
+    return as_servable(made, spec.model)
 
 
 def demo_model(seed=0, spec=None):

@@ -1,15 +1,17 @@
 """A `prefetchd serve` worker process (spawn): its own Daemon and control Server,
-`spec.models` weight sets of the served model offloaded through it, one request
+`spec.models` weight sets of the served model offloaded through it, one batch
 at a time from the front's work socket.
 
 Messages on the work socket (a DEALER, identity w<index>-<generation>):
-    -> [READY, JSON {index, generation, pid, control, models, hints}]
-    <- [job id, JSON {model, seed, delay}]    -> [job id, JSON reply {ok, result|code,reason}]
+    -> [READY, JSON {index, generation, pid, control, models}]
+    <- [job id, JSON batch job, input frames...]
+    -> [job id, JSON reply {ok, result|code,reason}, output frames...]
     <- [STOP]
-`hints` maps each model to the names of its first parameters (definition order:
-what its first forward steps read), up to a quarter of the device budget; the
-front asks the worker to prefetch them before it routes a request for that model
-there.
+A batch job and its result are prefetchd.serve.execute's. `models` maps each
+model to its signature, whether it generates, and its `hints`: the names of its
+first parameters (definition order: what its first forward steps read), up to a
+quarter of the device budget; the front asks the worker to prefetch them before
+it routes a request for that model there.
 
 Each worker's daemon has a store of its own (a FileStore is locked by the
 daemon that opens it). With a checkpoint store, the worker's store is made of
@@ -28,33 +30,18 @@ import zmq
 
 from ..errors import ConfigError
 from ..control import protocol as P
+from ..control.codes import BadArguments
+from .execute import run_batch
+from .servable import ServedModel
 from .spec import ServeSpec, build_weight_set, worker_config
 
 log = logging.getLogger("prefetchd.serve.worker")
 
 READY = b"READY"
 STOP = b"STOP"
-MAX_DELAY = 60.0
 
 _ready = False
 _stopping = False
-
-
-def make_inputs(input_spec, seed):
-    """Seeded random inputs (mindspore Tensors) of an input spec (see prefetchd.serve.spec)."""
-    import mindspore as ms
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    inputs = []
-    for entry in input_spec:
-        shape, dtype = tuple(entry[0]), np.dtype(entry[1])
-        if np.issubdtype(dtype, np.integer):
-            high = entry[2] if len(entry) > 2 else 2
-            inputs.append(ms.Tensor(rng.integers(0, high, size=shape).astype(dtype)))
-        else:
-            inputs.append(ms.Tensor(rng.standard_normal(shape).astype(dtype)))
-    return inputs
 
 
 def first_parameters(cell, max_bytes):
@@ -70,16 +57,16 @@ def first_parameters(cell, max_bytes):
 
 
 def build_models(spec, daemon):
-    """{name: (cell, input_spec, offload handle, hint names)}: one weight set per model name.
+    """{name: ServedModel}: one weight set per model name, offloaded through `daemon`.
 
-    The one place that decides what a worker runs; everything else treats a model
-    as `cell(*inputs) -> tensor`.
+    The one place that decides what a worker runs (prefetchd.serve.servable).
     """
     from ..hooks.offload import offload
 
     models = {}
     for i, name in enumerate(spec.model_names()):
-        cell, input_spec = build_weight_set(spec, spec.seed + i)
+        servable = build_weight_set(spec, spec.seed + i)
+        cell = servable.cell
         if not spec.checkpoint_store:    # the store's names are the checkpoint's: keep them
             cell.update_parameters_name(f"{name}.")
         hints = first_parameters(cell, spec.device_budget() // 4)
@@ -87,7 +74,7 @@ def build_models(spec, daemon):
         # fetches them on demand (a stall) rather than failing the request.
         handle = offload(cell, daemon, lookahead=spec.lookahead, tier=spec.tier, auto_fetch=True,
                          checkpoint=True if spec.checkpoint_store else None)
-        models[name] = (cell, input_spec, handle, hints)
+        models[name] = ServedModel(name, servable, handle, hints)
     return models
 
 
@@ -129,6 +116,14 @@ def worker_store(spec, index, generation):
     return store
 
 
+def remove_worker_store(spec, index, generation):
+    """Remove the store of a worker that has exited (its files are derived: the
+    weights it wrote, or links to the checkpoint store, which stays as it is)."""
+    if spec.store_dir:
+        shutil.rmtree(os.path.join(spec.store_dir, f"worker-{index}-{generation}"),
+                      ignore_errors=True)
+
+
 def _exit_on_sigterm(signum, frame):
     if _stopping:
         return                # already closing the daemon: let it finish (its close is bounded)
@@ -138,21 +133,19 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(0)       # unwinds through the finally that closes the daemon
 
 
-def _run_job(spec, models, inputs, job, index):
-    import numpy as np
-
-    started = time.perf_counter()
-    if job.get("delay"):
-        time.sleep(min(float(job["delay"]), MAX_DELAY))
-    cell, input_spec, _, _ = models[job["model"]]
-    seed = int(job.get("seed", 0))
-    key = (job["model"], seed)
-    if key not in inputs:
-        inputs[key] = make_inputs(input_spec, seed + 1)
-    out = cell(*inputs[key]).asnumpy()
-    return {"model": job["model"], "worker": index, "pid": os.getpid(),
-            "checksum": float(np.float64(out.astype(np.float64).sum())),
-            "compute_seconds": time.perf_counter() - started}
+def _run(models, job_id, body, frames, index, max_bytes):
+    """The reply frames of one job (see prefetchd.serve.execute)."""
+    try:
+        job = P.loads(body)
+        result, out = run_batch(models[job["model"]], job, frames, max_bytes)
+        result.update(worker=index, pid=os.getpid())
+        return [job_id, P.dumps({"ok": True, "result": result}), *out]
+    except BadArguments as e:
+        reply = {"ok": False, "code": P.BAD_REQUEST, "reason": str(e)}
+    except Exception as e:  # noqa: BLE001 - the front answers the client
+        log.exception("worker %d: request failed", index)
+        reply = {"ok": False, "code": P.INTERNAL, "reason": f"worker {index}: {e}"}
+    return [job_id, P.dumps(reply)]
 
 
 def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, parent_pid):
@@ -174,15 +167,14 @@ def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, p
     try:
         daemon.serve(control_endpoint)
         models = build_models(spec, daemon)
-        inputs = {}
         sock = ctx.socket(zmq.DEALER)
         sock.linger = 0
         sock.identity = f"w{index}-{generation}".encode()
         sock.connect(work_endpoint)
         sock.send_multipart([READY, P.dumps({
             "index": index, "generation": generation, "pid": os.getpid(),
-            "control": control_endpoint, "models": sorted(models),
-            "hints": {name: m[3] for name, m in models.items()}})])
+            "control": control_endpoint,
+            "models": {name: m.describe() for name, m in models.items()}})])
         _ready = True
         while True:
             if not sock.poll(250):
@@ -190,19 +182,16 @@ def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, p
                     log.warning("worker %d: the front is gone; exiting", index)
                     return
                 continue
-            frames = sock.recv_multipart()
-            if frames[0] == STOP:
+            frames = sock.recv_multipart(copy=False)
+            if frames[0].bytes == STOP:
                 return
-            job_id, body = frames
-            try:
-                reply = {"ok": True, "result": _run_job(spec, models, inputs, P.loads(body), index)}
-            except Exception as e:  # noqa: BLE001 - the front answers the client
-                log.exception("worker %d: request failed", index)
-                reply = {"ok": False, "code": P.INTERNAL, "reason": f"worker {index}: {e}"}
-            sock.send_multipart([job_id, P.dumps(reply)])
+            if len(frames) < 2:
+                continue
+            sock.send_multipart(_run(models, frames[0].bytes, frames[1].bytes, frames[2:], index,
+                                     spec.max_tensor_bytes), copy=False)
     finally:
         _stopping = True
         for model in models.values():
-            model[2].close()
+            model.handle.close()
         daemon.close(5)
         ctx.destroy(linger=0)

@@ -1,0 +1,53 @@
+"""`prefetchd infer`: send .npy inputs to a `prefetchd serve` front, write its outputs.
+
+    prefetchd infer --endpoint ipc://serve.sock --model m0 x.npy [--out DIR]
+    prefetchd infer --endpoint ipc://serve.sock --model lm ids.npy --max-new-tokens 16
+
+Each output is written as DIR/output<i>.npy (generate: DIR/tokens.npy) and its
+path, dtype and shape printed, one line each. Inputs are read with
+allow_pickle=False: an .npy holding Python objects is refused.
+"""
+import os
+
+from .common import UsageError, positive_int, seconds
+
+
+def register(sub):
+    p = sub.add_parser("infer", help="run .npy inputs through a `prefetchd serve` model")
+    p.add_argument("--endpoint", required=True, help="the serve front's endpoint")
+    p.add_argument("--model", required=True, help="the model's name (m0, m1, ...)")
+    p.add_argument("inputs", nargs="+", help=".npy files, one per model input, in order")
+    p.add_argument("--out", default=".", help="directory for the outputs (default: .)")
+    p.add_argument("--max-new-tokens", type=positive_int,
+                   help="generate this many tokens (a causal LM; one input: the prompt ids)")
+    p.add_argument("--timeout", type=seconds, default=60.0, help="seconds to wait (60)")
+    p.set_defaults(func=cmd_infer)
+
+
+def _load(path):
+    import numpy as np
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"infer: {path}: not a readable .npy of numbers ({e})") from None
+
+
+def cmd_infer(args):
+    import numpy as np
+
+    from ..serve import Client
+
+    arrays = [_load(p) for p in args.inputs]
+    if args.max_new_tokens is not None and len(arrays) != 1:
+        raise UsageError("infer: --max-new-tokens takes one input, the prompt ids")
+    os.makedirs(args.out, exist_ok=True)
+    with Client(args.endpoint, timeout=args.timeout) as c:
+        if args.max_new_tokens is not None:
+            outputs = {"tokens": c.generate(args.model, arrays[0], args.max_new_tokens)}
+        else:
+            outputs = {f"output{i}": y for i, y in enumerate(c.infer(args.model, *arrays))}
+    for name, y in outputs.items():
+        path = os.path.join(args.out, f"{name}.npy")
+        np.save(path, np.asarray(y))
+        print(f"{path}\t{y.dtype}\t{list(y.shape)}")
+    return 0

@@ -1,0 +1,181 @@
+"""The client of a `prefetchd serve` front: numpy arrays in, numpy arrays out.
+
+    from prefetchd.serve import Client
+    with Client("ipc://serve.sock") as c:
+        (y,) = c.infer("m0", x, timeout=30)            # x: a numpy array
+        fut = c.submit("m0", x)                        # a concurrent.futures.Future
+        new_tokens = c.generate("lm", input_ids, max_new_tokens=16)
+
+One DEALER socket on one I/O thread (prefetchd.control.ioloop) serves any number
+of callers and outstanding requests: `submit` queues a request and wakes the
+loop; the loop sends it with the arrays as frames (no copy), matches replies by
+request id, and completes each future with the reply's outputs (read-only views
+of the received frames) or the error the reply names (ServiceError with .code,
+BusyError, RequestTimeout); a completed infer future's `.reply` is the reply
+document (worker, batch_size, queue_seconds, seconds...). Every future completes: a reply, an error, its
+timeout (RequestTimeout), or ShutdownError when the client closes.
+"""
+import collections
+import concurrent.futures
+import itertools
+import secrets
+import threading
+import time
+
+import zmq
+
+from ..control import protocol as P
+from ..control.codes import RequestTimeout, exception_for
+from ..control.endpoints import resolve_endpoint
+from ..control.ioloop import IOLoop
+from ..errors import ShutdownError
+from .wire import DEFAULT_MAX_TENSOR_BYTES, decode_arrays, encode_arrays
+
+__all__ = ["Client"]
+
+
+class Client:
+    def __init__(self, endpoint, timeout=30.0, max_tensor_bytes=DEFAULT_MAX_TENSOR_BYTES):
+        self.endpoint = resolve_endpoint(endpoint, "serve")
+        self.timeout = timeout
+        self.max_tensor_bytes = max_tensor_bytes
+        self._counter = itertools.count(secrets.randbits(31))
+        self._lock = threading.Lock()
+        self._outbox = collections.deque()       # (rid, frames) to send
+        self._pending = {}                       # rid -> (future, deadline); loop thread only
+        self._futures = set()                    # every future not yet done, for close()
+        self._sock = None
+        self._closed = False
+        self._loop = IOLoop(self, "prefetchd-serve-client", max_poll=0.5)
+        self._loop.start(10)
+
+    # -- calls (any thread)
+
+    def submit(self, model, *arrays, timeout=None, hint=None):
+        """A Future of the model's outputs (a list of numpy arrays) for these inputs."""
+        return self._submit("infer", {"model": model, "hint": hint}, arrays, timeout)
+
+    def infer(self, model, *arrays, timeout=None, hint=None):
+        """The model's outputs for these inputs: a list of numpy arrays."""
+        timeout = self.timeout if timeout is None else timeout
+        return self.submit(model, *arrays, timeout=timeout, hint=hint).result(timeout + 5)
+
+    def submit_generate(self, model, input_ids, max_new_tokens=16, timeout=None):
+        f = self._submit("generate", {"model": model, "max_new_tokens": int(max_new_tokens)},
+                         [input_ids], timeout)
+        out = concurrent.futures.Future()
+
+        def done(d):
+            if d.exception() is not None:
+                out.set_exception(d.exception())
+            else:
+                out.reply = d.reply
+                out.set_result(d.result()[0])
+        f.add_done_callback(done)
+        return out
+
+    def generate(self, model, input_ids, max_new_tokens=16, timeout=None):
+        """The greedy new token ids, (batch, max_new_tokens) int64, for a (batch, prompt) int64 array."""
+        timeout = self.timeout if timeout is None else timeout
+        return self.submit_generate(model, input_ids, max_new_tokens, timeout).result(timeout + 5)
+
+    def close(self, timeout=5.0):
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._loop.close(timeout)
+        for f in list(self._futures):
+            if not f.done():
+                f.set_exception(ShutdownError("client closed"))
+        self._futures.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _submit(self, op, args, arrays, timeout):
+        timeout = self.timeout if timeout is None else timeout
+        headers, buffers = encode_arrays(arrays)
+        future = concurrent.futures.Future()
+        rid = P.new_rid(next(self._counter))
+        # The front gives up a little before we do, so a slow request is answered TIMEOUT.
+        frames = P.encode_request(rid, op, dict(args, inputs=headers),
+                                  max(0.001, timeout * 0.9 - 0.05), buffers)
+        with self._lock:
+            if self._closed:
+                raise ShutdownError("client is closed")
+            self._futures.add(future)
+            self._outbox.append((rid, frames, future, time.monotonic() + timeout, timeout))
+        future.add_done_callback(self._futures.discard)
+        self._loop.wake()
+        return future
+
+    # -- LoopHandler (the I/O thread)
+
+    def setup(self, ctx):
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.linger = 0
+        self._sock.sndhwm = self._sock.rcvhwm = 10000
+        self._sock.connect(self.endpoint)
+
+    def poll_items(self):
+        return [(self._sock, self._on_reply, False)]
+
+    def tick(self):
+        while True:
+            with self._lock:
+                if not self._outbox:
+                    break
+                rid, frames, future, deadline, timeout = self._outbox.popleft()
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError as e:
+                future.set_exception(RequestTimeout(f"send to {self.endpoint} failed: {e}"))
+                continue
+            self._pending[rid] = (future, deadline, timeout)
+        now = time.monotonic()
+        for rid, (future, deadline, timeout) in list(self._pending.items()):
+            if deadline <= now:
+                del self._pending[rid]
+                future.set_exception(RequestTimeout(
+                    f"no reply from {self.endpoint} within {timeout:g}s"))
+
+    def poll_timeout(self):
+        nearest = min((d for _, d, _ in self._pending.values()), default=None)
+        return None if nearest is None else nearest - time.monotonic()
+
+    def teardown(self):
+        for future, _, _ in self._pending.values():
+            future.set_exception(ShutdownError("client closed"))
+        self._pending.clear()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def release(self):
+        pass
+
+    def _on_reply(self, frames):
+        try:
+            rid, doc, tensors = P.decode_reply(frames, tensors=True)
+        except P.ProtocolError:
+            return
+        entry = self._pending.pop(rid, None)
+        if entry is None:
+            return                                   # timed out already
+        future = entry[0]
+        if not doc.get("ok"):
+            future.set_exception(exception_for(doc.get("code", P.INTERNAL), doc.get("reason", "")))
+            return
+        result = doc.get("result") or {}
+        try:
+            outputs = decode_arrays(result.get("outputs", []), tensors, self.max_tensor_bytes,
+                                    what="output")
+        except ValueError as e:
+            future.set_exception(e)
+            return
+        future.reply = result
+        future.set_result(outputs)

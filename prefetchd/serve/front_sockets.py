@@ -1,0 +1,168 @@
+"""The front's lifecycle and sockets: start the I/O loop and the workers, wait
+until they are ready, bind and close the sockets, stop everything within a
+timeout, and remove what the front made (ipc files, a temporary store). What
+the front does with its sockets is prefetchd.serve.front.Front, a subclass.
+"""
+import logging
+import os
+import secrets
+import shutil
+import signal
+import threading
+import time
+
+import zmq
+
+from ..control import protocol as P
+from ..control.endpoints import bind, ensure_private_dir, resolve_endpoint, runtime_dir, unlink_ipc_files
+from .spec import check_checkpoint_store
+from .worker import STOP
+
+log = logging.getLogger("prefetchd.serve.front")
+
+
+class FrontSockets:
+    def __init__(self, endpoint, name, spec, metrics_port, metrics_addr, start_timeout,
+                 max_message_size):
+        self.spec = spec
+        self.name = name
+        self.endpoint = resolve_endpoint(endpoint or f"ipc://{name}.sock", name, bind=True)
+        self.metrics_port, self.metrics_addr = metrics_port, metrics_addr
+        self.start_timeout = start_timeout
+        self.max_message_size = max_message_size
+        self._exporter = None
+        self._owns_store = spec.store_dir is None    # a temporary one, made by start()
+        if spec.checkpoint_store:     # refused here, not by every worker as it starts
+            check_checkpoint_store(spec, spec.store_dir)
+        tag = f"{os.getpid()}-{secrets.token_hex(2)}"
+        base = runtime_dir()
+        self._control_endpoint = lambda i: f"ipc://{os.path.join(base, f'{name}-{tag}-w{i}.sock')}"
+        self._work_endpoint = f"ipc://{os.path.join(base, f'{name}-{tag}-work.sock')}"
+        self._router = self._work = None
+        self._ready_event = threading.Event()
+        self._start_error = None
+        self._closed = False
+        self._ipc_files = []
+
+    # -- lifecycle
+
+    def start(self, wait_ready=True):
+        if self._loop.running:
+            return self
+        ensure_private_dir(runtime_dir())
+        if self._owns_store:
+            self.spec = self.spec.with_temporary_store()
+            self._pool.spec = self.spec
+        try:
+            self._loop.start(30)
+        except BaseException:
+            if self._owns_store:
+                shutil.rmtree(self.spec.store_dir, ignore_errors=True)
+            raise
+        if wait_ready and not self._ready_event.wait(self.start_timeout):
+            self.close(10)
+            raise TimeoutError(f"prefetchd serve: workers not ready within {self.start_timeout:g}s")
+        if self._start_error is not None:
+            self.close(10)
+            raise self._start_error
+        if self.metrics_port is not None:
+            from .metrics import start_front_exporter
+            self._exporter = start_front_exporter(self, self.metrics_addr, self.metrics_port)
+            self.metrics_port = self._exporter.port
+        log.info("prefetchd serve: %d workers ready; front on %s", self.n_workers, self.endpoint)
+        return self
+
+    def close(self, timeout=10.0):
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + timeout
+        if self._exporter is not None:
+            self._exporter.close(1.0)
+        self._loop.close(max(0.0, deadline - time.monotonic()))
+        self._pool.stop(deadline)
+        if self._owns_store:
+            shutil.rmtree(self.spec.store_dir, ignore_errors=True)
+
+    def serve_forever(self):
+        """Run until SIGINT/SIGTERM (for the CLI)."""
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        self.start()
+        try:
+            while not stop.wait(0.5) and self._loop.running:
+                pass
+        finally:
+            self.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def workers(self):
+        """[(index, pid, ready)] — a snapshot for tests and the CLI."""
+        return [(s.index, s.pid, s.ready) for s in self._pool.slots]
+
+    @property
+    def socket_files(self):
+        """The ipc socket files the front bound (removed by close())."""
+        return [self.endpoint[len("ipc://"):], self._pool.work_endpoint[len("ipc://"):]]
+
+    @property
+    def running(self):
+        return self._loop.running
+
+    # -- LoopHandler: setup, teardown, release (I/O thread)
+
+    def setup(self, ctx):
+        self._router = self._socket(ctx, zmq.ROUTER)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # Per frame: a body within max_message_size, a tensor within max_tensor_bytes.
+        self._router.maxmsgsize = max(4 * self.max_message_size, self.spec.max_tensor_bytes) + 64
+        self._bind(self._router, self.endpoint)
+        self.endpoint = self._router.last_endpoint.decode()
+        self._work = self._socket(ctx, zmq.ROUTER)
+        self._work.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._bind(self._work, self._pool.work_endpoint)
+        self._pool.start(ctx)
+
+    def teardown(self):
+        for job in self.outstanding_jobs():
+            self._reply_error(job, P.SHUTDOWN, "server closing")
+        for s in self._pool.slots:
+            if s.ready and self._work is not None:
+                try:
+                    self._work.send_multipart([s.identity, STOP], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        for sock in (self._router, self._work):
+            if sock is not None:
+                sock.close(linger=0)
+        self._router = self._work = None
+        self._pool.close_sockets()
+        unlink_ipc_files(self._ipc_files)
+        self._ipc_files.clear()
+
+    def release(self):
+        pass
+
+    @staticmethod
+    def _socket(ctx, kind):
+        sock = ctx.socket(kind)
+        sock.linger = 0
+        sock.sndhwm = sock.rcvhwm = 1000
+        return sock
+
+    def _bind(self, sock, address):
+        ipc_file = bind(sock, address)
+        if ipc_file is not None:
+            self._ipc_files.append(ipc_file)
+
+    def _send(self, envelope, frames):
+        try:
+            self._router.send_multipart(envelope + frames, zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
+            self.counters["replies_dropped"] += 1

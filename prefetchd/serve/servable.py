@@ -1,0 +1,155 @@
+"""What a worker serves: a Servable, its input signature, and how a factory's
+result becomes one.
+
+A `--model module:function` factory returns either
+
+- `(cell, signature)`: a mindspore.nn.Cell run as `cell(*inputs)`, and one entry
+  per positional input: a TensorSpec, a dict with TensorSpec's fields, or the
+  older `(shape, dtype name[, high])` tuple whose first dimension is the batch
+  axis and whose other dimensions are fixed;
+- a servable object: `cell` (the nn.Cell whose parameters are offloaded),
+  `inputs` (its signature), `forward(*batched arrays) -> array or tuple`, and
+  optionally `generate(input_ids, max_new_tokens) -> new token ids (batch, n)`;
+- a generation-capable cell (HF-style causal LM, e.g. mindone's LlamaForCausalLM):
+  adapted by prefetchd.serve.causal_lm.
+
+Outputs are split back along axis 0 (`output_batch_axis` of a servable object
+may say otherwise).
+"""
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import ConfigError
+from ..control.codes import BadArguments
+from .wire import DTYPES, MAX_RANK
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input: `shape` with None for any size (the batch axis's entry is ignored),
+    the dtype name, the batch axis (None: not batchable), and for integer ids the
+    bound `high` (values must be in [0, high))."""
+    shape: tuple
+    dtype: str
+    batch_axis: int | None = 0
+    name: str = ""
+    high: int | None = None
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"input {self.name or '?'}: dtype {self.dtype!r} is not one of "
+                              f"{', '.join(DTYPES)}")
+        if len(self.shape) > MAX_RANK or not all(d is None or (isinstance(d, int) and d >= 0)
+                                                 for d in self.shape):
+            raise ConfigError(f"input {self.name or '?'}: shape {self.shape!r} must be at most "
+                              f"{MAX_RANK} sizes or None")
+        if self.batch_axis is not None and not 0 <= self.batch_axis < len(self.shape):
+            raise ConfigError(f"input {self.name or '?'}: batch axis {self.batch_axis} is not "
+                              f"an axis of shape {self.shape!r}")
+
+    def to_json(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, doc):
+        return cls(**dict(doc, shape=tuple(doc["shape"])))
+
+    def check(self, index, dtype, shape):
+        """BadArguments naming input `index` if (dtype, shape) does not fit this spec."""
+        name = f"input {index}" + (f" ({self.name})" if self.name else "")
+        if dtype.name != self.dtype:
+            raise BadArguments(f"{name}: dtype {dtype.name}, the model takes {self.dtype}")
+        if len(shape) != len(self.shape):
+            raise BadArguments(f"{name}: rank {len(shape)} (shape {list(shape)}), the model "
+                               f"takes rank {len(self.shape)} ({self._shape_text()})")
+        for axis, (got, want) in enumerate(zip(shape, self.shape)):
+            if axis != self.batch_axis and want is not None and got != want:
+                raise BadArguments(f"{name}: dimension {axis} is {got}, the model takes "
+                                   f"{self._shape_text()}")
+        if self.batch_axis is not None and shape[self.batch_axis] == 0:
+            raise BadArguments(f"{name}: an empty batch (dimension {self.batch_axis} is 0)")
+
+    def check_values(self, index, array):
+        if self.high is None or not array.size:
+            return
+        lo, hi = int(array.min()), int(array.max())
+        if lo < 0 or hi >= self.high:
+            raise BadArguments(f"input {index}" + (f" ({self.name})" if self.name else "")
+                               + f": ids must be in [0, {self.high}), got {lo}..{hi}")
+
+    def _shape_text(self):
+        dims = ["batch" if a == self.batch_axis else ("*" if d is None else str(d))
+                for a, d in enumerate(self.shape)]
+        return f"[{', '.join(dims)}]"
+
+
+def as_tensor_spec(entry, index):
+    """A TensorSpec from a signature entry (see the module docstring)."""
+    if isinstance(entry, TensorSpec):
+        return entry
+    if isinstance(entry, dict):
+        return TensorSpec(**dict(entry, shape=tuple(entry["shape"])))
+    if isinstance(entry, (tuple, list)) and len(entry) in (2, 3):
+        shape = (None,) + tuple(entry[0])[1:]
+        return TensorSpec(shape, str(np.dtype(entry[1])), 0, f"x{index}",
+                          entry[2] if len(entry) == 3 else None)
+    raise ConfigError(f"input {index}: {entry!r} is not a TensorSpec, a dict or (shape, dtype)")
+
+
+class CellServable:
+    """A cell and its signature: forward runs `cell(*inputs)`."""
+
+    output_batch_axis = 0
+
+    def __init__(self, cell, inputs):
+        self.cell = cell
+        self.inputs = [as_tensor_spec(e, i) for i, e in enumerate(inputs)]
+
+    def forward(self, *arrays):
+        import mindspore as ms
+        return self.cell(*[ms.Tensor(a) for a in arrays])
+
+
+def as_servable(made, where):
+    """The Servable of a factory's result; ConfigError saying what it should be."""
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], (list, tuple)):
+        return CellServable(*made)
+    if callable(getattr(made, "forward", None)) and hasattr(made, "inputs") \
+            and hasattr(made, "cell"):
+        made.inputs = [as_tensor_spec(e, i) for i, e in enumerate(made.inputs)]
+        return made
+    if callable(getattr(made, "generate", None)) and callable(made):
+        from .causal_lm import CausalLMServable
+        return CausalLMServable(made)
+    raise ConfigError(f"--model {where}: the factory must return (cell, signature), a servable "
+                      f"(cell, inputs, forward) or a generate-capable model, got "
+                      f"{type(made).__name__}")
+
+
+def output_arrays(out):
+    """A forward's result as a list of numpy arrays."""
+    items = out if isinstance(out, (tuple, list)) else [out]
+    arrays = []
+    for item in items:
+        if hasattr(item, "logits") and not hasattr(item, "asnumpy"):
+            item = item.logits            # an HF-style output object
+        arrays.append(item.asnumpy() if hasattr(item, "asnumpy") else np.asarray(item))
+    return arrays
+
+
+@dataclass
+class ServedModel:
+    """A model a worker serves: its servable, its offload handle, and the names of its
+    first parameters (what a prefetch hint for it loads)."""
+    name: str
+    servable: object
+    handle: object
+    hints: list
+
+    def describe(self):
+        """What the front needs to check and batch requests for it (sent in READY)."""
+        return {"inputs": [s.to_json() for s in self.servable.inputs],
+                "generate": callable(getattr(self.servable, "generate", None)),
+                "hints": self.hints}

@@ -1,0 +1,165 @@
+"""`prefetchd serve` requests with tensors, in real worker processes over real
+sockets: outputs equal the model run locally, concurrent requests are batched and
+each gets its own rows, and hostile headers or frames get BAD_REQUEST while the
+server keeps serving."""
+import os
+import secrets
+import threading
+
+import numpy as np
+import pytest
+import zmq
+
+from prefetchd.control import ServiceError
+from prefetchd.control import protocol as P
+from prefetchd.serve import Client, Front, ServeSpec
+from prefetchd.serve.spec import demo_model
+from prefetchd.serve.wire import MAX_RANK, MAX_TENSORS
+
+SPEC = dict(models=2, hidden=64, layers=2, batch=2, seq=8, lookahead=1)
+SHAPE = (SPEC["seq"], SPEC["hidden"])
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory):
+    spec = ServeSpec(store_dir=str(tmp_path_factory.mktemp("store")),
+                     max_tensor_bytes=1 << 20, **SPEC)
+    # One worker and a long queue delay: concurrent requests must meet in one batch.
+    f = Front(f"ipc://req-{os.getpid()}-{secrets.token_hex(2)}.sock", workers=1, spec=spec,
+              request_timeout=30.0, name=f"rq{os.getpid()}", max_batch_size=8,
+              max_queue_delay_ms=150).start()
+    yield f
+    f.close(10)
+
+
+@pytest.fixture(scope="module")
+def local():
+    """The demo model's weight sets, resident, built as the workers build them."""
+    spec = ServeSpec(**SPEC)
+    return {f"m{i}": demo_model(seed=spec.seed + i, spec=spec)[0] for i in range(SPEC["models"])}
+
+
+@pytest.fixture
+def client(front):
+    with Client(front.endpoint, timeout=30) as c:
+        yield c
+
+
+def _x(seed, batch):
+    return np.random.default_rng(seed).standard_normal((batch,) + SHAPE).astype(np.float32)
+
+
+def _run(cell, x):
+    import mindspore as ms
+    return cell(ms.Tensor(x)).asnumpy()
+
+
+def test_outputs_are_the_resident_models_bit_for_bit(client, local):
+    for model in ("m0", "m1"):
+        x = _x(3, 3)
+        (y,) = client.infer(model, x)
+        assert y.dtype == np.float32 and np.array_equal(y, _run(local[model], x))
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(client, local, front):
+    xs = [_x(10 + i, 1 + i % 2) for i in range(6)]         # 9 rows: more than one batch of 8
+    futures = [client.submit("m0", x) for x in xs]
+    outs = [f.result(60) for f in futures]
+    sizes = [f.reply["batch_size"] for f in futures]
+    assert max(sizes) > 1, sizes
+    for x, (y,), f in zip(xs, outs, futures):
+        assert y.shape[0] == x.shape[0]
+        # Within float tolerance of the request run alone (a batch may sum in another order).
+        np.testing.assert_allclose(y, _run(local["m0"], x), rtol=1e-5, atol=1e-5)
+        assert f.reply["queue_seconds"] >= 0 and f.reply["batch_size"] >= x.shape[0]
+    hist = front.snapshot()["histograms"]["m0"]
+    assert hist["batch_size"]["count"] >= 1 and hist["queue_seconds"]["count"] >= len(xs)
+
+
+def test_requests_from_many_threads_all_complete(client, local):
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            results[i] = client.infer("m1", _x(i, 1), timeout=60)[0]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not errors and sorted(results) == list(range(8))
+    for i, y in results.items():
+        np.testing.assert_allclose(y, _run(local["m1"], _x(i, 1)), rtol=1e-5, atol=1e-5)
+
+
+def _raw(front, body, tensors=(), op="infer"):
+    """Send one request as raw frames; the reply document."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(front.endpoint)
+        sock.send_multipart(P.encode_request(b"hostile!", op, body, 10, list(tensors)))
+        assert sock.poll(15_000), "no reply"
+        rid, doc, _ = P.decode_reply(sock.recv_multipart(), tensors=True)
+        assert rid == b"hostile!"
+        return doc
+    finally:
+        ctx.destroy(linger=0)
+
+
+GOOD = np.zeros((1,) + SHAPE, np.float32)
+HOSTILE = {
+    "wrong dtype": ([{"dtype": "float64", "shape": [1, *SHAPE]}], [GOOD.astype(np.float64)],
+                    "dtype float64, the model takes float32"),
+    "unknown dtype": ([{"dtype": "object", "shape": [1, *SHAPE]}], [GOOD], "is not one of"),
+    "wrong rank": ([{"dtype": "float32", "shape": [1, SHAPE[0] * SHAPE[1]]}], [GOOD],
+                   "rank 2"),
+    "wrong non-batch dim": ([{"dtype": "float32", "shape": [2, SHAPE[0] // 2, SHAPE[1]]}],
+                            [GOOD], "dimension 1 is"),
+    "frame too short": ([{"dtype": "float32", "shape": [2, *SHAPE]}], [GOOD], "its frame has"),
+    "frame too long": ([{"dtype": "float32", "shape": [1, *SHAPE]}],
+                       [np.zeros((2,) + SHAPE, np.float32)], "its frame has"),
+    "huge shape": ([{"dtype": "float32", "shape": [2 ** 62, *SHAPE]}], [GOOD], "over the limit"),
+    "over the size limit": ([{"dtype": "float32", "shape": [1024, *SHAPE]}],
+                            [np.zeros((1024,) + SHAPE, np.float32)], "over the limit"),
+    "missing frame": ([{"dtype": "float32", "shape": [1, *SHAPE]}], [], "missing frames"),
+    "extra frame": ([{"dtype": "float32", "shape": [1, *SHAPE]}], [GOOD, GOOD], "extra frames"),
+    "two inputs for one": ([{"dtype": "float32", "shape": [1, *SHAPE]}] * 2, [GOOD, GOOD],
+                           "2 inputs, the model takes 1"),
+    "negative dim": ([{"dtype": "float32", "shape": [-1, *SHAPE]}], [GOOD], "non-negative"),
+    "rank over the limit": ([{"dtype": "float32", "shape": [1] * (MAX_RANK + 1)}], [GOOD],
+                            "at most"),
+    "header not an object": (["float32"], [GOOD], "exactly 'dtype' and 'shape'"),
+    "extra header key": ([{"dtype": "float32", "shape": [1, *SHAPE], "offset": 8}], [GOOD],
+                         "exactly 'dtype' and 'shape'"),
+    "too many tensors": ([{"dtype": "float32", "shape": [1]}] * (MAX_TENSORS + 1), [], "at most"),
+    "empty batch": ([{"dtype": "float32", "shape": [0, *SHAPE]}], [b""], "empty batch"),
+    "inputs not a list": ({"dtype": "float32"}, [GOOD], "must be a list"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_headers_and_frames_are_refused_and_serving_goes_on(front, client, case):
+    headers, frames, why = HOSTILE[case]
+    doc = _raw(front, {"model": "m0", "inputs": headers}, frames)
+    assert doc["ok"] is False and doc["code"] == P.BAD_REQUEST, doc
+    assert why in doc["reason"], doc["reason"]
+    assert client.infer("m0", GOOD)[0].shape[0] == 1          # still serving
+
+
+def test_other_refusals(front, client):
+    assert "needs 'inputs'" in _raw(front, {"model": "m0"})["reason"]
+    assert "unknown model" in _raw(front, {"model": "m9", "inputs": []})["reason"]
+    doc = _raw(front, {}, [GOOD], op="ping")
+    assert doc["code"] == P.BAD_REQUEST and "carry tensors" in doc["reason"]
+    doc = _raw(front, {"model": "m0", "inputs": [{"dtype": "float32", "shape": [1, *SHAPE]}],
+                       "max_new_tokens": 4}, [GOOD], op="generate")
+    assert doc["code"] == P.BAD_REQUEST and "no generate method" in doc["reason"]
+    with pytest.raises(ServiceError, match="dimension 2 is 3"):
+        client.infer("m0", np.zeros((1, SHAPE[0], 3), np.float32))
+    with pytest.raises(ValueError, match="not carried on the wire"):
+        client.infer("m0", np.array([["a"]]))
+    assert client.infer("m0", GOOD)[0].shape[0] == 1
