@@ -246,9 +246,12 @@ class Loads:
             req.remaining -= 1
             if req.remaining == 0:
                 s.outcomes.resolve(req)
-        if rec.evict_after_load and not rec.pins:
+        if rec.evict_after_load:
+            # Pinned on arrival: the evict request, still waiting, drops it once unpinned;
+            # a flag left set would drop the tensor again on its next, unrelated load.
             rec.evict_after_load = False
-            s.writebacks.evict(rec, "explicit")
+            if not rec.pins:
+                s.writebacks.evict(rec, "explicit")
 
     def _failed(self, rec, error, seconds=0.0):
         s = self.s
