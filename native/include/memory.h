@@ -27,6 +27,10 @@ struct Mapping {
     size_t raw_len = 0;
     char *base = nullptr;  // aligned start inside raw
     size_t len = 0;
+    // Private anonymous memory: its pages can be moved to another address with
+    // mremap (block_moves.cpp). Memory shared with other processes (a memfd
+    // segment) must not be: a move would leave its source still mapping them.
+    bool movable = true;
     Mapping(size_t len, size_t alignment);  // throws OutOfSpace/NativeError
     ~Mapping();
     Mapping(const Mapping &) = delete;
@@ -57,6 +61,7 @@ class Block {
                               // NativeError while attached to a Home (its pages live there)
     void check_live() const;  // Closed if released
     const BlockOwner *owner() const { return owner_.get(); }
+    bool movable() const { return mapping_ && mapping_->movable; }
     // Live -> attached (its pages are mapped at a Home, vmem.h) and back. One
     // atomic state, so a release racing an attach cannot both win.
     void claim_for_attach();  // Closed if released, ValueError if already attached

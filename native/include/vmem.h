@@ -17,6 +17,13 @@ namespace pfd {
 
 size_t page_size();
 
+// Move the pages of [src, src+len) onto [dst, dst+len) (page-aligned, len a
+// multiple of the page size) with mremap(MREMAP_FIXED | MREMAP_DONTUNMAP):
+// page tables only, no byte copied. dst's old pages are dropped; src stays
+// mapped with no pages behind it (reads see zeros). NativeError if the kernel
+// refuses; a failure after a partial move puts the moved part back.
+void move_pages(char *src, char *dst, size_t len);
+
 // PROT_NONE | MAP_NORESERVE reservation. Shared by the VirtualRange and every
 // Home cut from it, so the address space stays reserved while any Home (or a
 // buffer view of one) lives.

@@ -38,6 +38,8 @@ std::string hex(const void *p) {
     return buf;
 }
 
+}  // namespace
+
 // Move [src, src+len) onto [dst, dst+len) keeping src mapped (empty). A range
 // that spans several kernel VMAs (mremap refuses those with EFAULT) is moved
 // in halves; a failure after a partial move puts the moved part back.
@@ -61,6 +63,8 @@ void move_pages(char *src, char *dst, size_t len) {
                                      " failed: " + errno_name(e) +
                                      (e == EINVAL ? " (MREMAP_DONTUNMAP needs Linux >= 5.7)" : ""));
 }
+
+namespace {
 
 // Back to an address-space-only reservation: reads fault, no memory is held.
 void reserve_none(char *p, size_t len) {

@@ -78,6 +78,15 @@ class Backend(Protocol):
     def start_verify(self, key: str, tag: int) -> None: ...
     def start_copy(self, kind: TransferKind, dst, src, nbytes: int, tag: int,
                    shape=None, dtype=None) -> None: ...
+    # host -> device: the one place the tiers' memory differs (docs/stable-addresses.md,
+    # "Zero-copy tiers"). With lend=True a backend whose tiers are the same RAM (cpu) moves
+    # host_block's pages under dst and returns True: done, no completion follows, and
+    # host_block holds no bytes until return_to_host(host_block, dst) moves them back.
+    # Otherwise it starts a copy (DMA on an accelerator) and returns False: the
+    # completion carries `tag`, and host_block keeps its bytes.
+    def fill_from_host(self, dst, host_block, nbytes: int, tag: int, *, lend: bool,
+                       shape=None, dtype=None) -> bool: ...
+    def return_to_host(self, host_block, block) -> None: ...
     def wait_completions(self, timeout: float | None) -> list: ...
     def notify(self) -> None: ...
 
@@ -199,6 +208,15 @@ class HostAndStoreTiers:
 
     def host_used(self):
         return self.host.used
+
+    def fill_from_host(self, dst, host_block, nbytes, tag, *, lend, shape=None, dtype=None):
+        """Host -> device by copy (the accelerator backends: DMA beside compute); the
+        cpu backend moves pages instead."""
+        self.start_copy(TransferKind.H2D, dst, host_block, nbytes, tag, shape=shape, dtype=dtype)
+        return False
+
+    def return_to_host(self, host_block, block):
+        raise NotImplementedError(f"the {self.name} backend never lends host pages (fill_from_host copies)")
 
     def host_capacity(self):
         return self.host.budget

@@ -43,11 +43,12 @@ class CpuBackend(HostAndStoreTiers):
         probe = self.device.alloc(0)
         self._base = probe.address   # arena offset = address - base
         probe.release()
-        # Not the host pool: each host replica is a new mapping, and huge pages there
-        # would fault in 2 MiB at a time for every replica the cache admits (an O_DIRECT
-        # read into them ran at 0.1 GB/s instead of 0.8 GB/s on a VM whose hypervisor
-        # backs guest memory on first touch). The arena's pages are faulted once and reused.
-        self.host = _native.HostPool(config.host_budget, _ALIGN)
+        # Host blocks of 2 MiB or more start on a 2 MiB boundary and are advised
+        # MADV_HUGEPAGE (whole huge pages only): their pages move under a device block
+        # and a home (both 2 MiB-aligned from that size up) instead of being copied, and
+        # a 2 MiB-aligned move is one page-middle-directory entry per 2 MiB. Where THP is
+        # off the advice is a no-op and the moves take 4 KiB entries (docs/stable-addresses.md).
+        self.host = _native.HostPool(config.host_budget, _ALIGN, huge_pages=config.huge_pages)
         self.store = open_store(config)
         self.io_engine = self.store.engine
         self.cq = _native.CompletionQueue()
@@ -59,7 +60,9 @@ class CpuBackend(HostAndStoreTiers):
         self._marker = None  # ComputeMarker once the layer hooks ask for one
         self._marker_lock = threading.Lock()   # sessions on several threads get one marker
         # A host->device copy is a memcpy on the cores compute runs on; MindSpore's
-        # kernels use all of them and wait for the slowest (plan.Inputs).
+        # kernels use all of them and wait for the slowest (plan.Inputs). Loads from the
+        # host tier move pages instead (fill_from_host); what still copies is a load of
+        # register()'s values and a host block that cannot be moved.
         self.copy_contention = 1.0
 
     # memory -----------------------------------------------------------------
@@ -168,6 +171,22 @@ class CpuBackend(HostAndStoreTiers):
     def start_copy(self, kind, dst, src, nbytes, tag, shape=None, dtype=None):
         stream = self.store_stream if kind is TransferKind.D2H else self.load_stream
         stream.copy(dst, src, nbytes, tag=tag, cq=self.cq)
+
+    def fill_from_host(self, dst, host_block, nbytes, tag, *, lend, shape=None, dtype=None):
+        """Device and host tier are the same RAM here: with `lend`, move the host block's
+        pages under `dst` (mremap, no byte copied; True, done now) and leave the host block
+        empty until return_to_host. A host block that is not private anonymous memory
+        (Block.movable: e.g. a segment shared with other processes) is copied instead."""
+        if lend and getattr(host_block, "movable", False):
+            _native.move_pages(dst, host_block)
+            return True
+        return super().fill_from_host(dst, host_block, nbytes, tag, lend=False, shape=shape, dtype=dtype)
+
+    @staticmethod
+    def return_to_host(host_block, block):
+        """The pages a fill moved under `block` go back under `host_block` (the same pages:
+        a cached replica survives its device residency without a copy)."""
+        _native.move_pages(host_block, block)
 
     def wait_completions(self, timeout):
         done = self.cq.wait(timeout)

@@ -43,7 +43,10 @@ def daemon_counters(daemon):
     _status, s = daemon.snapshot()
     return {"rebinds": s.rebinds, "reclaims": s.reclaims, "loads_from": dict(s.loads_from),
             "load_bytes_from": dict(s.load_bytes_from), "stall_seconds": s.stall.sum,
-            "host_drops": s.host_drops, "fences": s.fences}
+            "host_drops": s.host_drops, "fences": s.fences,
+            # how bytes reached the device tier (core/lending.py): pages moved vs bytes copied
+            "moved_bytes": s.moved_bytes, "copied_bytes": s.copied_bytes, "returned_bytes": s.returned_bytes,
+            "page_moves": s.page_moves, "page_move_seconds": s.page_move_seconds}
 
 
 class Resident:

@@ -63,7 +63,10 @@ class HostCache:
         return [r for r in ranked if self.policy.distance(r.name) > incoming_reuse]
 
     def drop(self, rec):
+        """Free rec's host replica. One lent to the device tier (core/lending.py) holds no
+        bytes: its pages stay under the device replica and are freed with it."""
         self.backend.free_host(rec.host_block)
         rec.host_block = None
         rec.host_valid = False
+        rec.host_lent = False
         self.stats.host_drops += 1

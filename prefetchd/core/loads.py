@@ -8,9 +8,11 @@ so they run unchanged against a fake backend with no threads.
 """
 import heapq
 import logging
+import time
 
-from ..backend.base import TransferKind
+from ..backend.base import Completion, TransferKind
 from ..errors import BudgetError, NotResidentError, PrefetchdError, StorageError
+from . import lending
 from .records import State
 from .requests import Kind
 
@@ -149,7 +151,7 @@ class Loads:
         elif rec.host_valid:
             s.stats.loads_from["host"] += 1
             s.stats.load_bytes_from["host"] += rec.nbytes
-            self._copy_in(rec, rec.host_block)
+            self._fill_from_host(rec)
         else:
             s.stats.loads_from["remote"] += 1
             s.stats.load_bytes_from["remote"] += rec.nbytes
@@ -163,9 +165,39 @@ class Loads:
 
     def _copy_in(self, rec, source):
         s = self.s
-        rec.reading_host = source is rec.host_block
         self._issue(rec, TransferKind.H2D, lambda tag: s.backend.start_copy(
             TransferKind.H2D, rec.block, source, rec.nbytes, tag, shape=rec.shape, dtype=rec.dtype))
+
+    def _fill_from_host(self, rec):
+        """The device block from the host replica: its pages moved under the block where
+        the tiers share RAM (cpu; done here, the host block lent until the drop), else a
+        copy whose completion comes later. Lent only with a home (core/lending.py)."""
+        s = self.s
+        rec.reading_host = True
+        tag = s.transfers.add(TransferKind.H2D, rec)
+        start = time.monotonic_ns()
+        try:
+            moved = s.backend.fill_from_host(rec.block, rec.host_block, rec.nbytes, tag,
+                                             lend=rec.home is not None, shape=rec.shape, dtype=rec.dtype)
+        except Exception as e:   # nothing moved or started: back to ABSENT, the waiters learn why
+            s.transfers.discard(tag)
+            self._failed(rec, StorageError(f"cannot start loading {rec.name!r} from the host tier: {e}"))
+            return
+        if not moved:
+            return                 # a copy: done() runs on its completion
+        end = time.monotonic_ns()
+        s.transfers.discard(tag)
+        rec.host_lent = True
+        s.stats.moved_bytes += rec.nbytes
+        lending.count(s.stats, (end - start) / 1e9)
+        s.timeline.transfer(TransferKind.H2D.value, rec.name, rec.nbytes, start, end, ok=True)
+        try:
+            self.done(rec, TransferKind.H2D, Completion(tag, 0, nbytes=rec.nbytes, start_ns=start, end_ns=end),
+                      (end - start) / 1e9)
+        except Exception as e:
+            log.exception("prefetchd: completing the page move of %r failed", rec.name)
+            if rec.state is State.LOADING:    # not attached: the pages go back, the load fails
+                self._failed(rec, PrefetchdError(f"internal error while loading {rec.name!r}: {e!r}"))
 
     def _issue(self, rec, kind, start):
         """Start one transfer of a load; if it cannot start, the load fails (nothing lost)."""
@@ -185,8 +217,10 @@ class Loads:
         if c.status:
             self._failed(rec, s.transfer_error("read", rec, c), seconds)
             return
-        if rec.home is not None:
-            s.backend.attach(rec.home, rec.block)   # page tables only: the bytes appear at the home
+        if kind is TransferKind.H2D and not rec.host_lent:
+            s.stats.copied_bytes += rec.nbytes
+        if rec.home is not None:   # page tables only: the bytes appear at the home
+            lending.timed(s.stats, s.backend.attach, rec.home, rec.block)
         self.arrived(rec)
         s.stats.record_transfer(kind.value if kind is TransferKind.H2D else "load", rec.nbytes, seconds)
         s.emit("loaded", rec, seconds)
@@ -212,13 +246,17 @@ class Loads:
             req.remaining -= 1
             if req.remaining == 0:
                 s.outcomes.resolve(req)
-        if rec.evict_after_load and not rec.pins:
+        if rec.evict_after_load:
+            # Pinned on arrival: the evict request, still waiting, drops it once unpinned;
+            # a flag left set would drop the tensor again on its next, unrelated load.
             rec.evict_after_load = False
-            s.writebacks.evict(rec, "explicit")
+            if not rec.pins:
+                s.writebacks.evict(rec, "explicit")
 
     def _failed(self, rec, error, seconds=0.0):
         s = self.s
         rec.reading_host = False
+        lending.give_back(s.backend, s.stats, rec, rec.block)
         s.backend.free_device(rec.block)
         rec.block = None
         rec.state = State.ABSENT
@@ -275,7 +313,7 @@ class Loads:
             return
         rec.host_valid = True
         s.stats.record_transfer("load", rec.nbytes, seconds)
-        self._copy_in(rec, rec.host_block)
+        self._fill_from_host(rec)
 
     def _try_alloc_host(self, rec):
         try:
@@ -301,3 +339,4 @@ class Loads:
             self.s.backend.free_host(rec.host_block)
         rec.host_block = None
         rec.host_valid = False
+        rec.host_lent = False      # lent pages, if any, are freed with the device block

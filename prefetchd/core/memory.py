@@ -10,6 +10,7 @@ while it waits for a whole-queue fence).
 """
 from .. import _native
 from ..errors import BudgetError
+from . import lending
 from .fences import FenceWatcher
 from .records import State
 
@@ -104,7 +105,8 @@ class DeviceMemory:
             if rec.state is State.ABSENT and self.backend.written(home):
                 self.written_late(rec, block)
                 return
-            self.backend.detach(home, block)
+            lending.timed(self.stats, self.backend.detach, home, block)
+        lending.give_back(self.backend, self.stats, rec, block)   # lent host pages go home first
         self.backend.free_device(block)
 
     # ------------------------------------------------------------------ victims

@@ -21,6 +21,7 @@ from .. import _native
 from ..backend.base import TransferKind
 from ..errors import BudgetError, IntegrityError, PinnedError, PrefetchdError, ShutdownError, StorageError
 from ..telemetry.timeline import NullTimeline
+from . import lending
 from .hostcache import HostCache
 from .loads import Loads
 from .memory import DeviceMemory
@@ -151,6 +152,7 @@ class Scheduler:
         """Put a record whose move broke midway back into a named, usable state."""
         if rec.state is State.LOADING and not self.transfers.involves(rec):
             if rec.block is not None:
+                lending.give_back(self.backend, self.stats, rec, rec.block)
                 self.backend.free_device(rec.block)
             rec.block, rec.state = None, State.ABSENT
             self.outcomes.fail_waiters(rec, error)

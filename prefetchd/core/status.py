@@ -5,7 +5,7 @@ from .records import State
 def describe(config, registry, core, *, closed, running):
     """status() of a daemon; `core` is None before start()."""
     states = dict.fromkeys((s.value for s in State), 0)
-    pinned = pinned_bytes = cached = cached_bytes = 0
+    pinned = pinned_bytes = cached = cached_bytes = lent_bytes = 0
     for rec in registry:
         states[rec.state.value] += 1
         if rec.pins:
@@ -14,6 +14,8 @@ def describe(config, registry, core, *, closed, running):
         if rec.host_cached:
             cached += 1
             cached_bytes += rec.nbytes
+        if rec.host_lent:
+            lent_bytes += rec.nbytes
     be = core.backend if core else None
     used = be.device_used() if be else 0
     cap = config.device_budget
@@ -28,8 +30,10 @@ def describe(config, registry, core, *, closed, running):
                    "low_watermark": memory.low if memory else config.low_watermark,
                    "usage_ratio": used / cap if cap else 0.0},
         # cached: host replicas kept as a cache of the remote tier (dropped for free)
+        # lent_bytes: host blocks (counted in `used`) whose pages are under a device replica
         "host": {"budget": config.host_budget, "used": be.host_used() if be else 0,
-                 "cached": cached, "cached_bytes": cached_bytes},
+                 "cached": cached, "cached_bytes": cached_bytes, "lent_bytes": lent_bytes},
+        "page_moves": _page_moves(core.stats if core else None),
         "remote": {"bytes": be.store_bytes() if be and running else 0},
         "loads_from": dict(core.stats.loads_from) if core else {"host": 0, "remote": 0},
         "load_bytes_from": dict(core.stats.load_bytes_from) if core else {"host": 0, "remote": 0},
@@ -38,3 +42,13 @@ def describe(config, registry, core, *, closed, running):
         "pinned": pinned, "pinned_bytes": pinned_bytes,
         "tensors": len(registry), "states": states,
     }
+
+
+def _page_moves(stats):
+    """How bytes reached the device tier: moved (pages, no copy) or copied, and the time
+    spent in page moves (core/lending.py). Cumulative since start()."""
+    if stats is None:
+        return {"moved_bytes": 0, "copied_bytes": 0, "returned_bytes": 0, "moves": 0, "seconds": 0.0}
+    return {"moved_bytes": stats.moved_bytes, "copied_bytes": stats.copied_bytes,
+            "returned_bytes": stats.returned_bytes, "moves": stats.page_moves,
+            "seconds": stats.page_move_seconds}

@@ -101,8 +101,10 @@ class WriteBacks:
         s.stats.writebacks += 1
         s.note_writes(rec)
         rec.remote_valid = True
-        if rec.host_valid:         # the host replica, if any, is older now
+        if rec.host_valid and not rec.host_lent:   # the host replica, if any, is older now
             s.loads.free_host(rec)
+        # (A lent host block holds no bytes: the device replica's pages, just verified,
+        # are what go back under it when the replica is dropped clean.)
         rec.state = State.RESIDENT
         rec.dirty = rec.generation != rec.store_generation   # written again while storing
         s.emit("written_back", rec)

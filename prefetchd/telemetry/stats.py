@@ -86,6 +86,12 @@ class Stats:
     rebinds: int = 0         # framework tensors pointed at new storage after registration
     reclaims: int = 0        # dropped replicas taken back before their pages left (no I/O)
     compute_writes: int = 0  # resident replicas found written in place by compute (then written back)
+    # Host -> device on the cpu backend moves pages, not bytes (core/lending.py):
+    moved_bytes: int = 0     # loaded into the device tier by moving the host block's pages
+    copied_bytes: int = 0    # loaded into the device tier by a copy (memcpy / DMA)
+    returned_bytes: int = 0  # moved back under their host block when the device replica was dropped
+    page_moves: int = 0      # mremap moves: host fills and returns, home attaches and detaches
+    page_move_seconds: float = 0.0   # wall time in them (the caller's side of their TLB shootdowns)
 
     def count(self, op, outcome):
         """Count one request outcome (registrations are not counted as requests)."""
@@ -119,4 +125,9 @@ class Stats:
             rebinds=self.rebinds,
             reclaims=self.reclaims,
             compute_writes=self.compute_writes,
+            moved_bytes=self.moved_bytes,
+            copied_bytes=self.copied_bytes,
+            returned_bytes=self.returned_bytes,
+            page_moves=self.page_moves,
+            page_move_seconds=self.page_move_seconds,
         )

@@ -72,6 +72,24 @@ def test_no_rebinds_and_the_watermark_holds(report):
             assert info["peak_device_bytes"] <= info["high_watermark"]
 
 
+def test_no_byte_is_copied_after_the_disk_read_and_page_moves_are_timed(report):
+    for r in report["results"]:
+        assert r["copied_bytes_steady"] == 0
+        for name in ("on_demand", "prefetchd", "io_only"):
+            for p in r[name]["passes"]:
+                assert p["copied_bytes"] == 0, (r["case"], name, p)
+                # every byte from the host tier arrived by moving its pages, and so did a disk
+                # read the host cache admitted (read into a host block, then moved)
+                loaded = p["load_bytes_from"]
+                assert loaded["host"] <= p["moved_bytes"] <= loaded["host"] + loaded["remote"], p
+                if r["case"] == "host":
+                    assert p["moved_bytes"] == loaded["host"]
+                if p["moved_bytes"]:
+                    assert p["page_moves"] > 0 and p["page_move_seconds"] > 0
+            if r["case"] == "host":
+                assert r[name]["moved_bytes"] > 0
+
+
 def _by_case(report):
     return {r["case"]: r for r in report["results"]}
 

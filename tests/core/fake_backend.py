@@ -167,6 +167,24 @@ class FakeBackend:
             dst[:nbytes] = bytes(memoryview(src).cast("B")[:nbytes])
         self.queued.append((kind, tag, run))
 
+    lends = False    # True: fill_from_host moves (the cpu backend's page moves), else copies
+
+    def fill_from_host(self, dst, host_block, nbytes, tag, *, lend, shape=None, dtype=None):
+        self._call("fill_from_host")
+        if not (lend and self.lends):
+            self.start_copy(TransferKind.H2D, dst, host_block, nbytes, tag)
+            return False
+        # A move: the bytes are under dst now and the host block holds zeros, so a core
+        # that read a lent host block would load zeros, not the tensor.
+        dst[:nbytes] = host_block[:nbytes]
+        host_block[:] = bytes(len(host_block))
+        return True
+
+    def return_to_host(self, host_block, block):
+        self._call("return_to_host")
+        host_block[:] = block[:len(host_block)]
+        block[:] = bytes(len(block))
+
     def store_contains(self, key):
         return key in self.store
 

@@ -320,3 +320,23 @@ def test_a_prefetch_that_hits_keeps_its_tensor_from_later_prefetches():
     pin = c.submit(Kind.PIN, [root])
     c.step()
     assert pin.done() and root.pins == 1
+
+
+def test_an_evict_that_meets_a_pin_on_arrival_drops_the_tensor_once_not_on_its_next_load():
+    c = Core()
+    a = c.tensor("a", fill=3)
+    c.submit(Kind.PREFETCH, [a])
+    c.step(pick=set())
+    ev = c.submit(Kind.EVICT, [a])              # evict while loading ...
+    c.step(pick=set())
+    assert a.state is State.LOADING and a.evict_after_load
+    pin = c.submit(Kind.PIN, [a])               # ... and compute pins it before it lands
+    c.step(pick=set())
+    c.step()
+    assert pin.done() and a.pins == 1 and a.state is State.RESIDENT
+    c.submit(Kind.UNPIN, [a])
+    c.drain()
+    assert ev.result(0) is None and a.state is State.ABSENT
+    again = c.submit(Kind.PREFETCH, [a])        # an unrelated later load stays resident
+    c.drain()
+    assert again.result(0) is None and a.state is State.RESIDENT

@@ -1,0 +1,84 @@
+// move_pages(dst, src): a block's bytes change blocks without being copied.
+//
+// On the CPU backend the host tier and the device tier are the same DRAM, so
+// a load from the host tier need not copy: the host block's physical pages are
+// moved under the device block (and from there under the tensor's home by
+// Arena.attach), and an eviction moves them back. Each move is one mremap
+// (page tables only; for 2 MiB-aligned ranges one entry per huge page), see
+// docs/stable-addresses.md "Zero-copy tiers".
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <string>
+
+#include "common.h"
+#include "memory.h"
+#include "vmem.h"
+
+namespace pfd {
+
+namespace {
+
+// Both blocks held (no release, no attach) for the duration of the move.
+struct Claim {
+    Block &b;
+    explicit Claim(Block &block) : b(block) { b.claim_for_attach(); }
+    ~Claim() { b.mark_detached(); }
+    Claim(const Claim &) = delete;
+    Claim &operator=(const Claim &) = delete;
+};
+
+void check_movable(const Block &b, const char *which) {
+    if (b.released()) throw Error(ErrKind::Closed, std::string("move_pages: the ") + which + " block is released");
+    if (b.attached())
+        throw Error(ErrKind::Value, std::string("move_pages: the ") + which +
+                                        " block is attached to a home (its pages are mapped there); detach it first");
+    if (!b.movable())
+        throw Error(ErrKind::Value, std::string("move_pages: the ") + which +
+                                        " block is not private anonymous memory (its pages cannot be moved); copy it");
+    if (!is_aligned(b.data(), page_size()))
+        throw Error(ErrKind::Value, std::string("move_pages: the ") + which + " block is not page-aligned");
+}
+
+}  // namespace
+
+// Returns the bytes moved (src's pages, nbytes rounded up to the page size).
+size_t move_block_pages(const std::shared_ptr<Block> &dst, const std::shared_ptr<Block> &src) {
+    if (dst.get() == src.get()) throw Error(ErrKind::Value, "move_pages: source and destination are the same block");
+    check_movable(*dst, "destination");
+    check_movable(*src, "source");
+    size_t len = round_up(src->nbytes(), page_size());
+    if (dst->nbytes() < src->nbytes() || dst->capacity() < len || src->capacity() < len)
+        throw Error(ErrKind::Value, "move_pages: a destination of " + std::to_string(dst->nbytes()) +
+                                        " bytes (capacity " + std::to_string(dst->capacity()) +
+                                        ") cannot take the pages of a source of " + std::to_string(src->nbytes()) +
+                                        " bytes (capacity " + std::to_string(src->capacity()) + ", " +
+                                        std::to_string(len) + " to move)");
+    uintptr_t d = dst->address(), s = src->address();
+    if (len && d < s + len && s < d + len) throw Error(ErrKind::Value, "move_pages: the blocks overlap");
+    if (len == 0) return 0;
+    Claim hold_src(*src);   // ValueError/Closed if a release or attach won the race
+    Claim hold_dst(*dst);
+    move_pages(src->data(), dst->data(), len);
+    return len;
+}
+
+}  // namespace pfd
+
+namespace py = pybind11;
+
+// Called from module.cpp's PYBIND11_MODULE after Block is bound.
+void bind_block_moves(py::module_ &m) {
+    using namespace pfd;
+    m.def(
+        "move_pages",
+        [](std::shared_ptr<Block> dst, std::shared_ptr<Block> src) {
+            py::gil_scoped_release nogil;
+            return move_block_pages(dst, src);
+        },
+        py::arg("dst"), py::arg("src"),
+        "Move src's pages under dst (mremap, no copy); src then reads zeros. Returns the bytes moved.");
+    auto block_cls = py::reinterpret_borrow<py::class_<Block, std::shared_ptr<Block>>>(m.attr("Block"));
+    block_cls.def_property_readonly("movable", &Block::movable,
+                                    "private anonymous memory: move_pages can move its pages");
+}

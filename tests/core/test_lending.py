@@ -1,0 +1,198 @@
+"""Host blocks lent to the device tier (core/lending.py), driven step by step.
+
+The fake backend's `lends = True` models the cpu backend's page moves: a fill
+moves the bytes under the device block and leaves zeros in the host block, a
+return moves them back. So a core that read a lent host block, or freed pages it
+should have returned, would load zeros: every check below compares bytes.
+"""
+import random
+
+import pytest
+
+from prefetchd.core.records import State
+from prefetchd.core.requests import Kind
+
+from .fake_backend import Home
+from .test_moves import KiB, Core
+
+
+def _lending_core(device=64 * KiB, host=64 * KiB, **kw):
+    c = Core(device=device, host=host, **kw)
+    c.backend.lends = True
+    return c
+
+
+def _tensor(c, name, fill, nbytes=4 * KiB):
+    rec = c.tensor(name, nbytes=nbytes, fill=fill)
+    rec.home = Home()
+    return rec
+
+
+def _host_only(c, name, fill, nbytes=4 * KiB):
+    """register(tier="host"): the host block is the only copy."""
+    rec = _tensor(c, name, fill, nbytes)
+    del c.backend.store[name]
+    rec.remote_valid, rec.host_valid = False, True
+    rec.host_block = c.backend.alloc_host(nbytes)
+    rec.host_block[:] = bytes([fill]) * nbytes
+    return rec
+
+
+def _load(c, rec):
+    f = c.submit(Kind.PREFETCH, [rec])
+    c.drain()
+    assert f.result(0) is None
+
+
+def _evict(c, rec):
+    f = c.submit(Kind.EVICT, [rec])
+    c.drain()
+    assert f.result(0) is None
+
+
+def test_a_host_load_moves_the_bytes_and_the_drop_moves_them_back():
+    c = _lending_core()
+    a = _host_only(c, "a", fill=3)
+    host = a.host_block
+    _load(c, a)
+    assert a.state is State.RESIDENT and a.host_lent
+    assert bytes(a.replica) == bytes([3]) * a.nbytes
+    assert bytes(host) == bytes(a.nbytes)             # moved, not copied: the host block is empty
+    assert c.stats.moved_bytes == a.nbytes and c.stats.copied_bytes == 0
+    assert c.backend.host_in_use == a.nbytes          # its slot stays counted in the host budget
+    _evict(c, a)
+    assert a.state is State.ABSENT and not a.host_lent and a.host_block is host
+    assert bytes(host) == bytes([3]) * a.nbytes       # the same block holds the bytes again
+    assert c.stats.returned_bytes == a.nbytes
+    _load(c, a)                                        # and loads from it again
+    assert bytes(a.replica) == bytes([3]) * a.nbytes
+
+
+def test_without_lending_the_host_load_copies_and_the_host_replica_keeps_its_bytes():
+    c = Core(device=64 * KiB, host=64 * KiB)            # the accelerator backends: DMA copies
+    a = _host_only(c, "a", fill=4)
+    _load(c, a)
+    assert not a.host_lent and bytes(a.host_block) == bytes([4]) * a.nbytes
+    assert c.stats.copied_bytes == a.nbytes and c.stats.moved_bytes == 0
+
+
+def test_a_lent_replica_the_host_cache_drops_is_freed_with_the_device_block():
+    c = _lending_core(device=64 * KiB, host=4 * KiB, policy="lru")
+    a, b = _tensor(c, "a", fill=1), _tensor(c, "b", fill=2)
+    _load(c, a)                                        # disk -> host block -> pages moved under a
+    assert a.host_lent and a.host_valid
+    _evict(c, a)
+    _load(c, a)                                        # from the host tier now: lent again
+    assert a.host_lent and c.stats.loads_from["host"] == 1
+    _load(c, b)                                        # LRU: b's replica displaces a's lent one
+    assert not a.host_valid and a.host_block is None and not a.host_lent
+    assert bytes(a.replica) == bytes([1]) * a.nbytes   # the pages stayed under the device replica
+    _evict(c, a)
+    assert c.backend.host_in_use <= c.backend.host_budget
+    _load(c, a)                                        # from disk again, same bytes
+    assert bytes(a.replica) == bytes([1]) * a.nbytes
+
+
+def test_a_written_lent_replica_is_written_back_and_the_new_bytes_go_back_to_the_host():
+    c = _lending_core()
+    a = _host_only(c, "a", fill=5)
+    host = a.host_block
+    _load(c, a)
+    a.replica[:] = bytes([9]) * a.nbytes               # compute writes the weight in place
+    a.home.written = True
+    _evict(c, a)
+    assert c.backend.store["a"] == bytes([9]) * a.nbytes   # written back before the drop
+    assert a.state is State.ABSENT and not a.dirty and a.host_block is host
+    assert bytes(host) == bytes([9]) * a.nbytes
+    _load(c, a)
+    assert bytes(a.replica) == bytes([9]) * a.nbytes
+
+
+def test_a_failed_write_back_of_a_lent_replica_loses_nothing():
+    c = _lending_core()
+    a = _host_only(c, "a", fill=5)
+    _load(c, a)
+    a.replica[:] = bytes([8]) * a.nbytes
+    a.home.written = True
+    c.backend.fail_next("store")
+    f = c.submit(Kind.EVICT, [a])
+    c.drain()
+    assert f.exception(0) is not None
+    assert a.state is State.RESIDENT and a.dirty and a.writeback_failed and a.host_lent
+    assert bytes(a.replica) == bytes([8]) * a.nbytes
+    flush = c.submit(Kind.FLUSH, None)
+    c.drain()
+    assert flush.result(0) is None
+    _evict(c, a)
+    assert bytes(a.host_block) == bytes([8]) * a.nbytes and c.backend.store["a"] == bytes([8]) * a.nbytes
+
+
+def test_an_attach_that_fails_after_the_move_gives_the_pages_back():
+    c = _lending_core()
+    a = _host_only(c, "a", fill=6)
+    real, calls = c.backend.attach, []
+
+    def attach(home, block):
+        calls.append(home)
+        if len(calls) == 1:
+            raise RuntimeError("injected: the kernel refused the move")
+        real(home, block)
+    c.backend.attach = attach
+    f = c.submit(Kind.PREFETCH, [a])
+    c.drain()
+    assert f.exception(0) is not None and a.state is State.ABSENT
+    assert not a.host_lent and bytes(a.host_block) == bytes([6]) * a.nbytes
+    assert c.backend.used == 0
+    _load(c, a)
+    assert bytes(a.replica) == bytes([6]) * a.nbytes
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bytes_and_budgets_hold_under_random_steps_with_lending(seed):
+    rnd = random.Random(seed)
+    c = _lending_core(device=40 * KiB, host=24 * KiB, policy=rnd.choice(["lru", "belady"]))
+    recs = [_tensor(c, f"t{i}", fill=i + 1, nbytes=rnd.choice([4, 8]) * KiB) for i in range(10)]
+    truth = {r.name: bytes([i + 1]) * r.nbytes for i, r in enumerate(recs)}
+    pinned = []
+    for step in range(300):
+        op = rnd.random()
+        if op < 0.4:
+            c.submit(Kind.PREFETCH, rnd.sample(recs, rnd.randint(1, 2)), priority=rnd.randint(0, 3))
+        elif op < 0.5 and len(pinned) < 2:
+            rec = rnd.choice(recs)
+            c.submit(Kind.PIN, [rec])
+            pinned.append(rec)
+        elif op < 0.6 and pinned:
+            c.submit(Kind.UNPIN, [pinned.pop(rnd.randrange(len(pinned)))])
+        elif op < 0.75:
+            c.submit(Kind.EVICT, [rnd.choice(recs)])
+        elif op < 0.82:
+            rec = rnd.choice(recs)
+            if rec.state is State.RESIDENT and rec.home.block is not None:
+                value = bytes([(step % 200) + 20]) * rec.nbytes   # compute writes it in place
+                rec.replica[:] = value
+                rec.home.written = True
+                truth[rec.name] = value
+        c.step(pick=None if rnd.random() < 0.7 else {rnd.choice(["load", "store", "verify", "stage"])})
+        assert c.backend.host_in_use <= c.backend.host_budget
+        for rec in recs:
+            if rec.state is State.RESIDENT and rec.home.block is not None:
+                assert bytes(rec.replica) == truth[rec.name], (seed, step, rec.name)
+            if rec.host_lent:
+                assert rec.host_block is not None and bytes(rec.host_block) == bytes(rec.nbytes)
+    c.drain()                     # every pin has landed (an unpin may have overtaken its pin)
+    for rec in recs:
+        for _ in range(rec.pins):
+            c.submit(Kind.UNPIN, [rec])
+    c.drain()
+    for rec in recs:
+        _evict(c, rec)
+        assert not rec.host_lent
+        if rec.host_valid:
+            assert bytes(rec.host_block) == truth[rec.name], rec.name
+    for rec in recs:
+        _load(c, rec)
+        assert bytes(rec.replica) == truth[rec.name], rec.name
+        _evict(c, rec)
+    assert all(f.done() for f in c.futures) and not c.s.transfers
+    assert c.stats.copied_bytes == 0 and c.stats.moved_bytes > 0
