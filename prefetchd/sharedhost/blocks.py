@@ -53,8 +53,8 @@ class SharedBlock:
         finally:
             writable.close()        # F_SEAL_WRITE refuses while a writable mapping exists
         fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
-        self.view = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
-        self.view.madvise(mmap.MADV_WILLNEED)
+        # Populated: the pages are in the owner's page tables, so its PSS accounts for them.
+        self.view = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
 
     def close(self):
         """Drop the owner's mapping and descriptor; the pages go when the last process unmaps them."""
