@@ -106,6 +106,8 @@ class Front:
         self._start_error = None
         self._closed = False
         self._ipc_files = []
+        self._shared = None           # (owner, its store) of the shared host tier, with --shared-host
+        self._tag = f"{name}-{tag}"
 
     # -- lifecycle
 
@@ -121,8 +123,14 @@ class Front:
                 prefix=".prefetchd-serve-" if near else "prefetchd-serve-", dir=near))
             self._pool.spec = self.spec
         try:
+            if self.spec.shared_host:
+                from ..sharedhost.serving import start_owner
+                from .worker import link_checkpoint_store
+                self._shared = start_owner(self.spec, runtime_dir(), self._tag, link_checkpoint_store)
+                self.spec = self._pool.spec = dataclasses.replace(self.spec, shared_socket=self._shared[0].path)
             self._loop.start(30)
         except BaseException:
+            self._stop_shared()
             if self._owns_store:
                 shutil.rmtree(self.spec.store_dir, ignore_errors=True)
             raise
@@ -148,8 +156,19 @@ class Front:
             self._exporter.close(1.0)
         self._loop.close(max(0.0, deadline - time.monotonic()))
         self._pool.stop(deadline)
+        self._stop_shared()
         if self._owns_store:
             shutil.rmtree(self.spec.store_dir, ignore_errors=True)
+
+    def _stop_shared(self):
+        if self._shared is not None:
+            from ..sharedhost.serving import stop_owner
+            stop_owner(*self._shared)
+            self._shared = None
+
+    def shared_status(self):
+        """The shared host tier's status (prefetchd.sharedhost), or None without one."""
+        return self._shared[0].status() if self._shared is not None else None
 
     def serve_forever(self):
         """Run until SIGINT/SIGTERM (for the CLI)."""
@@ -177,7 +196,8 @@ class Front:
         """What the front's metrics report: counters, queue depth and each worker's
         public state (safe to call from another thread: copies only)."""
         return {"counters": dict(self.counters), "queued": len(self._queue),
-                "workers": [s.public() for s in list(self._pool.slots)]}
+                "workers": [s.public() for s in list(self._pool.slots)],
+                "shared_host": self.shared_status()}
 
     @property
     def socket_files(self):
@@ -399,7 +419,8 @@ class Front:
     def _status_document(self, results):
         return status_document({"endpoint": self.endpoint, "hints": self.hints,
                                 "queued": len(self._queue), "models": self.spec.model_names(),
-                                "counters": dict(self.counters)}, self._pool.slots, results)
+                                "counters": dict(self.counters), "shared_host": self.shared_status()},
+                               self._pool.slots, results)
 
     def _on_control_reply(self, s, frames):
         try:
