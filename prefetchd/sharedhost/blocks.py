@@ -66,19 +66,17 @@ class SharedBlock:
             self.fd = -1
 
 
-def map_received(fd, nbytes, size):
-    """A worker's read-only mapping of a block it was sent, after checking that it is
-    what the owner says: sealed against writes and resizing, and at least `size`
-    bytes. Closes fd. ValueError if not (the caller then reads its own store)."""
+def check_received(fd, nbytes, size):
+    """The inode of a block a worker was sent, after checking that it is what the owner
+    says: sealed against writes and resizing, and at least `size` bytes. ValueError
+    if not (the caller then reads its own store); fd stays open either way."""
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         if seals & REQUIRED_SEALS != REQUIRED_SEALS:
             raise ValueError(f"shared block is not sealed against writes (seals {seals:#x})")
-        actual = os.fstat(fd).st_size
-        if size != segment_size(nbytes) or actual < size:
-            raise ValueError(f"shared block is {actual} bytes, {nbytes} asked (segment {size})")
-        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ), os.fstat(fd).st_ino
+        st = os.fstat(fd)
+        if size != segment_size(nbytes) or st.st_size < size:
+            raise ValueError(f"shared block is {st.st_size} bytes, {nbytes} asked (segment {size})")
+        return st.st_ino
     except OSError as e:
         raise ValueError(f"shared block descriptor refused: {e}") from None
-    finally:
-        os.close(fd)

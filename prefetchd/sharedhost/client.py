@@ -11,17 +11,19 @@ its bytes do not match the checksum, the owner is gone — the load falls back t
 this daemon's own checksummed store read, as without the shared tier. So the
 shared tier can save reads and RAM but never changes what a load returns.
 
-Why a copy and not a mapping of the shared pages at the tensor's home: measured
-in docs/shared-host.md (the shared memfd pages are 4 KiB pages: mapping them
-faults each one in, which costs more than the copy it saves).
+Why a copy (a pread from the memfd) and not a mapping of the shared pages at the
+tensor's home: measured in docs/shared-host.md (the shared memfd pages are 4 KiB
+pages; mapping them costs about what the pread costs, and a home mapped to shared
+pages would need native support for copy-on-write of written weights).
 """
 import logging
+import os
 import queue
 import socket
 import threading
 
 from . import wire
-from .blocks import map_received
+from .blocks import check_received
 
 log = logging.getLogger("prefetchd.sharedhost")
 
@@ -38,7 +40,6 @@ class SharedHostClient:
     """One connection to the owner. Thread-safe (requests are serialised)."""
 
     def __init__(self, path, name="", timeout=60.0):
-        import os
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.settimeout(timeout)
@@ -71,39 +72,26 @@ class SharedHostClient:
                 raise ConnectionError(f"shared host tier {self.path}: {e}") from None
 
     def acquire(self, key, version, nbytes, crc):
-        """A read-only mmap of the sealed block holding these bytes; Refused if the
-        owner will not share them, or the block fails its checks (then released)."""
+        """A Grant of the sealed block holding these bytes (a lease: `release` it);
+        Refused if the owner will not share them or the block fails its checks."""
         reply, fd = self._call({"op": "acquire", "key": key, "version": version, "nbytes": nbytes,
                                 "crc": crc})
         if not reply.get("ok"):
             if fd is not None:
-                import os
                 os.close(fd)
             raise Refused(reply.get("code", "?"), reply.get("reason", ""))
         try:
             if fd is None:
                 raise ValueError("the owner granted a block without its descriptor")
             if (reply.get("nbytes"), reply.get("crc")) != (nbytes, crc):
-                import os
-                os.close(fd)
                 raise ValueError(f"the owner granted {reply.get('nbytes')} bytes crc {reply.get('crc')}")
-            mm, inode = map_received(fd, nbytes, reply.get("size"))
-            if (key, version, inode) not in self._verified:
-                self._check(mm, nbytes, crc, key)
-                self._verified.add((key, version, inode))
-            return mm
+            inode = check_received(fd, nbytes, reply.get("size"))
         except ValueError as e:
+            if fd is not None:
+                os.close(fd)
             self.release(key, version)
             raise Refused("corrupt", str(e)) from None
-
-    @staticmethod
-    def _check(mm, nbytes, crc, key):
-        from .. import _native
-        with memoryview(mm) as view, view[:nbytes] as data:
-            got = _native.crc32c(data)
-        if got != crc:
-            mm.close()
-            raise ValueError(f"shared block of {key!r} has crc {got:#x}, its store copy {crc:#x}")
+        return Grant(self, key, version, nbytes, crc, fd, (key, version, inode) in self._verified, inode)
 
     def release(self, key, version):
         try:
@@ -125,6 +113,47 @@ class SharedHostClient:
         if not self.closed:
             self.closed = True
             self.sock.close()
+
+
+class Grant:
+    """One leased block: `read_into` copies it out (checked against the store's crc
+    the first time this process reads this block), `close` releases the lease."""
+
+    def __init__(self, client, key, version, nbytes, crc, fd, verified, inode):
+        self.client, self.key, self.version, self.nbytes, self.crc = client, key, version, nbytes, crc
+        self.fd, self._verified, self._inode = fd, verified, inode
+
+    def read_into(self, dst):
+        """Copy the block's bytes to the front of the writable buffer dst. A pread, not a
+        mapping: cheapest for 4 KiB shmem pages (docs/shared-host.md). Refused
+        ("corrupt") if the bytes do not match the crc of this daemon's store copy."""
+        from .. import _native
+        with memoryview(dst) as view, view.cast("B")[:self.nbytes] as out:
+            done = 0
+            while done < self.nbytes:
+                got = os.preadv(self.fd, [out[done:]], done)
+                if got <= 0:
+                    raise Refused("corrupt", f"shared block of {self.key!r} ended at {done} bytes")
+                done += got
+            if not self._verified:
+                got = _native.crc32c(out)
+                if got != self.crc:
+                    raise Refused("corrupt", f"shared block of {self.key!r} has crc {got:#x}, its "
+                                             f"store copy {self.crc:#x}")
+                self.client._verified.add((self.key, self.version, self._inode))
+                self._verified = True
+
+    def close(self):
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            self.client.release(self.key, self.version)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 class SharedLoads:
@@ -166,7 +195,7 @@ class SharedLoads:
         try:
             info = be.store.info(key)
             version = info["version"]
-            mm = self.client.acquire(key, version, info["nbytes"], info["crc"])
+            grant = self.client.acquire(key, version, info["nbytes"], info["crc"])
         except Refused as e:
             self.refusals[e.code] = self.refusals.get(e.code, 0) + 1
             if e.code != wire.MISMATCH:
@@ -176,17 +205,14 @@ class SharedLoads:
             if isinstance(e, ConnectionError):
                 log.warning("shared host tier detached; loads read this daemon's store: %s", e)
             return self._own_read(key, block, nbytes, tag, verify)
-        from .. import _native
         try:
-            _native.bulk_copy(block, mm, nbytes)
-            copied = True
-        except Exception:            # never leave a load without a completion
-            log.exception("shared host tier: copying %r out of its shared block failed", key)
-            copied = False
-        finally:
-            mm.close()
-            self.client.release(key, version)
-        if not copied:
+            with grant:
+                grant.read_into(block)
+        except Exception as e:       # never leave a load without a completion
+            if isinstance(e, Refused):
+                self.refusals[e.code] = self.refusals.get(e.code, 0) + 1
+            log.warning("shared host tier: copying %r out of its shared block failed (%s); "
+                        "reading this daemon's store", key, e)
             return self._own_read(key, block, nbytes, tag, verify)
         self.counts["hits"] += 1
         self.counts["hit_bytes"] += nbytes

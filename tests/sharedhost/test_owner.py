@@ -57,6 +57,12 @@ def _ident(src, name):
     return _IDENTS[src, name]
 
 
+def _read(grant):
+    out = np.empty(grant.nbytes // 4, np.float32)
+    grant.read_into(out)
+    return out
+
+
 def _raw(owner):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.settimeout(5)
@@ -126,17 +132,15 @@ def test_a_lease_keeps_a_block_until_released_or_its_holder_disconnects(tmp_path
         a, b = SharedHostClient(owner.path, "a"), SharedHostClient(owner.path, "b")
         t0, t1 = _ident(src, "t0"), _ident(src, "t1")
         held = a.acquire(*t0)
-        assert np.array_equal(np.frombuffer(held, np.float32, N), values("t0"))
+        assert np.array_equal(_read(held), values("t0"))
         with pytest.raises(Refused) as e:
             b.acquire(*t1)                 # the only block is leased: never dropped
         assert e.value.code == wire.NO_ROOM
         assert owner.status()["leases"] == 1
         a.close()                          # the holder goes away: its lease with it
         held.close()
-        got = b.acquire(*t1)               # t0 is dropped for t1 now
-        assert np.array_equal(np.frombuffer(got, np.float32, N), values("t1"))
-        got.close()
-        b.release(*t1[:2])
+        with b.acquire(*t1) as got:        # t0 is dropped for t1 now
+            assert np.array_equal(_read(got), values("t1"))
         b.release(*t1[:2])                 # a stray release is ignored
         st = b.status()
         assert st["leases"] == 0 and st["counters"]["evictions"] == 1
@@ -155,7 +159,6 @@ def test_belady_on_the_attached_traces_drops_the_block_used_last(tmp_path, src):
         for name in ("t0", "t1", "t2"):      # t2 needs room: LRU would drop t0, the trace says
             ident = _ident(src, name)        # t0 is next (cyclic), so t1 goes
             c.acquire(*ident).close()
-            c.release(*ident[:2])
         st = c.status()
         assert st["counters"]["evictions"] == 1
         c.acquire(*_ident(src, "t0")).close()
@@ -218,7 +221,8 @@ def test_the_client_refuses_a_block_it_cannot_trust(tmp_path, seal, garbage):
     fake = _FakeOwner(str(tmp_path / "fake.sock"), lambda: _memfd(served, seal), len(data), crc)
     c = SharedHostClient(str(tmp_path / "fake.sock"), "c")
     with pytest.raises(Refused) as e:
-        c.acquire("t0", 1, len(data), crc)
+        with c.acquire("t0", 1, len(data), crc) as grant:     # unsealed: refused here
+            grant.read_into(np.empty(N, np.float32))        # wrong bytes: refused here
     assert e.value.code == "corrupt"
     assert ("sealed" in str(e.value)) if not seal else ("crc" in str(e.value))
     c.close()
@@ -245,9 +249,8 @@ def test_a_daemon_loads_a_written_weight_from_its_own_store_not_the_shared_tier(
     finally:
         d.close(10)
     c = SharedHostClient(owner.path, "check")
-    got = c.acquire(*_ident(src, "t0"))
-    assert np.array_equal(np.frombuffer(got, np.float32, N), values("t0"))
-    got.close()
+    with c.acquire(*_ident(src, "t0")) as got:
+        assert np.array_equal(_read(got), values("t0"))
     c.close()
 
 
