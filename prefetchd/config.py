@@ -190,6 +190,8 @@ class Config:
     allow_remote: bool = False            # tcp: bind addresses other than loopback
     max_message_size: int = 1 << 20       # control-plane request size limit
     allow_insecure_remote: bool = False   # allow_remote without CURVE: every peer on the network may connect
+    shared_host: str | None = None        # Unix socket of a shared host tier's owner (docs/shared-host.md):
+                                          # clean host replicas come from it; None: a private host tier
     trace: str | None = None              # write a Chrome/Perfetto timeline of the scheduler here at close()
     name: str = "default"
     shutdown_timeout: float = 10.0
@@ -337,6 +339,7 @@ _PARSERS.update({
     "curve_keys_dir": _optional_str,
     "allow_remote": _parse_bool,
     "allow_insecure_remote": _parse_bool,
+    "shared_host": _optional_str,
     "trace": _optional_str,
     "max_message_size": lambda v, k: _parse_min_size(v, k, 1024),
     "name": _parse_name,

@@ -64,6 +64,17 @@ class CpuBackend(HostAndStoreTiers):
         # host tier move pages instead (fill_from_host); what still copies is a load of
         # register()'s values and a host block that cannot be moved.
         self.copy_contention = 1.0
+        # Loads from the remote tier through a host tier other daemons share (opt-in).
+        self.shared = None
+        if config.shared_host:
+            from ..sharedhost.client import attach
+            try:
+                self.shared = attach(config.shared_host, self, config.name)
+            except OSError as e:
+                self.close()
+                from ..errors import StorageError
+                raise StorageError(f"shared_host {config.shared_host}: cannot attach to the shared "
+                                   f"host tier: {e}") from None
 
     # memory -----------------------------------------------------------------
     def alloc_device(self, nbytes, prefer=None):
@@ -146,6 +157,8 @@ class CpuBackend(HostAndStoreTiers):
 
     # transfers ------------------------------------------------------------------
     def start_load(self, key, block, nbytes, tag, verify, shape=None, dtype=None):
+        if self.shared is not None and self.shared.start_load(key, block, nbytes, tag, verify):
+            return
         self.load_stream.read(self.store, key, block, verify=verify, tag=tag, cq=self.cq)
 
     def start_store(self, key, block, nbytes, meta, tag, snapshot=True):
@@ -198,6 +211,8 @@ class CpuBackend(HostAndStoreTiers):
         self.cq.notify()
 
     def close(self):
+        if getattr(self, "shared", None) is not None:
+            self.shared.close()
         for stream in {id(s): s for s in (self.load_stream, self.store_stream)}.values():
             stream.close()
         self._scratch.clear()

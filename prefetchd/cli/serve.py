@@ -41,6 +41,10 @@ def register(sub):
                         "parameters (built without initialising them) are read from it by name; "
                         "one weight set (m0); worker stores hard-link its files, so --store must "
                         "be on its filesystem (default: a temporary directory beside DIR)")
+    p.add_argument("--shared-host", action="store_true", default=None,
+                   help="one host tier for all workers, owned by the front: each tensor is read "
+                        "from disk once and held in host RAM once (needs --checkpoint-store; "
+                        "budget: the configured host_budget)")
     p.add_argument("--no-hints", dest="hints", action="store_false", default=None,
                    help="do not send prefetch hints to workers")
     p.add_argument("--request-timeout", type=seconds, help="seconds before a request gets TIMEOUT (30)")
@@ -108,7 +112,8 @@ def serve_spec(o, log_level="WARNING"):
     return ServeSpec(models=models, hidden=o["hidden"], layers=o["layers"], batch=o["batch"],
                      seq=o["seq"], budget=o["budget"], lookahead=o["lookahead"],
                      store_dir=o["store"], log_level=log_level, config_path=o["config"],
-                     model=model, model_bytes_hint=o["model_bytes"], checkpoint_store=checkpoint)
+                     model=model, model_bytes_hint=o["model_bytes"], checkpoint_store=checkpoint,
+                     shared_host=bool(o["shared_host"]))
 
 
 def check_flags(args):

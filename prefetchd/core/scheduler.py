@@ -51,7 +51,10 @@ class Scheduler:
         self.outcomes = Outcomes(stats)
         self.transfers = Transfers()
         self.memory = DeviceMemory(config, backend, registry, policy, stats, lock, name)
-        self.hostcache = HostCache(backend, registry, policy, stats, config.host_budget)
+        # With a shared host tier, clean replicas live there (one copy per machine):
+        # the private budget keeps only what must be private (host-tier tensors).
+        self.hostcache = HostCache(backend, registry, policy, stats,
+                                   0 if config.shared_host else config.host_budget)
         self.loads = Loads(self)
         self.writebacks = WriteBacks(self)
         self.memory.evict = self.writebacks.evict

@@ -34,6 +34,8 @@ def describe(config, registry, core, *, closed, running):
         "host": {"budget": config.host_budget, "used": be.host_used() if be else 0,
                  "cached": cached, "cached_bytes": cached_bytes, "lent_bytes": lent_bytes},
         "page_moves": _page_moves(core.stats if core else None),
+        # the shared host tier this daemon loads through (docs/shared-host.md), or None
+        "shared_host": be.shared.describe() if getattr(be, "shared", None) is not None else None,
         "remote": {"bytes": be.store_bytes() if be and running else 0},
         "loads_from": dict(core.stats.loads_from) if core else {"host": 0, "remote": 0},
         "load_bytes_from": dict(core.stats.load_bytes_from) if core else {"host": 0, "remote": 0},

@@ -113,7 +113,8 @@ class Front(FrontSockets):
         return {"counters": dict(self.counters), "queued": len(self._batcher),
                 "workers": [s.public() for s in list(self._pool.slots)],
                 "histograms": {m: {k: h.snapshot() for k, h in hs.items()}
-                               for m, hs in list(self.histograms.items())}}
+                               for m, hs in list(self.histograms.items())},
+                "shared_host": self.shared_status()}
 
     # -- LoopHandler (I/O thread); setup/teardown are FrontSockets'
 
@@ -345,7 +346,8 @@ class Front(FrontSockets):
         return status_document({"endpoint": self.endpoint, "hints": self.hints,
                                 "queued": len(self._batcher), "models": self.spec.model_names(),
                                 "max_batch_size": self._batcher.max_batch_size,
-                                "counters": dict(self.counters)}, self._pool.slots, results)
+                                "counters": dict(self.counters), "shared_host": self.shared_status()},
+                               self._pool.slots, results)
 
     def _on_control_reply(self, s, frames):
         try:

@@ -3,6 +3,7 @@ until they are ready, bind and close the sockets, stop everything within a
 timeout, and remove what the front made (ipc files, a temporary store). What
 the front does with its sockets is prefetchd.serve.front.Front, a subclass.
 """
+import dataclasses
 import logging
 import os
 import secrets
@@ -43,6 +44,8 @@ class FrontSockets:
         self._start_error = None
         self._closed = False
         self._ipc_files = []
+        self._shared = None           # (owner, its store) of the shared host tier, with --shared-host
+        self._tag = f"{name}-{tag}"
 
     # -- lifecycle
 
@@ -54,8 +57,14 @@ class FrontSockets:
             self.spec = self.spec.with_temporary_store()
             self._pool.spec = self.spec
         try:
+            if self.spec.shared_host:
+                from ..sharedhost.serving import start_owner
+                from .worker import link_checkpoint_store
+                self._shared = start_owner(self.spec, runtime_dir(), self._tag, link_checkpoint_store)
+                self.spec = self._pool.spec = dataclasses.replace(self.spec, shared_socket=self._shared[0].path)
             self._loop.start(30)
         except BaseException:
+            self._stop_shared()
             if self._owns_store:
                 shutil.rmtree(self.spec.store_dir, ignore_errors=True)
             raise
@@ -81,8 +90,19 @@ class FrontSockets:
             self._exporter.close(1.0)
         self._loop.close(max(0.0, deadline - time.monotonic()))
         self._pool.stop(deadline)
+        self._stop_shared()
         if self._owns_store:
             shutil.rmtree(self.spec.store_dir, ignore_errors=True)
+
+    def _stop_shared(self):
+        if self._shared is not None:
+            from ..sharedhost.serving import stop_owner
+            stop_owner(*self._shared)
+            self._shared = None
+
+    def shared_status(self):
+        """The shared host tier's status (prefetchd.sharedhost), or None without one."""
+        return self._shared[0].status() if self._shared is not None else None
 
     def serve_forever(self):
         """Run until SIGINT/SIGTERM (for the CLI)."""

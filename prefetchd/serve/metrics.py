@@ -77,7 +77,9 @@ class FrontCollector:
         queue.add_metric([], snap["queued"])
         ready = GaugeMetricFamily("prefetchd_serve_workers_ready", "Workers ready to serve.")
         ready.add_metric([], sum(1 for w in snap["workers"] if w["ready"]))
-        return [requests, errors, hints, deaths, queue, ready, up, *workers]
+        from ..sharedhost.metrics import families as shared_host_families
+        return [requests, errors, hints, deaths, queue, ready, up, *workers,
+                *shared_host_families(snap.get("shared_host"))]
 
 
 def start_front_exporter(front, addr="127.0.0.1", port=0):

@@ -30,7 +30,7 @@ SERVE_OPTIONS = {"endpoint": None, "workers": 2, "models": None, "hidden": 256, 
                  "hints": True, "request_timeout": 30.0, "metrics_port": None,
                  "metrics_addr": "127.0.0.1", "model": None, "model_bytes": None,
                  "checkpoint_store": None, "max_batch_size": 8, "max_queue_delay_ms": 2.0,
-                 "heartbeat_timeout": 15.0}
+                 "heartbeat_timeout": 15.0, "shared_host": False}
 
 
 @dataclass
@@ -56,6 +56,8 @@ class ServeSpec:
     model_bytes_hint: int | None = None  # bytes of one weight set of a custom model (for budget)
     checkpoint_store: str | None = None  # a `prefetchd stage` store the weights are served from
     max_tensor_bytes: int = 256 << 20  # a request's tensors, in all (and its reply's, per tensor)
+    shared_host: bool = False  # one host tier for all workers, owned by the front (prefetchd.sharedhost)
+    shared_socket: str | None = None  # its socket, set by the front for the workers
 
     def __post_init__(self):
         if self.checkpoint_store and self.models != 1:
@@ -196,7 +198,8 @@ def worker_config(spec, index, store):
     store of its own, LRU (several models share one daemon, so no single trace
     describes its future), and no endpoint or metrics port of its own: the front
     owns the public endpoint and exports the workers' metrics."""
-    overrides = {"store_dir": store, "name": f"worker-{index}", "policy": "lru"}
+    overrides = {"store_dir": store, "name": f"worker-{index}", "policy": "lru",
+                 "shared_host": spec.shared_socket}
     if spec.budget is not None or not _configured(spec.config_path, "device_budget"):
         overrides["device_budget"] = spec.device_budget()
     return Config.load(spec.config_path, **overrides).replace(endpoint=None, metrics_port=None)

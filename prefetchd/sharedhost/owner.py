@@ -1,0 +1,370 @@
+"""The owner of the shared host tier: blocks, budget, policy and leases.
+
+One thread runs a selector over the listening socket, every attached process'
+connection and a wake-up pipe; fills (one checksummed store read each) run on a
+small thread pool and hand their result back through the pipe, so a slow disk
+never stalls the replies to other processes.
+
+Leases. A process holds a lease on a block from its `acquire` (while the block
+is filled, too) until its `release`, and the block is never dropped or reused
+while any lease is held. A connection that closes — the process exited, was
+killed, or broke the protocol — releases every lease it held: the kernel closes
+the socket of a dead process, so no lease outlives its holder.
+
+Trust. The socket is 0600 in a private directory and every peer's uid is
+checked (SO_PEERCRED); still, each message is validated (prefetchd.sharedhost.wire)
+and a bad one is answered with a reason, a connection that sends something
+unreadable or stops reading its replies is closed. Nothing a peer sends can
+crash the owner or make it hand out bytes the store did not verify.
+"""
+import collections
+import concurrent.futures
+import logging
+import os
+import selectors
+import socket
+import struct
+import threading
+
+from . import policy, wire
+from .blocks import SharedBlock, segment_size
+
+log = logging.getLogger("prefetchd.sharedhost")
+
+FILL_THREADS = 2
+
+
+class _Conn:
+    def __init__(self, sock, ident, pid):
+        self.sock, self.ident, self.pid = sock, ident, pid
+        self.name = ""
+        self.leases = collections.Counter()      # (key, version) -> leases held
+        self.trace = None
+        self.hits = self.fills = self.refused = 0
+
+
+class _Entry:
+    def __init__(self, block):
+        self.block = block
+        self.key = block.key
+        self.ready = False
+        self.leases = 0
+        self.waiters = []           # conns whose acquire waits for the fill
+        self.last_use = 0
+
+
+class SharedHostOwner:
+    """`SharedHostOwner(socket_path, store_dir, budget).start()`; `close()` stops it.
+
+    store_dir: a FileStore directory holding the tensors the attached daemons serve
+    (e.g. hard links to a `prefetchd stage` store); the owner opens it itself.
+    """
+
+    def __init__(self, socket_path, store_dir, budget, *, fill_threads=FILL_THREADS):
+        from .. import _native
+        if budget <= 0:
+            raise ValueError(f"shared host budget must be > 0, got {budget}")
+        self.path, self.budget = socket_path, budget
+        self.store = _native.FileStore(store_dir)
+        self._entries = {}          # (key, version) -> _Entry
+        self._conns = {}            # fd -> _Conn
+        self._lock = threading.Lock()
+        self._tick = 0
+        self._ids = 0
+        self.counters = collections.Counter()
+        self._done = collections.deque()   # (entry, error) from fill threads
+        self._fills = concurrent.futures.ThreadPoolExecutor(fill_threads, "prefetchd-shared-fill")
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._stop = False
+        self._thread = None
+        self._listen = None
+
+    # -- lifecycle
+    def start(self):
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        self._listen = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        old = os.umask(0o177)
+        try:
+            self._listen.bind(self.path)
+        finally:
+            os.umask(old)
+        self._listen.listen(64)
+        self._listen.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listen, selectors.EVENT_READ, "listen")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._thread = threading.Thread(target=self._run, name="prefetchd-shared-host", daemon=True)
+        self._thread.start()
+        log.info("shared host tier on %s: budget %d B, store %s", self.path, self.budget,
+                 self.store.directory)
+        return self
+
+    def close(self, timeout=10.0):
+        if self._thread is None:
+            return
+        self._stop = True
+        self._wake_w.send(b"x")
+        self._thread.join(timeout)
+        self._fills.shutdown(wait=True)
+        with self._lock:
+            for conn in list(self._conns.values()):
+                self._drop_conn(conn, "owner closing")
+            for entry in self._entries.values():
+                entry.block.close()
+            self._entries.clear()
+        self._sel.close()
+        self._listen.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        self.store.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        self._thread = None
+
+    # -- introspection
+    def status(self):
+        """Bytes, blocks, hits and the leases each attached process holds."""
+        with self._lock:
+            return self._status()
+
+    def _status(self):
+        return {
+            "socket": self.path, "budget": self.budget,
+            "bytes": sum(e.block.size for e in self._entries.values()),
+            "blocks": sum(1 for e in self._entries.values() if e.ready),
+            "filling": sum(1 for e in self._entries.values() if not e.ready),
+            "leases": sum(e.leases for e in self._entries.values()),
+            "counters": dict(self.counters),
+            "workers": [{"pid": c.pid, "name": c.name, "leases": sum(c.leases.values()),
+                         "hits": c.hits, "fills": c.fills, "refused": c.refused,
+                         "trace": c.trace is not None} for c in self._conns.values()],
+        }
+
+    # -- the loop
+    def _run(self):
+        while not self._stop:
+            events = self._sel.select(1.0)
+            with self._lock:
+                for key, _ in events:
+                    try:
+                        self._on_event(key)
+                    except Exception:        # a bug here must not take the tier down
+                        log.exception("shared host tier: handling an event failed")
+                        if isinstance(key.data, _Conn):
+                            self._drop_conn(key.data, "internal error")
+
+    def _on_event(self, key):
+        if key.data == "listen":
+            self._accept()
+        elif key.data == "wake":
+            self._wake_r.recv(4096)
+            while self._done:
+                self._filled(*self._done.popleft())
+        else:
+            self._on_message(key.data)
+
+    def _accept(self):
+        try:
+            sock, _ = self._listen.accept()
+        except BlockingIOError:
+            return
+        pid, uid, _gid = struct.unpack("3i", sock.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        if uid != os.getuid():
+            log.warning("shared host tier: refused a peer of uid %d (pid %d)", uid, pid)
+            self.counters["refused_peers"] += 1
+            sock.close()
+            return
+        sock.setblocking(False)
+        self._ids += 1
+        conn = _Conn(sock, self._ids, pid)
+        self._conns[sock.fileno()] = conn
+        self._sel.register(sock, selectors.EVENT_READ, conn)
+        self.counters["attached"] += 1
+
+    def _drop_conn(self, conn, why):
+        """Close a connection and release every lease it held."""
+        if self._conns.pop(conn.sock.fileno(), None) is None:
+            return
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        released = 0
+        for ident, n in conn.leases.items():
+            entry = self._entries.get(ident)
+            if entry is not None:
+                entry.leases -= n
+                released += n
+                if conn in entry.waiters:
+                    entry.waiters = [w for w in entry.waiters if w is not conn]
+        conn.leases.clear()
+        conn.sock.close()
+        self.counters["detached"] += 1
+        if released:
+            self.counters["leases_released_on_close"] += released
+            log.info("shared host tier: pid %d detached (%s); released %d leases", conn.pid, why, released)
+
+    def _on_message(self, conn):
+        try:
+            data, fds, flags, _ = socket.recv_fds(conn.sock, wire.MAX_MESSAGE + 1, 4)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            self._drop_conn(conn, f"socket error {e}")
+            return
+        for fd in fds:           # a peer has no reason to send descriptors: never keep one
+            os.close(fd)
+        if not data:
+            self._drop_conn(conn, "closed")
+            return
+        if flags & socket.MSG_TRUNC or len(data) > wire.MAX_MESSAGE:
+            self._refuse(conn, wire.BAD_REQUEST, f"message exceeds {wire.MAX_MESSAGE} bytes")
+            return
+        try:
+            op, args = wire.check_request(wire.decode(data))
+        except wire.WireError as e:
+            self.counters["bad_requests"] += 1
+            self._refuse(conn, wire.BAD_REQUEST, str(e))
+            return
+        getattr(self, "_op_" + op)(conn, **args)
+
+    def _reply(self, conn, obj, fd=None):
+        try:
+            wire.send(conn.sock, obj, fd)
+        except (BlockingIOError, OSError) as e:   # not reading its replies, or gone
+            self._drop_conn(conn, f"cannot reply: {e}")
+
+    def _refuse(self, conn, code, reason):
+        self.counters["refused_" + code] += 1
+        conn.refused += 1
+        self._reply(conn, {"ok": False, "code": code, "reason": reason})
+
+    # -- ops
+    def _op_hello(self, conn, pid, name):
+        conn.name = name
+        self._reply(conn, {"ok": True, "budget": self.budget})
+
+    def _op_status(self, conn):
+        self._reply(conn, {"ok": True, "status": self._status()})
+
+    def _op_trace(self, conn, names):
+        conn.trace = policy.Trace(names) if names else None
+        self._reply(conn, {"ok": True, "names": len(names)})
+
+    def _op_release(self, conn, key, version):
+        ident = (key, version)
+        if conn.leases.get(ident, 0) <= 0:
+            self.counters["stray_releases"] += 1    # not held: ignored (release has no reply)
+            return
+        conn.leases[ident] -= 1
+        if not conn.leases[ident]:
+            del conn.leases[ident]
+        self._entries[ident].leases -= 1
+
+    def _op_acquire(self, conn, key, version, nbytes, crc):
+        ident = (key, version)
+        self._tick += 1
+        if conn.trace is not None:
+            conn.trace.advance(key)
+        entry = self._entries.get(ident)
+        if entry is None:
+            try:
+                info = self.store.info(key)
+            except KeyError:
+                self._refuse(conn, wire.NOT_FOUND, f"the shared tier's store has no tensor {key!r}")
+                return
+            if (info["version"], info["nbytes"], info["crc"]) != (version, nbytes, crc):
+                self._refuse(conn, wire.MISMATCH, (
+                    f"{key!r}: the shared tier's store holds version {info['version']} ({info['nbytes']} "
+                    f"bytes, crc {info['crc']:#x}), not version {version} ({nbytes} bytes, crc {crc:#x})"))
+                return
+            if not self._make_room(segment_size(nbytes)):
+                self._refuse(conn, wire.NO_ROOM, f"every block of the shared tier's {self.budget} B "
+                                                 f"is leased; {key!r} needs {segment_size(nbytes)} B")
+                return
+            try:
+                entry = _Entry(SharedBlock(key, version, nbytes, crc))
+            except OSError as e:
+                self._refuse(conn, wire.NO_ROOM, f"cannot create a shared segment: {e.strerror}")
+                return
+            self._entries[ident] = entry
+            self.counters["fills"] += 1
+            conn.fills += 1
+            self._fills.submit(self._fill, entry)
+        elif entry.block.crc != crc or entry.block.nbytes != nbytes:
+            self._refuse(conn, wire.MISMATCH, f"{key!r} version {version}: the shared block holds "
+                                              f"{entry.block.nbytes} bytes with crc {entry.block.crc:#x}")
+            return
+        else:
+            self.counters["hits"] += 1
+            conn.hits += 1
+        entry.leases += 1
+        conn.leases[ident] += 1
+        entry.last_use = self._tick
+        if entry.ready:
+            self._grant(conn, entry)
+        else:
+            entry.waiters.append(conn)
+
+    def _grant(self, conn, entry):
+        b = entry.block
+        self._reply(conn, {"ok": True, "nbytes": b.nbytes, "crc": b.crc, "size": b.size}, b.fd)
+
+    # -- fills
+    def _fill(self, entry):
+        error = None
+        try:
+            entry.block.fill(self.store)
+        except Exception as e:      # ChecksumMismatch, IOFailure, NotFound, a changed store
+            error = e
+        self._done.append((entry, error))
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass                    # closing
+
+    def _filled(self, entry, error):
+        ident = (entry.block.key, entry.block.version)
+        waiters, entry.waiters = entry.waiters, []
+        if error is None:
+            entry.ready = True
+            self.counters["fill_bytes"] += entry.block.nbytes
+            for conn in waiters:
+                if conn.sock.fileno() in self._conns:
+                    self._grant(conn, entry)
+            return
+        log.warning("shared host tier: filling %r failed; the block is not shared: %s", entry.key, error)
+        self._entries.pop(ident, None)
+        entry.block.close()
+        self.counters["fill_errors"] += 1
+        for conn in waiters:
+            conn.leases[ident] -= 1
+            if not conn.leases[ident]:
+                del conn.leases[ident]
+            if conn.sock.fileno() in self._conns:
+                self._refuse(conn, wire.IO_ERROR, f"reading {entry.key!r} into the shared tier failed: {error}")
+
+    # -- budget
+    def _make_room(self, need):
+        used = sum(e.block.size for e in self._entries.values())
+        if used + need <= self.budget:
+            return True
+        idle = [e for e in self._entries.values() if e.ready and e.leases == 0]
+        traces = [c.trace for c in self._conns.values() if c.trace is not None]
+        victims = policy.rank(idle, traces)
+        if used - sum(e.block.size for e in victims) + need > self.budget:
+            return False
+        for victim in victims:
+            if used + need <= self.budget:
+                break
+            used -= victim.block.size
+            del self._entries[(victim.block.key, victim.block.version)]
+            victim.block.close()
+            self.counters["evictions"] += 1
+        return True

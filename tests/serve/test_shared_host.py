@@ -1,0 +1,98 @@
+"""`prefetchd serve --shared-host`: the front owns one host tier and four workers
+attach to it, in real processes: each tensor is read from the store once in total,
+answers equal the staged weights', a worker SIGKILLed under load leaks no lease
+and its respawn and the survivors keep serving."""
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import wait_until
+from prefetchd.control import Client, RequestTimeout
+from prefetchd.serve.spec import ServeSpec, demo_model
+from prefetchd.serve.worker import make_inputs
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMALL = dict(hidden=128, layers=4, batch=2, seq=8)
+WORKERS = 4
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([REPO] + sys.path))
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory):
+    import mindspore as ms
+    d = tmp_path_factory.mktemp("shared-ckpt")
+    spec = ServeSpec(models=1, **SMALL)
+    cell, input_spec = demo_model(seed=5, spec=spec)
+    ckpt = str(d / "model.ckpt")
+    ms.save_checkpoint(cell, ckpt)
+    want = {seed: float(np.float64(cell(*make_inputs(input_spec, seed + 1)).asnumpy()
+                                   .astype(np.float64).sum())) for seed in range(4)}
+    store = str(d / "store")
+    out = subprocess.run([sys.executable, "-m", "prefetchd.cli", "stage", ckpt, "--store", store,
+                          "--quiet"], env=_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    params = list(cell.get_parameters())
+    return {"store": store, "want": want, "params": len(params),
+            "bytes": sum(int(np.prod(p.shape)) * 4 for p in params)}
+
+
+def _infer_all(c, want, rounds):
+    for r in range(rounds):
+        for seed in want:
+            got = c.call("infer", model="m0", seed=seed, timeout=120)["checksum"]
+            assert got == pytest.approx(want[seed], rel=1e-5, abs=1e-5), (r, seed)
+
+
+def test_four_workers_share_one_host_tier(staged):
+    endpoint = f"ipc://shared-serve-{os.getpid()}.sock"
+    cmd = [sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint", endpoint, "--workers",
+           str(WORKERS), "--checkpoint-store", staged["store"], "--shared-host", "--budget", "0.4",
+           "--lookahead", "1", *[f"--{k}={v}" for k, v in SMALL.items()]]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        with Client(endpoint, timeout=2) as c:
+            def up():
+                try:
+                    return c.ping()["workers"] == WORKERS
+                except RequestTimeout:
+                    return proc.poll() is not None
+            assert wait_until(up, 240, 0.5) and proc.poll() is None, proc.stderr.read().decode()
+            _infer_all(c, staged["want"], 3)
+            doc = c.status()
+            shared = doc["front"]["shared_host"]
+            daemons = [w["daemon"]["shared_host"] for w in doc["workers"]]
+            # One read of the store per tensor, by the front's tier; none by a worker.
+            assert shared["counters"]["fills"] == staged["params"]
+            assert shared["counters"]["fill_bytes"] == staged["bytes"]
+            assert sum(d["hits"] for d in daemons) > 0
+            assert [d["fallbacks"] for d in daemons] == [0] * WORKERS
+            assert len(shared["workers"]) == WORKERS
+            # A worker killed while requests run: no lease of it stays, nothing is lost.
+            victim = doc["workers"][0]["pid"]
+            os.kill(victim, signal.SIGKILL)
+            # (A request in flight on the victim is answered INTERNAL by the front, as for any
+            # worker death; the ones after its death is seen go to the survivors.)
+            assert wait_until(lambda: c.status()["front"]["counters"].get("worker_deaths") == 1, 30)
+            _infer_all(c, staged["want"], 2)
+            assert wait_until(lambda: c.ping()["workers"] == WORKERS, 240, 0.5)
+            _infer_all(c, staged["want"], 1)
+            doc = c.status()
+            shared = doc["front"]["shared_host"]
+            assert victim not in [w["pid"] for w in shared["workers"]]
+            assert len(shared["workers"]) == WORKERS
+            assert wait_until(lambda: c.status()["front"]["shared_host"]["leases"] == 0, 10)
+            assert shared["counters"]["fills"] == staged["params"]     # no block lost or refilled
+            assert "fill_errors" not in shared["counters"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)

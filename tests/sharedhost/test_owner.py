@@ -1,0 +1,261 @@
+"""The shared host tier's owner and client over real Unix sockets, in one process:
+hostile requests, leases and the budget, eviction order, refusals, and a client
+that refuses blocks it cannot trust."""
+import json
+import mmap
+import os
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from prefetchd import _native
+from prefetchd.errors import StorageError
+from prefetchd.sharedhost import policy, wire
+from prefetchd.sharedhost.blocks import segment_size
+from prefetchd.sharedhost.client import Refused, SharedHostClient
+from prefetchd.sharedhost.owner import SharedHostOwner
+from procs import link_store, stage
+
+N = 1 << 18                     # floats: 1 MiB tensors
+TENSORS = {f"t{i}": [i, N] for i in range(4)}
+
+
+def values(name):
+    return np.random.default_rng(TENSORS[name][0]).standard_normal(N).astype(np.float32)
+
+
+@pytest.fixture
+def src(tmp_path):
+    return stage(str(tmp_path), TENSORS)
+
+
+def _owner(tmp_path, src, budget):
+    return SharedHostOwner(str(tmp_path / "h.sock"), link_store(src, str(tmp_path / "own")), budget).start()
+
+
+@pytest.fixture
+def owner(tmp_path, src):
+    o = _owner(tmp_path, src, 64 << 20)
+    yield o
+    o.close()
+
+
+_IDENTS = {}
+
+
+def _ident(src, name):
+    """(name, version, nbytes, crc) of a tensor, read from a store of links to src."""
+    if (src, name) not in _IDENTS:
+        s = _native.FileStore(link_store(src, src + "-" + name))
+        try:
+            i = s.info(name)
+            _IDENTS[src, name] = name, i["version"], i["nbytes"], i["crc"]
+        finally:
+            s.close()
+    return _IDENTS[src, name]
+
+
+def _read(grant):
+    out = np.empty(grant.nbytes // 4, np.float32)
+    grant.read_into(out)
+    return out
+
+
+def _raw(owner):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(5)
+    s.connect(owner.path)
+    return s
+
+
+def _ask(s, data):
+    s.send(data)
+    return json.loads(s.recv(wire.MAX_MESSAGE))
+
+
+HOSTILE = [
+    b"not json", b"\xff\xfe", b"[1, 2]", b"{}", b'{"op": "format_disk"}',
+    b'{"op": "acquire"}', b'{"op": "acquire", "key": 7, "version": 1, "nbytes": 1, "crc": 1}',
+    b'{"op": "acquire", "key": "", "version": 1, "nbytes": 1, "crc": 1}',
+    json.dumps({"op": "acquire", "key": "k" * 5000, "version": 1, "nbytes": 1, "crc": 1}).encode(),
+    b'{"op": "acquire", "key": "t0", "version": -1, "nbytes": 1, "crc": 1}',
+    b'{"op": "acquire", "key": "t0", "version": 1, "nbytes": 1e30, "crc": 1}',
+    b'{"op": "acquire", "key": "t0", "version": 1, "nbytes": true, "crc": 1}',
+    b'{"op": "acquire", "key": "t0", "version": 1, "nbytes": 99999999999999999999, "crc": 1}',
+    b'{"op": "acquire", "key": "t0", "version": 1, "nbytes": 4, "crc": 4294967296}',
+    b'{"op": "trace", "names": "t0"}', b'{"op": "trace", "names": [1, 2]}',
+    b'{"op": "hello", "pid": "me"}', b'{"op": "release", "key": null, "version": 1}',
+    b'{"op": "acquire", "key": "\\ud800", "version": 1, "nbytes": 4, "crc": 1}',
+    b"{" * 100000,
+]
+
+
+@pytest.mark.parametrize("data", HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_requests_get_a_reason_and_the_owner_keeps_serving(owner, data):
+    s = _raw(owner)
+    reply = _ask(s, data)
+    assert reply["ok"] is False and reply["code"] == wire.BAD_REQUEST and reply["reason"]
+    assert _ask(s, b'{"op": "status"}')["ok"] is True       # same connection still served
+    s.close()
+    assert owner.status()["leases"] == 0
+
+
+def test_oversized_messages_and_sent_descriptors_are_refused(owner):
+    s = _raw(owner)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+    assert _ask(s, b" " * (wire.MAX_MESSAGE + 100))["code"] == wire.BAD_REQUEST
+    r, w = os.pipe()
+    socket.send_fds(s, [b'{"op": "status"}'], [r, w])     # descriptors the owner must not keep
+    assert json.loads(s.recv(wire.MAX_MESSAGE))["ok"] is True
+    os.close(r), os.close(w)
+    s.close()
+
+
+def test_refusals_name_what_differs(owner, src):
+    c = SharedHostClient(owner.path, "t")
+    name, version, nbytes, crc = _ident(src, "t0")
+    for args, code in [((name, version, nbytes, crc ^ 1), wire.MISMATCH),
+                       ((name, version + 1, nbytes, crc), wire.MISMATCH),
+                       ((name, version, nbytes + 4, crc), wire.MISMATCH),
+                       (("nope", 1, 4, 0), wire.NOT_FOUND)]:
+        with pytest.raises(Refused) as e:
+            c.acquire(*args)
+        assert e.value.code == code
+    c.close()
+
+
+def test_a_lease_keeps_a_block_until_released_or_its_holder_disconnects(tmp_path, src):
+    owner = _owner(tmp_path, src, segment_size(N * 4))      # room for one block
+    try:
+        a, b = SharedHostClient(owner.path, "a"), SharedHostClient(owner.path, "b")
+        t0, t1 = _ident(src, "t0"), _ident(src, "t1")
+        held = a.acquire(*t0)
+        assert np.array_equal(_read(held), values("t0"))
+        with pytest.raises(Refused) as e:
+            b.acquire(*t1)                 # the only block is leased: never dropped
+        assert e.value.code == wire.NO_ROOM
+        assert owner.status()["leases"] == 1
+        a.close()                          # the holder goes away: its lease with it
+        held.close()
+        with b.acquire(*t1) as got:        # t0 is dropped for t1 now
+            assert np.array_equal(_read(got), values("t1"))
+        b.release(*t1[:2])                 # a stray release is ignored
+        st = b.status()
+        assert st["leases"] == 0 and st["counters"]["evictions"] == 1
+        assert st["counters"]["stray_releases"] == 1
+        assert st["counters"]["leases_released_on_close"] == 1
+        b.close()
+    finally:
+        owner.close()
+
+
+def test_belady_on_the_attached_traces_drops_the_block_used_last(tmp_path, src):
+    owner = _owner(tmp_path, src, 2 * segment_size(N * 4))  # room for two blocks
+    try:
+        c = SharedHostClient(owner.path, "c")
+        c.set_trace(["t0", "t1", "t2"])
+        for name in ("t0", "t1", "t2"):      # t2 needs room: LRU would drop t0, the trace says
+            ident = _ident(src, name)        # t0 is next (cyclic), so t1 goes
+            c.acquire(*ident).close()
+        st = c.status()
+        assert st["counters"]["evictions"] == 1
+        c.acquire(*_ident(src, "t0")).close()
+        assert c.status()["counters"]["hits"] == 1      # t0 was kept
+        c.close()
+    finally:
+        owner.close()
+
+
+def test_trace_distances():
+    t = policy.Trace(["a", "b", "c", "a"])
+    assert t.distance("a") == 1 and t.distance("z") == policy.INF
+    t.advance("a")
+    assert (t.distance("b"), t.distance("c"), t.distance("a")) == (1, 2, 3)
+    t.advance("b"), t.advance("c"), t.advance("a")
+    assert t.distance("b") == 2        # wraps to the next pass
+    blocks = [type("B", (), {"key": k, "last_use": i})() for i, k in enumerate("zbca")]
+    assert [b.key for b in policy.rank(blocks, [t])] == ["z", "c", "b", "a"]
+
+
+class _FakeOwner(threading.Thread):
+    """An owner that grants whatever block `make_fd()` returns (to test the client)."""
+
+    def __init__(self, path, make_fd, nbytes, crc):
+        super().__init__(daemon=True)
+        self.listen = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listen.bind(path)
+        self.listen.listen(1)
+        self.make_fd, self.nbytes, self.crc = make_fd, nbytes, crc
+        self.start()
+
+    def run(self):
+        conn, _ = self.listen.accept()
+        while data := conn.recv(wire.MAX_MESSAGE):
+            msg = json.loads(data)
+            if msg["op"] == "hello":
+                conn.send(b'{"ok": true, "budget": 1}')
+            elif msg["op"] == "acquire":
+                fd = self.make_fd()
+                socket.send_fds(conn, [json.dumps({"ok": True, "nbytes": self.nbytes, "crc": self.crc,
+                                                   "size": segment_size(self.nbytes)}).encode()], [fd])
+                os.close(fd)
+
+
+def _memfd(data, seal):
+    import fcntl
+    fd = os.memfd_create("fake", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, segment_size(len(data)))
+    os.pwrite(fd, data, 0)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
+
+
+@pytest.mark.parametrize("seal,garbage", [(False, False), (True, True)], ids=["unsealed", "wrong-bytes"])
+def test_the_client_refuses_a_block_it_cannot_trust(tmp_path, seal, garbage):
+    data = values("t0").tobytes()
+    crc = _native.crc32c(data)
+    served = bytes(len(data)) if garbage else data
+    fake = _FakeOwner(str(tmp_path / "fake.sock"), lambda: _memfd(served, seal), len(data), crc)
+    c = SharedHostClient(str(tmp_path / "fake.sock"), "c")
+    with pytest.raises(Refused) as e:
+        with c.acquire("t0", 1, len(data), crc) as grant:     # unsealed: refused here
+            grant.read_into(np.empty(N, np.float32))        # wrong bytes: refused here
+    assert e.value.code == "corrupt"
+    assert ("sealed" in str(e.value)) if not seal else ("crc" in str(e.value))
+    c.close()
+    fake.join(5)
+
+
+def test_a_daemon_loads_a_written_weight_from_its_own_store_not_the_shared_tier(owner, src, tmp_path):
+    from prefetchd.daemon import Daemon
+    d = Daemon(store_dir=link_store(src, str(tmp_path / "w")), shared_host=owner.path,
+               device_budget=4 << 20, host_budget=0).start()
+    try:
+        h = d.register_remote("t0", (N,), np.float32)
+        with d.use([h]) as recs:
+            view = np.frombuffer(recs[0].home, np.float32, N)
+            assert np.array_equal(view, values("t0"))
+            view[:] = 7.0                   # compute writes the weight in place
+        d.evict([h]).result(30)             # written back to this daemon's store
+        with d.use([h]) as recs:
+            assert np.all(np.frombuffer(recs[0].home, np.float32, N) == 7.0)
+        d.evict([h]).result(30)
+        shared = d.status()["shared_host"]
+        assert shared["hits"] == 1 and shared["refusals"] == {"mismatch": 1}
+        assert owner.status()["counters"]["fills"] == 1      # the dirty version never entered it
+    finally:
+        d.close(10)
+    c = SharedHostClient(owner.path, "check")
+    with c.acquire(*_ident(src, "t0")) as got:
+        assert np.array_equal(_read(got), values("t0"))
+    c.close()
+
+
+def test_a_daemon_whose_shared_tier_is_not_running_refuses_to_start(tmp_path):
+    from prefetchd.daemon import Daemon
+    with pytest.raises(StorageError, match="cannot attach to the shared host tier"):
+        Daemon(store_dir=str(tmp_path / "s"), shared_host=str(tmp_path / "none.sock"),
+               device_budget=4 << 20).start()
