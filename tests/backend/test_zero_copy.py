@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import prefetchd
-from prefetchd.model import build_model, estimate_bytes, make_inputs
+from prefetchd.demo.model import build_model, estimate_bytes, make_inputs
 
 from .test_page_moves import frames
 
