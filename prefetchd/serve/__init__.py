@@ -19,7 +19,7 @@
 """
 from .client import Client
 from .front import Front
-from .servable import TensorSpec
+from .tensor_spec import TensorSpec
 from .spec import ServeSpec, worker_config
 
 __all__ = ["Client", "Front", "ServeSpec", "TensorSpec", "worker_config"]

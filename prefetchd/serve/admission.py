@@ -7,7 +7,7 @@ BadArguments naming the tensor; nothing is queued then.
 from dataclasses import dataclass
 
 from ..control.codes import BadArguments
-from .servable import TensorSpec
+from .tensor_spec import TensorSpec
 from .wire import check_headers, check_sizes, view_arrays
 
 MAX_NEW_TOKENS = 4096

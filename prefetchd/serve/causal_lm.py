@@ -13,7 +13,7 @@ duck-typed:
 import numpy as np
 
 from ..control.codes import BadArguments
-from .servable import TensorSpec
+from .tensor_spec import TensorSpec
 
 
 class CausalLMServable:
