@@ -110,3 +110,24 @@ def test_the_core_imports_none_of_its_adapters():
 def test_top_level_holds_only_the_face_and_foundations():
     top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__"))
     assert len(top) <= TOP_LEVEL_MODULES_AT_MOST, top
+
+
+def test_a_non_editable_install_ships_every_package(tmp_path):
+    """`pip install .` (the README's demo command) ships what `-e` finds by path: every package
+    under prefetchd/ is in the built wheel."""
+    import subprocess
+    import sys
+    import zipfile
+    import shutil
+    root = PACKAGE.parent
+    source = tmp_path / "src"             # a clean copy: a build/ left by build_ext would hide gaps
+    shutil.copytree(root, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "*.so", "__pycache__", ".pytest_cache"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path),
+                    str(source)], check=True, timeout=900, stdout=subprocess.DEVNULL)
+    wheel, = tmp_path.glob("prefetchd-*.whl")
+    shipped = {pathlib.PurePosixPath(n).parent for n in zipfile.ZipFile(wheel).namelist()
+               if n.endswith("__init__.py")}
+    packages = {pathlib.PurePosixPath(p.parent.relative_to(root).as_posix())
+                for p in PACKAGE.rglob("__init__.py")}
+    assert packages - shipped == set()
