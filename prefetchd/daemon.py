@@ -164,13 +164,14 @@ class Daemon:
             first = self._state != "closing"
             started = self._core is not None
             self._state = "closing"
+            if started:
+                self._core.refuse_new(self._closed_message())
         if first:
             self._attachments.close(deadline, self.name)
         if started:
             if not self._shutdown_sent:
                 self._shutdown_sent = True
-                self._core.inbox.append(Request(Kind.SHUTDOWN, args=deadline))
-                self.backend.notify()
+                self._core.shut_down(deadline)
             if self._thread is threading.current_thread():
                 # From a listener or a future callback: the scheduler stops once it
                 # returns; it cannot wait for itself. A later close() (or the exit hook)
@@ -191,16 +192,15 @@ class Daemon:
         if self._state != "running":
             if self._state == "new":
                 raise ShutdownError("daemon not started: call start() or use it as a context manager")
-            raise ShutdownError(f"prefetchd daemon {self.config.name!r} is closed: cannot schedule new "
-                                f"requests after close() (a model offloaded to it cannot run any more)")
+            raise ShutdownError(self._closed_message())
+
+    def _closed_message(self):
+        return (f"prefetchd daemon {self.config.name!r} is closed: cannot schedule new "
+                f"requests after close() (a model offloaded to it cannot run any more)")
 
     def _submit(self, request):
-        with self._lock:
-            self.check_open()
-            request.seq = self._core.next_seq()
-            self._core.inbox.append(request)
-        self.backend.notify()
-        return request.future
+        self.check_open()                  # before start(): say so (there is no core yet)
+        return self._core.submit(request)  # refused there too once close() began
 
     # ------------------------------------------------------------------ registration
     def register(self, tensor, name=None, *, tier="device"):
@@ -233,7 +233,7 @@ class Daemon:
         if tier == "device":
             if rec.home is not None:
                 self._binding.bind_home(rec)
-            self._binding.bind_for_compute(rec)
+            self._binding.bind_for_compute((rec,))
             self._binding.track(rec)
         else:
             self._binding.placeholder(rec)
@@ -440,7 +440,6 @@ class Daemon:
 def _reclaim(name, core, thread, timeout):
     """weakref finalizer of a started Daemon dropped without close()."""
     log.warning("prefetchd %s: daemon dropped without close(); shutting it down", name)
-    core.inbox.append(Request(Kind.SHUTDOWN, args=time.monotonic() + min(timeout, 5.0)))
-    core.backend.notify()
+    core.shut_down(time.monotonic() + min(timeout, 5.0))
     if thread is not threading.current_thread():
         thread.join(min(timeout, 5.0) + 1.0)

@@ -33,25 +33,35 @@ class Binding:
             self._backend.bind(rec.target, rec.home, rec.shape, rec.dtype)
             rec.bound_address = rec.home.address
 
-    def bind_for_compute(self, rec):
-        """Point the framework tensor at the device replica (on the calling thread)."""
-        if rec.target is None:
-            return
+    def bind_for_compute(self, records):
+        """Point each record's framework tensor at its device replica (on the calling thread).
+
+        One lock round for all of them, whatever their number; the rare rebinds (tensors
+        without a home whose replica moved) run after it, outside the lock.
+        """
+        rebinds = []
         with self._lock:
-            block = rec.block
-            if block is None:
-                raise NotResidentError(rec.name, ",".join(rec.tiers), rec.state.value)
-            rebind = rec.home is None and rec.bound_address != block.address
-            rec.exposed = True
-            rec.compute_epoch = None     # read by compute from now on, until a fence says otherwise
-        if rebind:
+            for rec in records:
+                if rec.target is None:
+                    continue
+                block = rec.block
+                if block is None:
+                    raise NotResidentError(rec.name, ",".join(rec.tiers), rec.state.value)
+                if rec.home is None and rec.bound_address != block.address:
+                    rebinds.append((rec, block))
+                rec.exposed = True
+                rec.compute_epoch = None     # read by compute from now on, until a fence says otherwise
+        moved = 0
+        for rec, block in rebinds:
             self._backend.bind(rec.target, block, rec.shape, rec.dtype)
-            if rec.bound_address:
-                with self._lock:
-                    self._stats.rebinds += 1
+            moved += bool(rec.bound_address)
             rec.bound_address = block.address
-        if guards.is_guarded(rec.target):
-            self.track(rec)
+        if moved:
+            with self._lock:
+                self._stats.rebinds += moved
+        for rec in records:
+            if rec.target is not None and guards.is_guarded(rec.target):
+                self.track(rec)
 
     def track(self, rec):
         guards.track(rec.target, rec.name, lambda method, rec=rec: self.on_user_write(rec, method))

@@ -34,8 +34,8 @@ log = logging.getLogger("prefetchd")
 
 
 class Scheduler:
-    """Scheduler state and handlers. Everything but `submit` runs on the scheduler
-    thread, under `lock`."""
+    """Scheduler state and handlers. Everything but `submit`, `refuse_new` and `shut_down`
+    runs on the scheduler thread, under `lock`."""
 
     def __init__(self, config, backend, registry, policy, stats, lock, *, emit, guard, name):
         self.config = config
@@ -61,6 +61,7 @@ class Scheduler:
         self.memory.written_late = self.writebacks.written_late
         self.waiting = []              # evict/flush requests waiting on transfers: (request, recs)
         self._seq = itertools.count()
+        self._refusal = None           # why new requests are refused (the daemon is closing), or None
         self._tick = itertools.count(1)
         self.shutdown_deadline = None
         self.timeline = NullTimeline()   # the daemon sets its own when tracing is on
@@ -83,6 +84,33 @@ class Scheduler:
             TransferKind.D2H: self.writebacks.host_copy_done,
         }
 
+    # ------------------------------------------------------------------ any thread
+    def submit(self, request):
+        """Queue `request` for the scheduler thread; returns its future (None for an unpin).
+
+        One lock round per request, whatever its number of tensors: the sequence number and
+        the place in the inbox are taken together, so requests are handled in the order they
+        were numbered. Refused with ShutdownError once `refuse_new` was called.
+        """
+        with self.lock:
+            if self._refusal is not None:
+                raise ShutdownError(self._refusal)
+            request.seq = next(self._seq)
+            self.inbox.append(request)
+        self.backend.notify()
+        return request.future
+
+    def refuse_new(self, reason):
+        """From now on `submit` raises ShutdownError(reason). Call under `lock`."""
+        self._refusal = reason
+
+    def shut_down(self, deadline):
+        """Queue the sentinel that stops the loop by `deadline` (monotonic seconds): write-backs
+        that can finish by then do, the rest are cancelled. Not refused; safe to repeat."""
+        self.inbox.append(Request(Kind.SHUTDOWN, args=deadline))
+        self.backend.notify()
+
+    # ------------------------------------------------------------------ scheduler thread
     def next_seq(self):
         return next(self._seq)
 

@@ -8,19 +8,21 @@ policy. Per unit:
     session.release(records, output)          a compute fence behind `output`, then unpin
 
 and `session.at(position)` tells the policy where compute is in the trace.
-The daemon's submit methods do the queueing; this class only holds what one
-model's compute needs, so the hooks make one call per step instead of several.
+It submits the records it holds straight to the scheduler (no lookup by name or
+handle): per call a constant number of lock rounds, not one per record.
 """
 import time
+from concurrent.futures import Future
 
 from ..errors import NotResidentError
 from .records import State
+from .requests import Kind, Request
 
 
 class ComputeSession:
     def __init__(self, daemon, core, binding, owner):
-        self._daemon = daemon          # pin / unpin / prefetch (its public requests)
-        self._core = core              # lock, stats, policy, memory
+        self._daemon = daemon          # prefetch (its hit path)
+        self._core = core              # submit, lock, stats, policy, memory
         self._binding = binding
         self.owner = owner
         self.timeline = daemon.timeline
@@ -43,12 +45,12 @@ class ComputeSession:
             if missing is not None:
                 raise NotResidentError(missing.name, ",".join(missing.tiers), missing.state.value)
         started = time.monotonic_ns()
-        self._daemon.pin(records).result(timeout=stall_timeout)
+        self._daemon.check_open()
+        self._core.submit(Request(Kind.PIN, records, Future())).result(timeout=stall_timeout)
         ended = time.monotonic_ns()
         if records:
             self.timeline.stall(unit or records[0].name, started, ended, tensors=len(records))
-        for rec in records:
-            self._binding.bind_for_compute(rec)
+        self._binding.bind_for_compute(records)
         stall = (ended - started) / 1e9
         with core.lock:
             core.stats.stall.observe(stall)
@@ -69,7 +71,8 @@ class ComputeSession:
         if unit is not None:
             # The compute span ends when MindSpore reaches the fence (or now, without one).
             self.timeline.compute_end(unit, self.marker if epoch is not None else None, epoch)
-        self._daemon.unpin(records)
+        self._daemon.check_open()
+        self._core.submit(Request(Kind.UNPIN, records))
         return epoch
 
     def prefetch(self, records, priority=0):

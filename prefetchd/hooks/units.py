@@ -21,7 +21,8 @@ class Unit:
     def __init__(self, index, planned, records, compiled):
         self.index, self.name = index, planned.name
         self.cells = [cell for _, cell in planned.cells]
-        self.records = records
+        # Each record once: the session submits these as they are (a pin counts its tensors).
+        self.records = tuple({id(r): r for r in records}.values())
         self.nbytes = planned.nbytes
         self.held = False
         self.ran = set()          # ids of its cells that finished since it was pinned
