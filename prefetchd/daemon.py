@@ -17,10 +17,7 @@ import time
 import weakref
 from concurrent.futures import Future
 
-import numpy as np
-
 from . import backend as backends
-from . import dtypes
 from .backend import framework
 from .config import Config, parse_fraction_or_size
 from .core import policy as policies
@@ -28,13 +25,13 @@ from .core.binding import Binding
 from .attachments import Attachments
 from .core.events import Events
 from .core.homes import HomeSpace
-from .core.records import ManagedTensor, State
+from .core.registering import Registrar, checked_name
 from .core.registry import Registry, check_name
 from .core.requests import DONE, Kind, Request, check_deadline, check_priority
 from .core.scheduler import Scheduler, run
 from .core.session import ComputeSession
 from .core.status import describe
-from .errors import ShutdownError, UnknownTensorError
+from .errors import ShutdownError
 from .handle import TensorHandle
 from .telemetry.stats import Stats
 from .telemetry.timeline import Timeline
@@ -76,7 +73,7 @@ class Daemon:
         self._events = Events()
         self._core = None             # the Scheduler, from start()
         self._binding = None
-        self._homes = None            # stable addresses, where the backend has them
+        self._registrar = None        # register() / register_remote(), from start()
         self._thread = None
         self._attachments = Attachments()
         self._shutdown_sent = False
@@ -91,10 +88,11 @@ class Daemon:
                 raise ShutdownError("cannot start a daemon after close()")
             self.backend = self._backend_arg or backends.create(self.config)
             self._binding = Binding(self._lock, self.backend, self.stats)
-            self._homes = HomeSpace(self.backend) if HomeSpace.supported(self.backend) else None
+            homes = HomeSpace(self.backend) if HomeSpace.supported(self.backend) else None
             self._core = Scheduler(self.config, self.backend, self._registry, self._policy, self.stats,
                                    self._lock, emit=self._events.emit, guard=self._binding.guard,
                                    name=self.name)
+            self._registrar = Registrar(self._core, self._registry, homes, self._binding)
             self._core.timeline = self.timeline
             self._core.memory.reserve_checks = self._reserve_checks
             self._state = "running"
@@ -165,13 +163,13 @@ class Daemon:
             started = self._core is not None
             self._state = "closing"
             if started:
-                self._core.refuse_new(self._closed_message())
+                self._core.inbox.refuse_new(self._closed_message())
         if first:
             self._attachments.close(deadline, self.name)
         if started:
             if not self._shutdown_sent:
                 self._shutdown_sent = True
-                self._core.shut_down(deadline)
+                self._core.inbox.shut_down(deadline)
             if self._thread is threading.current_thread():
                 # From a listener or a future callback: the scheduler stops once it
                 # returns; it cannot wait for itself. A later close() (or the exit hook)
@@ -210,92 +208,15 @@ class Daemon:
         first written back), "host", or "remote" (written to the store and
         verified; the framework tensor then releases its memory).
         """
-        if tier not in ("device", "host", "remote"):
-            raise ValueError(f"tier must be 'device', 'host' or 'remote', not {tier!r}")
-        if not framework.is_tensor(tensor):
-            raise TypeError(f"register() takes a mindspore Tensor or Parameter, not {type(tensor).__name__}")
-        name = check_name(name if name is not None else getattr(tensor, "name", None))
+        checked_name(tensor, name, tier)      # a bad argument says so, also before start()
         self.check_open()
-        array = np.ascontiguousarray(framework.host_copy(tensor))
-        rec = ManagedTensor(name=name, shape=tuple(array.shape), dtype=array.dtype,
-                            nbytes=array.nbytes, target=tensor)
-        with self._lock:
-            self._registry.add(rec)
-            rec.home = self._carve_home(rec.nbytes)
-        future = Future()
-        try:
-            self._submit(Request(Kind.REGISTER, (rec,), future, args=(array, tier)))
-            future.result()
-        except BaseException:
-            with self._lock:
-                self._registry.forget(rec)
-            raise
-        if tier == "device":
-            if rec.home is not None:
-                self._binding.bind_home(rec)
-            self._binding.bind_for_compute((rec,))
-            self._binding.track(rec)
-        else:
-            self._binding.placeholder(rec)
-        return TensorHandle(rec)
+        return TensorHandle(self._registrar.register(tensor, name, tier))
 
     def register_remote(self, name, shape, dtype, *, target=None):
         """Manage a tensor whose data is already in the store under `name`."""
         check_name(name)
         self.check_open()
-        if not self.backend.store_contains(name):
-            raise UnknownTensorError(f"the store has no tensor named {name!r}")
-        info = self.backend.store_info(name)
-        dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape)) * dtype.itemsize if len(shape) else dtype.itemsize
-        if info["nbytes"] != nbytes:
-            raise ValueError(f"{name!r}: the store holds {info['nbytes']} bytes, "
-                             f"but shape {tuple(shape)} of {dtype} needs {nbytes}")
-        rec = ManagedTensor(name=name, shape=tuple(shape), dtype=dtype, nbytes=nbytes,
-                            target=target, remote_valid=True)
-        with self._lock:
-            self._registry.add(rec)
-            rec.home = self._carve_home(nbytes)
-        if target is not None:
-            self._binding.placeholder(rec)
-        return TensorHandle(rec)
-
-    def register_checkpoint(self, model, *, checkpoint=None):
-        """Register every parameter of `model` from the store: its remote replica is the data.
-
-        checkpoint: a .ckpt/.safetensors file to stage into this daemon's store
-        first (tensor by tensor); None if the store already holds the tensors
-        (e.g. `prefetchd stage`). The model may be built with
-        `no_init_parameters`: its weights never need to exist in RAM.
-        """
-        from . import staging
-        self.check_open()
-        if checkpoint is not None:
-            # The file's checksum (if it has one) is checked before anything reaches
-            # the live store: a corrupt checkpoint must not half-replace good tensors.
-            staging.verify_checkpoint(checkpoint)
-            staging.stage_tensors(self.backend.store, staging.iter_checkpoint(checkpoint))
-        # Every parameter is checked before any is bound: binding one to its home drops
-        # its own values, so a bad entry found half-way would leave the model unusable.
-        entries = []
-        for p in model.get_parameters():
-            if not self.backend.store_contains(p.name):
-                raise UnknownTensorError(f"the store has no tensor for parameter {p.name!r}")
-            shape, dtype = staging.read_meta(self.backend.store_info(p.name))
-            if tuple(shape) != tuple(p.shape):
-                raise ValueError(f"{p.name!r}: the store holds shape {tuple(shape)}, "
-                                 f"the model expects {tuple(p.shape)}")
-            # By name (str(mindspore.float32) is "Float32"): mindspore.dtype_to_nptype is
-            # deprecated and warns on every call.
-            want, held = dtypes.MINDSPORE_CKPT.get(str(p.dtype)), np.dtype(dtype).name
-            if want != held:
-                raise ValueError(f"{p.name!r}: the store holds {held}, the model expects {want or p.dtype} "
-                                 f"(convert the checkpoint, or build the model in that dtype)")
-            entries.append((p, shape, dtype))
-        return [self.register_remote(p.name, shape, dtype, target=p) for p, shape, dtype in entries]
-
-    def _carve_home(self, nbytes):
-        return self._homes.carve(nbytes) if self._homes is not None else None
+        return TensorHandle(self._registrar.register_remote(name, shape, dtype, target))
 
     def handle(self, name):
         return TensorHandle(self.record(name))
@@ -318,19 +239,7 @@ class Daemon:
         check_deadline(deadline)
         recs = self._records_of(tensors)
         self.check_open()
-        if all(r.state is State.RESIDENT for r in recs):
-            # Hit: nothing to schedule. Reading `state` races only with an eviction
-            # that could follow a queued hit just as well.
-            tick = self._core.tick()
-            with self._lock:
-                for r in recs:
-                    r.last_use = tick
-                    # Kept for its use like a queued hit (core/loads.py), also when the
-                    # unpin just queued before this has not been applied yet: else a
-                    # later prefetch evicts it (the root at every pass start).
-                    if r.state is State.RESIDENT:
-                        r.prefetched_unused = True
-                self.stats.count("prefetch", "hit")
+        if self._core.hit(recs):
             return DONE
         for r in recs:
             r.requested = True    # until the scheduler has queued it (see acquire)
@@ -440,6 +349,6 @@ class Daemon:
 def _reclaim(name, core, thread, timeout):
     """weakref finalizer of a started Daemon dropped without close()."""
     log.warning("prefetchd %s: daemon dropped without close(); shutting it down", name)
-    core.shut_down(time.monotonic() + min(timeout, 5.0))
+    core.inbox.shut_down(time.monotonic() + min(timeout, 5.0))
     if thread is not threading.current_thread():
         thread.join(min(timeout, 5.0) + 1.0)

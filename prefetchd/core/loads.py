@@ -1,20 +1,24 @@
-"""Loads: making tensors resident (ABSENT -> LOADING -> RESIDENT), and host replicas.
+"""Loads: making tensors resident (ABSENT -> LOADING -> RESIDENT).
 
-Each move has two halves: `start_*` reserves what it needs, marks the record
-and issues one asynchronous transfer; `*_done` applies its completion. Both
-run on the scheduler thread under the daemon's lock; they talk to the world
-only through the scheduler context `s` (backend, memory, transfers, outcomes),
-so they run unchanged against a fake backend with no threads.
+Each move has two halves: `start` reserves what it needs, marks the record
+and issues one asynchronous transfer; `done` applies its completion. Both
+run on the scheduler thread under the daemon's lock; what they reach (backend,
+memory, transfers, outcomes, host replicas) is given to the constructor, so
+they run unchanged against a fake backend with no threads.
 """
 import heapq
+import itertools
 import logging
 import time
 
 from ..backend.base import Completion, TransferKind
 from ..errors import BudgetError, NotResidentError, PrefetchdError, StorageError
+from ..telemetry.timeline import NullTimeline
 from . import lending
+from .compute_writes import note_writes
 from .records import State
 from .requests import Kind
+from .transfers import transfer_error
 
 MAX_LOADS_IN_FLIGHT = 4   # enough to keep the store's queue full; more only delays priorities
 
@@ -22,14 +26,26 @@ log = logging.getLogger("prefetchd")
 
 
 class Loads:
-    def __init__(self, s):
-        self.s = s
+    def __init__(self, config, backend, memory, transfers, outcomes, hostcache, host_replicas, stats,
+                 *, tick, emit, evict):
+        self._config = config
+        self._backend = backend
+        self._memory = memory
+        self._transfers = transfers
+        self._outcomes = outcomes
+        self._hostcache = hostcache
+        self._host = host_replicas
+        self._stats = stats
+        self._tick = tick              # fn() -> the use clock's next value
+        self._emit = emit              # fn(event, rec, seconds=0.0, error=None)
+        self._evict = evict            # fn(rec, reason): the write-back path's evict
+        self.timeline = NullTimeline()   # the scheduler's, when tracing is on
+        self._order = itertools.count()
         self.queue = []            # heap: (speculative?, deadline, -priority, seq, -nbytes, n, rec, request)
 
     # ------------------------------------------------------------------ requests
     def want_resident(self, req):
         """prefetch / pin: satisfy now from resident tensors, queue loads for the rest."""
-        s = self.s
         missing = []
         for rec in req.recs:
             rec.requested = False      # from here on, waiters and the load queue say it
@@ -44,19 +60,19 @@ class Loads:
                     # later prefetch could evict it once compute moves on (e.g. the root
                     # unit at a pass start, whose next use then looks farthest).
                     rec.prefetched_unused = True
-                rec.last_use = s.tick()
+                rec.last_use = self._tick()
                 continue
             if rec.state is State.ABSENT and not (rec.remote_valid or rec.host_valid):
-                s.outcomes.fail(req, NotResidentError(
+                self._outcomes.fail(req, NotResidentError(
                     rec.name, "", rec.state.value,
                     f"tensor {rec.name!r} has no valid replica on any tier (freed or never written)"))
                 return
             missing.append(rec)
         if not missing:
-            s.stats.count(req.counted_as, "hit")
-            s.outcomes.resolve(req)
+            self._stats.count(req.counted_as, "hit")
+            self._outcomes.resolve(req)
             return
-        s.stats.count(req.counted_as, "miss" if req.kind is Kind.PIN else "issued")
+        self._stats.count(req.counted_as, "miss" if req.kind is Kind.PIN else "issued")
         req.remaining = len(missing)
         for rec in missing:
             rec.waiters.append(req)
@@ -75,18 +91,17 @@ class Loads:
         deadline = req.deadline if req.deadline is not None else float("inf")
         # Within one request, largest first: big blocks placed first fragment the arena least.
         heapq.heappush(self.queue, (not req.demand, deadline, -req.priority, req.seq, -rec.nbytes,
-                                    self.s.next_seq(), rec, req))
+                                    next(self._order), rec, req))
 
     def cancel_all(self, error):
         while self.queue:
             *_, rec, _req = heapq.heappop(self.queue)
-            self.s.outcomes.fail_waiters(rec, error)
+            self._outcomes.fail_waiters(rec, error)
 
     # ------------------------------------------------------------------ starting
     def pump(self):
         """Start queued loads in priority order while memory and stream slots allow."""
-        s = self.s
-        while self.queue and s.transfers.loads < MAX_LOADS_IN_FLIGHT:
+        while self.queue and self._transfers.loads < MAX_LOADS_IN_FLIGHT:
             *_, rec, req = self.queue[0]
             rec.waiters = [w for w in rec.waiters if not w.future.cancelled()]
             if rec.state is not State.ABSENT or not rec.waiters:
@@ -96,10 +111,10 @@ class Loads:
                 heapq.heappop(self.queue)
                 continue
             try:
-                block = s.memory.reserve(rec.nbytes, demand=req.demand, incoming=rec)
+                block = self._memory.reserve(rec.nbytes, demand=req.demand, incoming=rec)
             except BudgetError as e:
                 heapq.heappop(self.queue)
-                s.outcomes.fail_waiters(rec, e)
+                self._outcomes.fail_waiters(rec, e)
                 continue
             except Exception as e:
                 # Making room failed inside (e.g. a page move the kernel refused). Retrying
@@ -107,18 +122,18 @@ class Loads:
                 # refuse this load and say why; the tensor stays ABSENT and loadable.
                 log.exception("prefetchd: reserving device memory for %r failed", rec.name)
                 heapq.heappop(self.queue)
-                s.outcomes.fail_waiters(rec, PrefetchdError(
+                self._outcomes.fail_waiters(rec, PrefetchdError(
                     f"internal error while making room on the device for {rec.name!r}: {e!r}"))
                 continue
             if block is None:
-                if s.transfers or s.memory.unfenced:
+                if self._transfers or self._memory.unfenced:
                     return    # write-backs or loads in flight will free or settle memory
                 # Nothing in flight can change the picture: say so instead of waiting forever.
                 heapq.heappop(self.queue)
-                s.outcomes.fail_waiters(rec, BudgetError(
+                self._outcomes.fail_waiters(rec, BudgetError(
                     f"cannot load {rec.name!r} ({rec.nbytes} bytes): the device tier is held by pinned "
                     f"tensors, prefetched tensors not used yet, or tensors whose write-back failed "
-                    f"(used {s.memory.used()} of high watermark {s.memory.high} bytes)"))
+                    f"(used {self._memory.used()} of high watermark {self._memory.high} bytes)"))
                 continue
             heapq.heappop(self.queue)
             self.start(rec, block)
@@ -128,11 +143,11 @@ class Loads:
         fence before they leave, is resident again at no cost. True if so."""
         if rec.state is not State.ABSENT or rec.home is None:
             return False
-        block = self.s.memory.reclaim(rec.home)
+        block = self._memory.reclaim(rec.home)
         if block is None:
             return False
         rec.block = block
-        self.s.stats.reclaims += 1
+        self._stats.reclaims += 1
         self.arrived(rec)
         return True
 
@@ -140,57 +155,54 @@ class Loads:
         """Fill a reserved device block: from register()'s values, from the host
         replica, or from the remote tier — through a new host replica when the host
         cache admits it (so later loads copy from RAM), else straight from disk."""
-        s = self.s
         rec.state = State.LOADING
         rec.block = block
         rec.exposed = False
-        s.timeline.decision("load", rec.name, rec.nbytes, source="register" if rec.initial is not None
+        self.timeline.decision("load", rec.name, rec.nbytes, source="register" if rec.initial is not None
                             else "host" if rec.host_valid else "remote")
         if rec.initial is not None:
             self._copy_in(rec, rec.initial)
         elif rec.host_valid:
-            s.stats.loads_from["host"] += 1
-            s.stats.load_bytes_from["host"] += rec.nbytes
+            self._stats.loads_from["host"] += 1
+            self._stats.load_bytes_from["host"] += rec.nbytes
             self._fill_from_host(rec)
         else:
-            s.stats.loads_from["remote"] += 1
-            s.stats.load_bytes_from["remote"] += rec.nbytes
-            if rec.host_block is None and s.hostcache.admit(rec) and self._try_alloc_host(rec):
-                self._issue(rec, TransferKind.STAGE, lambda tag: s.backend.start_load(
-                    rec.name, rec.host_block, rec.nbytes, tag, s.config.verify_reads))
+            self._stats.loads_from["remote"] += 1
+            self._stats.load_bytes_from["remote"] += rec.nbytes
+            if rec.host_block is None and self._hostcache.admit(rec) and self._host.try_alloc(rec):
+                self._issue(rec, TransferKind.STAGE, lambda tag: self._backend.start_load(
+                    rec.name, rec.host_block, rec.nbytes, tag, self._config.verify_reads))
             else:
-                self._issue(rec, TransferKind.LOAD, lambda tag: s.backend.start_load(
-                    rec.name, block, rec.nbytes, tag, s.config.verify_reads, shape=rec.shape,
+                self._issue(rec, TransferKind.LOAD, lambda tag: self._backend.start_load(
+                    rec.name, block, rec.nbytes, tag, self._config.verify_reads, shape=rec.shape,
                     dtype=rec.dtype))
 
     def _copy_in(self, rec, source):
-        s = self.s
-        self._issue(rec, TransferKind.H2D, lambda tag: s.backend.start_copy(
+        self._issue(rec, TransferKind.H2D, lambda tag: self._backend.start_copy(
             TransferKind.H2D, rec.block, source, rec.nbytes, tag, shape=rec.shape, dtype=rec.dtype))
 
     def _fill_from_host(self, rec):
         """The device block from the host replica: its pages moved under the block where
         the tiers share RAM (cpu; done here, the host block lent until the drop), else a
         copy whose completion comes later. Lent only with a home (core/lending.py)."""
-        s = self.s
         rec.reading_host = True
-        tag = s.transfers.add(TransferKind.H2D, rec)
+        tag = self._transfers.add(TransferKind.H2D, rec)
         start = time.monotonic_ns()
         try:
-            moved = s.backend.fill_from_host(rec.block, rec.host_block, rec.nbytes, tag,
+            moved = self._backend.fill_from_host(rec.block, rec.host_block, rec.nbytes, tag,
                                              lend=rec.home is not None, shape=rec.shape, dtype=rec.dtype)
         except Exception as e:   # nothing moved or started: back to ABSENT, the waiters learn why
-            s.transfers.discard(tag)
+            self._transfers.discard(tag)
             self._failed(rec, StorageError(f"cannot start loading {rec.name!r} from the host tier: {e}"))
             return
         if not moved:
             return                 # a copy: done() runs on its completion
         end = time.monotonic_ns()
-        s.transfers.discard(tag)
+        self._transfers.discard(tag)
         rec.host_lent = True
-        s.stats.moved_bytes += rec.nbytes
-        lending.count(s.stats, (end - start) / 1e9)
-        s.timeline.transfer(TransferKind.H2D.value, rec.name, rec.nbytes, start, end, ok=True)
+        self._stats.moved_bytes += rec.nbytes
+        lending.count(self._stats, (end - start) / 1e9)
+        self.timeline.transfer(TransferKind.H2D.value, rec.name, rec.nbytes, start, end, ok=True)
         try:
             self.done(rec, TransferKind.H2D, Completion(tag, 0, nbytes=rec.nbytes, start_ns=start, end_ns=end),
                       (end - start) / 1e9)
@@ -201,39 +213,36 @@ class Loads:
 
     def _issue(self, rec, kind, start):
         """Start one transfer of a load; if it cannot start, the load fails (nothing lost)."""
-        s = self.s
-        tag = s.transfers.add(kind, rec)
+        tag = self._transfers.add(kind, rec)
         try:
             start(tag)
         except Exception as e:   # nothing was started: back to ABSENT, the waiters learn why
-            s.transfers.discard(tag)
+            self._transfers.discard(tag)
             self._failed(rec, StorageError(f"cannot start loading {rec.name!r}: {e}"))
 
     # ------------------------------------------------------------------ completions
     def done(self, rec, kind, c, seconds):
-        s = self.s
         rec.initial = None
         rec.reading_host = False
         if c.status:
-            self._failed(rec, s.transfer_error("read", rec, c), seconds)
+            self._failed(rec, transfer_error(self._stats, "read", rec, c), seconds)
             return
         if kind is TransferKind.H2D and not rec.host_lent:
-            s.stats.copied_bytes += rec.nbytes
+            self._stats.copied_bytes += rec.nbytes
         if rec.home is not None:   # page tables only: the bytes appear at the home
-            lending.timed(s.stats, s.backend.attach, rec.home, rec.block)
+            lending.timed(self._stats, self._backend.attach, rec.home, rec.block)
         self.arrived(rec)
-        s.stats.record_transfer(kind.value if kind is TransferKind.H2D else "load", rec.nbytes, seconds)
-        s.emit("loaded", rec, seconds)
+        self._stats.record_transfer(kind.value if kind is TransferKind.H2D else "load", rec.nbytes, seconds)
+        self._emit("loaded", rec, seconds)
 
     def arrived(self, rec):
         """rec is RESIDENT now (loaded, or reclaimed before its pages left): wake its waiters."""
-        s = self.s
         registering = any(req.kind is Kind.REGISTER for req in rec.waiters)
         rec.state = State.RESIDENT
         rec.dirty = registering
-        s.note_writes(rec)       # reclaimed: compute may have written it before it was dropped
+        note_writes(self._backend, self._stats, rec)       # reclaimed: compute may have written it before it was dropped
         rec.error = None
-        rec.last_use = s.tick()
+        rec.last_use = self._tick()
         rec.prefetched_unused = not any(req.kind in (Kind.PIN, Kind.REGISTER) for req in rec.waiters)
         waiters, rec.waiters = rec.waiters, []
         for req in waiters:
@@ -245,98 +254,33 @@ class Loads:
                 rec.prefetched_unused = False
             req.remaining -= 1
             if req.remaining == 0:
-                s.outcomes.resolve(req)
+                self._outcomes.resolve(req)
         if rec.evict_after_load:
             # Pinned on arrival: the evict request, still waiting, drops it once unpinned;
             # a flag left set would drop the tensor again on its next, unrelated load.
             rec.evict_after_load = False
             if not rec.pins:
-                s.writebacks.evict(rec, "explicit")
+                self._evict(rec, "explicit")
 
     def _failed(self, rec, error, seconds=0.0):
-        s = self.s
         rec.reading_host = False
-        lending.give_back(s.backend, s.stats, rec, rec.block)
-        s.backend.free_device(rec.block)
+        lending.give_back(self._backend, self._stats, rec, rec.block)
+        self._backend.free_device(rec.block)
         rec.block = None
         rec.state = State.ABSENT
         rec.evict_after_load = False
         rec.error = error
-        s.emit("failed", rec, seconds, str(error))
-        s.outcomes.fail_waiters(rec, error)
+        self._emit("failed", rec, seconds, str(error))
+        self._outcomes.fail_waiters(rec, error)
 
-    # ------------------------------------------------------------------ host replicas
-    def stage(self, req):
-        """Give tensors a host replica read from the remote tier."""
-        s = self.s
-        todo = [r for r in req.recs if not r.host_valid]
-        for rec in todo:
-            if not rec.remote_valid:
-                s.outcomes.fail(req, StorageError(
-                    f"cannot stage {rec.name!r} to the host tier: it has no remote replica"))
-                return
-        req.remaining = len(todo)
-        if not todo:
-            s.outcomes.resolve(req)
-        for rec in todo:
-            if not self.alloc_host(rec, req):
-                return
-            tag = s.transfers.add(TransferKind.STAGE, rec, req)
-            try:
-                s.backend.start_load(rec.name, rec.host_block, rec.nbytes, tag, s.config.verify_reads)
-            except Exception as e:
-                s.transfers.discard(tag)
-                self.free_host(rec)
-                s.outcomes.fail(req, StorageError(f"cannot stage {rec.name!r}: {e}"))
-                return
-
-    def stage_done(self, rec, req, c, seconds=0.0):
-        s = self.s
-        if req is None:           # the first half of a load through the host cache
-            self._filled(rec, c, seconds)
-            return
+    # ------------------------------------------------------------------ through the host cache
+    def staged(self, rec, c, seconds):
+        """The first half of a load through the host cache: the disk read into a new host
+        replica landed; copy (or move) it on to the device block."""
         if c.status:
-            self.free_host(rec)
-            s.outcomes.fail(req, s.transfer_error("read", rec, c))
+            self._host.free(rec)
+            self._failed(rec, transfer_error(self._stats, "read", rec, c), seconds)
             return
         rec.host_valid = True
-        req.remaining -= 1
-        if req.remaining == 0:
-            s.outcomes.resolve(req)
-
-    def _filled(self, rec, c, seconds):
-        """A disk read into a new host replica landed: copy it on to the device block."""
-        s = self.s
-        if c.status:
-            self.free_host(rec)
-            self._failed(rec, s.transfer_error("read", rec, c), seconds)
-            return
-        rec.host_valid = True
-        s.stats.record_transfer("load", rec.nbytes, seconds)
+        self._stats.record_transfer("load", rec.nbytes, seconds)
         self._fill_from_host(rec)
-
-    def _try_alloc_host(self, rec):
-        try:
-            rec.host_block = self.s.backend.alloc_host(rec.nbytes)
-            return True
-        except Exception:          # room was made, but e.g. the pool's mapping failed
-            return False
-
-    def alloc_host(self, rec, req):
-        """Give rec a host block, dropping cached replicas if needed, or fail req saying
-        why (the host budget is exact)."""
-        self.s.hostcache.make_room(rec.nbytes)
-        try:
-            rec.host_block = self.s.backend.alloc_host(rec.nbytes)
-            return True
-        except Exception as e:
-            self.s.outcomes.fail(req, BudgetError(
-                f"cannot stage {rec.name!r} ({rec.nbytes} bytes) in the host tier: {e}"))
-            return False
-
-    def free_host(self, rec):
-        if rec.host_block is not None:
-            self.s.backend.free_host(rec.host_block)
-        rec.host_block = None
-        rec.host_valid = False
-        rec.host_lent = False      # lent pages, if any, are freed with the device block

@@ -29,9 +29,13 @@ class DeviceMemory:
         self.peak = 0
         self.unfenced = []         # (block, compute epoch or None, record): released, maybe still read
         self.reserve_checks = []   # test hooks: fn(used_after, high) on every reservation
-        self.evict = None          # fn(record, reason), set by the scheduler (residency moves)
+        self.evict = None          # fn(record, reason): the write-back path's (see connect)
         self.written_late = None   # fn(record, block): compute wrote a dropped replica before its fence
         self._watcher = None
+
+    def connect(self, *, evict, written_late):
+        """The write-back path's moves, which need this memory themselves (so they come after)."""
+        self.evict, self.written_late = evict, written_late
 
     # ------------------------------------------------------------------ queries
     def used(self):

@@ -12,19 +12,21 @@ Shape after CPython's concurrent.futures.thread: one small loop, a sentinel
 handling one request or completion fails that request and leaves its
 tensors in a named state; the loop keeps serving.
 """
-import collections
 import itertools
 import logging
 import time
 
-from .. import _native
 from ..backend.base import TransferKind
-from ..errors import BudgetError, IntegrityError, PinnedError, PrefetchdError, ShutdownError, StorageError
+from ..errors import BudgetError, PinnedError, PrefetchdError, ShutdownError
 from ..telemetry.timeline import NullTimeline
 from . import lending
+from .compute_writes import note_writes
+from .host_replicas import HostReplicas
 from .hostcache import HostCache
+from .inbox import Inbox
 from .loads import Loads
 from .memory import DeviceMemory
+from .placement import Placements
 from .records import State
 from .requests import Kind, Outcomes, Request, settle
 from .transfers import Transfers
@@ -34,8 +36,8 @@ log = logging.getLogger("prefetchd")
 
 
 class Scheduler:
-    """Scheduler state and handlers. Everything but `submit`, `refuse_new` and `shut_down`
-    runs on the scheduler thread, under `lock`."""
+    """Scheduler state and handlers. Everything but `submit`, `hit` and the inbox's
+    `refuse_new` / `shut_down` runs on the scheduler thread, under `lock`."""
 
     def __init__(self, config, backend, registry, policy, stats, lock, *, emit, guard, name):
         self.config = config
@@ -47,7 +49,7 @@ class Scheduler:
         self.name = name
         self.emit = emit               # fn(event, rec, seconds=0.0, error=None)
         self.guard = guard             # fn(rec): make Python-level use of rec's tensor refuse
-        self.inbox = collections.deque()
+        self.inbox = Inbox(lock, backend)   # the one entry for other threads: submit, refuse_new, shut_down
         self.outcomes = Outcomes(stats)
         self.transfers = Transfers()
         self.memory = DeviceMemory(config, backend, registry, policy, stats, lock, name)
@@ -55,13 +57,16 @@ class Scheduler:
         # the private budget keeps only what must be private (host-tier tensors).
         self.hostcache = HostCache(backend, registry, policy, stats,
                                    0 if config.shared_host else config.host_budget)
-        self.loads = Loads(self)
-        self.writebacks = WriteBacks(self)
-        self.memory.evict = self.writebacks.evict
-        self.memory.written_late = self.writebacks.written_late
+        self.host_replicas = HostReplicas(config, backend, self.hostcache, self.transfers, self.outcomes,
+                                          stats)
+        self.writebacks = WriteBacks(backend, self.memory, self.transfers, self.host_replicas, stats,
+                                     emit=emit, guard=guard)
+        self.loads = Loads(config, backend, self.memory, self.transfers, self.outcomes, self.hostcache,
+                           self.host_replicas, stats, tick=self.tick, emit=emit,
+                           evict=self.writebacks.evict)
+        self.placements = Placements(backend, self.transfers, self.outcomes, self.host_replicas, stats)
+        self.memory.connect(evict=self.writebacks.evict, written_late=self.writebacks.written_late)
         self.waiting = []              # evict/flush requests waiting on transfers: (request, recs)
-        self._seq = itertools.count()
-        self._refusal = None           # why new requests are refused (the daemon is closing), or None
         self._tick = itertools.count(1)
         self.shutdown_deadline = None
         self.timeline = NullTimeline()   # the daemon sets its own when tracing is on
@@ -72,73 +77,67 @@ class Scheduler:
             Kind.REGISTER: self._register,
             Kind.EVICT: self._evict_request,
             Kind.FLUSH: self._flush_request,
-            Kind.STAGE: self.loads.stage,
+            Kind.STAGE: self.host_replicas.stage,
             Kind.WATERMARKS: self._watermarks,
         }
+        # Completions by transfer kind: fn(rec, request or None, completion, seconds).
         self._completions = {
             TransferKind.LOAD: lambda rec, req, c, s: self.loads.done(rec, TransferKind.LOAD, c, s),
             TransferKind.H2D: lambda rec, req, c, s: self.loads.done(rec, TransferKind.H2D, c, s),
             TransferKind.STORE: self.writebacks.store_done,
-            TransferKind.VERIFY: lambda rec, req, c, s: self.writebacks.verify_done(rec, req, c),
-            TransferKind.STAGE: self.loads.stage_done,
-            TransferKind.D2H: self.writebacks.host_copy_done,
+            TransferKind.VERIFY: self.writebacks.verify_done,
+            # A stage request's read, or (no request) the first half of a load via the host cache.
+            TransferKind.STAGE: lambda rec, req, c, s: (self.host_replicas.staged(rec, req, c) if req
+                                                        else self.loads.staged(rec, c, s)),
         }
+        # ... and those of a register(tier="host" | "remote"), which carry their request.
+        self._placing = {
+            TransferKind.STORE: self.placements.stored,
+            TransferKind.VERIFY: self.placements.verified,
+            TransferKind.D2H: self.placements.copied,
+        }
+
+    @property
+    def timeline(self):
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, timeline):
+        """The daemon's recorder (when tracing is on): the moves record into it too."""
+        self._timeline = self.loads.timeline = self.writebacks.timeline = timeline
 
     # ------------------------------------------------------------------ any thread
     def submit(self, request):
-        """Queue `request` for the scheduler thread; returns its future (None for an unpin).
+        """Queue `request` for the scheduler thread; returns its future (core/inbox.py)."""
+        return self.inbox.submit(request)
 
-        One lock round per request, whatever its number of tensors: the sequence number and
-        the place in the inbox are taken together, so requests are handled in the order they
-        were numbered. Refused with ShutdownError once `refuse_new` was called.
-        """
+    def hit(self, recs):
+        """A prefetch of recs that needs no request: True if every one is resident (any
+        thread). Reading `state` races only with an eviction that could follow a queued hit
+        just as well; each is then kept for its use like a queued hit (core/loads.py), also
+        when an unpin queued before this is not applied yet: else a later prefetch evicts it
+        (the root at every pass start)."""
+        if not all(r.state is State.RESIDENT for r in recs):
+            return False
+        tick = self.tick()
         with self.lock:
-            if self._refusal is not None:
-                raise ShutdownError(self._refusal)
-            request.seq = next(self._seq)
-            self.inbox.append(request)
-        self.backend.notify()
-        return request.future
-
-    def refuse_new(self, reason):
-        """From now on `submit` raises ShutdownError(reason). Call under `lock`."""
-        self._refusal = reason
-
-    def shut_down(self, deadline):
-        """Queue the sentinel that stops the loop by `deadline` (monotonic seconds): write-backs
-        that can finish by then do, the rest are cancelled. Not refused; safe to repeat."""
-        self.inbox.append(Request(Kind.SHUTDOWN, args=deadline))
-        self.backend.notify()
+            for r in recs:
+                r.last_use = tick
+                if r.state is State.RESIDENT:
+                    r.prefetched_unused = True
+            self.stats.count("prefetch", "hit")
+        return True
 
     # ------------------------------------------------------------------ scheduler thread
     def next_seq(self):
-        return next(self._seq)
+        return self.inbox.next_seq()
 
     def tick(self):
         return next(self._tick)
 
     def note_writes(self, rec):
-        """Dirty rec if compute wrote its resident replica in place since we last looked.
-
-        Kernels write Parameters without the Python API (BatchNorm's running
-        statistics in training mode, a KV cache held in a Parameter, an
-        optimizer step), so the guard never sees it. Where the backend can
-        tell (cpu: an attached home is read-only and its first write faults,
-        native/include/home_faults.h), every decision to drop a replica as
-        clean asks first, and such a write is written back instead of lost.
-        """
-        if rec.home is not None and rec.state in (State.RESIDENT, State.STORING) \
-                and self.backend.written(rec.home):
-            rec.dirty = True
-            rec.generation += 1
-            self.stats.compute_writes += 1
-
-    def transfer_error(self, op, rec, c):
-        if c.status == _native.STATUS_CHECKSUM:
-            self.stats.checksum_failures += 1
-            return IntegrityError(f"{op} of {rec.name!r} failed verification: {c.message}")
-        self.stats.io_errors[op if op in ("read", "write") else "read"] += 1
-        return StorageError(f"{op} of {rec.name!r} failed: {c.message}")
+        """Dirty rec if compute wrote it in place since we last looked (core/compute_writes.py)."""
+        note_writes(self.backend, self.stats, rec)
 
     # ------------------------------------------------------------------ one iteration
     def step(self, completions):
@@ -202,8 +201,9 @@ class Scheduler:
             log.debug("prefetchd %s: %s of %r (%d B) %s in %.3f ms", self.name, kind.value, rec.name,
                       rec.nbytes, f"failed: {c.message}" if c.status else "done", (c.end_ns - c.start_ns) / 1e6)
         seconds = max(0.0, (c.end_ns - c.start_ns) / 1e9)
+        table = self._placing if req is not None and req.kind is Kind.REGISTER else self._completions
         try:
-            self._completions[kind](rec, req, c, seconds)
+            table[kind](rec, req, c, seconds)
         except Exception as e:
             log.exception("prefetchd %s: applying a %s completion of %r failed", self.name, kind.value, rec.name)
             self._recover(req, e, recs=(rec,))
@@ -221,7 +221,7 @@ class Scheduler:
             req.recs[0].initial = req.args[0]
             self.loads.register_on_device(req)
         else:
-            self.writebacks.initial_store(req)
+            self.placements.start(req)
 
     def _unpin(self, req):
         for rec in req.recs:

@@ -6,7 +6,9 @@ what it was for.
 """
 import itertools
 
+from .. import _native
 from ..backend.base import TransferKind
+from ..errors import IntegrityError, StorageError
 
 LOAD_KINDS = (TransferKind.LOAD, TransferKind.H2D)
 
@@ -53,3 +55,13 @@ class Transfers:
 
     def __bool__(self):
         return bool(self._entries)
+
+
+def transfer_error(stats, op, rec, c):
+    """The error a failed completion `c` of `op` ("read", "write", "verify") on rec means,
+    counted in stats: IntegrityError for a checksum mismatch, else StorageError."""
+    if c.status == _native.STATUS_CHECKSUM:
+        stats.checksum_failures += 1
+        return IntegrityError(f"{op} of {rec.name!r} failed verification: {c.message}")
+    stats.io_errors[op if op in ("read", "write") else "read"] += 1
+    return StorageError(f"{op} of {rec.name!r} failed: {c.message}")

@@ -4,7 +4,7 @@ Modules, by role (imports point down this list, never up):
 
     offload          offload() / @offloaded and the Offloaded handle: hooks, pass lock, close, stats
     reload           load_param_into_net: new values for an offloaded model, between its passes
-    registration     the planned parameters handed to the daemon, once
+    registration     the planned parameters handed to the daemon, once; register_checkpoint
     refusals         what offload() and an offloaded model refuse, and the messages
     compiled_later   cells compiled with mindspore.jit after offload()
     views            outputs that are views of a unit's weights, copied while it is pinned
@@ -18,6 +18,7 @@ Modules, by role (imports point down this list, never up):
 The rules the planner follows are described once, in docs/offload.md.
 """
 from .offload import Offloaded, offload, offloaded
+from .registration import register_checkpoint
 from .reload import load_param_into_net
 
-__all__ = ["Offloaded", "offload", "offloaded", "load_param_into_net"]
+__all__ = ["Offloaded", "offload", "offloaded", "load_param_into_net", "register_checkpoint"]

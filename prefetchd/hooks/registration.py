@@ -8,9 +8,13 @@ before any hook is installed:
 
 A name clash, or host-tier weights the host budget cannot hold, is refused
 before any parameter is registered, so a refusal leaves the model as it was.
+With checkpoint=..., `register_checkpoint` registers every parameter from the store.
 """
+import numpy as np
+
+from .. import dtypes, staging
 from ..backend import framework
-from ..errors import BudgetError, DoubleRegisterError, PrefetchdError
+from ..errors import BudgetError, DoubleRegisterError, PrefetchdError, UnknownTensorError
 from ..cost.model import block_bytes as host_block_bytes
 
 
@@ -29,7 +33,7 @@ def register(daemon, model, params, tier, checkpoint):
     checkpoint: None (the parameters' values), True (the store holds them) or a file to stage."""
     if checkpoint is not None:
         # Weights come from the store (staged now from a file, or already there).
-        daemon.register_checkpoint(model, checkpoint=None if checkpoint is True else checkpoint)
+        register_checkpoint(daemon, model, checkpoint=None if checkpoint is True else checkpoint)
         handles = {key: daemon.handle(p.name) for key, p in params.items()}
     else:
         _refuse_taken_names(daemon, params.values())
@@ -37,6 +41,41 @@ def register(daemon, model, params, tier, checkpoint):
             _refuse_beyond_the_host_budget(daemon, params.values())
         handles = {key: daemon.register(p, p.name, tier=tier) for key, p in params.items()}
     return {key: daemon.record(handle) for key, handle in handles.items()}
+
+
+def register_checkpoint(daemon, model, *, checkpoint=None):
+    """Register every parameter of `model` with `daemon` from its store: the remote replica
+    is the data. Returns their handles.
+
+    checkpoint: a .ckpt/.safetensors file to stage into the daemon's store first (tensor
+    by tensor); None if the store already holds the tensors (e.g. `prefetchd stage`). The
+    model may be built with `no_init_parameters`: its weights never need to exist in RAM.
+    """
+    daemon.check_open()
+    backend = daemon.backend
+    if checkpoint is not None:
+        # The file's checksum (if it has one) is checked before anything reaches
+        # the live store: a corrupt checkpoint must not half-replace good tensors.
+        staging.verify_checkpoint(checkpoint)
+        staging.stage_tensors(backend.store, staging.iter_checkpoint(checkpoint))
+    # Every parameter is checked before any is bound: binding one to its home drops
+    # its own values, so a bad entry found half-way would leave the model unusable.
+    entries = []
+    for p in model.get_parameters():
+        if not backend.store_contains(p.name):
+            raise UnknownTensorError(f"the store has no tensor for parameter {p.name!r}")
+        shape, dtype = staging.read_meta(backend.store_info(p.name))
+        if tuple(shape) != tuple(p.shape):
+            raise ValueError(f"{p.name!r}: the store holds shape {tuple(shape)}, "
+                             f"the model expects {tuple(p.shape)}")
+        # By name (str(mindspore.float32) is "Float32"): mindspore.dtype_to_nptype is
+        # deprecated and warns on every call.
+        want, held = dtypes.MINDSPORE_CKPT.get(str(p.dtype)), np.dtype(dtype).name
+        if want != held:
+            raise ValueError(f"{p.name!r}: the store holds {held}, the model expects {want or p.dtype} "
+                             f"(convert the checkpoint, or build the model in that dtype)")
+        entries.append((p, shape, dtype))
+    return [daemon.register_remote(p.name, shape, dtype, target=p) for p, shape, dtype in entries]
 
 
 def _refuse_taken_names(daemon, params):

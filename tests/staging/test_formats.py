@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from prefetchd import _native
+from prefetchd.hooks import register_checkpoint
 from prefetchd.staging import (INDEX_FILE, StagingError, iter_checkpoint, read_index, read_meta, stage_checkpoint,
                                verify_checkpoint)
 from ckpt_files import bf16_bits, write_safetensors
@@ -61,7 +62,7 @@ def test_bf16_safetensors_written_by_hand_carries_the_bits(tmp_path):
 
 
 def test_bf16_model_built_without_weights_computes_from_the_store(tmp_path, ms, make_daemon):
-    """A BF16 Parameter made under no_init_parameters, registered via register_checkpoint, computes
+    """A BF16 Parameter made under no_init_parameters, registered via hooks.register_checkpoint, computes
     exactly what the model with its weights in RAM computes."""
     from mindspore import nn, ops
     from mindspore.nn.utils import no_init_parameters
@@ -85,7 +86,7 @@ def test_bf16_model_built_without_weights_computes_from_the_store(tmp_path, ms, 
     with no_init_parameters():
         model = Mixed()
     daemon = make_daemon(store_dir=store)
-    handles = daemon.register_checkpoint(model)
+    handles = register_checkpoint(daemon, model)
     assert [h.dtype for h in handles] == [np.dtype(ms.dtype_to_nptype(ms.bfloat16))] * 2
     x = ms.Tensor(np.random.default_rng(5).standard_normal((3, 16)).astype(np.float32))
     with daemon.use(handles):

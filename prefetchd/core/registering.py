@@ -1,0 +1,84 @@
+"""Registration: a framework tensor (or a stored tensor) becomes a managed record.
+
+`Registrar.register` copies the tensor's values once, adds its record, gives it a
+home where the backend has stable addresses, and hands the values to the scheduler
+(a REGISTER request: a device replica, a host block, or a verified write to the
+store); once placed, the framework tensor is bound to its replica or made a
+placeholder. A failed placement forgets the record: nothing half-registered stays.
+`register_remote` manages a tensor whose bytes are already in the store.
+Any thread; the registry changes under the daemon's lock.
+"""
+from concurrent.futures import Future
+
+import numpy as np
+
+from ..backend import framework
+from ..errors import UnknownTensorError
+from .records import ManagedTensor
+from .registry import check_name
+from .requests import Kind, Request
+
+TIERS = ("device", "host", "remote")
+
+
+def checked_name(tensor, name, tier):
+    """The name `tensor` registers under; ValueError/TypeError for a bad tier or tensor."""
+    if tier not in TIERS:
+        raise ValueError(f"tier must be 'device', 'host' or 'remote', not {tier!r}")
+    if not framework.is_tensor(tensor):
+        raise TypeError(f"register() takes a mindspore Tensor or Parameter, not {type(tensor).__name__}")
+    return check_name(name if name is not None else getattr(tensor, "name", None))
+
+
+class Registrar:
+    def __init__(self, core, registry, homes, binding):
+        self._core = core              # submit, lock, backend
+        self._registry = registry
+        self._homes = homes            # HomeSpace where the backend has stable addresses, else None
+        self._binding = binding
+
+    def register(self, tensor, name, tier):
+        """The record of `tensor`, placed on `tier` (see the module docstring)."""
+        name = checked_name(tensor, name, tier)
+        array = np.ascontiguousarray(framework.host_copy(tensor))
+        rec = ManagedTensor(name=name, shape=tuple(array.shape), dtype=array.dtype,
+                            nbytes=array.nbytes, target=tensor)
+        self._add(rec)
+        try:
+            self._core.submit(Request(Kind.REGISTER, (rec,), Future(), args=(array, tier))).result()
+        except BaseException:
+            with self._core.lock:
+                self._registry.forget(rec)
+            raise
+        if tier == "device":
+            if rec.home is not None:
+                self._binding.bind_home(rec)
+            self._binding.bind_for_compute((rec,))
+            self._binding.track(rec)
+        else:
+            self._binding.placeholder(rec)
+        return rec
+
+    def register_remote(self, name, shape, dtype, target):
+        """The record of the stored tensor `name`, checked against shape and dtype."""
+        check_name(name)
+        backend = self._core.backend
+        if not backend.store_contains(name):
+            raise UnknownTensorError(f"the store has no tensor named {name!r}")
+        info = backend.store_info(name)
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape)) * dtype.itemsize if len(shape) else dtype.itemsize
+        if info["nbytes"] != nbytes:
+            raise ValueError(f"{name!r}: the store holds {info['nbytes']} bytes, "
+                             f"but shape {tuple(shape)} of {dtype} needs {nbytes}")
+        rec = ManagedTensor(name=name, shape=tuple(shape), dtype=dtype, nbytes=nbytes,
+                            target=target, remote_valid=True)
+        self._add(rec)
+        if target is not None:
+            self._binding.placeholder(rec)
+        return rec
+
+    def _add(self, rec):
+        with self._core.lock:
+            self._registry.add(rec)
+            rec.home = self._homes.carve(rec.nbytes) if self._homes is not None else None
