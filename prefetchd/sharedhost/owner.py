@@ -1,9 +1,11 @@
-"""The owner of the shared host tier: blocks, budget, policy and leases.
+"""The owner of the shared host tier: its socket, the attached processes, fills and replies.
 
 One thread runs a selector over the listening socket, every attached process'
 connection and a wake-up pipe; fills (one checksummed store read each) run on a
 small thread pool and hand their result back through the pipe, so a slow disk
 never stalls the replies to other processes.
+
+The blocks, their leases and the budget are prefetchd.sharedhost.table (no I/O).
 
 Leases. A process holds a lease on a block from its `acquire` (while the block
 is filled, too) until its `release`, and the block is never dropped or reused
@@ -28,6 +30,7 @@ import threading
 
 from . import policy, wire
 from .blocks import SharedBlock, segment_size
+from .table import BlockTable
 
 log = logging.getLogger("prefetchd.sharedhost")
 
@@ -43,16 +46,6 @@ class _Conn:
         self.hits = self.fills = self.refused = 0
 
 
-class _Entry:
-    def __init__(self, block):
-        self.block = block
-        self.key = block.key
-        self.ready = False
-        self.leases = 0
-        self.waiters = []           # conns whose acquire waits for the fill
-        self.last_use = 0
-
-
 class SharedHostOwner:
     """`SharedHostOwner(socket_path, store_dir, budget).start()`; `close()` stops it.
 
@@ -66,12 +59,11 @@ class SharedHostOwner:
             raise ValueError(f"shared host budget must be > 0, got {budget}")
         self.path, self.budget = socket_path, budget
         self.store = _native.FileStore(store_dir)
-        self._entries = {}          # (key, version) -> _Entry
+        self.counters = collections.Counter()
+        self._blocks = BlockTable(budget, self.counters)
         self._conns = {}            # fd -> _Conn
         self._lock = threading.Lock()
-        self._tick = 0
         self._ids = 0
-        self.counters = collections.Counter()
         self._done = collections.deque()   # (entry, error) from fill threads
         self._fills = concurrent.futures.ThreadPoolExecutor(fill_threads, "prefetchd-shared-fill")
         self._wake_r, self._wake_w = socket.socketpair()
@@ -112,9 +104,7 @@ class SharedHostOwner:
         with self._lock:
             for conn in list(self._conns.values()):
                 self._drop_conn(conn, "owner closing")
-            for entry in self._entries.values():
-                entry.block.close()
-            self._entries.clear()
+            self._blocks.close()
         self._sel.close()
         self._listen.close()
         self._wake_r.close()
@@ -134,11 +124,7 @@ class SharedHostOwner:
 
     def _status(self):
         return {
-            "socket": self.path, "budget": self.budget,
-            "bytes": sum(e.block.size for e in self._entries.values()),
-            "blocks": sum(1 for e in self._entries.values() if e.ready),
-            "filling": sum(1 for e in self._entries.values() if not e.ready),
-            "leases": sum(e.leases for e in self._entries.values()),
+            "socket": self.path, "budget": self.budget, **self._blocks.summary(),
             "counters": dict(self.counters),
             "workers": [{"pid": c.pid, "name": c.name, "leases": sum(c.leases.values()),
                          "hits": c.hits, "fills": c.fills, "refused": c.refused,
@@ -195,15 +181,7 @@ class SharedHostOwner:
             self._sel.unregister(conn.sock)
         except (KeyError, ValueError):
             pass
-        released = 0
-        for ident, n in conn.leases.items():
-            entry = self._entries.get(ident)
-            if entry is not None:
-                entry.leases -= n
-                released += n
-                if conn in entry.waiters:
-                    entry.waiters = [w for w in entry.waiters if w is not conn]
-        conn.leases.clear()
+        released = self._blocks.release_all(conn)
         conn.sock.close()
         self.counters["detached"] += 1
         if released:
@@ -258,21 +236,14 @@ class SharedHostOwner:
         self._reply(conn, {"ok": True, "names": len(names)})
 
     def _op_release(self, conn, key, version):
-        ident = (key, version)
-        if conn.leases.get(ident, 0) <= 0:
+        if not self._blocks.unlease(conn, (key, version)):
             self.counters["stray_releases"] += 1    # not held: ignored (release has no reply)
-            return
-        conn.leases[ident] -= 1
-        if not conn.leases[ident]:
-            del conn.leases[ident]
-        self._entries[ident].leases -= 1
 
     def _op_acquire(self, conn, key, version, nbytes, crc):
         ident = (key, version)
-        self._tick += 1
         if conn.trace is not None:
             conn.trace.advance(key)
-        entry = self._entries.get(ident)
+        entry = self._blocks.get(ident)
         if entry is None:
             try:
                 info = self.store.info(key)
@@ -284,16 +255,16 @@ class SharedHostOwner:
                     f"{key!r}: the shared tier's store holds version {info['version']} ({info['nbytes']} "
                     f"bytes, crc {info['crc']:#x}), not version {version} ({nbytes} bytes, crc {crc:#x})"))
                 return
-            if not self._make_room(segment_size(nbytes)):
+            traces = [c.trace for c in self._conns.values() if c.trace is not None]
+            if not self._blocks.make_room(segment_size(nbytes), traces):
                 self._refuse(conn, wire.NO_ROOM, f"every block of the shared tier's {self.budget} B "
                                                  f"is leased; {key!r} needs {segment_size(nbytes)} B")
                 return
             try:
-                entry = _Entry(SharedBlock(key, version, nbytes, crc))
+                entry = self._blocks.add(ident, SharedBlock(key, version, nbytes, crc))
             except OSError as e:
                 self._refuse(conn, wire.NO_ROOM, f"cannot create a shared segment: {e.strerror}")
                 return
-            self._entries[ident] = entry
             self.counters["fills"] += 1
             conn.fills += 1
             self._fills.submit(self._fill, entry)
@@ -304,9 +275,7 @@ class SharedHostOwner:
         else:
             self.counters["hits"] += 1
             conn.hits += 1
-        entry.leases += 1
-        conn.leases[ident] += 1
-        entry.last_use = self._tick
+        self._blocks.lease(conn, ident, entry)
         if entry.ready:
             self._grant(conn, entry)
         else:
@@ -340,31 +309,9 @@ class SharedHostOwner:
                     self._grant(conn, entry)
             return
         log.warning("shared host tier: filling %r failed; the block is not shared: %s", entry.key, error)
-        self._entries.pop(ident, None)
-        entry.block.close()
+        self._blocks.discard(ident)
         self.counters["fill_errors"] += 1
         for conn in waiters:
-            conn.leases[ident] -= 1
-            if not conn.leases[ident]:
-                del conn.leases[ident]
+            self._blocks.unlease(conn, ident)
             if conn.sock.fileno() in self._conns:
                 self._refuse(conn, wire.IO_ERROR, f"reading {entry.key!r} into the shared tier failed: {error}")
-
-    # -- budget
-    def _make_room(self, need):
-        used = sum(e.block.size for e in self._entries.values())
-        if used + need <= self.budget:
-            return True
-        idle = [e for e in self._entries.values() if e.ready and e.leases == 0]
-        traces = [c.trace for c in self._conns.values() if c.trace is not None]
-        victims = policy.rank(idle, traces)
-        if used - sum(e.block.size for e in victims) + need > self.budget:
-            return False
-        for victim in victims:
-            if used + need <= self.budget:
-                break
-            used -= victim.block.size
-            del self._entries[(victim.block.key, victim.block.version)]
-            victim.block.close()
-            self.counters["evictions"] += 1
-        return True
