@@ -7,7 +7,7 @@ import pytest
 
 import prefetchd
 from prefetchd import NotResidentError, PrefetchdError
-from test_host_cache import UNIT_BLOCKS, Net
+from _block_net import UNIT_BLOCKS, Net
 
 
 def _seeded(ms, seed):

@@ -21,7 +21,7 @@ from prefetchd.config import Config
 
 from prefetchd.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 UNIT = DEPLOY / "systemd" / "prefetchd-serve.service"
 KUBE = DEPLOY / "kubernetes" / "prefetchd-serve.yaml"

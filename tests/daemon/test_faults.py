@@ -14,7 +14,8 @@ from prefetchd import _native
 from prefetchd.errors import IntegrityError, StorageError
 from prefetchd.core.records import State
 
-sys.path.insert(0, os.path.dirname(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the crash writer lives in tests/
+sys.path.insert(0, TESTS)
 from _crash_writer import size_of, value  # noqa: E402
 from helpers import ENV  # noqa: E402
 
@@ -59,7 +60,7 @@ def _kill_loop(tmp_path, verify, max_iterations, seconds, seed):
     deadline = time.monotonic() + seconds
     iterations = corrupted_windows = 0
     while iterations < max_iterations and time.monotonic() < deadline:
-        child = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "_crash_writer.py"),
+        child = subprocess.Popen([sys.executable, os.path.join(TESTS, "_crash_writer.py"),
                                   directory, str(keys), str(rng.randrange(1 << 30)), str(version)]
                                  + (["verify"] if verify else []),
                                  stdout=subprocess.PIPE, text=True, env=ENV)

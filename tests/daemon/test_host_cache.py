@@ -6,35 +6,11 @@ a drop) is tested without threads in tests/core/test_moves.py; here the whole pa
 disk reads through O_DIRECT, host replicas, copies to the device, and the layer hooks."""
 import numpy as np
 import pytest
-from mindspore import nn
 
 import prefetchd
+from _block_net import BLOCKS, HIDDEN, UNIT_BLOCKS, Net
 
-HIDDEN, BLOCKS = 128, 8
-WEIGHT = HIDDEN * HIDDEN * 4
-UNIT_BLOCKS = WEIGHT + 4096          # a block's weight, and its bias in one 4 KiB page
 TENSORS = 2 * BLOCKS
-
-
-class Block(nn.Cell):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Dense(HIDDEN, HIDDEN)
-        self.act = nn.ReLU()
-
-    def construct(self, x):
-        return x + self.act(self.fc(x))
-
-
-class Net(nn.Cell):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.CellList([Block() for _ in range(BLOCKS)])
-
-    def construct(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
 
 
 def build(ms):
