@@ -30,7 +30,6 @@ import itertools
 import logging
 import os
 import signal
-import threading
 import time
 
 import zmq
@@ -44,6 +43,7 @@ from .batching import Batch, Batcher, Job
 from .deadlines import Deadlines
 from .front_sockets import FrontSockets
 from .heartbeat import Heartbeats
+from .hints import Hints
 from .histograms import BATCH_BUCKETS, QUEUE_BUCKETS, Histogram
 from .pool import WorkerPool
 from .spec import ServeSpec
@@ -99,7 +99,7 @@ class Front(FrontSockets):
         self._heartbeats = Heartbeats(heartbeat_interval, heartbeat_timeout)
         self._batch_ids = itertools.count(1)
         self._ctl_ids = itertools.count(1)
-        self._hints_waiting = {}       # control rid -> slot, for hints
+        self._hints = Hints(self.counters, lambda: P.new_rid(next(self._ctl_ids)))
         self._status = StatusGathers(self._send, lambda: P.new_rid(next(self._ctl_ids)))
         self.histograms = {}           # model -> {"batch_size": Histogram, "queue_seconds": ...}
 
@@ -229,7 +229,7 @@ class Front(FrontSockets):
     def _send_batch(self, s, model, jobs, now):
         batch = Batch(P.new_rid(next(self._batch_ids)), model, jobs, s, now)
         if any(j.hint for j in jobs) and s.last_model != model:
-            batch.hinted = self._hint(s, model)
+            batch.hinted = self._hints.send(s, model)
         try:
             self._work.send_multipart([s.identity, batch.job_id, P.dumps(batch.body()),
                                        *batch.frames()], zmq.NOBLOCK, copy=False)
@@ -247,21 +247,6 @@ class Front(FrontSockets):
         s.inflight[batch.job_id] = batch
         s.last_model = model
         self.counters["batches"] += 1
-
-    def _hint(self, s, model):
-        names = s.hints.get(model)
-        if not names:
-            return False
-        rid = P.new_rid(next(self._ctl_ids))
-        try:
-            s.ctl.send_multipart(P.encode_request(rid, "prefetch", {
-                "names": names, "wait": False, "priority": 1}), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            self.counters["hints_dropped"] += 1
-            return False
-        self._hints_waiting[rid] = s
-        self.counters["hints_sent"] += 1
-        return True
 
     # -- workers
 
@@ -310,9 +295,7 @@ class Front(FrontSockets):
             for job in batch.pending():
                 self._reply_error(job, P.INTERNAL, reason)
         self.counters["worker_deaths"] += 1
-        for rid, slot in list(self._hints_waiting.items()):
-            if slot is s:
-                self._hints_waiting.pop(rid)
+        self._hints.forget(s)
         self._heartbeats.forget(s)
         self._status.on_death(s)
         if self._pool.none_alive():
@@ -356,8 +339,7 @@ class Front(FrontSockets):
             return
         if self._heartbeats.heard(s, rid):
             return
-        if self._hints_waiting.pop(rid, None) is not None:
-            self.counters["hints_ok" if doc.get("ok") else "hints_failed"] += 1
+        if self._hints.on_reply(rid, doc):
             return
         self._status.on_reply(s, rid, doc)
 

@@ -24,7 +24,6 @@ import logging
 import os
 import shutil
 import signal
-import time
 
 import zmq
 
