@@ -18,6 +18,7 @@ import errno
 import fcntl
 import glob
 import json
+import mmap
 import os
 import shutil
 import time
@@ -35,6 +36,7 @@ _RENAME_EXCHANGE = 2
 _PROBE_PREFIX = ".pfd-probe-"
 _STORE_LOCK = ".pfd-lock"         # a FileStore's flock: held while a daemon has the store open
 _QUARANTINE = "quarantine"        # files a FileStore's recovery could not use, kept for people
+_PAGE = mmap.PAGESIZE
 
 
 def write_index(directory, index, generation=None, source=None):
@@ -112,7 +114,13 @@ def _stage_into(work, checkpoint, config, progress, interval, stream, generation
     try:
         if progress:
             progress = Progress(checkpoint.nbytes, checkpoint.tensors, stream=stream, interval=interval)
-        staged = stage_tensors(store, checkpoint, progress)
+        try:
+            staged = stage_tensors(store, checkpoint, progress)
+        except StagingError as e:
+            if str(e).startswith(source):
+                raise
+            raise StagingError(f"{source}: {e}") from None
+        _read_back(store, staged, source, generation)
         index = {}
         for key in store.keys():             # exactly what this generation holds
             if key in staged:
@@ -129,6 +137,28 @@ def _stage_into(work, checkpoint, config, progress, interval, stream, generation
     write_index(work, index, generation=generation, source=source)
     return {"tensors": len(staged), "bytes": sum(t["nbytes"] for t in staged.values()),
             "generation": generation, "store_tensors": len(index)}
+
+
+def _read_back(store, staged, source, generation):
+    """Read every tensor just written back from the disk, checking each extent's CRC32C, before
+    the new generation may replace the old one (write-backs are verified the same way): a
+    mismatch or an I/O error refuses the stage, and the previous generation stays in place."""
+    from .._native import NativeError
+    if not staged:
+        return
+    largest = max(t["nbytes"] for t in staged.values())
+    buf = mmap.mmap(-1, max(largest + _PAGE - 1, _PAGE) // _PAGE * _PAGE)   # page-aligned: no bounce
+    try:
+        for name, t in staged.items():
+            try:
+                store.read_sync(name, buf, verify=True)
+            except NativeError as e:
+                raise StagingError(f"{source}: tensor {name!r} read back wrong from the new generation "
+                                   f"({e}); nothing was swapped in, the store keeps generation "
+                                   f"{generation - 1}") from None
+            buf.madvise(mmap.MADV_DONTNEED)     # one tensor's pages in RAM at a time
+    finally:
+        buf.close()
 
 
 def _link_current(store_dir, work):
