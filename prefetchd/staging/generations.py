@@ -5,8 +5,11 @@ in a sibling work directory `.<name>.staging-<pid>`: hard links to every file
 of the current generation (no data copied: a FileStore never modifies a file,
 it writes a new version and unlinks the old one, so the current generation's
 files stay as they are), then the checkpoint's tensors written through a
-FileStore opened there, then an index listing exactly what that store holds.
-Only then does one renameat2(RENAME_EXCHANGE) swap it with the store
+FileStore opened there, each of them then read back from the disk with every
+extent's CRC32C checked (as write-backs are), then an index listing exactly
+what that store holds. A failed write or read-back is a StagingError naming
+the checkpoint, and the store keeps its generation. Only then does one
+renameat2(RENAME_EXCHANGE) swap it with the store
 directory; the previous generation, now at the work path, is deleted. A
 stage killed before the swap leaves the store directory as it was, index
 included; the next stage deletes the leftover work directory. A daemon that
@@ -114,12 +117,16 @@ def _stage_into(work, checkpoint, config, progress, interval, stream, generation
     try:
         if progress:
             progress = Progress(checkpoint.nbytes, checkpoint.tensors, stream=stream, interval=interval)
+        from .._native import NativeError
         try:
             staged = stage_tensors(store, checkpoint, progress)
         except StagingError as e:
             if str(e).startswith(source):
                 raise
             raise StagingError(f"{source}: {e}") from None
+        except NativeError as e:             # a write failed (ENOSPC, EIO, EFBIG): its message names the key
+            raise StagingError(f"{source}: writing the new generation failed ({e}); nothing was swapped "
+                               f"in, the store keeps generation {generation - 1}") from None
         _read_back(store, staged, source, generation)
         index = {}
         for key in store.keys():             # exactly what this generation holds

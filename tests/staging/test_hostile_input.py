@@ -172,3 +172,19 @@ def _read_store(store_dir):
             yield key, shape, dtype, buf
     finally:
         store.close()
+
+
+def test_a_failed_write_is_one_line_naming_the_file_and_keeps_the_old_generation(tmp_path, native_faults):
+    import errno
+    path, store = str(tmp_path / "m.safetensors"), str(tmp_path / "store")
+    write_safetensors(path, {"a": np.arange(1000, dtype=np.float32)})
+    assert stage_checkpoint(path, store)["generation"] == 1
+    write_safetensors(path, {"a": np.zeros(1000, dtype=np.float32), "b": np.ones(3, dtype=np.int8)})
+    native_faults.inject_fault("write", "error", nth=2, err=errno.ENOSPC)
+    with pytest.raises(StagingError) as info:
+        stage_checkpoint(path, store)
+    message = str(info.value)
+    assert message.startswith(f"{path}: writing the new generation failed (") and "ENOSPC" in message, message
+    assert message.endswith("the store keeps generation 1") and "\n" not in message
+    native_faults.clear_faults()
+    assert read_index(store)["generation"] == 1 and sorted(read_index(store)["tensors"]) == ["a"]
