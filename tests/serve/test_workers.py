@@ -22,7 +22,7 @@ from prefetchd.serve import Front, ServeSpec
 from prefetchd.serve.wire import encode_arrays
 
 SPEC = dict(models=1, hidden=32, layers=2, batch=2, seq=4, lookahead=1)
-HEARTBEAT_TIMEOUT = 3.0
+HEARTBEAT_TIMEOUT = 5.0        # short for the test, long enough that a busy healthy worker answers
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_a_stopped_worker_is_found_by_its_heartbeat_and_routed_around(served):
                     assert "hung: no heartbeat" in str(e), e
                     answers.append("hung")
                 assert time.monotonic() - started < HEARTBEAT_TIMEOUT + 10
-            wait_until(lambda: front.snapshot()["counters"].get("workers_hung", 0) == hung_before + 1,
+            wait_until(lambda: front.snapshot()["counters"].get("workers_hung", 0) >= hung_before + 1,
                        HEARTBEAT_TIMEOUT + 15)
             found_after = time.monotonic() - stopped_at
             assert found_after < HEARTBEAT_TIMEOUT + 15
