@@ -12,6 +12,7 @@ MB/s are 10^6 bytes per second.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -83,6 +84,18 @@ def _config_name(c):
     return f"{c['engine']} bs={c['block_size'] // MiB}M qd={c['queue_depth']} thr={c['io_threads']}"
 
 
+@contextlib.contextmanager
+def _opened(directory, c):
+    """The FileStore of config `c` on `directory`, closed on exit; records the engine it chose."""
+    s = native.FileStore(directory, engine=c["engine"], block_size=c["block_size"],
+                         queue_depth=c["queue_depth"], io_threads=c["io_threads"])
+    try:
+        c["engine_used"], c["direct"] = s.engine, s.direct
+        yield s
+    finally:
+        s.close()
+
+
 def run(directory: str, size: int = 1 << 30, engines=("auto",), block_sizes=None, queue_depths=None,
         drop_caches: bool = True, repeats: int = 3, io_threads=None, fio_depths=(8, 32),
         python_readers: bool = True, keep_files: bool = False) -> dict:
@@ -119,49 +132,47 @@ def run(directory: str, size: int = 1 << 30, engines=("auto",), block_sizes=None
     memoryview(dst)[::4096] = b"\0" * len(range(0, size, 4096))  # fault pages in before timing
     naive = bytearray(size)
 
-    stores = []
     path = None
     results = {_config_name(c): {"config": c, "read": [], "write": []} for c in configs}
+    store_dir = os.path.join(root, "store")
     try:
-        for c in configs:
-            s = native.FileStore(os.path.join(root, "store"), engine=c["engine"], block_size=c["block_size"],
-                                 queue_depth=c["queue_depth"], io_threads=c["io_threads"])
-            c["engine_used"], c["direct"] = s.engine, s.direct
-            stores.append((c, s))
-        stores[0][1].write_sync("bench", src)
-        path = stores[0][1].info("bench")["path"]
-        methods = [("store", c, s) for c, s in stores]
+        # One FileStore per directory at a time (its lock): each config's store is opened for
+        # its own measurement and closed again (open and recovery untimed).
+        with _opened(store_dir, configs[0]) as s:
+            s.write_sync("bench", src)
+            path = s.info("bench")["path"]
+        methods = [("store", c) for c in configs]
         if python_readers:
-            methods += [("python_readinto_aligned", None, None), ("python_readinto_bytearray", None, None)]
+            methods += [("python_readinto_aligned", None), ("python_readinto_bytearray", None)]
         fio_ok = shutil.which("fio") is not None
         if fio_ok:
-            methods += [(f"fio_libaio_1M_qd{d}", d, None) for d in fio_depths]
+            methods += [(f"fio_libaio_1M_qd{d}", d) for d in fio_depths]
         extra = {m[0]: [] for m in methods if m[0] != "store"}
 
         for rep in range(repeats):
             # Rotate the order each round so no method always runs right after another.
             k = rep % len(methods)
-            for kind, c, s in methods[k:] + methods[:k]:
+            for kind, c in methods[k:] + methods[:k]:
+                if kind == "store":
+                    with _opened(store_dir, c) as s:
+                        if drop_caches:
+                            drop_page_cache()
+                        results[_config_name(c)]["read"].append(_timed(lambda: s.read_sync("bench", dst), size))
+                    continue
                 if drop_caches:
                     drop_page_cache()
-                if kind == "store":
-                    key = "bench"
-                    s.recover()  # the stores share one directory: pick up the current version (untimed)
-                    results[_config_name(c)]["read"].append(_timed(lambda: s.read_sync(key, dst), size))
-                elif kind == "python_readinto_aligned":
+                if kind == "python_readinto_aligned":
                     extra[kind].append(_timed(lambda: _python_readinto(path, dst), size))
                 elif kind == "python_readinto_bytearray":
                     extra[kind].append(_timed(lambda: _python_readinto(path, naive), size))
                 else:
                     extra[kind].append(fio_read(path, size, "1M", c))
             # Writes: one new version per config per round (fsync included, as in production).
-            for c, s in stores:
-                s.recover()
-                results[_config_name(c)]["write"].append(_timed(lambda: s.write_sync("bench", src), size))
-            path = stores[-1][1].info("bench")["path"]
+            for c in configs:
+                with _opened(store_dir, c) as s:
+                    results[_config_name(c)]["write"].append(_timed(lambda: s.write_sync("bench", src), size))
+                    path = s.info("bench")["path"]
     finally:
-        for _, s in stores:
-            s.close()
         if not keep_files:
             shutil.rmtree(root, ignore_errors=True)
 

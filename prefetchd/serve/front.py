@@ -173,6 +173,10 @@ class Front(FrontSockets):
         try:
             if spec is None:
                 raise BadArguments(f"unknown op {op[:64]!r}; known: {', '.join(sorted(self._ops))}")
+            unknown = [k for k in args if k not in spec.args]
+            if unknown:           # e.g. an old `delay`: never silently ignored
+                raise BadArguments(f"unknown argument {', '.join(repr(k[:64]) for k in unknown[:8])}; "
+                                   f"{op} takes {', '.join(spec.args) or 'none'}")
             if tensors and op not in TENSOR_OPS:
                 raise BadArguments(f"{len(tensors)} frames after the body; only "
                                    f"{' and '.join(TENSOR_OPS)} carry tensors")

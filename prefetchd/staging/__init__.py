@@ -6,10 +6,13 @@ written tensor by tensor, so staging never holds more than one tensor in
 RAM. Each stored version carries its shape and dtype in the store's own
 metadata (checksummed with the header); `prefetchd-index.json` lists them
 for people and tools. `stage_checkpoint` swaps in a complete new generation
-of the store directory or leaves it as it was. Every refusal is a
-StagingError whose one-line message names the file and the field.
+of the store directory, every new tensor read back and checked first, or
+leaves it as it was. Every refusal is a StagingError whose one-line message
+names the file, the tensor and the field; headers are checked in time linear
+in their size (checks: rank, shape products, names as store keys), FIFOs and
+devices are refused before they are opened, overlapping entries are refused.
 
-Modules: readers (ckpt, safetensors, over protobuf and mapped), writer
+Modules: readers (ckpt, safetensors, over protobuf, mapped and checks), writer
 (store metadata, stage_tensors), generations (stage_checkpoint, the index),
 progress.
 """

@@ -14,6 +14,7 @@ import mmap
 import zlib
 
 from .. import dtypes
+from .checks import name_problem, shape_problem, shown
 from .mapped import MappedCheckpoint, close_quietly, forget
 from .protobuf import WireError, as_int64, fields, varint
 
@@ -115,6 +116,9 @@ class MindSporeCheckpoint(MappedCheckpoint):
                 self._fail(f"tensor {name!r} is a MapParameter (maptensor), which prefetchd cannot stage")
         if name is None:
             self._fail(f"byte {at}: a checkpoint value without a tag (parameter name)")
+        problem = name_problem(name)
+        if problem:
+            self._fail(f"byte {at}: tensor {shown(name)}: {problem}")
         if tensor is None:
             self._fail(f"tensor {name!r}: value without a tensor")
         dims, type_name, content = [], None, (tensor[0], 0)
@@ -138,8 +142,11 @@ class MindSporeCheckpoint(MappedCheckpoint):
         dtype = dtypes.MINDSPORE_CKPT.get(type_name)
         if dtype is None:
             what = " (a string value)" if type_name == "str" else ""
-            self._fail(f"tensor {name!r}: tensor_type {type_name!r}{what} has no numpy equivalent; "
+            self._fail(f"tensor {name!r}: tensor_type {shown(type_name)}{what} has no numpy equivalent; "
                        f"prefetchd stages {', '.join(dtypes.MINDSPORE_CKPT)}")
+        problem = shape_problem(dims, dtypes.itemsize(dtype))
+        if problem:
+            self._fail(f"tensor {name!r}: {problem}")
         return name, tuple(dims), dtype, content
 
     # ------------------------------------------------------------ data

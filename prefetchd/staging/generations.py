@@ -5,8 +5,11 @@ in a sibling work directory `.<name>.staging-<pid>`: hard links to every file
 of the current generation (no data copied: a FileStore never modifies a file,
 it writes a new version and unlinks the old one, so the current generation's
 files stay as they are), then the checkpoint's tensors written through a
-FileStore opened there, then an index listing exactly what that store holds.
-Only then does one renameat2(RENAME_EXCHANGE) swap it with the store
+FileStore opened there, each of them then read back from the disk with every
+extent's CRC32C checked (as write-backs are), then an index listing exactly
+what that store holds. A failed write or read-back is a StagingError naming
+the checkpoint, and the store keeps its generation. Only then does one
+renameat2(RENAME_EXCHANGE) swap it with the store
 directory; the previous generation, now at the work path, is deleted. A
 stage killed before the swap leaves the store directory as it was, index
 included; the next stage deletes the leftover work directory. A daemon that
@@ -18,6 +21,7 @@ import errno
 import fcntl
 import glob
 import json
+import mmap
 import os
 import shutil
 import time
@@ -35,6 +39,7 @@ _RENAME_EXCHANGE = 2
 _PROBE_PREFIX = ".pfd-probe-"
 _STORE_LOCK = ".pfd-lock"         # a FileStore's flock: held while a daemon has the store open
 _QUARANTINE = "quarantine"        # files a FileStore's recovery could not use, kept for people
+_PAGE = mmap.PAGESIZE
 
 
 def write_index(directory, index, generation=None, source=None):
@@ -112,7 +117,17 @@ def _stage_into(work, checkpoint, config, progress, interval, stream, generation
     try:
         if progress:
             progress = Progress(checkpoint.nbytes, checkpoint.tensors, stream=stream, interval=interval)
-        staged = stage_tensors(store, checkpoint, progress)
+        from .._native import NativeError
+        try:
+            staged = stage_tensors(store, checkpoint, progress)
+        except StagingError as e:
+            if str(e).startswith(source):
+                raise
+            raise StagingError(f"{source}: {e}") from None
+        except NativeError as e:             # a write failed (ENOSPC, EIO, EFBIG): its message names the key
+            raise StagingError(f"{source}: writing the new generation failed ({e}); nothing was swapped "
+                               f"in, the store keeps generation {generation - 1}") from None
+        _read_back(store, staged, source, generation)
         index = {}
         for key in store.keys():             # exactly what this generation holds
             if key in staged:
@@ -129,6 +144,28 @@ def _stage_into(work, checkpoint, config, progress, interval, stream, generation
     write_index(work, index, generation=generation, source=source)
     return {"tensors": len(staged), "bytes": sum(t["nbytes"] for t in staged.values()),
             "generation": generation, "store_tensors": len(index)}
+
+
+def _read_back(store, staged, source, generation):
+    """Read every tensor just written back from the disk, checking each extent's CRC32C, before
+    the new generation may replace the old one (write-backs are verified the same way): a
+    mismatch or an I/O error refuses the stage, and the previous generation stays in place."""
+    from .._native import NativeError
+    if not staged:
+        return
+    largest = max(t["nbytes"] for t in staged.values())
+    buf = mmap.mmap(-1, max(largest + _PAGE - 1, _PAGE) // _PAGE * _PAGE)   # page-aligned: no bounce
+    try:
+        for name, t in staged.items():
+            try:
+                store.read_sync(name, buf, verify=True)
+            except NativeError as e:
+                raise StagingError(f"{source}: tensor {name!r} read back wrong from the new generation "
+                                   f"({e}); nothing was swapped in, the store keeps generation "
+                                   f"{generation - 1}") from None
+            buf.madvise(mmap.MADV_DONTNEED)     # one tensor's pages in RAM at a time
+    finally:
+        buf.close()
 
 
 def _link_current(store_dir, work):

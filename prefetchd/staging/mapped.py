@@ -1,21 +1,41 @@
 """Read-only mappings of checkpoint files, released page by page as tensors are staged."""
 import mmap
 import os
+import stat
 
 from .errors import StagingError
 
 
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFDIR: "a directory"}
+
+
+def _not_regular(path, mode):
+    kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    return StagingError(f"{path}: is {kind}, not a checkpoint file" if kind.startswith("a ")
+                        else f"{path}: is {kind}")
+
+
 def open_mapped(path):
-    """A read-only mmap of `path`; StagingError naming the file if it cannot be opened or is empty."""
+    """A read-only mmap of `path`; StagingError naming the file if it cannot be opened, is empty
+    or is not a regular file. A FIFO or device is refused before it is opened (opening a FIFO
+    waits for a writer forever); O_NONBLOCK covers one swapped in between the two looks."""
     try:
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size == 0:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, mode)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise _not_regular(path, st.st_mode)
+            if st.st_size == 0:
                 raise StagingError(f"{path}: file is empty")
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         raise StagingError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise StagingError(f"{path}: is a directory, not a checkpoint file") from None
     except PermissionError:
         raise StagingError(f"{path}: permission denied") from None
     except OSError as e:

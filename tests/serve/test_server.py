@@ -166,7 +166,9 @@ def test_bad_requests_get_errors(client, front):
         client.call("infer", model="nope")
     assert err.value.code == P.BAD_REQUEST
     with pytest.raises(ServiceError, match="needs 'inputs'"):
-        client.call("infer", model="m0", seed=1)          # the old seeded form is gone
+        client.call("infer", model="m0")
+    with pytest.raises(ServiceError, match="unknown argument 'seed'"):
+        client.call("infer", model="m0", seed=1)          # the old seeded form is gone: refused
     with pytest.raises(ServiceError):
         client.call("launch")
     ctx = zmq.Context()
