@@ -48,7 +48,6 @@ def spec_text():
 def build(args, world, init_weights=True):
     """The model for a world of `world` ranks (1: the whole model). Built lazily from MindSpore so
     `--print-spec` needs no MindSpore import."""
-    import mindspore as ms
     from mindspore import Parameter, nn, ops
 
     hidden, heads, ffn = args.hidden, args.heads, 4 * args.hidden
@@ -161,17 +160,28 @@ def reference(args):
 
 
 def timed_passes(model, x, n, progress=None, kill=None):
+    """n passes; each pass's start (and a failure, with its time) is a line in `progress`, so a
+    rank that dies or hangs mid-run leaves a record of where."""
     times, out = [], None
     for i in range(n):
-        if progress is not None:
-            progress.write(json.dumps({"pass": i, "start": time.time()}) + "\n")
-            progress.flush()
+        _note(progress, {"pass": i, "start": time.time()})
         if kill is not None and i == kill:
             os.kill(os.getpid(), signal.SIGKILL)      # a rank dying mid-run (the test's fault)
         t = time.perf_counter()
-        out = model(x).asnumpy()
+        try:
+            out = model(x).asnumpy()
+        except BaseException as e:              # e.g. an AllReduce whose peer died: say when, then give up
+            _note(progress, {"pass": i, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}",
+                             "t": time.time()})
+            raise
         times.append(time.perf_counter() - t)
     return times, out
+
+
+def _note(progress, doc):
+    if progress is not None:
+        progress.write(json.dumps(doc) + "\n")
+        progress.flush()
 
 
 def run_rank(args):
@@ -180,7 +190,6 @@ def run_rank(args):
 
     import prefetchd
     from prefetchd.ranks import detect, rank_config
-    from prefetchd.telemetry.metrics import render
 
     ms.set_device("CPU")
     init()
@@ -191,6 +200,7 @@ def run_rank(args):
               "pid": os.getpid()}
     os.makedirs(args.report, exist_ok=True)
     progress = open(os.path.join(args.report, f"rank_{rank}.progress"), "w")
+    _note(progress, {"pid": os.getpid(), "rank": rank})
     kill = args.kill_after if args.kill_rank == rank else None
     if args.resident:
         t, out = timed_passes(load_resident(args, rank, world), x, args.passes, progress, kill)
@@ -198,10 +208,20 @@ def run_rank(args):
         return _write(args, report, out)
 
     model = build(args, world, init_weights=False)
-    shard = sum(int(np.prod(p.shape)) * 4 for p in model.get_parameters())
+    shard = report["shard_bytes"] = sum(int(np.prod(p.shape)) * 4 for p in model.get_parameters())
     config = rank_config(prefetchd.Config.load(store_dir=args.store, device_budget=max(1, int(shard * args.budget)),
                                                endpoint=args.endpoint, trace=args.trace))
     baseline = load_resident(args, rank, world) if args.bench else None
+    try:
+        _stream(args, report, model, x, baseline, config, progress, kill)
+    finally:
+        _note(progress, {"closed": time.time()})    # the daemon is closed: what is left is exit
+
+
+def _stream(args, report, model, x, baseline, config, progress, kill):
+    import prefetchd
+    from prefetchd.telemetry.metrics import render
+    rank = config.rank
     with prefetchd.Daemon(config) as daemon:
         prefetchd.offload(model, daemon, lookahead=args.lookahead, checkpoint=True)
         if baseline is None:
@@ -217,7 +237,7 @@ def run_rank(args):
             report.update(streamed_pass_seconds=streamed, resident_pass_seconds=resident,
                           equal_to_resident=bool(np.array_equal(out, ref)))
         status = daemon.status()
-        report.update(status=status, shard_bytes=shard, config_name=config.name, store=config.store_dir,
+        report.update(status=status, config_name=config.name, store=config.store_dir,
                       metrics_rank_samples=sum(f'rank="{rank}"' in line for line in render(daemon).splitlines()
                                                if line.startswith("prefetchd_")),
                       threads=[(t.name, t.daemon) for t in threading.enumerate()])
@@ -226,7 +246,7 @@ def run_rank(args):
             cli = subprocess.run([sys.executable, "-m", "prefetchd.cli", "status", "--endpoint", config.endpoint],
                                  capture_output=True, text=True, timeout=60)
             report["status_cli"] = cli.stdout + cli.stderr
-    return _write(args, report, out)
+    _write(args, report, out)
 
 
 def _write(args, report, out):
