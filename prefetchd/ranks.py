@@ -135,7 +135,12 @@ def rank_config(config=None, info=None, **overrides):
     elif overrides:
         config = config.replace(**overrides)
     if config.rank is not None:
-        return config                    # already a rank's config: its paths carry the rank
+        if config.name.endswith(f".rank{config.rank}"):
+            return config                # already a rank's config: its paths carry the rank
+        if info is None:                 # rank/world_size given as settings (file, PREFETCHD_RANK)
+            found = detect()
+            local = found.local_rank if found is not None and found.rank == config.rank else config.rank
+            info = RankInfo(config.rank, config.world_size, local, "config")
     info = detect() if info is None else info
     if info is None:
         return config

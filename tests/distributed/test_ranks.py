@@ -54,6 +54,14 @@ def test_rank_config_gives_each_rank_its_own_store_name_trace_and_ports(tmp_path
         rank_config(base.replace(metrics_port=65535), RankInfo(1, 2, 1, "argument"))
 
 
+def test_a_rank_given_as_settings_gets_its_own_paths_too(tmp_path):
+    """PREFETCHD_RANK / PREFETCHD_WORLD_SIZE (no launcher environment): the same per-rank config."""
+    env = {"PREFETCHD_RANK": "1", "PREFETCHD_WORLD_SIZE": "2", "PREFETCHD_STORE_DIR": str(tmp_path / "s")}
+    config = rank_config(Config.load(env=env))
+    assert (config.rank, config.store_dir, config.name) == (1, str(tmp_path / "s" / "rank_1"), "default.rank1")
+    assert rank_config(config) is config
+
+
 def test_config_refuses_half_a_rank():
     with pytest.raises(ConfigError, match="set together"):
         Config.load(env={}, rank=0)
