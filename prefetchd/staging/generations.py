@@ -107,11 +107,13 @@ def stage_checkpoint(path, store_dir, progress=False, *, config=None, progress_i
     return report
 
 
-def _stage_into(work, checkpoint, config, progress, interval, stream, generation, source):
+def _stage_into(work, checkpoint, config, progress, interval, stream, generation, source,
+                label="prefetchd stage"):
     store = open_store(config)
     try:
         if progress:
-            progress = Progress(checkpoint.nbytes, checkpoint.tensors, stream=stream, interval=interval)
+            progress = Progress(checkpoint.nbytes, checkpoint.tensors, stream=stream, interval=interval,
+                                label=label)
         staged = stage_tensors(store, checkpoint, progress)
         index = {}
         for key in store.keys():             # exactly what this generation holds

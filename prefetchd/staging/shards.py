@@ -202,7 +202,7 @@ def stage_sharded(source, store_dir, *, spec=None, world_size=None, progress=Fal
                 try:
                     report = _stage_into(rank_work, reader, config.replace(store_dir=rank_work),
                                          progress, None, progress_stream, generation=generation,
-                                         source=files[rank])
+                                         source=files[rank], label=f"prefetchd stage rank {rank}")
                     unmatched = [g for g, _ in spec if g not in reader.matched] if spec else []
                 finally:
                     reader.close()

@@ -153,3 +153,19 @@ def test_refuses_a_store_of_another_world_or_a_plain_store(tmp_path):
         stage_sharded(str(src), str(plain), spec=SPEC, world_size=2)
     second = stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)
     assert second["generation"] == 2
+
+
+def test_refuses_while_a_ranks_daemon_has_its_store_open(tmp_path, ms):
+    from prefetchd import Daemon
+    from prefetchd.ranks import RankInfo, rank_config
+    src = tmp_path / "whole.safetensors"
+    write_safetensors(src, WHOLE)
+    stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)
+    before = _snapshot(tmp_path / "store")
+    config = rank_config(Config.load(env={}, store_dir=str(tmp_path / "store"), device_budget="4MiB"),
+                         RankInfo(1, 2, 1, "argument"))
+    with Daemon(config):
+        with pytest.raises(StagingError, match=r"rank_1: in use by pid \d+"):
+            stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)
+    assert _snapshot(tmp_path / "store") == before
+    assert stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)["generation"] == 2
