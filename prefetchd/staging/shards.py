@@ -27,8 +27,8 @@ import time
 import numpy as np
 
 from .errors import StagingError
-from .generations import (_hold_store_lock, _link_current, _remove_leftovers, _stage_into, _stage_lock,
-                          _swap_in, _fsync_dir)
+from .generations import (hold_store_lock, link_current, remove_leftovers, stage_into, stage_lock,
+                          swap_in, fsync_dir)
 from .readers import iter_checkpoint
 
 SHARDS_FILE = "prefetchd-shards.json"
@@ -181,8 +181,8 @@ def stage_sharded(source, store_dir, *, spec=None, world_size=None, progress=Fal
     if not base:
         raise StagingError(f"{root}: a filesystem root cannot be a store directory")
     os.makedirs(parent, exist_ok=True)
-    with _stage_lock(parent, base):
-        _remove_leftovers(parent, base)
+    with stage_lock(parent, base):
+        remove_leftovers(parent, base)
         previous = _check_root(root, world_size)
         work = os.path.join(parent, f".{base}.staging-{os.getpid()}")
         os.mkdir(work)
@@ -193,14 +193,14 @@ def stage_sharded(source, store_dir, *, spec=None, world_size=None, progress=Fal
             ranks = {}
             for rank, make in enumerate(sources):
                 rank_dir = os.path.join(root, f"rank_{rank}")
-                lock = _hold_store_lock(rank_dir)
+                lock = hold_store_lock(rank_dir)
                 if lock is not None:
                     locks.append(lock)
                 rank_work = os.path.join(work, f"rank_{rank}")
-                _link_current(rank_dir, rank_work)
+                link_current(rank_dir, rank_work)
                 reader = make()
                 try:
-                    report = _stage_into(rank_work, reader, config.replace(store_dir=rank_work),
+                    report = stage_into(rank_work, reader, config.replace(store_dir=rank_work),
                                          progress, None, progress_stream, generation=generation,
                                          source=files[rank], label=f"prefetchd stage rank {rank}")
                     unmatched = [g for g, _ in spec if g not in reader.matched] if spec else []
@@ -212,7 +212,7 @@ def stage_sharded(source, store_dir, *, spec=None, world_size=None, progress=Fal
                                     "bytes": report["bytes"]}
             _write_shards(work, {"format": SHARDS_FORMAT, "world_size": world_size, "generation": generation,
                                  "source": str(source), "spec": described, "ranks": ranks})
-            _swap_in(work, root, parent, base)
+            swap_in(work, root, parent, base)
         finally:
             shutil.rmtree(work, ignore_errors=True)
             for lock in locks:
@@ -254,4 +254,4 @@ def _write_shards(work, doc):
         json.dump(doc, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(work)
+    fsync_dir(work)
