@@ -223,7 +223,7 @@ def _stream(args, report, model, x, baseline, config, progress, kill):
     from prefetchd.telemetry.metrics import render
     rank = config.rank
     with prefetchd.Daemon(config) as daemon:
-        prefetchd.offload(model, daemon, lookahead=args.lookahead, checkpoint=True)
+        handle = prefetchd.offload(model, daemon, lookahead=args.lookahead, checkpoint=True)
         if baseline is None:
             t, out = timed_passes(model, x, args.passes, progress, kill)
             report["streamed_pass_seconds"] = t
@@ -237,6 +237,8 @@ def _stream(args, report, model, x, baseline, config, progress, kill):
             report.update(streamed_pass_seconds=streamed, resident_pass_seconds=resident,
                           equal_to_resident=bool(np.array_equal(out, ref)))
         status = daemon.status()
+        # The recorded unit order (the same on every rank: the same program) and its misses.
+        report.update(trace=[str(step) for step in handle.trace], handle_stats=handle.stats())
         report.update(status=status, config_name=config.name, store=config.store_dir,
                       metrics_rank_samples=sum(f'rank="{rank}"' in line for line in render(daemon).splitlines()
                                                if line.startswith("prefetchd_")),
