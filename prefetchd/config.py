@@ -195,6 +195,8 @@ class Config:
     trace: str | None = None              # write a Chrome/Perfetto timeline of the scheduler here at close()
     name: str = "default"
     shutdown_timeout: float = 10.0
+    rank: int | None = None               # this daemon's rank in a sharded job (prefetchd/ranks.py:
+    world_size: int | None = None         # rank_config sets both); None: not one of several ranks
 
     @classmethod
     def load(cls, path=None, env=None, **overrides):
@@ -279,6 +281,11 @@ class Config:
             raise ConfigError(f"high_watermark: {high} bytes exceeds device_budget {self.device_budget}")
         if low > high:
             raise ConfigError(f"low_watermark: {low} bytes is above high_watermark {high}")
+        if (self.rank is None) != (self.world_size is None):
+            raise ConfigError(f"rank and world_size are set together (rank {self.rank}, "
+                              f"world_size {self.world_size})")
+        if self.rank is not None and not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank: {self.rank} is outside the world of {self.world_size} ranks")
         object.__setattr__(self, "high_watermark", high)
         object.__setattr__(self, "low_watermark", low)
         if self.host_budget is None:
@@ -344,4 +351,6 @@ _PARSERS.update({
     "max_message_size": lambda v, k: _parse_min_size(v, k, 1024),
     "name": _parse_name,
     "shutdown_timeout": lambda v, k: _parse_seconds(v, k),
+    "rank": lambda v, k: None if v in (None, "") else _parse_int(v, k, minimum=0),
+    "world_size": lambda v, k: None if v in (None, "") else _parse_int(v, k, minimum=1),
 })

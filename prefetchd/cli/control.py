@@ -98,9 +98,11 @@ def _daemon_lines(st, indent=""):
     dev = st.get("device", {})
     states = st.get("states", {})
     srv = st.get("server", {})
+    rank = st.get("rank")
     lines = [
         f"{indent}daemon   {st.get('name')}{' (closing)' if st.get('closed') else ''}, "
-        f"backend {st.get('backend')}, io {st.get('io_engine')}",
+        f"backend {st.get('backend')}, io {st.get('io_engine')}"
+        + (f", rank {rank['rank']} of {rank['world_size']}" if rank else ""),
         f"{indent}device   {_bytes(dev.get('used'))} / {_bytes(dev.get('capacity'))} "
         f"({100 * dev.get('usage_ratio', 0):.1f}%), peak {_bytes(dev.get('peak'))}, "
         f"watermarks {_bytes(dev.get('high_watermark'))} / {_bytes(dev.get('low_watermark'))}",

@@ -42,6 +42,12 @@ def register(sub):
     p = sub.add_parser("stage", help="import a .ckpt or .safetensors file into a store (remote tier)")
     p.add_argument("checkpoint", help="the .ckpt or .safetensors file")
     p.add_argument("--store", required=True, help="store directory to write")
+    p.add_argument("--shard", metavar="SPEC",
+                   help="stage a sharded model into DIR/rank_<N>/, all ranks or none: 'per-rank' "
+                        "(CHECKPOINT is a directory of rank_<N>/ files, MindSpore's distributed layout), "
+                        "or GLOB=AXIS[,GLOB=AXIS...] / a JSON file {GLOB: AXIS} splitting CHECKPOINT "
+                        "into --ranks slices (unmatched tensors are replicated)")
+    p.add_argument("--ranks", type=positive_int, help="with --shard SPEC: the number of ranks")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=cmd_stage)
@@ -112,7 +118,19 @@ def cmd_demo(args):
 
 
 def cmd_stage(args):
-    from ..staging import stage_checkpoint
+    from ..staging import PER_RANK, stage_checkpoint, stage_sharded
+    if args.shard is not None:
+        if args.shard == PER_RANK and args.ranks is not None:
+            raise UsageError("stage: --ranks is for splitting one checkpoint by a spec; per-rank "
+                             "checkpoints give their own number of ranks")
+        if args.shard != PER_RANK and args.ranks is None:
+            raise UsageError("stage: --shard SPEC needs --ranks N (how many slices to cut)")
+        report = stage_sharded(args.checkpoint, args.store, spec=None if args.shard == PER_RANK else args.shard,
+                               world_size=args.ranks, progress=not args.quiet)
+        emit(report, args.json)
+        return
+    if args.ranks is not None:
+        raise UsageError("stage: --ranks needs --shard SPEC")
     if os.path.isdir(args.checkpoint):
         from ..errors import ConfigError
         raise ConfigError(f"stage: {args.checkpoint} is a directory; CHECKPOINT is a checkpoint "

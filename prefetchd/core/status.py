@@ -22,6 +22,9 @@ def describe(config, registry, core, *, closed, running):
     memory = core.memory if core else None
     return {
         "name": config.name,
+        # this daemon's place in a sharded job (prefetchd/ranks.py), or None
+        "rank": (None if config.rank is None
+                 else {"rank": config.rank, "world_size": config.world_size}),
         "closed": closed,
         "backend": config.backend,
         "io_engine": be.io_engine if be else None,

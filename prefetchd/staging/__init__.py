@@ -14,14 +14,17 @@ devices are refused before they are opened, overlapping entries are refused.
 
 Modules: readers (ckpt, safetensors, over protobuf, mapped and checks), writer
 (store metadata, stage_tensors), generations (stage_checkpoint, the index),
-progress.
+progress,
+shards (stage_sharded: per-rank stores of a sharded model, one generation for all ranks).
 """
 from .errors import CheckpointError, StagingError
 from .generations import INDEX_FILE, read_index, stage_checkpoint, write_index
 from .progress import Progress
+from .shards import PER_RANK, SHARDS_FILE, parse_spec, read_shards, stage_sharded
 from .readers import iter_checkpoint, iter_mindspore_ckpt, iter_safetensors, verify_checkpoint
 from .writer import read_meta, stage_tensors, tensor_meta
 
 __all__ = ["INDEX_FILE", "CheckpointError", "Progress", "StagingError", "iter_checkpoint",
            "iter_mindspore_ckpt", "iter_safetensors", "read_index", "read_meta", "stage_checkpoint",
-           "stage_tensors", "tensor_meta", "verify_checkpoint", "write_index"]
+           "stage_tensors", "tensor_meta", "verify_checkpoint", "write_index",
+           "PER_RANK", "SHARDS_FILE", "parse_spec", "read_shards", "stage_sharded"]

@@ -15,6 +15,10 @@ stage killed before the swap leaves the store directory as it was, index
 included; the next stage deletes the leftover work directory. A daemon that
 had the store open keeps its open files; it should reopen the store to see
 the new generation.
+
+The steps (stage_lock, remove_leftovers, hold_store_lock, link_current,
+stage_into, swap_in) are public: `shards` builds several rank stores with
+them and swaps their parent directory in one step instead.
 """
 import ctypes
 import errno
@@ -55,7 +59,7 @@ def write_index(directory, index, generation=None, source=None):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(directory, INDEX_FILE))
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def read_index(directory):
@@ -89,17 +93,17 @@ def stage_checkpoint(path, store_dir, progress=False, *, config=None, progress_i
         if not base:
             raise StagingError(f"{store_dir}: a filesystem root cannot be a store directory")
         os.makedirs(parent, exist_ok=True)
-        with _stage_lock(parent, base):
-            _remove_leftovers(parent, base)
+        with stage_lock(parent, base):
+            remove_leftovers(parent, base)
             work = os.path.join(parent, f".{base}.staging-{os.getpid()}")
             store_lock = None
             try:
-                store_lock = _hold_store_lock(store_dir)
-                previous = _link_current(store_dir, work)
+                store_lock = hold_store_lock(store_dir)
+                previous = link_current(store_dir, work)
                 config = (config or Config.load()).replace(store_dir=work)
-                report = _stage_into(work, checkpoint, config, progress, progress_interval, progress_stream,
+                report = stage_into(work, checkpoint, config, progress, progress_interval, progress_stream,
                                      generation=previous.get("generation", 0) + 1, source=str(path))
-                _swap_in(work, store_dir, parent, base)
+                swap_in(work, store_dir, parent, base)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
                 if store_lock is not None:
@@ -112,11 +116,13 @@ def stage_checkpoint(path, store_dir, progress=False, *, config=None, progress_i
     return report
 
 
-def _stage_into(work, checkpoint, config, progress, interval, stream, generation, source):
+def stage_into(work, checkpoint, config, progress, interval, stream, generation, source,
+                label="prefetchd stage"):
     store = open_store(config)
     try:
         if progress:
-            progress = Progress(checkpoint.nbytes, checkpoint.tensors, stream=stream, interval=interval)
+            progress = Progress(checkpoint.nbytes, checkpoint.tensors, stream=stream, interval=interval,
+                                label=label)
         from .._native import NativeError
         try:
             staged = stage_tensors(store, checkpoint, progress)
@@ -168,7 +174,7 @@ def _read_back(store, staged, source, generation):
         buf.close()
 
 
-def _link_current(store_dir, work):
+def link_current(store_dir, work):
     """Hard-link the current generation's files into a fresh `work`; returns its index document."""
     os.mkdir(work)
     if not os.path.exists(store_dir):
@@ -197,13 +203,13 @@ def _link_files(src, dst, top=True):
         os.link(entry.path, os.path.join(dst, entry.name), follow_symlinks=False)
 
 
-def _hold_store_lock(store_dir):
+def hold_store_lock(store_dir):
     """Take the store's own FileStore lock (None if it has none yet): refuse if a daemon has it open,
     and keep any from opening the generation being replaced until the swap is done."""
     try:
         fd = os.open(os.path.join(store_dir, _STORE_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
-        return None                   # no store yet, or not a directory (_link_current says so)
+        return None                   # no store yet, or not a directory (link_current says so)
     except OSError as e:
         raise StagingError(f"{store_dir}: cannot open its lock {_STORE_LOCK}: {e.strerror}") from None
     try:
@@ -216,19 +222,19 @@ def _hold_store_lock(store_dir):
     return fd
 
 
-def _swap_in(work, store_dir, parent, base):
+def swap_in(work, store_dir, parent, base):
     """Make `work` the store directory in one step; the old generation ends up at `work`."""
-    _fsync_dir(work)
+    fsync_dir(work)
     if not os.path.exists(store_dir):
         os.rename(work, store_dir)
     elif not _exchange(work, store_dir):
         # no renameat2 here: two renames, a moment without a store directory that
-        # _remove_leftovers repairs (it restores the retired generation) if we die between them
+        # remove_leftovers repairs (it restores the retired generation) if we die between them
         retired = os.path.join(parent, f".{base}.retired-{os.getpid()}")
         os.rename(store_dir, retired)
         os.rename(work, store_dir)
         os.rename(retired, work)
-    _fsync_dir(parent)
+    fsync_dir(parent)
 
 
 def _exchange(a, b):
@@ -245,7 +251,7 @@ def _exchange(a, b):
     raise OSError(err, f"exchanging {a} with {b}: {os.strerror(err)}")
 
 
-class _stage_lock:
+class stage_lock:
     """One stager per store directory (flock on a sibling lock file); refuses instead of waiting."""
 
     def __init__(self, parent, base):
@@ -265,7 +271,7 @@ class _stage_lock:
         os.close(self.fd)
 
 
-def _remove_leftovers(parent, base):
+def remove_leftovers(parent, base):
     """Work directories of stages that died (we hold the lock: no other stage is running)."""
     store_dir = os.path.join(parent, base)
     retired = sorted(glob.glob(os.path.join(parent, f".{glob.escape(base)}.retired-*")))
@@ -275,7 +281,7 @@ def _remove_leftovers(parent, base):
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _fsync_dir(directory):
+def fsync_dir(directory):
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

@@ -149,9 +149,10 @@ def build_info():
     return _build_info
 
 
-def _family(name, extra_labels=()):
+def _family(name, ranked=False):
+    """A family of `name`; a ranked daemon's (one rank of a sharded job) also carries `rank`."""
     kind, doc, labels = METRICS[name]
-    return _FAMILIES[kind](name, doc, labels=("daemon", *labels, *extra_labels))
+    return _FAMILIES[kind](name, doc, labels=("daemon", *(("rank",) if ranked else ()), *labels))
 
 
 def _buckets(hist):
@@ -180,13 +181,16 @@ class DaemonCollector(Collector):
 
     @staticmethod
     def families(status, stats):
-        name = str(status.get("name", "default"))
+        rank = status.get("rank")
+        # Every sample of a rank's daemon says which rank: the ranks of one job share a
+        # daemon name prefix and a dashboard, and are told apart (and summed) by this label.
+        base = [str(status.get("name", "default"))] + ([str(rank["rank"])] if rank else [])
         dev = status["device"]
         device = str(status.get("backend", "cpu"))
-        fams = {n: _family(n) for n in METRICS}
+        fams = {n: _family(n, ranked=bool(rank)) for n in METRICS}
 
         def add(metric, value, *labels):
-            fams[metric].add_metric([name, *labels], value)
+            fams[metric].add_metric([*base, *labels], value)
 
         add("prefetchd_device_memory_used_bytes", dev["used"], device)
         add("prefetchd_device_memory_capacity_bytes", dev["capacity"], device)
@@ -212,15 +216,15 @@ class DaemonCollector(Collector):
         for metric, hists in (("prefetchd_transfer_size_bytes", stats.transfer_size),
                               ("prefetchd_transfer_duration_seconds", stats.transfer_duration)):
             for direction in sorted(hists):
-                fams[metric].add_metric([name, direction], _buckets(hists[direction]),
+                fams[metric].add_metric([*base, direction], _buckets(hists[direction]),
                                         hists[direction].sum)
         for (op, outcome), n in sorted(stats.requests.items()):
             add("prefetchd_requests", n, op, outcome)
         for reason, n in sorted(stats.evictions.items()):
             add("prefetchd_evictions", n, reason)
-        fams["prefetchd_queue_wait_seconds"].add_metric([name], _buckets(stats.queue_wait),
+        fams["prefetchd_queue_wait_seconds"].add_metric(base, _buckets(stats.queue_wait),
                                                         stats.queue_wait.sum)
-        fams["prefetchd_stall_seconds"].add_metric([name], _buckets(stats.stall), stats.stall.sum)
+        fams["prefetchd_stall_seconds"].add_metric(base, _buckets(stats.stall), stats.stall.sum)
         add("prefetchd_trace_resyncs", stats.trace_resyncs)
         add("prefetchd_writebacks", stats.writebacks)
         add("prefetchd_fences", stats.fences)

@@ -146,6 +146,13 @@ def _check_stage(out, paths):
     assert doc["tensors"] == 2 and doc["generation"] == 1, doc
 
 
+def _check_sharded(out, paths):
+    doc = _json(out)
+    assert doc["world_size"] == 2 and doc["generation"] == 1 and sorted(doc["ranks"]) == ["0", "1"], doc
+    for rank in ("0", "1"):
+        assert os.path.isdir(os.path.join(doc["store"], f"rank_{rank}")), doc
+
+
 def _check_accelerate(out, paths):
     if out.returncode == 1:     # no torch here: one line naming the interpreter and what it lacks
         lines = out.stderr.strip().splitlines()
@@ -204,6 +211,10 @@ CASES = [
     Case("stage-ckpt", ["stage", "{ckpt}", "--store", "{tmp}/store-ckpt", "--json"], _check_stage),
     Case("stage-safetensors", ["stage", "{safetensors}", "--store", "{tmp}/store-st", "--json", "--quiet"],
          _check_stage),
+    Case("stage-shard-split", ["stage", "{ckpt}", "--store", "{tmp}/store-split", "--shard", "w=1",
+                               "--ranks", "2", "--json", "--quiet"], _check_sharded),
+    Case("stage-shard-per-rank", ["stage", "{per_rank}", "--store", "{tmp}/store-per-rank", "--shard",
+                                  "per-rank", "--json", "--quiet"], _check_sharded),
     Case("collect-env", ["collect-env", "--json", "--log-level", "INFO"], _has("native", "io_probe")),
     Case("keys", ["keys", "{tmp}/keys"], _check_keys),
     Case("serve", ["serve", "--model", "prefetchd.serve.spec:demo_model", "--checkpoint-store", "{served}"],
@@ -244,7 +255,12 @@ def checkpoints(tmp_path_factory):
     from ckpt_files import write_safetensors
     st = str(d / "model.safetensors")
     write_safetensors(st, tensors)
-    return {"ckpt": ckpt, "safetensors": st}
+    per_rank = d / "per-rank"                # MindSpore's distributed layout: rank_<N>/<file>.ckpt
+    for rank in range(2):
+        (per_rank / f"rank_{rank}").mkdir(parents=True)
+        ms.save_checkpoint([{"name": k, "data": ms.Tensor(v[..., rank::2])} for k, v in tensors.items()],
+                           str(per_rank / f"rank_{rank}" / "net.ckpt"))
+    return {"ckpt": ckpt, "safetensors": st, "per_rank": str(per_rank)}
 
 
 @pytest.fixture(scope="module")

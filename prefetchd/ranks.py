@@ -1,0 +1,160 @@
+"""Which rank this process is, and a Config of its own for it (docs/distributed.md).
+
+A sharded model runs one process per rank (MindSpore's `msrun`, or any launcher
+that sets its environment), each with a Daemon of its own. `detect()` reads the
+rank and world size from `mindspore.communication` once it is initialized, else
+from the environment msrun gives every worker before `init()`:
+
+    RANK_ID      the rank (unset under msrun without --node_rank: then only init() knows it)
+    RANK_SIZE / MS_WORKER_NUM   the world size
+    DEVICE_ID    the worker's index on its machine (msrun's local rank)
+
+`rank_config(config)` turns one Config into the rank's: its store is
+`<store_dir>/rank_<N>` (what `prefetchd stage --shard` writes), its name gets
+`.rank<N>` (the default control socket and log lines stay apart), its timeline
+file gets `.rank<N>` before the suffix, and its metrics port and tcp control
+port are offset by the local rank so the ranks of one machine do not collide.
+Every sample and the status carry `rank`.
+"""
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+from .config import Config
+from .errors import ConfigError
+from .staging.shards import read_shards
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    source: str            # "mindspore.communication", "environment" or "argument"
+
+    def __post_init__(self):
+        if not 0 < self.world_size:
+            raise ConfigError(f"world size must be >= 1, got {self.world_size} (from {self.source})")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside the world of {self.world_size} ranks "
+                              f"(from {self.source})")
+        if not 0 <= self.local_rank <= self.rank:
+            raise ConfigError(f"local rank {self.local_rank} must be in [0, rank {self.rank}] "
+                              f"(from {self.source})")
+
+
+def _env_int(env, key):
+    value = env.get(key)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{key}={value!r} in the environment is not an integer") from None
+
+
+def _from_communication():
+    """RankInfo from mindspore.communication if this process called init(); else None.
+    MindSpore is not imported here: a process that never imported it never initialized it."""
+    if "mindspore.communication" not in sys.modules:
+        return None
+    from mindspore.communication import _comm_helper
+    if not _comm_helper.GlobalComm.INITED:
+        return None
+    from mindspore.communication import get_group_size, get_local_rank, get_rank
+    return RankInfo(get_rank(), get_group_size(), get_local_rank(), "mindspore.communication")
+
+
+def detect(env=None):
+    """This process's RankInfo, or None when it is not one of several ranks."""
+    info = _from_communication()
+    if info is not None:
+        return info
+    env = os.environ if env is None else env
+    size = _env_int(env, "RANK_SIZE")
+    if size is None:
+        size = _env_int(env, "MS_WORKER_NUM")
+    rank = _env_int(env, "RANK_ID")
+    if size is None and rank is None:
+        return None
+    if size is None:
+        raise ConfigError(f"RANK_ID={rank} is set but neither RANK_SIZE nor MS_WORKER_NUM: "
+                          f"the world size is unknown")
+    if rank is None:
+        raise ConfigError(f"a world of {size} ranks (RANK_SIZE/MS_WORKER_NUM) without RANK_ID: msrun "
+                          f"assigns ranks at mindspore.communication.init() when --node_rank is not "
+                          f"given; call init() before building the rank's daemon")
+    local = _env_int(env, "DEVICE_ID")
+    return RankInfo(rank, size, rank if local is None else local, "environment")
+
+
+_IPC_SOCK = re.compile(r"^(ipc://.+?)(\.sock)?$")
+_TCP_PORT = re.compile(r"^(tcp://.+:)(\d+)$")
+
+
+def _suffixed(path, rank):
+    """run.json -> run.rank1.json; a path without a suffix gets .rank1 at its end."""
+    head, ext = os.path.splitext(path)
+    return f"{head}.rank{rank}{ext}"
+
+
+def _endpoint(endpoint, info):
+    if endpoint is None:
+        return None
+    if endpoint.startswith("ipc://"):
+        m = _IPC_SOCK.match(endpoint)
+        return f"{m.group(1)}.rank{info.rank}{m.group(2) or ''}"
+    m = _TCP_PORT.match(endpoint)
+    if m is None or int(m.group(2)) == 0:
+        return endpoint                 # tcp://host:* or port 0: the system picks, no collision
+    port = int(m.group(2)) + info.local_rank
+    if port > 65535:
+        raise ConfigError(f"endpoint {endpoint}: port + local rank {info.local_rank} is beyond 65535")
+    return f"{m.group(1)}{port}"
+
+
+def check_sharded_store(root, info):
+    """Refuse a sharded store staged for another world size (one line naming both)."""
+    doc = read_shards(root)            # None: not staged by `stage --shard` (the rank dirs are the user's)
+    if doc is None:
+        return None
+    world = doc["world_size"]
+    if world != info.world_size:
+        raise ConfigError(f"store {root} was staged for {world} ranks, this job has {info.world_size} "
+                          f"(stage it again with --ranks {info.world_size})")
+    return doc
+
+
+def rank_config(config=None, info=None, **overrides):
+    """The Config of this rank's daemon: `config` (or Config.load(**overrides)) with a store,
+    name, timeline, metrics port and endpoint of its own. info: a RankInfo (default detect());
+    without ranks the config is returned as it is."""
+    if config is None:
+        config = Config.load(**overrides)
+    elif overrides:
+        config = config.replace(**overrides)
+    if config.rank is not None:
+        if config.name.endswith(f".rank{config.rank}"):
+            return config                # already a rank's config: its paths carry the rank
+        if info is None:                 # rank/world_size given as settings (file, PREFETCHD_RANK)
+            found = detect()
+            local = found.local_rank if found is not None and found.rank == config.rank else config.rank
+            info = RankInfo(config.rank, config.world_size, local, "config")
+    info = detect() if info is None else info
+    if info is None:
+        return config
+    changes = {"rank": info.rank, "world_size": info.world_size,
+               "name": f"{config.name}.rank{info.rank}",
+               "endpoint": _endpoint(config.endpoint, info)}
+    if config.store_dir is not None:
+        check_sharded_store(config.store_dir, info)
+        changes["store_dir"] = os.path.join(config.store_dir, f"rank_{info.rank}")
+    if config.trace is not None:
+        changes["trace"] = _suffixed(config.trace, info.rank)
+    if config.metrics_port:              # 0: any free port, never a collision
+        port = config.metrics_port + info.local_rank
+        if port > 65535:
+            raise ConfigError(f"metrics_port {config.metrics_port} + local rank {info.local_rank} is beyond 65535")
+        changes["metrics_port"] = port
+    return config.replace(**changes)

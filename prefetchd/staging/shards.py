@@ -1,0 +1,257 @@
+"""`stage_sharded`: the per-rank stores of a sharded model, staged as one generation.
+
+A sharded store is a directory of rank stores, `rank_0/ ... rank_<N-1>/` (each an
+ordinary store directory with its own index), and `prefetchd-shards.json` saying
+how many ranks and from what. The ranks come from either
+
+- per-rank checkpoints: a directory in MindSpore's distributed layout, one file per
+  rank (`rank_0/net.ckpt`, `rank_1/net.ckpt`, ...), each staged into its rank's store; or
+- one checkpoint and a sharding spec: `GLOB=AXIS` pairs (fnmatch globs over parameter
+  names): a tensor whose name matches is cut into N equal slices along AXIS, slice r
+  for rank r (a Dense weight is [out, in]: column-parallel splits axis 0, row-parallel
+  axis 1); a tensor no glob matches is replicated to every rank.
+
+All or none across ranks: every rank store is built in one sibling work directory
+(hard links to the current generation, as `generations` does for one store), and one
+rename swaps the whole sharded directory, so a rank that fails (a damaged file, a
+shape that does not divide) leaves no rank with a new generation. A rank's daemon
+(`prefetchd.ranks.rank_config`) opens only `rank_<N>`: its reads are its shard's bytes.
+"""
+import fnmatch
+import json
+import os
+import re
+import shutil
+import time
+
+import numpy as np
+
+from .errors import StagingError
+from .generations import (hold_store_lock, link_current, remove_leftovers, stage_into, stage_lock,
+                          swap_in, fsync_dir)
+from .readers import iter_checkpoint
+
+SHARDS_FILE = "prefetchd-shards.json"
+SHARDS_FORMAT = 1
+PER_RANK = "per-rank"
+_RANK_DIR = re.compile(r"^rank_(\d+)$")
+_CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors")
+
+
+def read_shards(root):
+    """The shards document of a sharded store directory, or None if it has none."""
+    try:
+        with open(os.path.join(root, SHARDS_FILE)) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise StagingError(f"{root}/{SHARDS_FILE}: unreadable ({e})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("world_size"), int):
+        raise StagingError(f"{root}/{SHARDS_FILE}: not a prefetchd shards document (no world_size)")
+    return doc
+
+
+def parse_spec(text):
+    """[(glob, axis)] from "GLOB=AXIS,GLOB=AXIS" or from a JSON file {"GLOB": AXIS}."""
+    if os.path.isfile(text):
+        try:
+            with open(text) as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as e:
+            raise StagingError(f"sharding spec {text}: unreadable ({e})") from None
+        if not isinstance(doc, dict):
+            raise StagingError(f"sharding spec {text}: expected a JSON object {{\"GLOB\": AXIS}}")
+        pairs = list(doc.items())
+    else:
+        pairs = []
+        for item in filter(None, (p.strip() for p in text.split(","))):
+            glob, sep, axis = item.rpartition("=")
+            if not sep or not glob:
+                raise StagingError(f"sharding spec {item!r}: expected GLOB=AXIS (e.g. '*.wq.weight=0')")
+            pairs.append((glob, axis))
+    spec = []
+    for glob, axis in pairs:
+        try:
+            axis = int(axis)
+        except (TypeError, ValueError):
+            raise StagingError(f"sharding spec {glob!r}: axis {axis!r} is not an integer") from None
+        if axis < 0:
+            raise StagingError(f"sharding spec {glob!r}: axis {axis} must be >= 0")
+        spec.append((glob, axis))
+    if not spec:
+        raise StagingError(f"sharding spec {text!r}: names no GLOB=AXIS pair")
+    return spec
+
+
+def rank_checkpoints(directory):
+    """[path of rank 0's file, rank 1's, ...] of a per-rank checkpoint directory."""
+    ranks = {}
+    for entry in os.scandir(directory):
+        m = _RANK_DIR.match(entry.name)
+        if m and entry.is_dir():
+            files = sorted(f for f in os.listdir(entry.path) if f.endswith(_CHECKPOINT_SUFFIXES))
+            if len(files) != 1:
+                raise StagingError(f"{entry.path}: holds {len(files)} checkpoint files "
+                                   f"({', '.join(files) or 'none'}); a rank directory holds exactly one")
+            ranks[int(m.group(1))] = os.path.join(entry.path, files[0])
+    if not ranks:
+        raise StagingError(f"{directory}: no rank_<N>/ subdirectories (MindSpore's distributed checkpoint "
+                           f"layout: rank_0/net.ckpt, rank_1/net.ckpt, ...)")
+    missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+    if missing:
+        raise StagingError(f"{directory}: rank_{missing[0]}/ is missing (ranks must be 0..{max(ranks)})")
+    return [ranks[r] for r in range(len(ranks))]
+
+
+class RankSlice:
+    """Iterator of rank `rank`'s (name, shape, dtype, buffer) out of one whole checkpoint."""
+
+    def __init__(self, path, spec, rank, world_size):
+        self.reader = iter_checkpoint(path)
+        self.path, self.spec, self.rank, self.world_size = str(path), spec, rank, world_size
+        self.tensors = getattr(self.reader, "tensors", None)
+        self.nbytes = None                      # unknown until the spec meets the shapes
+        self.matched = set()                    # globs that matched some tensor
+
+    def _axis(self, name):
+        for glob, axis in self.spec:
+            if fnmatch.fnmatchcase(name, glob):
+                self.matched.add(glob)
+                return axis
+        return None
+
+    def __iter__(self):
+        for name, shape, dtype, data in self.reader:
+            axis = self._axis(name)
+            if axis is None:
+                yield name, shape, dtype, data          # replicated
+                continue
+            shape = tuple(int(d) for d in shape)
+            if axis >= len(shape):
+                raise StagingError(f"{self.path}: tensor {name!r} of shape {list(shape)} has no axis {axis} "
+                                   f"(sharding spec)")
+            if shape[axis] % self.world_size:
+                raise StagingError(f"{self.path}: tensor {name!r} axis {axis} of size {shape[axis]} does not "
+                                   f"divide into {self.world_size} ranks")
+            itemsize = np.dtype(dtype).itemsize
+            # By bytes (a trailing axis of itemsize): any dtype, bfloat16 included, slices the same.
+            raw = np.frombuffer(data, np.uint8).reshape(*shape, itemsize)
+            part = np.ascontiguousarray(np.split(raw, self.world_size, axis=axis)[self.rank])
+            out = list(shape)
+            out[axis] //= self.world_size
+            yield name, tuple(out), dtype, part
+
+    def close(self):
+        self.reader.close()
+
+
+def stage_sharded(source, store_dir, *, spec=None, world_size=None, progress=False, config=None,
+                  progress_stream=None):
+    """Stage a sharded model into `store_dir` (rank_<N>/ stores) as one generation; a report dict.
+
+    source: a per-rank checkpoint directory (spec None), or one checkpoint file with `spec`
+    (parse_spec's list, or its text) and `world_size`. StagingError (file and field named)
+    leaves every rank's store as it was.
+    """
+    from ..config import Config
+    started = time.monotonic()
+    if spec is None:
+        if not os.path.isdir(source):
+            raise StagingError(f"{source}: per-rank staging takes a directory of rank_<N>/ checkpoints "
+                               f"(or give a sharding spec to split one checkpoint)")
+        if world_size is not None:
+            raise StagingError(f"{source}: per-rank checkpoints give their own number of ranks; "
+                               f"--ranks is for splitting one checkpoint")
+        files = rank_checkpoints(source)
+        world_size = len(files)
+        for f in files:
+            iter_checkpoint(f).close()           # every file's structure, before any is staged
+        sources = [lambda f=f: iter_checkpoint(f) for f in files]
+        described = PER_RANK
+    else:
+        spec = parse_spec(spec) if isinstance(spec, str) else spec
+        if not isinstance(world_size, int) or world_size < 1:
+            raise StagingError(f"splitting {source} needs the number of ranks (--ranks N, N >= 1)")
+        iter_checkpoint(source).close()
+        sources = [lambda r=r: RankSlice(source, spec, r, world_size) for r in range(world_size)]
+        files, described = [str(source)] * world_size, {glob: axis for glob, axis in spec}
+    root = os.path.realpath(store_dir)
+    parent, base = os.path.split(root)
+    if not base:
+        raise StagingError(f"{root}: a filesystem root cannot be a store directory")
+    os.makedirs(parent, exist_ok=True)
+    with stage_lock(parent, base):
+        remove_leftovers(parent, base)
+        previous = _check_root(root, world_size)
+        work = os.path.join(parent, f".{base}.staging-{os.getpid()}")
+        os.mkdir(work)
+        locks = []
+        try:
+            config = config or Config.load()
+            generation = (previous or {}).get("generation", 0) + 1
+            ranks = {}
+            for rank, make in enumerate(sources):
+                rank_dir = os.path.join(root, f"rank_{rank}")
+                lock = hold_store_lock(rank_dir)
+                if lock is not None:
+                    locks.append(lock)
+                rank_work = os.path.join(work, f"rank_{rank}")
+                link_current(rank_dir, rank_work)
+                reader = make()
+                try:
+                    report = stage_into(rank_work, reader, config.replace(store_dir=rank_work),
+                                         progress, None, progress_stream, generation=generation,
+                                         source=files[rank], label=f"prefetchd stage rank {rank}")
+                    unmatched = [g for g, _ in spec if g not in reader.matched] if spec else []
+                finally:
+                    reader.close()
+                if unmatched:
+                    raise StagingError(f"sharding spec {unmatched[0]!r} matches no tensor of {source}")
+                ranks[str(rank)] = {"checkpoint": files[rank], "tensors": report["tensors"],
+                                    "bytes": report["bytes"]}
+            _write_shards(work, {"format": SHARDS_FORMAT, "world_size": world_size, "generation": generation,
+                                 "source": str(source), "spec": described, "ranks": ranks})
+            swap_in(work, root, parent, base)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+            for lock in locks:
+                os.close(lock)
+    seconds = time.monotonic() - started
+    total = sum(r["bytes"] for r in ranks.values())
+    return {"checkpoint": str(source), "store": root, "world_size": world_size, "generation": generation,
+            "ranks": ranks, "bytes": total, "seconds": round(seconds, 3),
+            "MBps": round(total / max(seconds, 1e-9) / 1e6, 1)}
+
+
+def _check_root(root, world_size):
+    """The current shards document (None: no store yet); refuse a root that is not a sharded store
+    of this many ranks (restaging it with another world size would leave stale ranks behind)."""
+    if not os.path.exists(root):
+        return None
+    if not os.path.isdir(root):
+        raise StagingError(f"{root}: the store path exists and is not a directory")
+    if os.path.ismount(root):
+        raise StagingError(f"{root}: is a mount point; stage into a directory inside it")
+    entries = set(os.listdir(root))
+    if not entries:
+        return None
+    doc = read_shards(root)
+    if doc is None:
+        raise StagingError(f"{root}: holds files but no {SHARDS_FILE}: not a sharded store; stage a sharded "
+                           f"model into a new directory")
+    if doc["world_size"] != world_size:
+        raise StagingError(f"{root}: a sharded store of {doc['world_size']} ranks; staging {world_size} ranks "
+                           f"needs a new directory")
+    stray = sorted(entries - {SHARDS_FILE} - {f"rank_{r}" for r in range(world_size)})
+    if stray:
+        raise StagingError(f"{root}: holds {stray[0]!r}, which is neither a rank store nor {SHARDS_FILE}")
+    return doc
+
+
+def _write_shards(work, doc):
+    with open(os.path.join(work, SHARDS_FILE), "w") as f:
+        json.dump(doc, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(work)

@@ -1,0 +1,97 @@
+"""prefetchd.ranks: the rank from msrun's environment, a rank's own config, and the rank in
+status, metrics and `prefetchd status` (a real Daemon, a real control socket)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ENV, REPO
+from prefetchd import Config, Daemon
+from prefetchd.errors import ConfigError
+from prefetchd.ranks import RankInfo, detect, rank_config
+
+# What msrun --worker_num 2 --local_worker_num 2 exported to its second worker (printed by a
+# script run under msrun on this machine; docs/distributed.md).
+MSRUN_RANK1 = {"RANK_SIZE": "2", "RANK_ID": "1", "MS_WORKER_NUM": "2", "MS_ROLE": "MS_WORKER",
+               "DEVICE_ID": "1", "MS_NODE_ID": "1", "MS_SCHED_HOST": "127.0.0.1", "MS_SCHED_PORT": "8118"}
+
+
+def test_detect_reads_msruns_environment():
+    assert detect({}) is None
+    assert detect(MSRUN_RANK1) == RankInfo(1, 2, 1, "environment")
+    # the second machine of two, one worker each: rank 1, local rank 0
+    assert detect({"MS_WORKER_NUM": "2", "RANK_ID": "1", "DEVICE_ID": "0"}) == RankInfo(1, 2, 0, "environment")
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"MS_WORKER_NUM": "4"}, "without RANK_ID"),
+    ({"RANK_ID": "1"}, "world size is unknown"),
+    ({"RANK_ID": "2", "RANK_SIZE": "2"}, "outside the world of 2"),
+    ({"RANK_ID": "x", "RANK_SIZE": "2"}, "RANK_ID='x'"),
+])
+def test_detect_refuses_an_environment_it_cannot_trust(env, words):
+    with pytest.raises(ConfigError, match=words):
+        detect(env)
+
+
+def test_rank_config_gives_each_rank_its_own_store_name_trace_and_ports(tmp_path):
+    base = Config.load(env={}, store_dir=str(tmp_path / "store"), trace=str(tmp_path / "run.json"),
+                       metrics_port=9466, endpoint="tcp://127.0.0.1:5555", device_budget="8MiB")
+    configs = [rank_config(base, RankInfo(r, 2, r, "argument")) for r in (0, 1)]
+    for r, c in enumerate(configs):
+        assert (c.rank, c.world_size) == (r, 2)
+        assert c.store_dir == str(tmp_path / "store" / f"rank_{r}")
+        assert c.name == f"default.rank{r}"
+        assert c.trace == str(tmp_path / f"run.rank{r}.json")
+        assert c.metrics_port == 9466 + r
+        assert c.endpoint == f"tcp://127.0.0.1:{5555 + r}"
+        assert c.device_budget == 8 << 20
+    assert rank_config(configs[1]) is configs[1]            # already a rank's: not nested again
+    ipc = rank_config(base.replace(endpoint="ipc:///run/pfd.sock"), RankInfo(1, 2, 1, "argument"))
+    assert ipc.endpoint == "ipc:///run/pfd.rank1.sock"
+    with pytest.raises(ConfigError, match="beyond 65535"):
+        rank_config(base.replace(metrics_port=65535), RankInfo(1, 2, 1, "argument"))
+
+
+def test_a_rank_given_as_settings_gets_its_own_paths_too(tmp_path):
+    """PREFETCHD_RANK / PREFETCHD_WORLD_SIZE (no launcher environment): the same per-rank config."""
+    env = {"PREFETCHD_RANK": "1", "PREFETCHD_WORLD_SIZE": "2", "PREFETCHD_STORE_DIR": str(tmp_path / "s")}
+    config = rank_config(Config.load(env=env))
+    assert (config.rank, config.store_dir, config.name) == (1, str(tmp_path / "s" / "rank_1"), "default.rank1")
+    assert rank_config(config) is config
+
+
+def test_config_refuses_half_a_rank():
+    with pytest.raises(ConfigError, match="set together"):
+        Config.load(env={}, rank=0)
+    with pytest.raises(ConfigError, match="outside the world"):
+        Config.load(env={}, rank=2, world_size=2)
+
+
+def test_rank_config_refuses_a_store_staged_for_another_world(tmp_path):
+    from prefetchd.staging import SHARDS_FILE
+    root = tmp_path / "store"
+    root.mkdir()
+    (root / SHARDS_FILE).write_text('{"format": 1, "world_size": 4}')
+    with pytest.raises(ConfigError, match="staged for 4 ranks, this job has 2"):
+        rank_config(Config.load(env={}, store_dir=str(root)), RankInfo(0, 2, 0, "argument"))
+
+
+def test_status_metrics_and_the_status_verb_carry_the_rank(tmp_path, ms):
+    from prefetchd.telemetry.metrics import render
+    endpoint = f"ipc://{tmp_path}/ctl.sock"
+    config = rank_config(Config.load(env={}, store_dir=str(tmp_path / "store"), device_budget="4MiB",
+                                     endpoint=endpoint), RankInfo(1, 2, 1, "argument"))
+    with Daemon(config) as daemon:
+        assert daemon.status()["rank"] == {"rank": 1, "world_size": 2}
+        samples = [line for line in render(daemon).splitlines() if line.startswith("prefetchd_")]
+        assert samples and all('daemon="default.rank1"' in line and 'rank="1"' in line for line in samples)
+        out = subprocess.run([sys.executable, "-m", "prefetchd.cli", "status", "--endpoint", config.endpoint],
+                             capture_output=True, text=True, timeout=60, cwd=REPO, env=ENV)
+        assert out.returncode == 0, out.stderr
+        assert "daemon   default.rank1" in out.stdout and "rank 1 of 2" in out.stdout
+    assert os.path.isdir(tmp_path / "store" / "rank_1")
+    with Daemon(store_dir=str(tmp_path / "plain"), device_budget="4MiB") as plain:   # not a rank: no label
+        assert plain.status()["rank"] is None
+        assert 'rank="' not in render(plain)

@@ -1,0 +1,171 @@
+"""`prefetchd stage --shard`: per-rank stores from per-rank checkpoints or one split checkpoint,
+all ranks or none, read back from the real stores on disk."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import ENV, REPO
+from prefetchd import Config
+from prefetchd.staging import INDEX_FILE, SHARDS_FILE, StagingError, read_index, stage_sharded
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "staging"))
+from ckpt_files import write_safetensors  # noqa: E402
+
+RNG = np.random.default_rng(7)
+WHOLE = {"layers.0.wq.weight": RNG.normal(size=(8, 6)).astype(np.float32),       # column-parallel
+         "layers.0.wq.bias": RNG.normal(size=(8,)).astype(np.float32),
+         "layers.0.wo.weight": RNG.normal(size=(6, 8)).astype(np.float32),       # row-parallel
+         "layers.0.norm.gamma": RNG.normal(size=(6,)).astype(np.float32),        # replicated
+         "embed.table": RNG.integers(0, 9, (5, 6)).astype(np.int64)}
+SPEC = "*.wq.*=0,*.wo.weight=1"
+
+
+def read_store(directory):
+    """{name: array} of everything a store directory holds, read (checksum-verified) from disk."""
+    from prefetchd import _native
+    from prefetchd.backend.base import open_store
+    from prefetchd.staging import read_meta
+    store = open_store(Config.load(env={}, store_dir=directory))
+    try:
+        out = {}
+        for key in store.keys():
+            info = store.info(key)
+            shape, dtype = read_meta(info)
+            buf = _native.aligned_buffer(max(info["nbytes"], 1))
+            store.read_sync(key, buf, True)
+            out[key] = np.frombuffer(memoryview(buf), np.uint8)[:info["nbytes"]].view(dtype).reshape(shape).copy()
+        return out
+    finally:
+        store.close()
+
+
+def test_a_split_checkpoint_gives_each_rank_its_slices(tmp_path):
+    src = tmp_path / "whole.safetensors"
+    write_safetensors(src, WHOLE)
+    report = stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)
+    assert report["world_size"] == 2 and report["generation"] == 1
+    shards = json.load(open(tmp_path / "store" / SHARDS_FILE))
+    assert shards["world_size"] == 2 and shards["spec"] == {"*.wq.*": 0, "*.wo.weight": 1}
+    for r in (0, 1):
+        held = read_store(str(tmp_path / "store" / f"rank_{r}"))
+        assert set(held) == set(WHOLE)
+        np.testing.assert_array_equal(held["layers.0.wq.weight"], WHOLE["layers.0.wq.weight"][4 * r:4 * r + 4])
+        np.testing.assert_array_equal(held["layers.0.wq.bias"], WHOLE["layers.0.wq.bias"][4 * r:4 * r + 4])
+        np.testing.assert_array_equal(held["layers.0.wo.weight"], WHOLE["layers.0.wo.weight"][:, 4 * r:4 * r + 4])
+        np.testing.assert_array_equal(held["layers.0.norm.gamma"], WHOLE["layers.0.norm.gamma"])
+        np.testing.assert_array_equal(held["embed.table"], WHOLE["embed.table"])
+        index = read_index(str(tmp_path / "store" / f"rank_{r}"))["tensors"]
+        assert index["layers.0.wo.weight"]["shape"] == [6, 4]
+        assert report["ranks"][str(r)]["bytes"] == sum(a.nbytes for a in held.values())
+
+
+def test_per_rank_checkpoints_in_mindsporess_layout_stage_one_store_each(tmp_path):
+    for r in (0, 1, 2):
+        (tmp_path / "ckpt" / f"rank_{r}").mkdir(parents=True)
+        write_safetensors(tmp_path / "ckpt" / f"rank_{r}" / "net.safetensors",
+                          {"w": np.full((3,), r, np.float32), "shared": np.arange(4, dtype=np.float32)})
+    out = subprocess.run([sys.executable, "-m", "prefetchd.cli", "stage", str(tmp_path / "ckpt"), "--store",
+                          str(tmp_path / "store"), "--shard", "per-rank", "--json", "--quiet"],
+                         capture_output=True, text=True, cwd=REPO, env=ENV, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["world_size"] == 3
+    for r in (0, 1, 2):
+        np.testing.assert_array_equal(read_store(str(tmp_path / "store" / f"rank_{r}"))["w"], [r, r, r])
+
+
+def _snapshot(root):
+    return {os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
+            for d, _, files in os.walk(root) for f in files if not f.startswith(".pfd-lock")}
+
+
+def test_a_failing_rank_stages_no_rank(tmp_path, ms):
+    """rank_1's .ckpt fails its crc_num check, found only once its tensors were read (after
+    rank_0's new store was built): rank_0 keeps its previous generation too."""
+    def save(r, value):
+        (tmp_path / "ckpt" / f"rank_{r}").mkdir(parents=True, exist_ok=True)
+        ms.save_checkpoint([{"name": "w", "data": ms.Tensor(np.full((64,), value, np.float32))}],
+                           str(tmp_path / "ckpt" / f"rank_{r}" / "net.ckpt"), crc_check=True)
+    save(0, 0)
+    save(1, 1)
+    stage_sharded(str(tmp_path / "ckpt"), str(tmp_path / "store"))
+    before = _snapshot(tmp_path / "store")
+    save(0, 10)
+    save(1, 11)
+    bad = tmp_path / "ckpt" / "rank_1" / "net.ckpt"
+    raw = bytearray(bad.read_bytes())
+    raw[-40] ^= 0xFF                                   # a byte of w's data: the structure still reads
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(StagingError, match="rank_1.*(crc|checksum)"):
+        stage_sharded(str(tmp_path / "ckpt"), str(tmp_path / "store"))
+    assert _snapshot(tmp_path / "store") == before
+    np.testing.assert_array_equal(read_store(str(tmp_path / "store" / "rank_0"))["w"], np.zeros(64))
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".store.staging")]
+
+
+def test_a_split_that_cannot_be_cut_stages_nothing(tmp_path):
+    """An axis that does not divide, a glob that matches nothing: refused, the store as it was."""
+    src = tmp_path / "whole.safetensors"
+    write_safetensors(src, WHOLE)
+    stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)
+    before = _snapshot(tmp_path / "store")
+    with pytest.raises(StagingError, match="does not divide into 3 ranks"):
+        stage_sharded(str(src), str(tmp_path / "other"), spec="*.norm.gamma=0,*.wq.weight=0", world_size=3)
+    assert not (tmp_path / "other").exists()
+    write_safetensors(src, {**WHOLE, "layers.0.wq.weight": WHOLE["layers.0.wq.weight"] + 1})
+    with pytest.raises(StagingError, match="matches no tensor"):
+        stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC + ",*.typo=0", world_size=2)
+    assert _snapshot(tmp_path / "store") == before
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--shard", "*.w=0"], "needs --ranks N"),
+    (["--shard", "per-rank", "--ranks", "2"], "--ranks is for splitting"),
+    (["--ranks", "2"], "--ranks needs --shard"),
+    (["--shard", "*.w=x", "--ranks", "2"], "axis 'x' is not an integer"),
+    (["--shard", "*.w", "--ranks", "2"], "expected GLOB=AXIS"),
+    (["--shard", "*.wq.weight=5", "--ranks", "2"], "has no axis 5"),
+])
+def test_stage_shard_command_line_errors_are_one_line(tmp_path, argv, words):
+    src = tmp_path / "whole.safetensors"
+    write_safetensors(src, WHOLE)
+    out = subprocess.run([sys.executable, "-m", "prefetchd.cli", "stage", str(src), "--store",
+                          str(tmp_path / "store"), "--quiet", *argv],
+                         capture_output=True, text=True, cwd=REPO, env=ENV, timeout=120)
+    assert out.returncode in (1, 2) and words in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "store").exists()
+
+
+def test_refuses_a_store_of_another_world_or_a_plain_store(tmp_path):
+    src = tmp_path / "whole.safetensors"
+    write_safetensors(src, WHOLE)
+    stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)
+    with pytest.raises(StagingError, match="a sharded store of 2 ranks; staging 4"):
+        stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=4)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / INDEX_FILE).write_text("{}")
+    with pytest.raises(StagingError, match="not a sharded store"):
+        stage_sharded(str(src), str(plain), spec=SPEC, world_size=2)
+    second = stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)
+    assert second["generation"] == 2
+
+
+def test_refuses_while_a_ranks_daemon_has_its_store_open(tmp_path, ms):
+    from prefetchd import Daemon
+    from prefetchd.ranks import RankInfo, rank_config
+    src = tmp_path / "whole.safetensors"
+    write_safetensors(src, WHOLE)
+    stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)
+    before = _snapshot(tmp_path / "store")
+    config = rank_config(Config.load(env={}, store_dir=str(tmp_path / "store"), device_budget="4MiB"),
+                         RankInfo(1, 2, 1, "argument"))
+    with Daemon(config):
+        with pytest.raises(StagingError, match=r"rank_1: in use by pid \d+"):
+            stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)
+    assert _snapshot(tmp_path / "store") == before
+    assert stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)["generation"] == 2
