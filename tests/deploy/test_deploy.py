@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from prefetchd.config import Config
-
 from prefetchd.errors import ConfigError
+
+from _yaml import yaml_documents
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -42,25 +43,6 @@ def _check_serve_command(argv, config_path=None):
     if config_path is not None:
         args.config = str(config_path)
     return serve_spec(serve_options(args))
-
-
-def _yaml_documents(path):
-    """Every document of a YAML file, parsed by PyYAML: in this interpreter if it has
-    it, else by the system python3's (a real parser either way; no regexes)."""
-    try:
-        import yaml
-        with open(path) as f:
-            return [d for d in yaml.safe_load_all(f) if d is not None]
-    except ImportError:
-        pass
-    python = shutil.which("python3", path="/usr/bin:/bin")
-    probe = "import json, sys, yaml; print(json.dumps([d for d in yaml.safe_load_all(open(sys.argv[1])) if d is not None]))"
-    if python is None or subprocess.run([python, "-c", "import yaml"], capture_output=True).returncode:
-        pytest.skip("no YAML parser: neither this interpreter nor /usr/bin/python3 has PyYAML "
-                    "(Debian package python3-yaml)")
-    out = subprocess.run([python, "-c", probe, str(path)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, f"{path} does not parse as YAML:\n{out.stderr}"
-    return json.loads(out.stdout)
 
 
 def _unit_values(key):
@@ -129,7 +111,7 @@ def test_a_venv_install_has_the_command_the_unit_runs():
 # -- Kubernetes
 
 def test_kubernetes_example(tmp_path):
-    docs = {d["kind"]: d for d in _yaml_documents(KUBE)}
+    docs = {d["kind"]: d for d in yaml_documents(KUBE)}
     assert set(docs) == {"ConfigMap", "Deployment", "Service"}
     pod = docs["Deployment"]["spec"]["template"]["spec"]
     assert pod["enableServiceLinks"] is False
@@ -175,12 +157,12 @@ def test_an_unknown_serve_key_is_caught(tmp_path):
 # -- Prometheus and Grafana files
 
 def test_prometheus_files_parse_and_agree_with_the_readme():
-    config = _yaml_documents(DEPLOY / "prometheus" / "prometheus.yml")[0]
+    config = yaml_documents(DEPLOY / "prometheus" / "prometheus.yml")[0]
     for rule_file in config["rule_files"]:
         assert (DEPLOY / "prometheus" / rule_file).is_file(), rule_file
     (job,) = config["scrape_configs"]
     assert job["job_name"] == "prefetchd" and job["static_configs"][0]["targets"]
-    groups = _yaml_documents(DEPLOY / "prometheus" / "alerts.yml")[0]["groups"]
+    groups = yaml_documents(DEPLOY / "prometheus" / "alerts.yml")[0]["groups"]
     rules = [r for g in groups for r in g["rules"]]
     for rule in rules:
         assert rule["expr"] and rule["labels"]["severity"] in ("warning", "critical"), rule
@@ -192,5 +174,5 @@ def test_prometheus_files_parse_and_agree_with_the_readme():
 
 @pytest.mark.parametrize("kind", ["datasources", "dashboards"])
 def test_grafana_provisioning_parses(kind):
-    (doc,) = _yaml_documents(DEPLOY / "grafana" / "provisioning" / kind / "prefetchd.yml")
+    (doc,) = yaml_documents(DEPLOY / "grafana" / "provisioning" / kind / "prefetchd.yml")
     assert doc["apiVersion"] == 1 and doc[kind if kind == "datasources" else "providers"]

@@ -5,7 +5,7 @@ import shlex
 import subprocess
 
 from prefetchd import Config
-from test_deploy import _yaml_documents
+from _yaml import yaml_documents
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 JOB = ROOT / "deploy" / "kubernetes" / "prefetchd-msrun-job.yaml"
@@ -20,7 +20,7 @@ def _run_script(script, env, fake):
 
 
 def test_the_indexed_job_wires_msrun_ranks_and_stores(tmp_path):
-    docs = {d["kind"]: d for d in _yaml_documents(JOB)}
+    docs = {d["kind"]: d for d in yaml_documents(JOB)}
     assert set(docs) == {"ConfigMap", "Service", "Job"}
     job, service = docs["Job"], docs["Service"]
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
