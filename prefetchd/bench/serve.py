@@ -14,7 +14,7 @@ phases measured minutes apart at most on this shared, noisy machine:
 Each infer/generate front is measured with batching on (max_batch_size 32) and
 off (max_batch_size 1; Front.max_batch_size is switched between phases, with
 nothing queued), by closed-loop clients (prefetchd.bench.serve_load) at
-concurrency 1, 8 and 32. Each phase reports requests/s, p50/p99 latency, the
+concurrency 1, 8 and 32 (--quick: 1, 2, 4). Each phase reports requests/s, p50/p99 latency, the
 mean batch size the front formed and, for generation, tokens/s; a phase is
 complete when every request got a whole reply (prefetchd.bench.serve_load).
 
@@ -30,6 +30,7 @@ import numpy as np
 from .serve_load import run_load
 
 CONCURRENCY = (1, 8, 32)
+QUICK_CONCURRENCY = (1, 2, 4)      # --quick: a test's minute cannot hold 32 unbatched passes
 MAX_BATCH = 32
 INFER_MODES = ("resident_batched", "resident_unbatched", "offloaded_batched",
                "offloaded_unbatched")
@@ -38,8 +39,8 @@ TARGETS = {"offloaded_over_resident_batched": 0.8, "batched_over_unbatched_offlo
 
 # The language models `generate` phases serve: tiny_lm at a size whose 25% budget
 # still holds lookahead + 2 of its blocks.
-LM_FULL = dict(vocab=256, hidden=128, layers=16, heads=4, max_len=128)
-LM_QUICK = dict(vocab=64, hidden=32, layers=12, heads=2, max_len=64)
+LM_FULL = dict(vocab=256, hidden=128, layers=8, heads=4, max_len=128)
+LM_QUICK = dict(vocab=64, hidden=32, layers=8, heads=2, max_len=64)
 
 
 def lm_full(seed=0):
@@ -63,17 +64,19 @@ def _lm_bytes(size):
 def _sizes(args):
     quick = bool(getattr(args, "quick", False))
     return {"quick": quick,
-            "hidden": getattr(args, "hidden", None) or (64 if quick else 256),
-            "layers": getattr(args, "layers", None) or (12 if quick else 16),
+            "concurrency": QUICK_CONCURRENCY if quick else CONCURRENCY,
+            "hidden": getattr(args, "hidden", None) or (32 if quick else 256),
+            "layers": getattr(args, "layers", None) or (4 if quick else 12),
             "seq": 4 if quick else 8,
-            "requests": getattr(args, "requests", None) or (4 if quick else 48),
+            "requests": getattr(args, "requests", None) or (1 if quick else 16),
+            "rounds": 1 if quick else 2,    # a phase at concurrency c sends >= rounds * c
             "repeats": 1 if quick else max(1, int(getattr(args, "repeats", 2) or 2)),
             "budget": getattr(args, "budget", None) or 0.25,
             "lookahead": 1 if quick else max(1, int(getattr(args, "lookahead", 1) or 1)),
             "workers": 1 if quick else max(1, int(getattr(args, "workers", 2) or 2)),
             "lm": LM_QUICK if quick else LM_FULL,
             "lm_factory": f"{__name__}:{'lm_quick' if quick else 'lm_full'}",
-            "prompt": 4 if quick else 8, "new_tokens": 3 if quick else 8}
+            "prompt": 4 if quick else 8, "new_tokens": 2 if quick else 8}
 
 
 def _fronts(s, root):
@@ -150,12 +153,13 @@ def _phases(s, fronts, inputs, prompt):
         front = fronts[role]
         front.max_batch_size = MAX_BATCH if batched else 1
         return _progress(f"{role} batching {'on' if batched else 'off'} c={c}", run_load(
-            front.endpoint, ["m0"], max(s["requests"], 4 * c), c, False, inputs, seed=seed))
+            front.endpoint, ["m0"], max(s["requests"], s["rounds"] * c), c, False, inputs,
+            seed=seed))
 
     def generate(batched, c, seed):
         front = fronts["generate"]
         front.max_batch_size = MAX_BATCH if batched else 1
-        n = max(s["requests"] // 2, 2 * c) if batched else max(s["requests"] // 4, c)
+        n = max(s["requests"] // 2, s["rounds"] * c) if batched else max(s["requests"] // 8, c)
         return _progress(f"generate batching {'on' if batched else 'off'} c={c}", run_load(
             front.endpoint, ["m0"], n, c, False, [prompt], seed=seed,
             max_new_tokens=s["new_tokens"]))
@@ -163,7 +167,7 @@ def _phases(s, fronts, inputs, prompt):
     names = [f"m{i}" for i in range(3)]
     runs = {}
     for r in range(s["repeats"]):
-        order = list(CONCURRENCY) if r % 2 == 0 else list(reversed(CONCURRENCY))
+        order = list(s["concurrency"]) if r % 2 == 0 else list(reversed(s["concurrency"]))
         for c in order:
             for mode in (INFER_MODES if r % 2 == 0 else reversed(INFER_MODES)):
                 role, _, batching = mode.partition("_")
@@ -175,23 +179,24 @@ def _phases(s, fronts, inputs, prompt):
         concurrency = 2 * s["workers"]
         for mode, hint in (("no_hints", False), ("hints", True)):
             runs.setdefault(("hints", mode, concurrency), []).append(_progress(mode, run_load(
-                fronts["hints"].endpoint, names, max(s["requests"], 12), concurrency, hint,
-                inputs, seed=r)))
+                fronts["hints"].endpoint, names, max(s["requests"], 6 * s["workers"]), concurrency,
+                hint, inputs, seed=r)))
     return runs
 
 
 def _warm(s, fronts, inputs, prompt):
     """One batched and one unbatched round per front: every worker has run every shape."""
+    top = max(s["concurrency"])
     for role in ("resident", "offloaded"):
         for mbs in (MAX_BATCH, 1):
             fronts[role].max_batch_size = mbs
             _progress(f"warm {role} max_batch_size {mbs}", run_load(
-                fronts[role].endpoint, ["m0"], 2 * MAX_BATCH if mbs > 1 else 4, MAX_BATCH, False,
+                fronts[role].endpoint, ["m0"], s["rounds"] * top if mbs > 1 else 2, top, False,
                 inputs, seed=99))
     fronts["generate"].max_batch_size = MAX_BATCH
-    _progress("warm generate", run_load(fronts["generate"].endpoint, ["m0"], 8, 8, False, [prompt],
+    _progress("warm generate", run_load(fronts["generate"].endpoint, ["m0"], 4, 4, False, [prompt],
                                         seed=99, max_new_tokens=s["new_tokens"]))
-    _progress("warm hints", run_load(fronts["hints"].endpoint, ["m0", "m1", "m2"], 6 * s["workers"],
+    _progress("warm hints", run_load(fronts["hints"].endpoint, ["m0", "m1", "m2"], 3 * s["workers"],
                                      2 * s["workers"], False, inputs, seed=99))
 
 
@@ -213,8 +218,11 @@ def bench_serve(args):
                             "model_bytes": f.spec.model_bytes(), "counters": dict(f.counters)}
                      for role, f in fronts.items()}
     finally:
-        for f in fronts.values():
-            f.close(30)
+        closing = [threading.Thread(target=f.close, args=(30,)) for f in fronts.values()]
+        for t in closing:
+            t.start()
+        for t in closing:
+            t.join()
     return _report(s, runs, described)
 
 
@@ -222,7 +230,7 @@ def _report(s, runs, fronts):
     sections = {}
     for (section, mode, c), phase_runs in sorted(runs.items()):
         sections.setdefault(section, {}).setdefault(mode, {})[str(c)] = _summary(phase_runs)
-    top = str(max(CONCURRENCY))
+    top = str(max(s["concurrency"]))
     infer, gen = sections["infer"], sections["generate"]
     hints_c = str(2 * s["workers"])
     hints, no_hints = sections["hints"]["hints"][hints_c], sections["hints"]["no_hints"][hints_c]
@@ -241,7 +249,7 @@ def _report(s, runs, fronts):
         "hints_over_no_hints_rps": _ratio(hints["rps"], no_hints["rps"])}
     complete = all(p["completed"] == p["requests"] and p["errors"] == 0
                    for modes in sections.values() for by_c in modes.values() for p in by_c.values())
-    return {"kind": "serve", "quick": s["quick"], "concurrency": list(CONCURRENCY),
+    return {"kind": "serve", "quick": s["quick"], "concurrency": list(s["concurrency"]),
             "max_batch_size": MAX_BATCH,
             "model": {"hidden": s["hidden"], "layers": s["layers"], "seq": s["seq"],
                       "rows_per_request": 1, "lookahead": s["lookahead"]},

@@ -127,7 +127,7 @@ def cmd_bench(args):
     if args.kind == "serve":
         from ..bench.serve import bench_serve
         from ..serve.spec import ServeSpec
-        spec = ServeSpec(hidden=args.hidden or 256, layers=args.layers or 16)
+        spec = ServeSpec(hidden=args.hidden or 256, layers=args.layers or 12)
         args.budget = budget_fraction(args.budget, spec.model_bytes())
         result = bench_serve(args)
     else:
