@@ -30,3 +30,22 @@ class Sleepy:
 
 def sleepy(seed=0):
     return Sleepy(seed)
+
+
+TINY_LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def tiny_llama(seed=0):
+    """A tiny random-init mindone LlamaForCausalLM (mindone 0.5), weights seeded like
+    prefetchd.serve.tiny_lm's (norms left at one): served through the HF-style adapter."""
+    import mindspore as ms
+    from mindone.transformers import LlamaForCausalLM
+    from transformers import LlamaConfig
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+    model.set_train(False)
+    rng = np.random.default_rng(seed)
+    for p in model.get_parameters():
+        if "norm" not in p.name:
+            p.set_data(ms.Tensor(rng.normal(0, 0.5, p.shape).astype(np.float32)))
+    return model
