@@ -95,7 +95,7 @@ def _fronts(s, root):
     for role, (spec, workers, max_batch) in specs.items():
         spec.store_dir = os.path.join(root, role) if root else None
         tag = f"bench-{role}-{os.getpid()}"
-        fronts[role] = Front(f"ipc://{tag}.sock", workers=workers, spec=spec, request_timeout=300.0,
+        fronts[role] = Front(f"ipc://{tag}.sock", workers=workers, spec=spec, request_timeout=900.0,
                              start_timeout=600.0, name=tag, max_batch_size=max_batch)
     return fronts
 

@@ -38,7 +38,7 @@ def _reply_is_whole(result, frames, rows, max_new_tokens):
     return max_new_tokens is None or outputs[0].shape == (rows, max_new_tokens)
 
 
-def run_load(endpoint, models, requests, concurrency, hint, inputs, seed=0, timeout=120.0,
+def run_load(endpoint, models, requests, concurrency, hint, inputs, seed=0, timeout=900.0,
              max_new_tokens=None):
     """Closed-loop load (see the module docstring); models drawn at random per request.
 
