@@ -129,7 +129,10 @@ def _progress(what, run):
 
 def _median(values):
     values = sorted(v for v in values if v is not None)
-    return values[len(values) // 2] if values else None
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 def _summary(runs):
