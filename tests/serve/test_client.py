@@ -4,9 +4,11 @@ Client, `prefetchd infer`), run as written against a real `prefetchd serve`."""
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -61,9 +63,9 @@ def test_the_documented_session_runs_against_prefetchd_serve(tmp_path):
     line = serve.strip()
     assert line.startswith("prefetchd serve ") and line.endswith(" &"), line
     bin_dir = os.path.dirname(sys.executable)            # where `prefetchd` is installed
-    # ipc://serve.sock is <runtime dir>/serve.sock: a runtime dir of the test's own.
-    run = tmp_path / "run"
-    run.mkdir(mode=0o700)
+    # ipc://serve.sock is <runtime dir>/serve.sock: a runtime dir of the test's own, short
+    # (the workers' sockets beside it must fit an ipc path's 107 bytes).
+    run = tempfile.mkdtemp(prefix="pfd-", dir="/tmp")
     env = dict(ENV, PATH=os.pathsep.join([bin_dir, os.environ.get("PATH", "")]),
                XDG_RUNTIME_DIR=str(run))
     # The block runs it in the background (`&`); here the test owns the process.
@@ -99,3 +101,4 @@ def test_the_documented_session_runs_against_prefetchd_serve(tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(5)
+            shutil.rmtree(run, ignore_errors=True)
