@@ -25,7 +25,7 @@ def _fraction_of_the_model(text):
 def add_arguments(parser):
     parser.add_argument("kind", choices=["io", "sched", "model", "serve", "soak", "accelerate"],
                         help="io: store vs fio; sched: scheduler throughput; model: offloaded vs resident passes; "
-                             "serve: the multi-process server with and without hints; soak: mixed load with faults; "
+                             "serve: the multi-process server resident vs offloaded, batching on vs off, generation, hints; soak: mixed load with faults; "
                              "accelerate: prefetchd vs Accelerate's disk_offload (torch in --torch-python)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--dir", help="scratch directory on the disk to measure (default: a temp dir under cwd)")
@@ -33,15 +33,17 @@ def add_arguments(parser):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sweep", action="store_true", help="io: sweep block sizes, queue depths, engines")
     parser.add_argument("--requests", type=int, default=None,
-                        help="sched: requests per phase (200000); serve: requests per phase (60)")
+                        help="sched: requests per phase (200000); serve: requests per phase at concurrency 1 (48)")
     parser.add_argument("--batch", type=int, nargs="*", default=None, help="model: batch sizes")
-    parser.add_argument("--hidden", type=int, default=None, help="model: layer width (4096); serve: model width (256)")
+    parser.add_argument("--hidden", type=int, default=None, help="model: layer width (4096); serve: demo model width (256)")
     parser.add_argument("--layers", type=int, default=None, help="model/serve: number of layers")
     parser.add_argument("--budget", type=float, default=0.25, help="model: device budget / model size")
     parser.add_argument("--lookahead", type=int, default=2)
     parser.add_argument("--minutes", type=float, default=1.0, help="soak: duration")
     parser.add_argument("--seconds", type=float, default=None, help="soak: duration in seconds (overrides --minutes)")
-    parser.add_argument("--workers", type=int, default=2, help="serve: worker processes")
+    parser.add_argument("--workers", type=int, default=2, help="serve: worker processes of the hints phases")
+    parser.add_argument("--quick", action="store_true",
+                        help="serve: a tiny model and few requests (checks the report, not speed)")
     parser.add_argument("--no-drop-caches", action="store_true", help="do not drop the page cache between runs")
     parser.add_argument("--steady", action="store_true",
                         help="model: steady state, no page-cache drop between passes (default: cold, dropped)")

@@ -1,132 +1,265 @@
-"""`prefetchd bench serve`: a closed-loop load generator for a `prefetchd serve`
-front, and the benchmark that compares requests/s and latency with and without
-prefetch hints against the same warm workers."""
+"""`prefetchd bench serve`: what offloading and batching do to a served model.
+
+One run starts, side by side, fronts serving the same model (same factory, same
+seed, so the same weights) and interleaves their phases, so every ratio compares
+phases measured minutes apart at most on this shared, noisy machine:
+
+    resident    1 worker whose device budget holds the whole model (1.25x)
+    offloaded   1 worker with --budget of the model (default 25%): every pass
+                streams the weights
+    generate    1 worker serving a causal LM (prefetchd.serve.tiny_lm) at --budget
+    hints       --workers workers, 3 weight sets, a budget of 1.5 of them: requests
+                switch models, with and without prefetch hints (kept from before)
+
+Each infer/generate front is measured with batching on (max_batch_size 32) and
+off (max_batch_size 1; Front.max_batch_size is switched between phases, with
+nothing queued), by closed-loop clients (prefetchd.bench.serve_load) at
+concurrency 1, 8 and 32 (--quick: 1, 2, 4). Each phase reports requests/s, p50/p99 latency, the
+mean batch size the front formed and, for generation, tokens/s; a phase is
+complete when every request got a whole reply (prefetchd.bench.serve_load).
+
+`--quick` is a tiny size for tests (correctness of the report, not speed).
+"""
 import os
-import random
+import sys
+import threading
 import time
 
+import numpy as np
 
-def _percentile(values, q):
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = min(len(ordered) - 1, max(0, int(round(q * (len(ordered) - 1)))))
-    return ordered[k]
+from .serve_load import run_load
+
+CONCURRENCY = (1, 8, 32)
+QUICK_CONCURRENCY = (1, 2, 4)      # --quick: a test's minute cannot hold 32 unbatched passes
+MAX_BATCH = 32
+INFER_MODES = ("resident_batched", "resident_unbatched", "offloaded_batched",
+               "offloaded_unbatched")
+GENERATE_MODES = ("offloaded_batched", "offloaded_unbatched")
+TARGETS = {"offloaded_over_resident_batched": 0.8, "batched_over_unbatched_offloaded": 8.0}
+
+# The language models `generate` phases serve: tiny_lm at a size whose 25% budget
+# still holds lookahead + 2 of its blocks.
+LM_FULL = dict(vocab=256, hidden=128, layers=8, heads=4, max_len=128)
+LM_QUICK = dict(vocab=64, hidden=32, layers=8, heads=2, max_len=64)
 
 
-def run_load(endpoint, models, requests, concurrency, hint, inputs, seed=0, timeout=60.0):
-    """Closed-loop load: `concurrency` requests outstanding, models drawn at random,
-    each request carrying the arrays `inputs` (prefetchd.serve.wire).
+def lm_full(seed=0):
+    """`--model` factory of the full run's causal LM."""
+    from ..serve.tiny_lm import build
+    return build(seed=seed, **LM_FULL)
 
-    Returns {"requests", "errors", "seconds", "rps", "p50_seconds", "p99_seconds", ...}.
-    """
-    import zmq
 
-    from ..control import protocol as P
-    from ..serve.wire import encode_arrays
+def lm_quick(seed=0):
+    """`--model` factory of the --quick run's causal LM."""
+    from ..serve.tiny_lm import build
+    return build(seed=seed, **LM_QUICK)
 
-    rng = random.Random(seed)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(endpoint)
-    headers, buffers = encode_arrays(inputs)
-    latencies, errors, sent, outstanding = [], {}, 0, {}
-    started = time.perf_counter()
-    try:
-        while sent < requests or outstanding:
-            while sent < requests and len(outstanding) < concurrency:
-                rid = P.new_rid(sent)
-                body = {"model": rng.choice(models), "inputs": headers, "hint": hint}
-                sock.send_multipart(P.encode_request(rid, "infer", body, timeout, buffers),
-                                    copy=False)
-                outstanding[rid] = time.perf_counter()
-                sent += 1
-            if not sock.poll(int(timeout * 1000)):
-                errors["NO_REPLY"] = errors.get("NO_REPLY", 0) + len(outstanding)
-                break
-            rid, doc, _ = P.decode_reply(sock.recv_multipart(), tensors=True)
-            t0 = outstanding.pop(rid, None)
-            if t0 is None:
-                continue
-            if doc.get("ok"):
-                latencies.append(time.perf_counter() - t0)
-            else:
-                errors[doc.get("code")] = errors.get(doc.get("code"), 0) + 1
-    finally:
-        ctx.destroy(linger=0)
-    seconds = time.perf_counter() - started
-    return {"requests": requests, "completed": len(latencies), "errors": errors,
-            "seconds": seconds, "rps": len(latencies) / seconds if seconds else 0.0,
-            "p50_seconds": _percentile(latencies, 0.50), "p99_seconds": _percentile(latencies, 0.99),
-            "mean_seconds": sum(latencies) / len(latencies) if latencies else None}
+
+def _lm_bytes(size):
+    h, v, n = size["hidden"], size["vocab"], size["layers"]
+    block = 3 * h * h + 3 * h + h * h + h + 4 * h * h + 4 * h + 4 * h * h + h + 4 * h
+    return 4 * (n * block + v * h + size["max_len"] * h + 2 * h + h * v)
+
+
+def _sizes(args):
+    quick = bool(getattr(args, "quick", False))
+    return {"quick": quick,
+            "concurrency": QUICK_CONCURRENCY if quick else CONCURRENCY,
+            "hidden": getattr(args, "hidden", None) or (32 if quick else 256),
+            "layers": getattr(args, "layers", None) or (4 if quick else 12),
+            "seq": 4 if quick else 8,
+            "requests": getattr(args, "requests", None) or (1 if quick else 16),
+            "rounds": 1 if quick else 2,    # a phase at concurrency c sends >= rounds * c
+            "repeats": 1 if quick else max(1, int(getattr(args, "repeats", 2) or 2)),
+            "budget": getattr(args, "budget", None) or 0.25,
+            "lookahead": 1 if quick else max(1, int(getattr(args, "lookahead", 1) or 1)),
+            "workers": 1 if quick else max(1, int(getattr(args, "workers", 2) or 2)),
+            "lm": LM_QUICK if quick else LM_FULL,
+            "lm_factory": f"{__name__}:{'lm_quick' if quick else 'lm_full'}",
+            "prompt": 4 if quick else 8, "new_tokens": 2 if quick else 8}
+
+
+def _fronts(s, root):
+    """{role: Front}, not started: the four roles of the module docstring."""
+    from ..serve import Front, ServeSpec
+    demo = dict(hidden=s["hidden"], layers=s["layers"], seq=s["seq"], lookahead=s["lookahead"])
+    lm_bytes = _lm_bytes(s["lm"])
+    specs = {
+        "resident": (ServeSpec(models=1, budget=1.25, **demo), 1, MAX_BATCH),
+        "offloaded": (ServeSpec(models=1, budget=s["budget"], **demo), 1, MAX_BATCH),
+        "generate": (ServeSpec(models=1, model=s["lm_factory"], model_bytes_hint=lm_bytes,
+                               budget=int(lm_bytes * s["budget"]), lookahead=1),
+                     1, MAX_BATCH),
+        "hints": (ServeSpec(models=3, budget=1.5, **demo), s["workers"], 8)}
+    fronts = {}
+    for role, (spec, workers, max_batch) in specs.items():
+        spec.store_dir = os.path.join(root, role) if root else None
+        tag = f"bench-{role}-{os.getpid()}"
+        fronts[role] = Front(f"ipc://{tag}.sock", workers=workers, spec=spec, request_timeout=900.0,
+                             start_timeout=600.0, name=tag, max_batch_size=max_batch)
+    return fronts
+
+
+def _start_all(fronts):
+    """Start every front at once (their workers import MindSpore in parallel)."""
+    errors = {}
+
+    def start(role, front):
+        try:
+            front.start()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the others
+            errors[role] = e
+    threads = [threading.Thread(target=start, args=item) for item in fronts.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        role, error = next(iter(errors.items()))
+        raise RuntimeError(f"bench serve: the {role} front did not start: {error}") from error
+
+
+def _progress(what, run):
+    """One line per phase on stderr: a long run shows where it is."""
+    print(f"bench serve: {what}: {run['completed']}/{run['requests']} in {run['seconds']:.2f}s, "
+          f"{run['rps']:.1f} req/s, batch {run['mean_batch_size'] or 0:.1f}", file=sys.stderr,
+          flush=True)
+    return run
 
 
 def _median(values):
     values = sorted(v for v in values if v is not None)
-    return values[len(values) // 2] if values else None
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def _summary(runs):
+    return {"rps": _median([r["rps"] for r in runs]),
+            "p50_seconds": _median([r["p50_seconds"] for r in runs]),
+            "p99_seconds": _median([r["p99_seconds"] for r in runs]),
+            "mean_batch_size": _median([r["mean_batch_size"] for r in runs]),
+            "tokens_per_second": _median([r["tokens_per_second"] for r in runs]),
+            "requests": sum(r["requests"] for r in runs),
+            "completed": sum(r["completed"] for r in runs),
+            "errors": sum(sum(r["errors"].values()) for r in runs), "runs": runs}
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def _phases(s, fronts, inputs, prompt):
+    """The interleaved phases: {(section, mode, concurrency): [run, ...]}."""
+    def infer(role, batched, c, seed):
+        front = fronts[role]
+        front.max_batch_size = MAX_BATCH if batched else 1
+        return _progress(f"{role} batching {'on' if batched else 'off'} c={c}", run_load(
+            front.endpoint, ["m0"], max(s["requests"], s["rounds"] * c), c, False, inputs,
+            seed=seed))
+
+    def generate(batched, c, seed):
+        front = fronts["generate"]
+        front.max_batch_size = MAX_BATCH if batched else 1
+        n = max(s["requests"] // 2, s["rounds"] * c) if batched else max(s["requests"] // 8, c)
+        return _progress(f"generate batching {'on' if batched else 'off'} c={c}", run_load(
+            front.endpoint, ["m0"], n, c, False, [prompt], seed=seed,
+            max_new_tokens=s["new_tokens"]))
+
+    names = [f"m{i}" for i in range(3)]
+    runs = {}
+    for r in range(s["repeats"]):
+        order = list(s["concurrency"]) if r % 2 == 0 else list(reversed(s["concurrency"]))
+        for c in order:
+            for mode in (INFER_MODES if r % 2 == 0 else reversed(INFER_MODES)):
+                role, _, batching = mode.partition("_")
+                runs.setdefault(("infer", mode, c), []).append(
+                    infer(role, batching == "batched", c, r))
+            for mode in GENERATE_MODES:
+                runs.setdefault(("generate", mode, c), []).append(
+                    generate(mode.endswith("_batched"), c, r))
+        concurrency = 2 * s["workers"]
+        for mode, hint in (("no_hints", False), ("hints", True)):
+            runs.setdefault(("hints", mode, concurrency), []).append(_progress(mode, run_load(
+                fronts["hints"].endpoint, names, max(s["requests"], 6 * s["workers"]), concurrency,
+                hint, inputs, seed=r)))
+    return runs
+
+
+def _warm(s, fronts, inputs, prompt):
+    """One batched and one unbatched round per front: every worker has run every shape."""
+    top = max(s["concurrency"])
+    for role in ("resident", "offloaded"):
+        for mbs in (MAX_BATCH, 1):
+            fronts[role].max_batch_size = mbs
+            _progress(f"warm {role} max_batch_size {mbs}", run_load(
+                fronts[role].endpoint, ["m0"], s["rounds"] * top if mbs > 1 else 2, top, False,
+                inputs, seed=99))
+    fronts["generate"].max_batch_size = MAX_BATCH
+    _progress("warm generate", run_load(fronts["generate"].endpoint, ["m0"], 4, 4, False, [prompt],
+                                        seed=99, max_new_tokens=s["new_tokens"]))
+    _progress("warm hints", run_load(fronts["hints"].endpoint, ["m0", "m1", "m2"], 3 * s["workers"],
+                                     2 * s["workers"], False, inputs, seed=99))
 
 
 def bench_serve(args):
-    """`prefetchd bench serve`: requests/s and latency p50/p99 with and without prefetch hints.
-
-    Starts a front and `--workers` workers in-process, then alternates phases with
-    hints off and on (`--repeats` each, `--requests` per phase, default 60; models
-    `--hidden` wide, default 256). Three weight sets per worker, picked at random per
-    request, so most requests switch models. Both modes run against the same warm workers, so the
-    ratios compare like with like on a noisy machine.
-    """
-    from ..demo.model import estimate_bytes
-    from ..serve import Front, ServeSpec
-
-    workers = max(1, int(getattr(args, "workers", 2) or 2))
-    hidden = getattr(args, "hidden", None) or 256
-    layers = getattr(args, "layers", None) or 4
-    requests = getattr(args, "requests", None) or 60
-    repeats = max(1, int(getattr(args, "repeats", 2) or 2))
-    models = 3
-    model_bytes = estimate_bytes(hidden, layers)
-    # --budget is a fraction of a worker's weights (all its models), as for `bench model`,
-    # but at least 1.25 models: one model streaming plus room for the hinted next one.
-    fraction = getattr(args, "budget", 0.5) or 0.5
-    spec = ServeSpec(models=models, hidden=hidden, layers=layers,
-                     budget=max(fraction * models, 1.25), lookahead=getattr(args, "lookahead", 2) or 2,
-                     store_dir=getattr(args, "dir", None))
-    concurrency = 2 * workers
-    front = Front(f"ipc://bench-serve-{os.getpid()}.sock", workers=workers, spec=spec,
-                  request_timeout=120.0, name=f"bench-{os.getpid()}")
-    phases = {"no_hints": [], "hints": []}
-    front.start()
+    """`prefetchd bench serve` (see the module docstring); the report as a dict."""
+    s = _sizes(args)
+    fronts = _fronts(s, getattr(args, "dir", None))
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal((1, s["seq"], s["hidden"])).astype(np.float32)]
+    prompt = rng.integers(0, s["lm"]["vocab"], (1, s["prompt"])).astype(np.int64)
     try:
-        names = spec.model_names()
-        import numpy as np
-        x = [np.random.default_rng(0).standard_normal((spec.batch, spec.seq, hidden))
-             .astype(np.float32)]
-        run_load(front.endpoint, names, 2 * models * workers, concurrency, False, x, seed=99)
-        for r in range(repeats):
-            for mode, hint in (("no_hints", False), ("hints", True)):
-                phases[mode].append(run_load(front.endpoint, names, requests, concurrency, hint,
-                                             x, seed=r))
-        counters = dict(front.counters)
+        t0 = time.monotonic()
+        _start_all(fronts)
+        print(f"bench serve: {len(fronts)} fronts ready in {time.monotonic() - t0:.1f}s",
+              file=sys.stderr, flush=True)
+        _warm(s, fronts, inputs, prompt)
+        runs = _phases(s, fronts, inputs, prompt)
+        described = {role: {"workers": f.n_workers, "device_budget_bytes": f.spec.device_budget(),
+                            "model_bytes": f.spec.model_bytes(), "counters": dict(f.counters)}
+                     for role, f in fronts.items()}
     finally:
-        front.close()
+        closing = [threading.Thread(target=f.close, args=(30,)) for f in fronts.values()]
+        for t in closing:
+            t.start()
+        for t in closing:
+            t.join()
+    return _report(s, runs, described)
 
-    def summary(runs):
-        return {"rps": _median([x["rps"] for x in runs]),
-                "p50_seconds": _median([x["p50_seconds"] for x in runs]),
-                "p99_seconds": _median([x["p99_seconds"] for x in runs]),
-                "errors": sum(sum(x["errors"].values()) for x in runs), "runs": runs}
 
-    off, on = summary(phases["no_hints"]), summary(phases["hints"])
-
-    def ratio(a, b):
-        return a / b if a and b else None
-
-    return {"kind": "serve", "workers": workers, "models": models, "hidden": hidden,
-            "layers": layers, "model_bytes": model_bytes, "device_budget_bytes": spec.device_budget(),
-            "requests_per_phase": requests, "repeats": repeats, "concurrency": concurrency,
-            "no_hints": off, "hints": on,
-            "ratios": {"rps": ratio(on["rps"], off["rps"]),
-                       "p50": ratio(on["p50_seconds"], off["p50_seconds"]),
-                       "p99": ratio(on["p99_seconds"], off["p99_seconds"])},
-            "front": counters, "ok": off["errors"] == 0 and on["errors"] == 0}
+def _report(s, runs, fronts):
+    sections = {}
+    for (section, mode, c), phase_runs in sorted(runs.items()):
+        sections.setdefault(section, {}).setdefault(mode, {})[str(c)] = _summary(phase_runs)
+    top = str(max(s["concurrency"]))
+    infer, gen = sections["infer"], sections["generate"]
+    hints_c = str(2 * s["workers"])
+    hints, no_hints = sections["hints"]["hints"][hints_c], sections["hints"]["no_hints"][hints_c]
+    ratios = {
+        "offloaded_over_resident_batched": _ratio(infer["offloaded_batched"][top]["rps"],
+                                                  infer["resident_batched"][top]["rps"]),
+        "offloaded_over_resident_unbatched": _ratio(infer["offloaded_unbatched"][top]["rps"],
+                                                    infer["resident_unbatched"][top]["rps"]),
+        "batched_over_unbatched_offloaded": _ratio(infer["offloaded_batched"][top]["rps"],
+                                                   infer["offloaded_unbatched"][top]["rps"]),
+        "batched_over_unbatched_resident": _ratio(infer["resident_batched"][top]["rps"],
+                                                  infer["resident_unbatched"][top]["rps"]),
+        "generate_tokens_batched_over_unbatched": _ratio(
+            gen["offloaded_batched"][top]["tokens_per_second"],
+            gen["offloaded_unbatched"][top]["tokens_per_second"]),
+        "hints_over_no_hints_rps": _ratio(hints["rps"], no_hints["rps"])}
+    complete = all(p["completed"] == p["requests"] and p["errors"] == 0
+                   for modes in sections.values() for by_c in modes.values() for p in by_c.values())
+    return {"kind": "serve", "quick": s["quick"], "concurrency": list(s["concurrency"]),
+            "max_batch_size": MAX_BATCH,
+            "model": {"hidden": s["hidden"], "layers": s["layers"], "seq": s["seq"],
+                      "rows_per_request": 1, "lookahead": s["lookahead"]},
+            "lm": dict(s["lm"], prompt=s["prompt"], max_new_tokens=s["new_tokens"]),
+            "budget_fraction": s["budget"], "repeats": s["repeats"], "fronts": fronts,
+            "infer": infer, "generate": gen, "hints": sections["hints"],
+            "ratios_at_concurrency": int(top), "ratios": ratios,
+            "targets": {k: {"at_least": v, "met": (ratios[k] or 0) >= v}
+                        for k, v in TARGETS.items()},
+            "ok": complete}

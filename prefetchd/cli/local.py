@@ -59,8 +59,8 @@ def register(sub):
     # Same units as every other verb (these replace the runner's flags of the same name).
     p.add_argument("--budget", type=budget, default=None,
                    help="device budget: a size (2GiB) or a fraction (25%% or 0.25); model: of the "
-                        "model's weights (default 25%%); serve: of a worker's weights, all its "
-                        "models (default 50%%)")
+                        "model's weights (default 25%%); serve: the offloaded workers', of the "
+                        "model's weights (default 25%%)")
     p.add_argument("--repeats", type=positive_int, default=3, help="runs of each measurement (3)")
     p.add_argument("--lookahead", type=positive_int, default=2, help="model/serve: units prefetched ahead (2)")
     p.set_defaults(func=cmd_bench)
@@ -145,8 +145,8 @@ def cmd_bench(args):
     if args.kind == "serve":
         from ..bench.serve import bench_serve
         from ..serve.spec import ServeSpec
-        spec = ServeSpec(hidden=args.hidden or 256, layers=args.layers or 4)
-        args.budget = budget_fraction(args.budget, 3 * spec.model_bytes())
+        spec = ServeSpec(hidden=args.hidden or 256, layers=args.layers or 12)
+        args.budget = budget_fraction(args.budget, spec.model_bytes())
         result = bench_serve(args)
     else:
         from ..bench import runner

@@ -103,6 +103,19 @@ class Front(FrontSockets):
         self._status = StatusGathers(self._send, lambda: P.new_rid(next(self._ctl_ids)))
         self.histograms = {}           # model -> {"batch_size": Histogram, "queue_seconds": ...}
 
+    @property
+    def max_batch_size(self):
+        return self._batcher.max_batch_size
+
+    @max_batch_size.setter
+    def max_batch_size(self, rows):
+        """Batches formed from now on hold at most `rows` rows (1: batching off). Safe from
+        any thread: the I/O thread reads this one int each time it forms a batch, and a
+        batch already formed or sent keeps its size."""
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+            raise ValueError(f"max_batch_size must be an int >= 1, not {rows!r}")
+        self._batcher.max_batch_size = rows
+
     @staticmethod
     def _tensor_args():
         return {"model": (_model_name, None), "inputs": (_headers, None), "hint": (flag, None)}
@@ -132,8 +145,12 @@ class Front(FrontSockets):
         self._run_timers()
 
     def poll_timeout(self):
+        # A batch whose delay has run out waits for a worker with room, and a worker's
+        # reply (a socket event) is what makes room: counting its past wakeup time
+        # would poll with timeout 0, spinning a core the workers need, until then.
+        batch_due = self._batcher.next_wakeup() if self._pool.has_room() else None
         nearest = min((t for t in (self._deadlines.nearest(), self._status.nearest_deadline(),
-                                   self._batcher.next_wakeup(), self._heartbeats.next_due())
+                                   batch_due, self._heartbeats.next_due())
                        if t is not None), default=None)
         return None if nearest is None else nearest - time.monotonic()
 

@@ -1,8 +1,10 @@
 """Prometheus metrics of a `prefetchd serve` front: its own prefetchd_serve_*
-series (from Front.snapshot()) plus every worker's daemon series, fetched over
-the workers' control endpoints at scrape time (one `stats` request each) and
-merged; the `daemon` label tells workers apart. A worker that does not answer
-within a second is left out of that scrape and shows as prefetchd_serve_worker_up 0."""
+series (from Front.snapshot()), with per-model histograms of batch size and
+queue time (prefetchd_serve_batch_size, prefetchd_serve_queue_seconds), plus
+every worker's daemon series, fetched over the workers' control endpoints at
+scrape time (one `stats` request each) and merged; the `daemon` label tells
+workers apart. A worker that does not answer within a second is left out of that
+scrape and shows as prefetchd_serve_worker_up 0."""
 import threading
 
 from ..control.client import Client
@@ -78,8 +80,38 @@ class FrontCollector:
         ready = GaugeMetricFamily("prefetchd_serve_workers_ready", "Workers ready to serve.")
         ready.add_metric([], sum(1 for w in snap["workers"] if w["ready"]))
         from ..sharedhost.metrics import families as shared_host_families
-        return [requests, errors, hints, deaths, queue, ready, up, *workers,
+        return [requests, errors, hints, deaths, queue, ready, up,
+                *histogram_families(snap["histograms"]), *workers,
                 *shared_host_families(snap.get("shared_host"))]
+
+
+# The per-model histograms of Front.snapshot() (prefetchd.serve.histograms) and their series.
+HISTOGRAMS = {
+    "batch_size": ("prefetchd_serve_batch_size",
+                   "Rows per batch the front sent to a worker (one forward or generate), by model."),
+    "queue_seconds": ("prefetchd_serve_queue_seconds",
+                      "Seconds a request waited in the front before its batch was sent, by model."),
+}
+
+
+def histogram_families(histograms):
+    """Prometheus histogram families of {model: {key: Histogram.snapshot()}}: one series
+    per model, every family present (empty) before the first batch."""
+    import math
+
+    from prometheus_client.core import HistogramMetricFamily
+
+    families = []
+    for key, (name, doc) in HISTOGRAMS.items():
+        fam = HistogramMetricFamily(name, doc, labels=["model"])
+        for model, hs in sorted(histograms.items()):
+            snap = hs.get(key)
+            if snap is None:
+                continue
+            buckets = [("+Inf" if math.isinf(b) else repr(float(b)), n) for b, n in snap["buckets"]]
+            fam.add_metric([model], buckets, snap["sum"])
+        families.append(fam)
+    return families
 
 
 def start_front_exporter(front, addr="127.0.0.1", port=0):

@@ -86,6 +86,10 @@ class WorkerPool:
     def all_ready(self):
         return all(s.ready for s in self.slots)
 
+    def has_room(self):
+        """Whether some ready worker can take another batch now."""
+        return any(s.ready and len(s.inflight) < self.max_inflight for s in self.slots)
+
     def pick(self, model):
         """The ready worker with the fewest requests in flight, preferring one whose
         last model is `model`; None if all are full."""

@@ -30,3 +30,56 @@ class Sleepy:
 
 def sleepy(seed=0):
     return Sleepy(seed)
+
+
+TINY_LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def tiny_llama(seed=0):
+    """A tiny random-init mindone LlamaForCausalLM (mindone 0.5), weights seeded like
+    prefetchd.serve.tiny_lm's (norms left at one): served through the HF-style adapter."""
+    import mindspore as ms
+    from mindone.transformers import LlamaForCausalLM
+    from transformers import LlamaConfig
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+    model.set_train(False)
+    rng = np.random.default_rng(seed)
+    for p in model.get_parameters():
+        if "norm" not in p.name:
+            p.set_data(ms.Tensor(rng.normal(0, 0.5, p.shape).astype(np.float32)))
+    return model
+
+
+def hf_style_lm(seed=0):
+    """prefetchd.serve.tiny_lm's model behind transformers' interface, as a Cell of our
+    own: `model(input_ids)` returns an output object with `.logits` (not a tuple), and
+    `generate(input_ids, max_new_tokens=N, do_sample=False)` the prompt + N new ids."""
+    from types import SimpleNamespace
+
+    from mindspore import nn
+
+    from prefetchd.serve.tiny_lm import build
+
+    class HFStyleLM(nn.Cell):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            self.config = inner.config
+
+        def construct(self, input_ids):
+            logits, _ = self.inner(input_ids)
+            return SimpleNamespace(logits=logits)          # CausalLMOutputWithPast-like
+
+        def generate(self, input_ids, max_new_tokens=16, do_sample=False):
+            # Greedy through the model's own forward (no cache), as transformers' generate
+            # runs: the offloaded cell is the one called (its parts alone are refused).
+            import mindspore as ms
+            assert not do_sample
+            ids = input_ids.asnumpy()
+            for _ in range(max_new_tokens):
+                logits = self(ms.Tensor(ids)).logits[:, -1, :].asnumpy()
+                ids = np.concatenate([ids, logits.argmax(-1).astype(ids.dtype)[:, None]], axis=1)
+            return ms.Tensor(ids)
+
+    return HFStyleLM(build(seed=seed))

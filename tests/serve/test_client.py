@@ -1,9 +1,14 @@
 """prefetchd.serve.Client without a server (every future completes: timeout,
-close) and the runnable example of docs/control-plane.md, run as a script."""
+close) and the serving session of docs/control-plane.md (`prefetchd serve`, the
+Client, `prefetchd infer`), run as written against a real `prefetchd serve`."""
 import os
 import re
+import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -43,13 +48,57 @@ def test_close_fails_every_outstanding_future(tmp_path):
         c.submit("m0", np.zeros((1, 4), np.float32))
 
 
-def test_the_documented_example_runs(tmp_path):
+def _session_blocks():
+    """The serve command, the Python client and the shell lines of the documented session."""
     text = open(os.path.join(REPO, "docs", "control-plane.md")).read()
-    block = re.search(r"<!-- example: serve-client -->\s*```python\n(.*?)```", text, re.S)
-    assert block, "the example is gone from docs/control-plane.md"
-    script = tmp_path / "example.py"
-    script.write_text(block.group(1))
-    out = subprocess.run([sys.executable, str(script)], env=ENV, capture_output=True, text=True,
-                         timeout=240, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "(2, 8, 256) True", out.stdout
+    at = text.find("<!-- example: serve-session -->")
+    assert at >= 0, "the serving session is gone from docs/control-plane.md"
+    blocks = re.findall(r"```(sh|python)\n(.*?)```", text[at:], re.S)[:3]
+    assert [kind for kind, _ in blocks] == ["sh", "python", "sh"], blocks
+    return [body for _, body in blocks]
+
+
+def test_the_documented_session_runs_against_prefetchd_serve(tmp_path):
+    serve, client, shell = _session_blocks()
+    line = serve.strip()
+    assert line.startswith("prefetchd serve ") and line.endswith(" &"), line
+    bin_dir = os.path.dirname(sys.executable)            # where `prefetchd` is installed
+    # ipc://serve.sock is <runtime dir>/serve.sock: a runtime dir of the test's own, short
+    # (the workers' sockets beside it must fit an ipc path's 107 bytes).
+    run = tempfile.mkdtemp(prefix="pfd-", dir="/tmp")
+    env = dict(ENV, PATH=os.pathsep.join([bin_dir, os.environ.get("PATH", "")]),
+               XDG_RUNTIME_DIR=str(run))
+    # The block runs it in the background (`&`); here the test owns the process.
+    proc = subprocess.Popen(shlex.split(line[:-1]), cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        from prefetchd.control import Client as ControlClient
+        deadline = time.monotonic() + 120
+        with ControlClient(f"ipc://{run}/prefetchd/serve.sock", timeout=1) as c:
+            while True:
+                assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+                assert time.monotonic() < deadline, "prefetchd serve did not become ready"
+                try:
+                    if c.ping()["workers"] == 1:
+                        break
+                except RequestTimeout:
+                    pass
+                time.sleep(0.2)
+        (tmp_path / "client.py").write_text(client)
+        out = subprocess.run([sys.executable, "client.py"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.strip().splitlines() == ["(2, 8, 256) True"], out.stdout
+        out = subprocess.run(["bash", "-e", "-c", shell], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.splitlines() == ["out/output0.npy\tfloat32\t[2, 8, 256]", "True"], out.stdout
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(30) == 0, proc.stderr.read().decode()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+            shutil.rmtree(run, ignore_errors=True)

@@ -2,7 +2,8 @@
 (prefetchd.serve.tiny_lm, KV cache, greedy) served offloaded (its budget below its
 weights) through the HF-style adapter, in real worker processes. The tokens equal
 the model's own `generate` run resident; requests that arrive together share
-decode steps; a servable object (not a cell) is served too."""
+decode steps; a servable object (not a cell) is served too, and so is a cell with
+transformers' interface (`.logits` outputs)."""
 import os
 import secrets
 
@@ -118,3 +119,19 @@ def test_the_adapter_is_duck_typed(resident):
     assert s.inputs[0].high == 64 and s.inputs[0].dtype == "int64"
     assert np.array_equal(s.generate(ids, 4), _own_generate(resident, ids, 4))
     assert s.forward(ids).shape == (2, 3, 64)
+
+
+def test_an_hf_style_cell_is_served_through_the_adapter(resident, tmp_path):
+    """A Cell with transformers' interface (.logits outputs, generate returning prompt +
+    new ids; tests/serve/_servables.py:hf_style_lm), served offloaded in a real worker."""
+    import mindspore as ms
+    spec = ServeSpec(models=1, model="_servables:hf_style_lm", budget=BUDGET, lookahead=1,
+                     store_dir=str(tmp_path))
+    ids = _ids(7, 2, 4)
+    with Front(f"ipc://hf-{os.getpid()}-{secrets.token_hex(2)}.sock", workers=1, spec=spec,
+               request_timeout=60.0, name=f"hf{os.getpid()}").start() as front:
+        with Client(front.endpoint, timeout=60) as c:
+            got = c.generate("m0", ids, max_new_tokens=5)
+            (logits,) = c.infer("m0", ids)
+    assert np.array_equal(got, _own_generate(resident, ids, 5))
+    np.testing.assert_allclose(logits, resident(ms.Tensor(ids))[0].asnumpy(), rtol=1e-5, atol=1e-5)

@@ -1,13 +1,13 @@
 """`prefetchd serve`: a front and spawned workers running the demo model with
 their own daemons. Routing, status aggregation, prefetch hints, metrics, bounded
-close, the CLI and the load generator. Tensors, batching and hostile requests
-are tests/serve/test_requests.py; timeouts, deaths and hangs test_workers.py.
+close and the CLI (`bench serve`: tests/bench/test_bench_serve.py). Tensors,
+batching and hostile requests are tests/serve/test_requests.py; timeouts, deaths
+and hangs test_workers.py.
 
 Workers take a few seconds to start (each imports MindSpore), so one front
 serves most tests; the model is tiny.
 """
 import argparse
-import json
 import os
 import secrets
 import signal
@@ -197,20 +197,6 @@ def test_zz_close_is_bounded_and_leaves_nothing(front):
     with Client(front.endpoint, timeout=0.3) as c:
         with pytest.raises(RequestTimeout):
             c.ping()
-
-
-def test_bench_serve_reports_both_modes(tmp_path):
-    from prefetchd.bench.serve import bench_serve
-    args = argparse.Namespace(workers=1, hidden=64, layers=2, requests=6, repeats=1, budget=0.5,
-                              lookahead=1, dir=str(tmp_path), json=True)
-    result = bench_serve(args)
-    json.dumps(result)
-    assert result["ok"], result
-    for mode in ("hints", "no_hints"):
-        assert result[mode]["rps"] > 0
-        assert 0 < result[mode]["p50_seconds"] <= result[mode]["p99_seconds"]
-    assert result["front"]["hints_sent"] > 0
-    assert set(result["ratios"]) == {"rps", "p50", "p99"}
 
 
 def test_cli_serve_and_status(tmp_path):

@@ -511,14 +511,49 @@ def test_dashboard_is_raw_provisionable_json():
     stats = [p["title"] for p in dash["panels"] if p["type"] == "stat" and p["gridPos"]["y"] == 0]
     assert len(stats) == 5
     rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
-    assert rows == ["Memory per tier", "Transfers", "Requests and errors"]
+    assert rows == ["Memory per tier", "Transfers", "Requests and errors", "Serving"]
     assert any(p["type"] == "heatmap" for p in dash["panels"])
     ids = [p["id"] for p in _dashboard_panels(dash)]
     assert len(ids) == len(set(ids))
 
 
-def test_dashboard_panels_name_their_metrics_which_exist(daemon):
-    exposed = set(parse(metrics.render(daemon)))
+@pytest.fixture(scope="module")
+def front_families(tmp_path_factory):
+    """The families a real `prefetchd serve` front exports (its own and its worker's),
+    scraped over HTTP after requests for two models went through it."""
+    import secrets
+
+    from prefetchd.serve import Client, Front, ServeSpec
+
+    spec = ServeSpec(models=2, hidden=32, layers=2, seq=4, lookahead=1,
+                     store_dir=str(tmp_path_factory.mktemp("front-store")))
+    front = Front(f"ipc://dash-{os.getpid()}-{secrets.token_hex(2)}.sock", workers=1, spec=spec,
+                  name=f"dash{os.getpid()}", metrics_port=0).start()
+    try:
+        x = np.zeros((1, 4, 32), np.float32)
+        with Client(front.endpoint, timeout=60) as c:
+            for model in ("m0", "m1"):
+                c.infer(model, x)
+        url = f"http://127.0.0.1:{front.metrics_port}/metrics"
+        return parse(urllib.request.urlopen(url, timeout=10).read().decode())
+    finally:
+        front.close(10)
+
+
+def test_front_exports_batch_size_and_queue_time_per_model(front_families):
+    for family in ("prefetchd_serve_batch_size", "prefetchd_serve_queue_seconds"):
+        assert front_families[family].type == "histogram"
+        for model in ("m0", "m1"):
+            buckets, count, _ = hist(front_families, family, model=model)
+            assert count >= 1 and buckets["+Inf"] == count, (family, model)
+    buckets, _, total = hist(front_families, "prefetchd_serve_batch_size", model="m0")
+    assert total >= 1 and buckets["1.0"] >= 1          # one request alone: a batch of 1 row
+
+
+def test_dashboard_panels_name_their_metrics_which_exist(daemon, front_families):
+    """Every panel's metrics exist: a daemon's exporter for the daemon panels, a `prefetchd
+    serve` front's (prefetchd_serve_*) for the serving ones."""
+    exposed = set(parse(metrics.render(daemon))) | set(front_families)
     dash = json.loads(DASHBOARD.read_text())
     for p in _dashboard_panels(dash):
         if p["type"] == "row":

@@ -1,0 +1,50 @@
+"""The front's I/O thread sleeps while batches wait for a busy worker: a batch whose
+queue delay has run out is sent when a worker has room, and only a worker's reply
+makes room, so the front must wait on its sockets, not poll with timeout 0 (which
+spun a core, on a 2-core machine the one the worker needs). Real front, a real
+worker process serving a servable that takes as long as it is asked to."""
+import os
+import secrets
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from prefetchd.serve import Client, Front, ServeSpec
+
+SLEEP = 0.8
+REQUESTS = 5                  # 1 worker x 2 in flight: 3 wait in the front's queue
+
+
+def _thread_cpu_seconds(thread):
+    """User + system CPU seconds of one thread of this process (/proc)."""
+    with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory):
+    spec = ServeSpec(models=1, model="tests.serve._servables:sleepy", model_bytes_hint=80,
+                     budget=1 << 20, store_dir=str(tmp_path_factory.mktemp("idle-store")))
+    f = Front(f"ipc://idle-{os.getpid()}-{secrets.token_hex(2)}.sock", workers=1, spec=spec,
+              request_timeout=60.0, name=f"idle{os.getpid()}", max_batch_size=1,
+              max_queue_delay_ms=1).start()
+    yield f
+    f.close(10)
+
+
+def test_front_does_not_spin_while_batches_wait_for_a_worker(front):
+    (loop,) = [t for t in threading.enumerate() if t.name == f"prefetchd-front-{front.name}"]
+    x = np.zeros((1, 4), np.float32)
+    x[0, 0] = SLEEP
+    with Client(front.endpoint, timeout=60) as c:
+        c.infer("m0", np.zeros((1, 4), np.float32))             # the worker has run once
+        cpu0, t0 = _thread_cpu_seconds(loop), time.monotonic()
+        futures = [c.submit("m0", x) for _ in range(REQUESTS)]
+        replies = [f.result(60) for f in futures]
+        cpu, wall = _thread_cpu_seconds(loop) - cpu0, time.monotonic() - t0
+    assert len(replies) == REQUESTS and all(f.reply["batch_size"] == 1 for f in futures)
+    assert wall >= REQUESTS * SLEEP * 0.9                      # they really queued
+    assert cpu < 0.05 * wall, f"the front's I/O thread used {cpu:.2f} CPU-s in {wall:.1f}s"
