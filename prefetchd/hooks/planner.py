@@ -151,7 +151,8 @@ class Plan:
 
     def budget_hint(self):
         """'; ... device_budget >= ... at lookahead k (lookahead 0: ...)', or '' (no replan)."""
-        return hint_text(self.min_high_watermark, self.lookahead, self.high_fraction)
+        return hint_text(self.min_high_watermark, self.lookahead, self.high_fraction,
+                         resident=_union_bytes(self.root, *self.units))
 
     def _problem(self):
         """What can never fit under the high watermark (a message), or None."""
@@ -215,7 +216,14 @@ def plan_units(model, high_watermark, lookahead, units=None, no_split=(), block_
     None: the tensor's own bytes.
     Raises PrefetchdError if a cell the hooks would hook runs inside a @jit method's graph."""
     no_split = _no_split_classes(model, no_split)
-    size = param_nbytes if block_bytes is None else (lambda p: int(block_bytes(param_nbytes(p))))
+    reserve = param_nbytes if block_bytes is None else (lambda p: int(block_bytes(param_nbytes(p))))
+    sizes = {}
+
+    def size(p):                      # re-planned many times by the budget hint: sized once
+        key = id(p)
+        if key not in sizes:
+            sizes[key] = reserve(p)
+        return sizes[key]
     jit = cells_in_jit_graphs(model)
     facts = Facts(no_split, size, jit)
     plan = _plan(model, high_watermark, lookahead, units, facts)
@@ -257,6 +265,9 @@ def _plan(model, high, lookahead, units, facts):
     if units is not None:
         chosen = [_make_unit(name, [(name, cell)], facts) for name, cell in _resolve(model, units)]
         return _finish(model, chosen, all_params, high, lookahead, lookahead, total, facts, explicit=True)
+    if max((facts.size(p) for p in all_params), default=0) > high:
+        # A tensor above the high watermark: no plan fits (the refusal names it).
+        return _search(model, called_units, False, lookahead, high, lookahead, all_params, total, facts)
     reported = None
     for sizing in range(lookahead, max(lookahead, _FINEST_SIZING) + 1):
         # The blocks first (the rest pinned in the root); splitting moves a block's own

@@ -28,7 +28,7 @@ class Facts:
 
     def __init__(self, no_split, size, jit):
         self.no_split, self.size, self.jit = no_split, size, jit
-        self._has_params, self._reads, self._params = {}, {}, {}
+        self._has_params, self._reads, self._params, self._nbytes = {}, {}, {}, {}
 
     def has_params(self, cell):
         key = id(cell)
@@ -54,7 +54,10 @@ class Facts:
         return any(id(p) not in own for _, p in self.direct_reads(cell))
 
     def nbytes(self, cell):
-        return sum(self.size(p) for p in self.params(cell))
+        key = id(cell)
+        if key not in self._nbytes:
+            self._nbytes[key] = sum(self.size(p) for p in self.params(cell))
+        return self._nbytes[key]
 
 
 def _nn():
