@@ -15,6 +15,7 @@ in how the object is used:
   `callee` says how to find it: ("name", "helper"), ("dotted", ("mod", "fn")),
   or ("self", chain) for a callable reached from the argument itself
   (`self.processor(self, x)`); prefetchd.hooks.construct_reads follows it;
+- FORMATTED: formatted into an f-string (`f"{self} is used as a decoder"`);
 - OPAQUE: used in a way that is not followed (`*args`, a callee not named);
 - nothing: a plain read (`ops.matmul(x, self.w)`'s `self.w` is PASSED to
   ops.matmul: for a Parameter any such use reads it).
@@ -34,6 +35,7 @@ PARAMS = "<params>"   # a chain step: each parameter under the cell (cell.get_pa
 CALL = "()"           # a chain step: the object is called here
 OPAQUE = "?"          # a chain step: the object is used in a way not followed (all its parameters)
 PASSED = "->"         # first item of a (PASSED, callee, slot) step: handed to a callee
+FORMATTED = "{}"      # a chain step: formatted into an f-string (a cell's repr reads no weights)
 _HARMLESS = frozenset({"len", "isinstance", "hasattr", "type", "id"})
 _PASS_ITEMS = frozenset({"reversed", "list", "tuple", "iter"})
 # Cell methods that yield its parameters (MindSpore's, and the torch spellings mindone keeps).
@@ -201,6 +203,8 @@ class _Walker:
         """How a maximal chain is used: () a plain read, (CALL,), (OPAQUE,), ((PASSED, callee,
         slot),), or None: not a use."""
         parent = self.parent.get(id(node))
+        if isinstance(parent, ast.FormattedValue) and parent.value is node:
+            return (FORMATTED,)                       # f"... {self} ...": an error message
         if isinstance(parent, ast.keyword):
             call = self.parent.get(id(parent))
             callee = self._callee(call.func)

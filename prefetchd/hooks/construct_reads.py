@@ -45,7 +45,7 @@ import builtins
 import inspect
 import types
 
-from ..analysis.source_chains import ANY_ATTR, ANY_ITEM, CALL, OPAQUE, PARAMS, chains, is_passed
+from ..analysis.source_chains import ANY_ATTR, ANY_ITEM, CALL, FORMATTED, OPAQUE, PARAMS, chains, is_passed
 from ..backend import framework
 
 # Attributes and methods of a Parameter that read no bytes from its storage.
@@ -85,6 +85,8 @@ def _note(root, function, expr, obj, rest, found, depth, seen):
         if not (rest and rest[0] in METADATA | {CALL}):
             found.setdefault(id(obj), (expr, obj))
     elif isinstance(obj, ms.nn.Cell):
+        if rest and rest[0] == FORMATTED:
+            return                                   # its repr names its class, reads no weight
         if rest and is_passed(rest[0]):
             _follow_passed(root, function, expr, obj, rest[0], found, depth, seen)
         elif not rest or rest[0] == OPAQUE:         # not called: what reads it is not known
@@ -234,7 +236,7 @@ def _resolve(root, chain):
     out = []
 
     def follow(obj, expr, i):
-        if isinstance(obj, ms.Parameter) or i == len(chain) or chain[i] in (CALL, OPAQUE) \
+        if isinstance(obj, ms.Parameter) or i == len(chain) or chain[i] in (CALL, OPAQUE, FORMATTED) \
                 or is_passed(chain[i]):
             out.append((expr, obj, chain[i:]))
             return
