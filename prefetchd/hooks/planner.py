@@ -45,6 +45,13 @@ compute. `plan_units(model, high_watermark, lookahead)` walks the cell tree
   model's, a searched or split ancestor's) is pinned in the root as well.
 - If splitting moved blocks' own parameters to the root and the plan no
   longer fits, the blocks that own parameters directly are kept whole instead.
+- If no blocks-only plan fits, every called cell that owns parameters can be
+  a unit (prefetchd.hooks.unit_search.called_units): embeddings, heads,
+  classifiers, stems, a block applied N times; the recording pass's trace
+  orders them, and the root keeps only what no call can own.
+- Units are sized for the plan's lookahead first, then for finer shares (up
+  to lookahead _FINEST_SIZING's): the first candidate that fits is the plan,
+  so a plan that fits at a larger lookahead is found at every smaller one.
 - Cells a @jit *method* (not construct) calls run inside its graph, where
   MindSpore 2.10 compiles their forward hooks (construct_reads.compiled_calls):
   they are never units or searched, their caller is never split, they get
@@ -53,9 +60,10 @@ compute. `plan_units(model, high_watermark, lookahead)` walks the cell tree
   with PrefetchdError by cell and method.
 
 `Plan.check_fits()` raises BudgetError for what can never run: a tensor or a
-unit larger than the high watermark, or a root plus two consecutive units
-(the one computing and the next, including the wrap from the last to the
-first) above it. The message ends with the smallest device_budget under which
+unit larger than the high watermark beside the root (at lookahead 0 a unit is
+loaded after the one before is released: that is all it needs), or, at a
+lookahead >= 1, a root plus two consecutive units (the one computing and the
+next, including the wrap from the last to the first) above it. The message ends with the smallest device_budget under which
 re-planning the same model fits (Plan.min_device_budget), at the plan's
 lookahead and at 0: the bisection and the text are prefetchd.hooks.budget_hint's.
 """
