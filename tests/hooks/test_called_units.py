@@ -288,3 +288,17 @@ def test_a_sub_cell_handed_to_a_helper_that_calls_it_is_a_call(ms, tmp_path):
                                                     .astype(np.float32)),)],
                                  str(tmp_path / "s"), fraction=0.3, lookahead=0)
     assert any(u.name.startswith("blocks.0.") for u in plan.units), plan.format_table()   # split
+
+
+def test_a_tied_head_cell_shares_its_table_with_the_embedding_unit(ms, tmp_path):
+    """A head Dense whose weight is the embedding's table (tied by Parameter, not read by the
+    model's construct): the table is in two units, pinned when either runs."""
+    NestedLM, *_ = lm_classes(ms)
+    ms.set_seed(9)
+    model = NestedLM()
+    model.head.weight = model.embed.embedding_table          # (V, D): the Dense's (out, in)
+    plan, _ = stream_and_compare(model, [ids(ms)], str(tmp_path / "s"), fraction=0.25, lookahead=0)
+    units = {u.name: u for u in plan.units}
+    assert {"embed", "head"} <= set(units), plan.format_table()
+    assert units["embed"].param_names == units["head"].param_names == ["embed.embedding_table"]
+    assert not plan.root.params
