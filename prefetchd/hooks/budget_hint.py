@@ -44,10 +44,12 @@ def budget_for_high_watermark(high, fraction=DEFAULT_HIGH_FRACTION):
     return budget
 
 
-def hint_text(min_high, lookahead, fraction):
+def hint_text(min_high, lookahead, fraction, resident=None):
     """'; ... device_budget >= ... at lookahead k (lookahead 0: ...)', or '' (no replan).
     min_high: fn(lookahead) -> the smallest high watermark that fits, or None; fraction:
-    the high watermark / device_budget the suggested budget assumes."""
+    the high watermark / device_budget the suggested budget assumes; resident: the bytes of
+    the whole model on the device. A budget is never named above it: where the default
+    fraction would, the hint names `resident` with the high watermark set explicitly."""
     try:
         need = min_high(lookahead)
     except PrefetchdError:
@@ -55,16 +57,25 @@ def hint_text(min_high, lookahead, fraction):
     if need is None:
         return ""
     text = (f"; the smallest budget under which it plans units that fit: device_budget >= "
-            f"{_size_text(budget_for_high_watermark(need, fraction))} at lookahead "
-            f"{lookahead}")
+            f"{_budget_text(need, fraction, resident)} at lookahead {lookahead}")
     if lookahead > 0:
         # Lookahead changes only the unit share, so how finely blocks split: a larger one
         # may need less (smaller units), not only more.
         need0 = min_high(0)
-        text += (f" (lookahead 0: {_size_text(budget_for_high_watermark(need0, fraction))})"
+        text += (f" (lookahead 0: {_budget_text(need0, fraction, resident)})"
                  if need0 != need else " (the same at lookahead 0)")
+    if "the whole model" in text:
+        return text + (f" (the default high watermark, {fraction:.0%} of device_budget, would name a budget "
+                       f"above the model's own size)")
     return text + (f", with the high watermark at {fraction:.0%} of device_budget (the default; "
                    f"a high watermark of at least {need} bytes)")
+
+
+def _budget_text(need, fraction, resident):
+    budget = budget_for_high_watermark(need, fraction)
+    if resident is not None and need <= resident < budget:
+        return f"{_size_text(resident)}, the whole model, with high_watermark >= {need} bytes"
+    return _size_text(budget)
 
 
 def _size_text(nbytes):

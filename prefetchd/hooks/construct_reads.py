@@ -5,28 +5,31 @@
 A unit pins its parameters only while its own cells run (their forward hooks).
 A construct that reads a descendant's Parameter without calling that
 descendant — a block doing `ops.matmul(y, self.fc2.weight)`, a model reading
-its tied embedding `self.transformer.wte.embedding_table`, a helper given the
-cell (`linear(x, self.q_proj)`) — reads it outside that descendant's call,
-where nothing pinned it: the page is unmapped and the kernel dies. The planner
-(prefetchd/hooks/planner.py) keeps such a block whole, or pins the parameter in the
-root unit.
+its tied embedding `self.transformer.wte.embedding_table` — reads it outside
+that descendant's call, where nothing pinned it: the page is unmapped and the
+kernel dies. The planner (prefetchd/hooks/planner.py) keeps such a block whole,
+or pins the parameter in the root unit.
 
-Found from the construct's source with `ast`, following expressions that
-start at `self`:
+Found from the construct's source (prefetchd/analysis/source_chains.py gives
+the chains of steps from `self`), resolved here against the live cells:
 - attribute chains and constant indexes through sub-cells that reach a
-  Parameter (`self.fc2.weight`, `self.blocks[0].fc1.weight`); metadata
-  (`.shape`, `.dtype`, ...) reads no bytes and does not count;
-- names bound to sub-cells by `for` loops and comprehensions (over a CellList,
-  a tuple of sub-cells, `zip`, `enumerate`, `reversed`), by assignment, or by
-  `getattr(self, name)` (a computed name stands for every attribute), then
-  read through (`for lin in (self.q, self.k): lin.weight`);
-- a sub-cell used any way other than called, iterated, bound to a name or
-  given to `len`/`isinstance` (passed to a function, stored, returned) counts
-  as reading all of its parameters: what the callee does is not known;
+  Parameter (`self.fc2.weight`, `self.blocks[0].fc1.weight`), names bound to
+  sub-cells by loops, assignment or `getattr(self, name)`;
+- metadata reads no bytes and does not count: `.shape`, `.dtype`,
+  `.is_floating_point()`, `.numel()`, ... (METADATA), and so neither does a
+  property or helper built only on it (HF/mindone's `PreTrainedModel.dtype`
+  loops over `self.get_parameters()` reading `p.dtype`);
 - a method called on `self` or on a sub-cell (`self.embed(x)` with a helper
-  `embed`, `self.attn.project(y)`, an explicit `self.attn.construct(y)`) runs
-  without that cell's hooks, so its body is read as part of the construct,
-  with its `self` standing for that cell.
+  `embed`, `self.attn.project(y)`, an explicit `self.attn.construct(y)`) or a
+  property runs without that cell's hooks: its body is read as part of the
+  construct, with its `self` standing for that cell;
+- a sub-cell (or `self`) handed to a plain Python function, a method of a
+  plain object or a callable attribute (`_chunked_feed_forward(self.ff, x)`,
+  `self.processor(self, x)`) is followed into that callee's source with the
+  argument bound: a callee that only calls the cell is a call (its hooks fire);
+- where the analysis cannot see — a callee without source, a MindSpore
+  function given a cell, `*args`, deeper than _MAX_INLINE — the cell counts as
+  reading all of its parameters (safe: pinned, never read unmapped).
 A construct without source (built at run time) reports nothing.
 
     compiled_calls(cell) -> [("self._mlp", owner, "_mlp", [("self.fc1", fc1), ...]), ...]
@@ -38,68 +41,156 @@ graph: MindSpore 2.10 compiles their forward hooks into it (a prefetchd hook
 there fails to compile, and would run once at trace time, not at each call),
 so none of them, nor any cell under them, may carry a prefetchd hook.
 """
-import ast
-import functools
+import builtins
 import inspect
-import textwrap
 import types
 
+from ..analysis.source_chains import ANY_ATTR, ANY_ITEM, CALL, FORMATTED, OPAQUE, PARAMS, chains, is_passed
 from ..backend import framework
 
-# Attributes of a Parameter that read no bytes from its storage.
+# Attributes and methods of a Parameter that read no bytes from its storage.
 METADATA = frozenset({"shape", "dtype", "ndim", "name", "itemsize", "nbytes", "requires_grad", "size",
-                      "strides", "is_init", "param_info"})
-ANY_ITEM = "[*]"      # a chain step: any item (a loop over a container, a computed index)
-ANY_ATTR = ".*"       # a chain step: any attribute (getattr with a computed name)
-CALL = "()"           # a chain step: the object is called here
-OPAQUE = "?"          # a chain step: the object is used in a way not followed (all its parameters)
-_HARMLESS = frozenset({"len", "isinstance", "hasattr", "type", "id"})
-_PASS_ITEMS = frozenset({"reversed", "list", "tuple", "iter"})
-_MAX_INLINE = 4       # depth of methods read as part of a construct
+                      "strides", "is_init", "param_info", "is_floating_point", "numel", "nelement", "dim",
+                      "ndimension", "is_complex", "element_size", "has_init", "data_type"})
+_MAX_INLINE = 4       # depth of methods and helpers read as part of a construct
 
 
 def direct_reads(cell):
     """(expression, Parameter) for each Parameter `cell`'s construct may read without a call
     of the sub-cell that owns it."""
     found = {}
-    _collect(cell, type(cell).construct, (), found, depth=0, seen=set())
+    _collect(cell, type(cell).construct, None, (), found, depth=0, seen=set())
     return list(found.values())
 
 
-def _collect(root, function, prefix, found, depth, seen):
-    """Resolve `function`'s chains from `root`, each prefixed with `prefix`."""
-    key = (function, id(root), prefix)
+def _collect(root, function, arg, prefix, found, depth, seen):
+    """Resolve the chains of `function` from its argument `arg` (None: the first) bound to
+    `root`, each prefixed with `prefix`. False if its source cannot be read."""
+    key = (function, id(root), arg, prefix)
     if key in seen:
-        return
+        return True
     seen.add(key)
-    for chain in _chains(function):
+    steps = chains(function, arg)
+    if steps is None:
+        return False
+    for chain in steps:
         for expr, obj, rest in _resolve(root, prefix + chain):
-            _note(root, expr, obj, rest, found, depth, seen)
+            _note(root, function, expr, obj, rest, found, depth, seen)
+    return True
 
 
-def _note(root, expr, obj, rest, found, depth, seen):
+def _note(root, function, expr, obj, rest, found, depth, seen):
     ms = framework.mindspore()
     if isinstance(obj, ms.Parameter):
         if not (rest and rest[0] in METADATA | {CALL}):
             found.setdefault(id(obj), (expr, obj))
     elif isinstance(obj, ms.nn.Cell):
-        if not rest or rest[0] == OPAQUE:         # not called: what reads it is not known
-            for p in obj.get_parameters():
-                found.setdefault(id(p), (f"{expr} (used other than called)", p))
+        if rest and rest[0] == FORMATTED:
+            return                                   # its repr names its class, reads no weight
+        if rest and is_passed(rest[0]):
+            _follow_passed(root, function, expr, obj, rest[0], found, depth, seen)
+        elif not rest or rest[0] == OPAQUE:         # not called: what reads it is not known
+            _all_read(obj, f"{expr} (used other than called)", found)
     elif rest and rest[0] == CALL and inspect.ismethod(obj) and isinstance(obj.__self__, ms.nn.Cell):
         # A method of a cell called directly: its hooks do not run, so its body reads as ours.
         owner, method = obj.__self__, obj.__func__
         if _is_framework(method):
             return
-        if depth >= _MAX_INLINE:
-            for p in owner.get_parameters():
-                found.setdefault(id(p), (f"{expr}() (not followed deeper)", p))
-            return
         base = expr[:-len(obj.__name__) - 1]     # the owner's expression: "self.attn" of "self.attn.project"
+        if depth >= _MAX_INLINE:
+            _all_read(owner, f"{expr}() (not followed deeper)", found)
+            return
         inner = {}
-        _collect(owner, method, (), inner, depth + 1, seen)
+        if not _collect(owner, method, None, (), inner, depth + 1, seen):
+            _all_read(owner, f"{expr}() (its source cannot be read)", found)
         for pid, (e, p) in inner.items():
             found.setdefault(pid, (base + e[len("self"):], p))
+
+
+def _all_read(cell, why, found):
+    for p in cell.get_parameters():
+        found.setdefault(id(p), (why, p))
+
+
+def _follow_passed(root, function, expr, cell, step, found, depth, seen):
+    """`cell` (written `expr`) handed to a callee in `function`: follow the callee's source with
+    that argument bound to `cell`, or count all its parameters read where it cannot be followed."""
+    _, callee, slot = step
+    target = _callee_function(root, function, callee)
+    name = _callee_name(callee)
+    arg = None if target is None else _argument(target[0], slot, target[1])
+    if arg is None or depth >= _MAX_INLINE:
+        _all_read(cell, f"{expr} (passed to {name}, not followed)", found)
+        return
+    inner = {}
+    if not _collect(cell, target[0], arg, (), inner, depth + 1, seen):
+        _all_read(cell, f"{expr} (passed to {name}, whose source cannot be read)", found)
+    for pid, (e, p) in inner.items():
+        found.setdefault(pid, (f"{expr}{e[len('self'):]} (in {name}, given {expr})", p))
+
+
+def _callee_name(callee):
+    kind, ref = callee
+    if kind == "name":
+        return f"{ref}()"
+    if kind == "dotted":
+        return ".".join(ref) + "()"
+    return "self" + "".join(f".{s}" if isinstance(s, str) else f"[{s}]" for s in ref) + "()"
+
+
+def _callee_function(root, function, callee):
+    """(plain Python function, arguments bound before the first written one) for a callee, or
+    None: a builtin, a MindSpore function or class, anything that is not plain source."""
+    ms = framework.mindspore()
+    kind, ref = callee
+    function = inspect.unwrap(function)
+    if kind == "self":
+        found = [obj for _, obj, _ in _resolve(root, ref + (CALL,))]
+        obj = found[0] if len(found) == 1 else None
+    else:
+        names = (ref,) if kind == "name" else ref
+        obj = _free_variable(function, names[0])
+        for attr in names[1:]:
+            obj = getattr(obj, attr, None) if obj is not None and not isinstance(obj, ms.nn.Cell) else None
+    if obj is None or isinstance(obj, (type, ms.nn.Cell)):
+        return None
+    if inspect.isfunction(obj):
+        bound = 0
+    elif inspect.ismethod(obj):
+        obj, bound = obj.__func__, 1
+    elif inspect.isfunction(getattr(type(obj), "__call__", None)):
+        obj, bound = type(obj).__call__, 1            # a callable object: an attention processor
+    else:
+        return None
+    obj = inspect.unwrap(obj)
+    return None if _is_framework(obj) else (obj, bound)
+
+
+def _free_variable(function, name):
+    """What `name` means inside `function`: a closure cell, a global, a builtin; None if unknown."""
+    code = getattr(function, "__code__", None)
+    closure = getattr(function, "__closure__", None) or ()
+    if code is not None and name in code.co_freevars:
+        try:
+            return closure[code.co_freevars.index(name)].cell_contents
+        except (IndexError, ValueError):
+            return None
+    scope = getattr(function, "__globals__", {})
+    if name in scope:
+        return scope[name]
+    return getattr(builtins, name, None)
+
+
+def _argument(function, slot, bound):
+    """The name of the parameter of `function` that receives argument `slot` (a position after
+    `bound` bound ones, or a keyword); None if it lands in *args / **kwargs or nowhere."""
+    code = function.__code__
+    positional = code.co_varnames[:code.co_argcount]
+    if isinstance(slot, int):
+        index = slot + bound
+        return positional[index] if index < len(positional) else None
+    keywords = code.co_varnames[code.co_posonlyargcount:code.co_argcount + code.co_kwonlyargcount]
+    return slot if slot in keywords else None
 
 
 def _is_framework(function):
@@ -107,173 +198,6 @@ def _is_framework(function):
     function = inspect.unwrap(function)          # a @jit method: its wrapper is MindSpore's, not it
     module = getattr(function, "__module__", "") or ""
     return module.startswith("mindspore.")
-
-
-@functools.lru_cache(maxsize=None)
-def _chains(function):
-    """The chains from the first argument (`self`) in a function's source; each a tuple of
-    steps (attribute names, int indexes, ANY_ITEM, ANY_ATTR) ending, where known, in how
-    the object is used (CALL, OPAQUE); a chain that simply ends is a plain read."""
-    try:
-        source = textwrap.dedent(inspect.getsource(inspect.unwrap(function)))
-        tree = ast.parse(source)
-    except (OSError, TypeError, SyntaxError, IndentationError):
-        return ()
-    func = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
-    if func is None or not func.args.args:
-        return ()
-    return tuple(sorted(_Walker(func).chains(), key=str))
-
-
-class _Walker:
-    """One function's chains: bindings of names to sub-cells first, then every use."""
-
-    def __init__(self, func):
-        self.me = func.args.args[0].arg
-        self.func = func
-        self.parent = {}
-        for node in ast.walk(func):
-            for child in ast.iter_child_nodes(node):
-                self.parent[id(child)] = node
-        self.env = {}               # name -> set of chains it may stand for
-        for _ in range(3):          # nested loops bind names through names bound before
-            self._bind()
-
-    # ---------------------------------------------------------------- chains of expressions
-    def chain(self, node):
-        """The chains an expression stands for (a set), or None if it is not one."""
-        if isinstance(node, ast.Name):
-            if node.id == self.me:
-                return {()}
-            return self.env.get(node.id)
-        if isinstance(node, ast.Attribute):
-            base = self.chain(node.value)
-            return None if base is None else {c + (node.attr,) for c in base}
-        if isinstance(node, ast.Subscript):
-            base = self.chain(node.value)
-            if base is None:
-                return None
-            index = node.slice
-            step = index.value if isinstance(index, ast.Constant) and isinstance(index.value, (int, str)) \
-                else ANY_ITEM
-            return {c + (step,) for c in base}
-        if self._is_getattr(node):
-            base = self.chain(node.args[0])
-            if base is None:
-                return None
-            name = node.args[1]
-            step = name.value if isinstance(name, ast.Constant) and isinstance(name.value, str) else ANY_ATTR
-            return {c + (step,) for c in base}
-        return None
-
-    @staticmethod
-    def _is_getattr(node):
-        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
-                and len(node.args) >= 2)
-
-    def items(self, node):
-        """Per position of a loop target, the chains an iterable's items stand for; None if unknown."""
-        if isinstance(node, (ast.Tuple, ast.List)):
-            out = set()
-            for element in node.elts:
-                c = self.chain(element)
-                if c is None:
-                    return None
-                out |= c
-            return [out]
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            name = node.func.id
-            if name == "zip":
-                per = [self.items(a) for a in node.args]
-                return None if any(p is None for p in per) else [p[0] for p in per]
-            if name == "enumerate" and node.args:
-                inner = self.items(node.args[0])
-                return None if inner is None else [set(), inner[0]]
-            if name in _PASS_ITEMS and node.args:
-                return self.items(node.args[0])
-        c = self.chain(node)
-        return None if c is None else [{x + (ANY_ITEM,) for x in c}]
-
-    # ---------------------------------------------------------------- bindings
-    def _bind(self):
-        for node in ast.walk(self.func):
-            if isinstance(node, (ast.For, ast.comprehension)):
-                per = self.items(node.iter)
-                if per is not None:
-                    self._bind_target(node.target, per)
-            elif isinstance(node, ast.Assign) and len(node.targets) == 1:
-                c = self.chain(node.value)
-                if c is not None and isinstance(node.targets[0], ast.Name):
-                    self.env.setdefault(node.targets[0].id, set()).update(c)
-
-    def _bind_target(self, target, per):
-        if isinstance(target, ast.Name):
-            self.env.setdefault(target.id, set()).update(set().union(*per))
-        elif isinstance(target, (ast.Tuple, ast.List)):
-            if len(per) == len(target.elts):
-                for t, p in zip(target.elts, per):
-                    self._bind_target(t, [p])
-            else:
-                for t in target.elts:
-                    self._bind_target(t, per)
-
-    # ---------------------------------------------------------------- uses
-    def chains(self):
-        out = set()
-        for node in ast.walk(self.func):
-            if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
-                continue
-            c = self.chain(node)
-            if c is None or self._continued(node):
-                continue
-            use = self._use(node)
-            if use is None:
-                continue
-            out |= {x + use for x in c}
-        return out
-
-    def _continued(self, node):
-        """True if `node` is the start of a longer chain (the chain of its parent counts)."""
-        parent = self.parent.get(id(node))
-        if isinstance(parent, (ast.Attribute, ast.Subscript)) and parent.value is node:
-            return self.chain(parent) is not None
-        if self._is_getattr(parent) and parent.args[0] is node:
-            return True
-        return False
-
-    def _use(self, node):
-        """How a maximal chain is used: () a plain read, (CALL,), (OPAQUE,), or None: not a use."""
-        parent = self.parent.get(id(node))
-        if isinstance(parent, ast.Call):
-            if parent.func is node:
-                return (CALL,)
-            if isinstance(parent.func, ast.Name) and parent.func.id in _HARMLESS:
-                return None
-            if isinstance(parent.func, ast.Name) and parent.func.id in _PASS_ITEMS | {"zip", "enumerate"} \
-                    and self._is_loop_iter(parent):
-                return None
-            return (OPAQUE,)
-        if isinstance(parent, (ast.For, ast.comprehension)) and parent.iter is node:
-            return None                               # its items are bound to the loop target
-        if isinstance(parent, (ast.Tuple, ast.List)) and self._is_loop_iter(parent):
-            return None
-        if isinstance(parent, ast.Assign) and parent.value is node and \
-                all(isinstance(t, ast.Name) for t in parent.targets):
-            return None                               # bound to a name; its uses count
-        if isinstance(parent, (ast.Compare, ast.BoolOp)) or (
-                isinstance(parent, (ast.If, ast.IfExp, ast.While, ast.Assert)) and parent.test is node) or (
-                isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.Not)):
-            return None                               # `self.head is None`, `if self.downsample:`
-        return ()
-
-    def _is_loop_iter(self, node):
-        parent = self.parent.get(id(node))
-        if isinstance(parent, (ast.For, ast.comprehension)) and parent.iter is node:
-            return True
-        if isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name) and \
-                parent.func.id in _PASS_ITEMS | {"zip", "enumerate"}:
-            return self._is_loop_iter(parent)
-        return False
 
 
 def _member(cell, name):
@@ -312,11 +236,17 @@ def _resolve(root, chain):
     out = []
 
     def follow(obj, expr, i):
-        if isinstance(obj, ms.Parameter) or i == len(chain) or chain[i] in (CALL, OPAQUE):
+        if isinstance(obj, ms.Parameter) or i == len(chain) or chain[i] in (CALL, OPAQUE, FORMATTED) \
+                or is_passed(chain[i]):
             out.append((expr, obj, chain[i:]))
             return
         step = chain[i]
-        if step == ANY_ITEM:
+        if step == PARAMS:
+            if isinstance(obj, ms.nn.Cell):           # each of its parameters, then the rest
+                skip = 2 if i + 1 < len(chain) and chain[i + 1] == ANY_ITEM else 1
+                for p in _unique(obj.get_parameters()):
+                    follow(p, f"{expr}.get_parameters()[{p.name!r}]", i + skip)
+        elif step == ANY_ITEM:
             for label, item in _items(obj):
                 follow(item, expr + label, i + 1)
         elif step == ANY_ATTR:
@@ -351,6 +281,10 @@ def _resolve(root, chain):
     return out
 
 
+def _unique(params):
+    return list({id(p): p for p in params}.values())
+
+
 def is_jit(function):
     """True if `function` is wrapped by mindspore.jit (MindSpore marks the wrapper)."""
     return bool(getattr(function, "__wrapped_by_jit__", False))
@@ -375,7 +309,7 @@ def _walk_calls(root, function, prefix, base, found, inside, depth, seen):
     if key in seen or depth > _MAX_INLINE:
         return
     seen.add(key)
-    for chain in _chains(function):
+    for chain in chains(function) or ():
         for expr, obj, rest in _resolve(root, prefix + chain):
             expr = base + expr[len("self"):]
             if isinstance(obj, ms.nn.Cell):

@@ -45,6 +45,13 @@ compute. `plan_units(model, high_watermark, lookahead)` walks the cell tree
   model's, a searched or split ancestor's) is pinned in the root as well.
 - If splitting moved blocks' own parameters to the root and the plan no
   longer fits, the blocks that own parameters directly are kept whole instead.
+- If no blocks-only plan fits, every called cell that owns parameters can be
+  a unit (prefetchd.hooks.unit_search.called_units): embeddings, heads,
+  classifiers, stems, a block applied N times; the recording pass's trace
+  orders them, and the root keeps only what no call can own.
+- Units are sized for the plan's lookahead first, then for finer shares (up
+  to lookahead _FINEST_SIZING's): the first candidate that fits is the plan,
+  so a plan that fits at a larger lookahead is found at every smaller one.
 - Cells a @jit *method* (not construct) calls run inside its graph, where
   MindSpore 2.10 compiles their forward hooks (construct_reads.compiled_calls):
   they are never units or searched, their caller is never split, they get
@@ -53,9 +60,10 @@ compute. `plan_units(model, high_watermark, lookahead)` walks the cell tree
   with PrefetchdError by cell and method.
 
 `Plan.check_fits()` raises BudgetError for what can never run: a tensor or a
-unit larger than the high watermark, or a root plus two consecutive units
-(the one computing and the next, including the wrap from the last to the
-first) above it. The message ends with the smallest device_budget under which
+unit larger than the high watermark beside the root (at lookahead 0 a unit is
+loaded after the one before is released: that is all it needs), or, at a
+lookahead >= 1, a root plus two consecutive units (the one computing and the
+next, including the wrap from the last to the first) above it. The message ends with the smallest device_budget under which
 re-planning the same model fits (Plan.min_device_budget), at the plan's
 lookahead and at 0: the bisection and the text are prefetchd.hooks.budget_hint's.
 """
@@ -63,15 +71,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..backend import framework
+from .construct_reads import direct_reads
 from .budget_hint import DEFAULT_HIGH_FRACTION, budget_for_high_watermark, hint_text, lowest_fitting
-from .construct_reads import direct_reads, is_jit
 from ..errors import BudgetError, PrefetchdError
 from .jit_graphs import cells_in_jit_graphs, refuse_units_in_jit_graphs
+from .unit_search import Facts, block_units, called_units, is_compiled, is_uncalled, parent_name
 
 ROOT_NAME = "<root>"
 _MERGE_FRACTION = 8          # siblings under unit_share / 8 are "tiny"
 _MAX_ROUNDS = 6              # splitting moves bytes to the root; the share shrinks; re-plan
+# Unit sizings tried: the plan's lookahead up to this one (finer units). A plan that fits at a
+# larger lookahead is then a candidate at every smaller one: no smaller lookahead needs more.
+_FINEST_SIZING = 6
 
 
 def param_nbytes(p):
@@ -148,7 +159,8 @@ class Plan:
 
     def budget_hint(self):
         """'; ... device_budget >= ... at lookahead k (lookahead 0: ...)', or '' (no replan)."""
-        return hint_text(self.min_high_watermark, self.lookahead, self.high_fraction)
+        return hint_text(self.min_high_watermark, self.lookahead, self.high_fraction,
+                         resident=_union_bytes(self.root, *self.units))
 
     def _problem(self):
         """What can never fit under the high watermark (a message), or None."""
@@ -175,7 +187,10 @@ class Plan:
                         f"bytes) needs {need} bytes, above the high watermark {high}: it can never be resident"
                         f" (raise device_budget, or split it: units= / drop its class from no_split=)"
                         + _kept_whole(unit))
-        n = len(self.units)
+        # Lookahead 0: each unit is loaded after the one before is released, so it runs alone
+        # beside the root (checked above). A larger lookahead loads the next unit while one
+        # computes: two consecutive units (and the wrap to the next pass) beside the root.
+        n = len(self.units) if self.lookahead > 0 else 0
         for i in range(n if n > 1 else 0):
             a, b = self.units[i], self.units[(i + 1) % n]
             need = _union_bytes(self.root, a, b)
@@ -209,14 +224,22 @@ def plan_units(model, high_watermark, lookahead, units=None, no_split=(), block_
     None: the tensor's own bytes.
     Raises PrefetchdError if a cell the hooks would hook runs inside a @jit method's graph."""
     no_split = _no_split_classes(model, no_split)
-    size = param_nbytes if block_bytes is None else (lambda p: int(block_bytes(param_nbytes(p))))
+    reserve = param_nbytes if block_bytes is None else (lambda p: int(block_bytes(param_nbytes(p))))
+    sizes = {}
+
+    def size(p):                      # re-planned many times by the budget hint: sized once
+        key = id(p)
+        if key not in sizes:
+            sizes[key] = reserve(p)
+        return sizes[key]
     jit = cells_in_jit_graphs(model)
-    plan = _plan(model, high_watermark, lookahead, units, no_split, size, jit)
+    facts = Facts(no_split, size, jit)
+    plan = _plan(model, high_watermark, lookahead, units, facts)
     plan.jit_cells = frozenset(jit)
     refuse_units_in_jit_graphs(model, plan, jit)
 
     def replan(high, lookahead):
-        return _plan(model, high, lookahead, units, no_split, size, jit)
+        return _plan(model, high, lookahead, units, facts)
     plan.replan = replan
     return plan
 
@@ -244,129 +267,40 @@ def _no_split_classes(model, no_split):
     return tuple(classes)
 
 
-def _plan(model, high_watermark, lookahead, units, no_split, size, jit):
+def _plan(model, high, lookahead, units, facts):
     all_params = _unique(model.get_parameters())
     total = sum(param_nbytes(p) for p in all_params)
     if units is not None:
-        chosen = [_make_unit(name, [(name, cell)], size) for name, cell in _resolve(model, units)]
-        return _finish(model, chosen, all_params, high_watermark, lookahead, total, size, explicit=True)
-    blocks = _find_blocks(model, "", jit)
-    search = dict(model=model, blocks=blocks, all_params=all_params, high=high_watermark, lookahead=lookahead,
-                  total=total, no_split=no_split, size=size, jit=jit)
-    plan = _search(**search, keep_owners=False)
-    if not plan.fits():
-        # Splitting moves a block's own parameters to the root; keeping such blocks
-        # whole may fit where that did not.
-        whole = _search(**search, keep_owners=True)
-        if whole.fits():
-            return whole
-    return plan
+        chosen = [_make_unit(name, [(name, cell)], facts) for name, cell in _resolve(model, units)]
+        return _finish(model, chosen, all_params, high, lookahead, lookahead, total, facts, explicit=True)
+    if max((facts.size(p) for p in all_params), default=0) > high:
+        # A tensor above the high watermark: no plan fits (the refusal names it).
+        return _search(model, called_units, False, lookahead, high, lookahead, all_params, total, facts)
+    reported = None
+    for sizing in range(lookahead, max(lookahead, _FINEST_SIZING) + 1):
+        # The blocks first (the rest pinned in the root); splitting moves a block's own
+        # parameters to the root, so keeping such blocks whole may fit where that did not;
+        # then every called cell as a unit (embeddings, heads, stems...): the root keeps only
+        # what no call can own.
+        for search in (block_units, called_units):
+            for keep_owners in (False, True):
+                plan = _search(model, search, keep_owners, sizing, high, lookahead, all_params, total, facts)
+                if plan.fits():
+                    return plan
+                if reported is None and search is called_units:
+                    reported = plan           # the finest-grained refusal names what can never fit
+    return reported
 
 
-def _search(model, blocks, all_params, high, lookahead, total, no_split, size, jit, keep_owners):
+def _search(model, search, keep_owners, sizing, high, lookahead, all_params, total, facts):
     share = high
     for _ in range(_MAX_ROUNDS):
-        chosen = []
-        for name, cell in blocks:
-            chosen.extend(_split(name, cell, share, no_split, size, jit, keep_owners))
-        plan = _finish(model, _merge(_drop_shared(chosen), share), all_params, high, lookahead, total, size)
+        chosen = [_make_unit(name, cells, facts) for name, cells in search(model, share, facts, keep_owners)]
+        plan = _finish(model, _merge(chosen, share), all_params, high, lookahead, sizing, total, facts)
         if plan.unit_share >= share:   # stable: no unit was sized for a larger share
             return plan
         share = plan.unit_share
     return plan
-
-
-# ------------------------------------------------------------------ search
-def _nn():
-    return framework.mindspore().nn
-
-
-def _is_container(cell):
-    nn = _nn()
-    return isinstance(cell, (nn.CellList, nn.SequentialCell))
-
-
-def _is_uncalled(cell):
-    """Containers that are iterated or indexed, never called: their hooks never fire."""
-    nn = _nn()
-    return isinstance(cell, (nn.CellList, nn.CellDict))
-
-
-def _reads_descendants(cell):
-    """True if cell's construct reads a Parameter of one of its sub-cells directly."""
-    own = {id(p) for p in cell.get_parameters(expand=False)}
-    return any(id(p) not in own for _, p in direct_reads(cell))
-
-
-def _has_params(cell):
-    return any(True for _ in cell.get_parameters())
-
-
-def _join(prefix, name):
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _is_compiled(cell):
-    """True if `cell`'s construct is wrapped by mindspore.jit: @jit on the class's construct, or
-    `cell.construct = mindspore.jit(cell.construct)` on the instance (MindSpore marks the wrapper)."""
-    return is_jit(cell.construct)
-
-
-def _find_blocks(cell, prefix, jit):
-    """(name, cell) of the repeated blocks under `cell`, top-down, in definition order.
-    Cells that run inside a @jit method's graph (`jit`) are neither blocks nor searched."""
-    if _is_compiled(cell):
-        return []
-    children = [(n, c) for n, c in cell.name_cells().items()
-                if c is not None and _has_params(c) and id(c) not in jit]
-    if _is_container(cell):
-        found = []
-        for name, child in children:
-            qualified = _join(prefix, name)
-            found.extend(_find_blocks(child, qualified, jit) if _is_container(child) else [(qualified, child)])
-        return found
-    counts = {}
-    for _, child in children:
-        if not _is_container(child) and child.name_cells():
-            counts[type(child)] = counts.get(type(child), 0) + 1
-    found = []
-    for name, child in children:
-        qualified = _join(prefix, name)
-        if counts.get(type(child), 0) >= 2:
-            found.append((qualified, child))
-        else:
-            found.extend(_find_blocks(child, qualified, jit))
-    return found
-
-
-def _split(name, cell, share, no_split, size, jit, keep_owners=False):
-    """Units for block `cell`: itself if it fits `share`, else its children's units."""
-    unit = _make_unit(name, [(name, cell)], size)
-    children = [(n, c) for n, c in cell.name_cells().items() if c is not None and _has_params(c)]
-    if children and _is_uncalled(cell):
-        whole = False                 # its hooks would never fire: its items are the units
-    else:
-        whole = unit.nbytes <= share or not children or (no_split and isinstance(cell, no_split)) \
-            or _is_compiled(cell) or _reads_descendants(cell) or any(id(c) in jit for _, c in children) \
-            or (keep_owners and any(True for _ in cell.get_parameters(expand=False)))
-    if whole:
-        return [unit]
-    parts = []
-    for child_name, child in children:
-        parts.extend(_split(_join(name, child_name), child, share, no_split, size, jit, keep_owners))
-    return parts
-
-
-def _drop_shared(units):
-    """Units whose cell is a unit of several split blocks too (one rotary-embedding cell that
-    every layer holds) are dropped: the cell's hooks can pin one unit only, so every other
-    block's unit would wait for a call that never comes and stay pinned to the pass end.
-    Its parameters go to the root (they are read by every block anyway)."""
-    count = {}
-    for unit in units:
-        for _, cell in unit.cells:
-            count[id(cell)] = count.get(id(cell), 0) + 1
-    return [u for u in units if all(count[id(cell)] == 1 for _, cell in u.cells)]
 
 
 def _merge(units, share):
@@ -375,7 +309,7 @@ def _merge(units, share):
     merged = []
     for unit in units:
         last = merged[-1] if merged else None
-        if last is not None and _parent(last.cells[-1][0]) == _parent(unit.cells[0][0]) \
+        if last is not None and parent_name(last.cells[-1][0]) == parent_name(unit.cells[0][0]) \
                 and (last.nbytes < tiny or unit.nbytes < tiny) and _union_bytes(last, unit) <= share:
             combined = PlannedUnit(f"{last.name}+{unit.cells[0][0].rsplit('.', 1)[-1]}",
                                    last.cells + unit.cells, size=last.size)
@@ -387,20 +321,16 @@ def _merge(units, share):
     return merged
 
 
-def _parent(name):
-    return name.rsplit(".", 1)[0] if "." in name else ""
-
-
-def _finish(model, units, all_params, high, lookahead, total, size, explicit=False):
+def _finish(model, units, all_params, high, lookahead, sizing, total, facts, explicit=False):
     in_units = {id(p) for u in units for p in u.params}
-    root = PlannedUnit(ROOT_NAME, [], size=size)
+    root = PlannedUnit(ROOT_NAME, [], size=facts.size)
     root.add_params(p for p in all_params if id(p) not in in_units)
     # A unit's parameter that a construct running outside every unit reads directly
     # (a tied table read by the model's construct) is pinned by the root as well.
-    root.add_params(p for cell in _outside_units(model, units) for _, p in direct_reads(cell)
+    root.add_params(p for cell in _outside_units(model, units) for _, p in facts.direct_reads(cell)
                     if id(p) in in_units)
-    share = max((high - root.nbytes) // (2 + lookahead), 0)
-    return Plan(units, root, high, share, lookahead, total, explicit, compiled_model=_is_compiled(model))
+    share = max((high - root.nbytes) // (2 + sizing), 0)
+    return Plan(units, root, high, share, lookahead, total, explicit, compiled_model=is_compiled(model))
 
 
 def _outside_units(model, units):
@@ -409,10 +339,10 @@ def _outside_units(model, units):
     return [cell for _, cell in model.cells_and_names() if id(cell) not in inside]
 
 
-def _make_unit(name, cells, size):
-    unit = PlannedUnit(name, list(cells), size=size)
+def _make_unit(name, cells, facts):
+    unit = PlannedUnit(name, list(cells), size=facts.size)
     for _, cell in cells:
-        unit.add_params(cell.get_parameters())
+        unit.add_params(facts.params(cell))
     return unit
 
 
@@ -431,16 +361,16 @@ def _resolve(model, units):
                 raise PrefetchdError(f"units=: {name!r} is the model itself; its parameters form the root unit")
             resolved.append((name, cell))
     names = [n for n, _ in resolved]
-    if _is_compiled(model) and names:
+    if is_compiled(model) and names:
         raise PrefetchdError(
             f"units=: the model's construct is compiled (@jit), so {names[0]!r} and every other cell "
             f"run inside one graph where MindSpore skips their hooks; compile the blocks' constructs "
             f"instead of the model's")
     for n, cell in resolved:
-        if _is_uncalled(cell):
+        if is_uncalled(cell):
             raise PrefetchdError(f"units=: {n!r} is a {type(cell).__name__}, which is iterated, never "
                                  f"called, so its hooks never fire; name its items ({n}.0, ...) instead")
-        outer = next((o for o in _ancestors(n) if o in by_name and _is_compiled(by_name[o])), None)
+        outer = next((o for o in _ancestors(n) if o in by_name and is_compiled(by_name[o])), None)
         if outer is not None:
             raise PrefetchdError(f"units=: {n!r} runs inside the compiled (@jit) construct of {outer!r}, "
                                  f"where MindSpore skips its hooks; name {outer!r} instead")
@@ -454,16 +384,19 @@ def _resolve(model, units):
 
 
 def _kept_whole(unit):
-    """Why a single-cell unit was not split, if its construct is the reason; else ''."""
+    """Why a single-cell unit was not split, if its construct is the reason; else ''. Each
+    read is named once: the expression, and the call it goes through (a helper given the cell)."""
     if len(unit.cells) != 1:
         return ""
     cell = unit.cells[0][1]
     own = {id(p) for p in cell.get_parameters(expand=False)}
-    reads = [expr for expr, p in direct_reads(cell) if id(p) not in own]
+    reads = list(dict.fromkeys(expr for expr, p in direct_reads(cell) if id(p) not in own))
     if not reads:
         return ""
-    return (f"; {unit.name!r} is kept whole because its construct reads {', '.join(reads[:3])} directly, "
-            f"outside that sub-cell's call (units= naming its sub-cells pins those in the root instead)")
+    more = f" and {len(reads) - 3} more" if len(reads) > 3 else ""
+    return (f"; {unit.name!r} is kept whole because its construct reads {', '.join(reads[:3])}{more} "
+            f"directly, outside that sub-cell's call (units= naming its sub-cells pins those in the root "
+            f"instead)")
 
 
 def _ancestors(name):

@@ -121,11 +121,19 @@ def test_refusals_name_the_tensor_and_the_units(nets, ms):
     with pytest.raises(BudgetError, match=rf"'{weight}' needs {size} bytes"):
         plan_units(model, size - 1, 2).check_fits()
     block = nbytes(model.transformer.h[0])
-    pair = nbytes(model) - 2 * block                       # root + two of the four blocks
-    tight = plan_units(model, pair - 1, 0, no_split=(type(model.transformer.h[0]),))
+    keep = (type(model.transformer.h[0]),)
+    # The embeddings are units of their own (issue #26): the root is `scale` alone, and a
+    # lookahead of 1 needs it beside two consecutive blocks.
+    pair = 2 * block + 4
+    tight = plan_units(model, pair - 1, 1, no_split=keep)
     with pytest.raises(BudgetError, match=r"units 'transformer\.h\.0' .* and 'transformer\.h\.1'"):
         tight.check_fits()
-    plan_units(model, pair, 0, no_split=(type(model.transformer.h[0]),)).check_fits()   # fits exactly
+    plan_units(model, pair, 1, no_split=keep).check_fits()   # fits exactly
+    # Lookahead 0 loads each unit after the one before is released: one block beside the root.
+    plan_units(model, pair - 1, 0, no_split=keep).check_fits()
+    plan_units(model, block + 4, 0, no_split=keep).check_fits()
+    with pytest.raises(BudgetError, match=r"unit 'transformer\.h\.0' \(33280 bytes\) with the root unit"):
+        plan_units(model, block + 3, 0, no_split=keep).check_fits()
 
 
 def test_a_compiled_cell_is_never_split_or_searched(ms):

@@ -1,0 +1,3 @@
+"""Source analysis of model code, without running it: which chains of attributes a cell's
+construct (and the helpers it calls) takes from `self` (source_chains). Imports no other
+prefetchd role but the framework adapter; prefetchd.hooks reads its results."""

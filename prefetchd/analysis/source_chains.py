@@ -1,0 +1,272 @@
+"""The chains of attribute steps a function's source takes from one of its arguments.
+
+    chains(function, arg=None) -> (("fc2", "weight", "()"), ("blocks", "[*]", "()"), ...) or None
+
+Read from the source with `ast`, no object is touched: each chain starts at the
+argument `arg` (default: the first, a method's `self`) and is a tuple of steps:
+attribute names, constant indexes (int or str), ANY_ITEM (a loop over it, a
+computed index), ANY_ATTR (getattr with a computed name), PARAMS (the cell's
+`get_parameters()` and friends: every parameter under it), ending, where known,
+in how the object is used:
+
+- CALL: called here (`self.fc1(x)`, a method `self.embed(x)`);
+- PASSED: a (PASSED, callee, slot) step: handed to a function, a method or a
+  callable attribute as argument `slot` (a position or a keyword), where
+  `callee` says how to find it: ("name", "helper"), ("dotted", ("mod", "fn")),
+  or ("self", chain) for a callable reached from the argument itself
+  (`self.processor(self, x)`); prefetchd.hooks.construct_reads follows it;
+- FORMATTED: formatted into an f-string (`f"{self} is used as a decoder"`);
+- OPAQUE: used in a way that is not followed (`*args`, a callee not named);
+- nothing: a plain read (`ops.matmul(x, self.w)`'s `self.w` is PASSED to
+  ops.matmul: for a Parameter any such use reads it).
+
+Names bound to chains by `for` loops, comprehensions, assignment, `zip`,
+`enumerate`, `reversed`, `next` are followed through. `None` means the source
+could not be read (built at run time, a lambda): the caller decides what is safe.
+"""
+import ast
+import functools
+import inspect
+import textwrap
+
+ANY_ITEM = "[*]"      # a chain step: any item (a loop over a container, a computed index)
+ANY_ATTR = ".*"       # a chain step: any attribute (getattr with a computed name)
+PARAMS = "<params>"   # a chain step: each parameter under the cell (cell.get_parameters())
+CALL = "()"           # a chain step: the object is called here
+OPAQUE = "?"          # a chain step: the object is used in a way not followed (all its parameters)
+PASSED = "->"         # first item of a (PASSED, callee, slot) step: handed to a callee
+FORMATTED = "{}"      # a chain step: formatted into an f-string (a cell's repr reads no weights)
+_HARMLESS = frozenset({"len", "isinstance", "hasattr", "type", "id"})
+_PASS_ITEMS = frozenset({"reversed", "list", "tuple", "iter"})
+# Cell methods that yield its parameters (MindSpore's, and the torch spellings mindone keeps).
+_PARAM_ITERATORS = frozenset({"get_parameters", "trainable_params", "untrainable_params", "parameters_and_names",
+                              "parameters_dict", "parameters", "named_parameters"})
+
+
+def is_passed(step):
+    return isinstance(step, tuple) and len(step) == 3 and step[0] == PASSED
+
+
+@functools.lru_cache(maxsize=None)
+def chains(function, arg=None):
+    """The chains from argument `arg` (default: the first) in `function`'s source, sorted; None
+    if its source cannot be read or parsed, or it names no such argument."""
+    try:
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(function)))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+    func = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+    if func is None:
+        return None
+    names = [a.arg for a in func.args.posonlyargs + func.args.args + func.args.kwonlyargs]
+    me = names[0] if arg is None and names else arg
+    if me not in names:
+        return None
+    return tuple(sorted(_Walker(func, me).chains(), key=str))
+
+
+class _Walker:
+    """One function's chains: bindings of names to chains first, then every use."""
+
+    def __init__(self, func, me):
+        self.me = me
+        self.func = func
+        self.parent = {}
+        for node in ast.walk(func):
+            for child in ast.iter_child_nodes(node):
+                self.parent[id(child)] = node
+        self.env = {}               # name -> set of chains it may stand for
+        for _ in range(3):          # nested loops bind names through names bound before
+            self._bind()
+
+    # ---------------------------------------------------------------- chains of expressions
+    def chain(self, node):
+        """The chains an expression stands for (a set), or None if it is not one."""
+        if isinstance(node, ast.Name):
+            if node.id == self.me:
+                return {()}
+            return self.env.get(node.id)
+        if isinstance(node, ast.Attribute):
+            base = self.chain(node.value)
+            return None if base is None else {c + (node.attr,) for c in base}
+        if isinstance(node, ast.Subscript):
+            base = self.chain(node.value)
+            if base is None:
+                return None
+            index = node.slice
+            step = index.value if isinstance(index, ast.Constant) and isinstance(index.value, (int, str)) \
+                else ANY_ITEM
+            return {c + (step,) for c in base}
+        if self._is_getattr(node):
+            base = self.chain(node.args[0])
+            if base is None:
+                return None
+            name = node.args[1]
+            step = name.value if isinstance(name, ast.Constant) and isinstance(name.value, str) else ANY_ATTR
+            return {c + (step,) for c in base}
+        if self._is_param_iterator(node):
+            base = self.chain(node.func.value)
+            return None if base is None else {c + (PARAMS,) for c in base}
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "next" \
+                and len(node.args) == 1:
+            per = self.items(node.args[0])
+            return None if per is None else set().union(*per)
+        return None
+
+    @staticmethod
+    def _is_getattr(node):
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                and len(node.args) >= 2)
+
+    @staticmethod
+    def _is_param_iterator(node):
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in _PARAM_ITERATORS)
+
+    def items(self, node):
+        """Per position of a loop target, the chains an iterable's items stand for; None if unknown."""
+        if isinstance(node, (ast.Tuple, ast.List)):
+            out = set()
+            for element in node.elts:
+                c = self.chain(element)
+                if c is None:
+                    return None
+                out |= c
+            return [out]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            name = node.func.id
+            if name == "zip":
+                per = [self.items(a) for a in node.args]
+                return None if any(p is None for p in per) else [p[0] for p in per]
+            if name == "enumerate" and node.args:
+                inner = self.items(node.args[0])
+                return None if inner is None else [set(), inner[0]]
+            if name in _PASS_ITEMS and node.args:
+                return self.items(node.args[0])
+        c = self.chain(node)
+        return None if c is None else [{x + (ANY_ITEM,) for x in c}]
+
+    # ---------------------------------------------------------------- bindings
+    def _bind(self):
+        for node in ast.walk(self.func):
+            if isinstance(node, (ast.For, ast.comprehension)):
+                per = self.items(node.iter)
+                if per is not None:
+                    self._bind_target(node.target, per)
+            elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+                c = self.chain(node.value)
+                if c is not None and isinstance(node.targets[0], ast.Name):
+                    self.env.setdefault(node.targets[0].id, set()).update(c)
+
+    def _bind_target(self, target, per):
+        if isinstance(target, ast.Name):
+            self.env.setdefault(target.id, set()).update(set().union(*per))
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            if len(per) == len(target.elts):
+                for t, p in zip(target.elts, per):
+                    self._bind_target(t, [p])
+            else:
+                for t in target.elts:
+                    self._bind_target(t, per)
+
+    # ---------------------------------------------------------------- uses
+    def chains(self):
+        out = set()
+        for node in ast.walk(self.func):
+            if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+                continue
+            c = self.chain(node)
+            if c is None or self._continued(node):
+                continue
+            use = self._use(node)
+            if use is None:
+                continue
+            out |= {x + use for x in c}
+        return out
+
+    def _continued(self, node):
+        """True if `node` is the start of a longer chain (the chain of its parent counts)."""
+        parent = self.parent.get(id(node))
+        if isinstance(parent, (ast.Attribute, ast.Subscript)) and parent.value is node:
+            return self.chain(parent) is not None
+        if self._is_getattr(parent) and parent.args[0] is node:
+            return True
+        if isinstance(parent, ast.Attribute) and self._is_param_iterator(self.parent.get(id(parent))):
+            return True                               # self.blocks.get_parameters(): PARAMS counts
+        if isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name) and parent.func.id == "next" \
+                and self.chain(parent) is not None:
+            return True
+        return False
+
+    def _use(self, node):
+        """How a maximal chain is used: () a plain read, (CALL,), (OPAQUE,), ((PASSED, callee,
+        slot),), or None: not a use."""
+        parent = self.parent.get(id(node))
+        if isinstance(parent, ast.FormattedValue) and parent.value is node:
+            return (FORMATTED,)                       # f"... {self} ...": an error message
+        if isinstance(parent, ast.keyword):
+            call = self.parent.get(id(parent))
+            callee = self._callee(call.func)
+            if parent.arg is None or callee is None:
+                return (OPAQUE,)                      # **kwargs, or a callee not followed
+            return ((PASSED, callee, parent.arg),)
+        if isinstance(parent, ast.Call):
+            if parent.func is node:
+                return (CALL,)
+            if isinstance(parent.func, ast.Name) and parent.func.id in _HARMLESS:
+                return None
+            if isinstance(parent.func, ast.Name) and parent.func.id in _PASS_ITEMS | {"zip", "enumerate"} \
+                    and self._is_loop_iter(parent):
+                return None
+            callee = self._callee(parent.func)
+            slot = self._slot(parent, node)
+            if callee is None or slot is None:
+                return (OPAQUE,)
+            return ((PASSED, callee, slot),)
+        if isinstance(parent, (ast.For, ast.comprehension)) and parent.iter is node:
+            return None                               # its items are bound to the loop target
+        if isinstance(parent, (ast.Tuple, ast.List)) and self._is_loop_iter(parent):
+            return None
+        if isinstance(parent, ast.Assign) and parent.value is node and \
+                all(isinstance(t, ast.Name) for t in parent.targets):
+            return None                               # bound to a name; its uses count
+        if isinstance(parent, (ast.Compare, ast.BoolOp)) or (
+                isinstance(parent, (ast.If, ast.IfExp, ast.While, ast.Assert)) and parent.test is node) or (
+                isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.Not)):
+            return None                               # `self.head is None`, `if self.downsample:`
+        return ()
+
+    def _callee(self, func):
+        """How to find a call's callee: ("name", n), ("dotted", names), ("self", chain), or None."""
+        if isinstance(func, ast.Name) and func.id != self.me and func.id not in self.env:
+            return ("name", func.id)
+        c = self.chain(func)
+        if c is not None:
+            return ("self", next(iter(c))) if len(c) == 1 else None
+        names = []
+        while isinstance(func, ast.Attribute):
+            names.append(func.attr)
+            func = func.value
+        if isinstance(func, ast.Name) and func.id not in self.env:
+            return ("dotted", tuple([func.id] + names[::-1]))
+        return None
+
+    @staticmethod
+    def _slot(call, node):
+        """The position of argument `node` in `call`, or None after a *starred argument."""
+        for i, a in enumerate(call.args):
+            if isinstance(a, ast.Starred):
+                return None
+            if a is node:
+                return i
+        return None
+
+    def _is_loop_iter(self, node):
+        parent = self.parent.get(id(node))
+        if isinstance(parent, (ast.For, ast.comprehension)) and parent.iter is node:
+            return True
+        if isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name) and \
+                parent.func.id in _PASS_ITEMS | {"zip", "enumerate"}:
+            return self._is_loop_iter(parent)
+        return False
