@@ -2,70 +2,33 @@
 
 A *unit* is a set of cells whose parameters are pinned together while they
 compute. `plan_units(model, high_watermark, lookahead)` walks the cell tree
-(no daemon, no side effects) and returns a `Plan`:
+(no daemon, no side effects) and returns a `Plan`: the units, and the ROOT
+unit that holds every parameter no unit owns, pinned for the whole forward.
+The rules it follows are stated once, in docs/offload.md; in short:
 
-- Blocks are found at any depth: the items of every CellList/SequentialCell,
-  and repeated siblings of one class that are themselves composite (cells
-  with sub-cells), e.g. ResNet's `layer1..4`, GPT-2's `transformer.h.N`,
-  a Llama's `model.layers.N`, Swin's `layers.N.blocks.M`. Leaf layers that
-  happen to repeat (q/k/v projections, two Embeddings) are not blocks.
-- Every parameter belongs somewhere: the parameters of cells outside every
-  unit (embeddings, final norm, heads, a ViT's pos_embed) form the ROOT
-  unit, pinned for the whole forward. This keeps weights that the top-level
-  construct reads directly (a tied embedding used as the LM head) pinned.
-- Size-aware: a unit larger than its share of the budget is split into its
-  children (recursively; a split cell's own direct parameters move to the
-  root). The share is
+- blocks are the items of CellLists/SequentialCells and repeated composite
+  siblings of one class, at any depth; a unit above its share of the budget,
 
       unit_share = (high_watermark - root bytes) // (2 + lookahead)
 
-  because steady state holds the root, the unit computing now, `lookahead`
-  prefetched units, and one more unit's worth for the previous unit whose
-  memory waits for its compute fence (and for arena fragmentation).
-- Tiny neighbours (siblings smaller than unit_share / 8) are merged while the
-  merged unit stays within the share: fewer hooks and fences per pass.
-- `units=` (explicit (name, cell) pairs or cell names) replaces the search
-  (no split, no merge); `no_split=` (cell classes or class names, like
-  Accelerate's no_split_module_classes) keeps cells of those classes whole.
-- A parameter shared by several units is listed in each (each pins it).
-- A cell whose construct is compiled (@jit on the class's construct, or
-  `cell.construct = mindspore.jit(cell.construct)` on the instance) is never
-  split or searched: its children run inside its graph, where their hooks
-  cannot run. It is a unit whole (or part of the root: a compiled model is
-  all root). Compiled after offload(): a unit's cell loses its parts' probes
-  and streams whole; a cell holding units (the model, a split block) is
-  refused at its next call (prefetchd.hooks.offload). `mindspore.jit(model)`, a
-  function over the model's construct, bypasses the model's hooks: not
-  supported (its units' hooks fail to compile inside that graph).
-- A CellList (or CellDict) is never called, only iterated or indexed, so its
-  hooks never fire: it is never a unit itself; its items are.
-- A construct that reads a descendant's Parameter directly (not through the
-  descendant's call; prefetchd/hooks/construct_reads.py) is never split, and a
-  parameter read that way by a construct running outside every unit (the
-  model's, a searched or split ancestor's) is pinned in the root as well.
-- If splitting moved blocks' own parameters to the root and the plan no
-  longer fits, the blocks that own parameters directly are kept whole instead.
-- If no blocks-only plan fits, every called cell that owns parameters can be
-  a unit (prefetchd.hooks.unit_search.called_units): embeddings, heads,
-  classifiers, stems, a block applied N times; the recording pass's trace
-  orders them, and the root keeps only what no call can own.
-- Units are sized for the plan's lookahead first, then for finer shares (up
-  to lookahead _FINEST_SIZING's): the first candidate that fits is the plan,
-  so a plan that fits at a larger lookahead is found at every smaller one.
-- Cells a @jit *method* (not construct) calls run inside its graph, where
-  MindSpore 2.10 compiles their forward hooks (construct_reads.compiled_calls):
-  they are never units or searched, their caller is never split, they get
-  no part probe (Plan.jit_cells: prefetchd.hooks.parts.part_cells skips them), and
-  a plan that would still hook one (a unit's cell, through units=) is refused
-  with PrefetchdError by cell and method.
+  (the root, the unit computing, `lookahead` prefetched units and one more for
+  the previous unit's memory waiting on its compute fence), is split into its
+  children, and tiny neighbours (under unit_share / 8) merge;
+- if no blocks-only plan fits, every called cell that owns parameters can be a
+  unit (prefetchd.hooks.unit_search.called_units);
+- units are sized for the plan's lookahead first, then for finer shares (up to
+  lookahead _FINEST_SIZING's), so a smaller lookahead never needs more budget;
+- weights a construct reads directly (construct_reads) stay pinned: the block
+  reading them is not split, or they go to the root; cells a @jit method runs
+  are never units (jit_graphs); `units=` and `no_split=` override the search.
 
 `Plan.check_fits()` raises BudgetError for what can never run: a tensor or a
 unit larger than the high watermark beside the root (at lookahead 0 a unit is
-loaded after the one before is released: that is all it needs), or, at a
-lookahead >= 1, a root plus two consecutive units (the one computing and the
-next, including the wrap from the last to the first) above it. The message ends with the smallest device_budget under which
-re-planning the same model fits (Plan.min_device_budget), at the plan's
-lookahead and at 0: the bisection and the text are prefetchd.hooks.budget_hint's.
+loaded after the one before is released), or, at a lookahead >= 1, a root plus
+two consecutive units (including the wrap from the last to the first) above
+it. The message ends with the smallest device_budget under which re-planning
+the same model fits (Plan.min_device_budget), at the plan's lookahead and at 0:
+the bisection and the text are prefetchd.hooks.budget_hint's.
 """
 from dataclasses import dataclass, field
 
