@@ -29,7 +29,6 @@ import collections
 import itertools
 import logging
 import os
-import signal
 import time
 
 import zmq
@@ -67,6 +66,10 @@ def _headers(key, value):
     return value
 
 
+TENSOR_ARGS = {"model": (_model_name, None), "inputs": (_headers, None), "hint": (flag, None)}
+GENERATE_ARGS = dict(TENSOR_ARGS, max_new_tokens=(integer(1, MAX_NEW_TOKENS), None))
+
+
 class Front(FrontSockets):
     """The front process' router. `start()` spawns the workers and waits until
     they are ready; `close()` stops everything within its timeout. Implements
@@ -90,9 +93,7 @@ class Front(FrontSockets):
                                 max_inflight_per_worker)
         self._loop = IOLoop(self, f"prefetchd-front-{name}", max_poll=0.5)
         self._ops = {"ping": Op(self._op_ping), "status": Op(self._op_status),
-                     "infer": Op(self._op_infer, self._tensor_args()),
-                     "generate": Op(self._op_generate, dict(
-                         self._tensor_args(), max_new_tokens=(integer(1, MAX_NEW_TOKENS), None)))}
+                     "infer": Op(self._op_infer, TENSOR_ARGS), "generate": Op(self._op_generate, GENERATE_ARGS)}
         self._models = {}              # name -> ModelInfo, from the first worker's READY
         self._batcher = Batcher(max_batch_size, max_queue_delay_ms / 1000.0)
         self._deadlines = Deadlines()
@@ -115,10 +116,6 @@ class Front(FrontSockets):
         if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, not {rows!r}")
         self._batcher.max_batch_size = rows
-
-    @staticmethod
-    def _tensor_args():
-        return {"model": (_model_name, None), "inputs": (_headers, None), "hint": (flag, None)}
 
     def snapshot(self):
         """What the front's metrics report: counters, queue depth, each worker's public
@@ -156,12 +153,8 @@ class Front(FrontSockets):
 
     def outstanding_jobs(self):
         """Every job not yet answered (teardown answers them SHUTDOWN)."""
-        jobs = self._batcher.drain()
-        for s in self._pool.slots:
-            for batch in s.inflight.values():
-                jobs.extend(batch.pending())
-            s.inflight.clear()
-        return jobs
+        return self._batcher.drain() + [job for batch in self._pool.take_inflight()
+                                        for job in batch.pending()]
 
     # -- replies
 
@@ -323,23 +316,17 @@ class Front(FrontSockets):
             self._start_error = RuntimeError("prefetchd serve: no worker could be started")
             self._ready_event.set()
 
-    def _replace_hung(self, s, now):
+    def _replace_hung(self, s):
         """A worker that stopped answering: fail its requests now, kill it (the sentinel respawns it)."""
         silent = self._heartbeats.timeout
         log.warning("prefetchd serve: worker %d (pid %s) answered no heartbeat for %.3gs; "
                     "replacing it", s.index, s.pid, silent)
         self.counters["workers_hung"] += 1
-        s.ready = False
-        for batch in s.inflight.values():
+        self._heartbeats.forget(s)
+        for batch in self._pool.replace_hung(s):
             for job in batch.pending():
                 self._reply_error(job, P.INTERNAL, f"worker {s.index} (pid {s.pid}) hung: no "
                                                    f"heartbeat for {silent:.3g}s; replaced")
-        s.inflight.clear()
-        self._heartbeats.forget(s)
-        try:
-            os.kill(s.pid, signal.SIGKILL)
-        except (ProcessLookupError, TypeError):
-            pass
 
     # -- status (prefetchd.serve.status) and control replies
 
@@ -378,12 +365,6 @@ class Front(FrontSockets):
             self._reply_error(job, P.TIMEOUT, f"{job.kind} did not complete within "
                                               f"{job.deadline - job.received:.3g}s ({where})")
         for s in self._heartbeats.hung(self._pool.slots, now):
-            self._replace_hung(s, now)
-        for s in self._heartbeats.due(self._pool.slots, now):
-            rid = P.new_rid(next(self._ctl_ids))
-            try:
-                s.ctl.send_multipart(P.encode_request(rid, "ping", {}), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                continue
-            self._heartbeats.sent(s, rid, now)
+            self._replace_hung(s)
+        self._heartbeats.ping_due(self._pool.slots, now, lambda: P.new_rid(next(self._ctl_ids)))
         self._status.finish(now)

@@ -6,6 +6,10 @@ control Server runs on its own thread, so a worker busy in a forward still
 answers. Used on the front's I/O thread only."""
 import time
 
+import zmq
+
+from ..control import protocol as P
+
 
 class Heartbeats:
     def __init__(self, interval=1.0, timeout=15.0):
@@ -35,6 +39,16 @@ class Heartbeats:
         """Ready slots to ping now."""
         return [s for s in slots if s.ready and s.index in self._pinged
                 and now - self._pinged[s.index] >= self.interval]
+
+    def ping_due(self, slots, now, new_rid):
+        """Ping every ready slot whose interval has passed (a full queue skips one ping)."""
+        for s in self.due(slots, now):
+            rid = new_rid()
+            try:
+                s.ctl.send_multipart(P.encode_request(rid, "ping", {}), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue
+            self.sent(s, rid, now)
 
     def sent(self, slot, rid, now):
         self._pinged[slot.index] = now

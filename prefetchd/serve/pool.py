@@ -4,6 +4,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -126,6 +127,25 @@ class WorkerPool:
         else:
             slot.process, slot.ready = None, False
         return reason, jobs
+
+    def take_inflight(self):
+        """Every slot's in-flight batches, taken (the front is closing: it answers them)."""
+        batches = [b for s in self.slots for b in s.inflight.values()]
+        for s in self.slots:
+            s.inflight.clear()
+        return batches
+
+    def replace_hung(self, slot):
+        """A worker that stopped answering: no more work for it, and SIGKILL (its sentinel then
+        fires, and on_death respawns it). Returns its in-flight batches, which fail now."""
+        slot.ready = False
+        batches = list(slot.inflight.values())
+        slot.inflight.clear()
+        try:
+            os.kill(slot.pid, signal.SIGKILL)
+        except (ProcessLookupError, TypeError):
+            pass
+        return batches
 
     def none_alive(self):
         return all(s.process is None for s in self.slots)
