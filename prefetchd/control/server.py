@@ -17,25 +17,21 @@ import heapq
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 
-from ..errors import ConfigError
-from ..errors import ShutdownError
-from . import keys, protocol as P
+from ..errors import ConfigError, ShutdownError
+from . import keys, protocol as P, server_options
 from .codes import BadArguments, error_code
 from .connections import DEFAULT_FD_RESERVE, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_PEER, ConnectionGuard
-from .endpoints import bind, join_tcp, resolve_endpoint, split_tcp, unlink_ipc_files
+from .event_feed import EventFeed
 from .ioloop import IOLoop
 from .leases import LeaseTable
 from .ops import OPS, Deferred
-from .stats_codec import jsonable
+from .router import RouterEndpoint
 
 log = logging.getLogger("prefetchd.control.server")
-
-MAX_EVENTS = 10000                 # queued residency events before new ones are dropped
-
 
 @dataclass
 class Pending:
@@ -50,28 +46,7 @@ class Pending:
     lease: str | None = None
 
 
-@dataclass
-class ServerCounters:
-    requests: dict = field(default_factory=collections.Counter)
-    errors: dict = field(default_factory=collections.Counter)
-    busy: int = 0
-    malformed: int = 0
-    replies_unroutable: int = 0
-    replies_dropped: int = 0
-    timeouts: int = 0
-    events_published: int = 0
-    events_dropped: int = 0
-    leases_granted: int = 0
-    leases_expired: int = 0
-    leases_released: int = 0
-
-
-def _insecure_remote_allowed(config, explicit):
-    # Read defensively: older Configs have no such key.
-    return bool(explicit or getattr(config, "allow_insecure_remote", False))
-
-
-class Server:
+class Server(RouterEndpoint):
     """Serves one daemon (a prefetchd.control.served.ServedDaemon) on `endpoint`.
     `start()` returns self; `close()` is bounded.
 
@@ -102,40 +77,21 @@ class Server:
                  allow_remote=False, allow_insecure_remote=False, name=None,
                  max_connections=DEFAULT_MAX_CONNECTIONS, max_connections_per_peer=DEFAULT_MAX_PER_PEER,
                  fd_reserve=DEFAULT_FD_RESERVE):
-        config = getattr(daemon, "config", None)
+        options = server_options.resolve(
+            daemon, endpoint, events_endpoint=events_endpoint, max_message_size=max_message_size,
+            curve_keys_dir=curve_keys_dir, allow_remote=allow_remote,
+            allow_insecure_remote=allow_insecure_remote, name=name)
+        super().__init__(options.max_message_size)
         self.daemon = daemon
-        self.name = name or getattr(config, "name", None) or "default"
-        self.max_message_size = int(max_message_size or getattr(config, "max_message_size", 0)
-                                    or P.DEFAULT_MAX_MESSAGE_SIZE)
-        curve_keys_dir = curve_keys_dir or getattr(config, "curve_keys_dir", None)
-        allow_remote = allow_remote or bool(getattr(config, "allow_remote", False))
-        if allow_remote and not curve_keys_dir and not _insecure_remote_allowed(
-                config, allow_insecure_remote):
-            raise ConfigError("allow_remote without curve_keys_dir would let anyone who reaches "
-                              "the port control the daemon: create keys with `prefetchd keys DIR` "
-                              "and set curve_keys_dir, or set allow_insecure_remote = true")
-        if curve_keys_dir:
-            keys.check_server_keys(curve_keys_dir)
-        self.curve_keys_dir = curve_keys_dir
-        self.endpoint = resolve_endpoint(endpoint, self.name, bind=True, allow_remote=allow_remote)
-        if events_endpoint:
-            self.events_endpoint = resolve_endpoint(events_endpoint, self.name, bind=True,
-                                                    allow_remote=allow_remote)
-        elif self.endpoint.startswith("ipc://"):
-            stem = self.endpoint[:-5] if self.endpoint.endswith(".sock") else self.endpoint
-            self.events_endpoint = stem + "-events.sock"
-        else:
-            self.events_endpoint = join_tcp(split_tcp(self.endpoint)[0], "*")
-        if self.endpoint.startswith("tcp://") and not curve_keys_dir:
-            log.warning("prefetchd control endpoint %s has no CURVE keys: any local user can "
-                        "connect; set curve_keys_dir (prefetchd keys DIR)", self.endpoint)
+        self.name = options.name
+        self.curve_keys_dir = options.curve_keys_dir
+        self.endpoint, self.events_endpoint = options.endpoint, options.events_endpoint
         self.max_outstanding = max_outstanding
         self.max_outstanding_per_client = max_outstanding_per_client
         self.hwm = hwm
         self.max_wait = max_wait
         self.default_lease = default_lease
         self.max_lease = max_lease
-        self.counters = ServerCounters()
         self.connections = ConnectionGuard(max_connections, max_connections_per_peer, fd_reserve,
                                            on_pause=self._stop_listening, on_resume=self._listen)
         self.leases = LeaseTable(daemon.unpin, self.counters)
@@ -143,16 +99,14 @@ class Server:
         self._auth = None
         # Hand-off from other threads (appends are atomic); the loop drains them in tick().
         self._completions = collections.deque()
-        self._events = collections.deque()
-        self._event_seq = itertools.count(1)
+        self._events = EventFeed(self.counters, self._loop.wake, self.name)
         # Owned by the I/O thread only.
         self._pending = {}
         self._abandoned = {}        # token -> cleanup of a timed-out request still running
         self._per_client = collections.Counter()
         self._timers = []           # heap of (deadline, token)
         self._tokens = itertools.count()
-        self._router = self._pub = None
-        self._ipc_files = []
+        self._pub = None
 
     # -- lifecycle (caller's thread)
 
@@ -162,7 +116,7 @@ class Server:
         self._loop.start(timeout)
         add_listener = getattr(self.daemon, "add_listener", None)
         if add_listener is not None:
-            add_listener(self._on_event)
+            add_listener(self._events.on_event)
         log.info("prefetchd server %s listening on %s (events %s)", self.name, self.endpoint,
                  self.events_endpoint)
         return self
@@ -174,7 +128,7 @@ class Server:
         remove = getattr(self.daemon, "remove_listener", None)
         if remove is not None:
             try:
-                remove(self._on_event)
+                remove(self._events.on_event)
             except Exception:  # noqa: BLE001 - the daemon may be half-closed already
                 pass
         self._loop.close(5.0 if timeout is None else timeout)
@@ -196,13 +150,6 @@ class Server:
 
     # -- hand-off from other threads (scheduler, listeners)
 
-    def _on_event(self, event):
-        if len(self._events) >= MAX_EVENTS:
-            self.counters.events_dropped += 1
-            return
-        self._events.append(event)
-        self._loop.wake()
-
     def _on_done(self, token, future):
         self._completions.append((token, future))
         self._loop.wake()
@@ -213,13 +160,13 @@ class Server:
         curve = None
         if self.curve_keys_dir:
             self._auth, curve = keys.start_authenticator(ctx, self.curve_keys_dir)
-        self._router = self._make_socket(ctx, zmq.ROUTER, curve)
+        self._router = self._make_socket(ctx, zmq.ROUTER, hwm=self.hwm, curve=curve)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.maxmsgsize = 4 * self.max_message_size + 64
         self.connections.watch(self._router)     # before bind: no connection goes unseen
         self._bind(self._router, self.endpoint)
         self.endpoint = self._router.last_endpoint.decode()
-        self._pub = self._make_socket(ctx, zmq.PUB, curve)
+        self._pub = self._make_socket(ctx, zmq.PUB, hwm=self.hwm, curve=curve)
         self.connections.watch(self._pub)
         self._bind(self._pub, self.events_endpoint)
         self.events_endpoint = self._pub.last_endpoint.decode()
@@ -246,7 +193,7 @@ class Server:
     def tick(self):
         self.connections.settle()
         self._drain_completions()
-        self._drain_events()
+        self._events.publish(self._pub)
         self._run_timers()
 
     def poll_timeout(self):
@@ -262,31 +209,13 @@ class Server:
             self._send(pending.envelope, P.encode_error(pending.rid, P.SHUTDOWN, "server closing"))
         self._pending.clear()
         self.connections.close()
-        for sock in (self._router, self._pub):
-            if sock is not None:
-                sock.close(linger=0)
+        self._close_sockets(self._router, self._pub)
         self._router = self._pub = None
-        unlink_ipc_files(self._ipc_files)   # libzmq leaves socket files behind
-        self._ipc_files.clear()
 
     def release(self):
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
-
-    def _make_socket(self, ctx, kind, curve):
-        sock = ctx.socket(kind)
-        sock.linger = 0
-        sock.sndhwm = self.hwm
-        sock.rcvhwm = self.hwm
-        if curve is not None:
-            keys.make_curve_server(sock, curve)
-        return sock
-
-    def _bind(self, sock, address):
-        ipc_file = bind(sock, address)
-        if ipc_file is not None:
-            self._ipc_files.append(ipc_file)
 
     # -- what ops call (I/O thread)
 
@@ -310,45 +239,21 @@ class Server:
                 "connections": self.connections.held, "connections_dropped": self.connections.dropped,
                 "requests": dict(c.requests), "errors": dict(c.errors)}
 
-    # -- replies
-
-    def _send(self, envelope, frames):
-        try:
-            self._router.send_multipart(envelope + frames, zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError as e:
-            if e.errno == zmq.EHOSTUNREACH:
-                self.counters.replies_unroutable += 1
-            else:                                   # EAGAIN: the peer's queue is full
-                self.counters.replies_dropped += 1
-            return False
-
-    def _reply_ok(self, envelope, rid, result):
-        try:
-            frames = P.encode_ok(rid, result)
-        except (TypeError, ValueError):
-            frames = P.encode_ok(rid, jsonable(result))
-        return self._send(envelope, frames)
-
-    def _reply_error(self, envelope, rid, code, reason):
-        self.counters.errors[code] += 1
-        return self._send(envelope, P.encode_error(rid, code, reason))
-
     # -- requests
 
     def _handle(self, frames):
         envelope, payload = P.split_envelope(frames)
         total = sum(len(f) for f in payload)
-        try:
-            if total > self.max_message_size + 64 and payload and payload[0] == P.MAGIC:
-                rid = payload[1] if len(payload) > 1 and len(payload[1]) == P.RID_SIZE else P.NO_RID
-                raise P.ProtocolError(P.TOO_LARGE, f"message of {total} bytes exceeds the limit "
-                                      f"of {self.max_message_size} bytes", rid)
-            rid, op, args, timeout = P.decode_request(payload, self.max_message_size)
-        except P.ProtocolError as e:
+        if total > self.max_message_size + 64 and payload and payload[0] == P.MAGIC:
+            rid = payload[1] if len(payload) > 1 and len(payload[1]) == P.RID_SIZE else P.NO_RID
             self.counters.malformed += 1
-            self._reply_error(envelope, e.rid, e.code, e.reason)
+            self._reply_error(envelope, rid, P.TOO_LARGE, f"message of {total} bytes exceeds the limit "
+                              f"of {self.max_message_size} bytes")
             return
+        request = self._decode(envelope, payload)
+        if request is None:
+            return
+        rid, op, args, timeout = request
         spec = OPS.get(op)
         self.counters.requests[op if spec else "?"] += 1
         if spec is None:
@@ -434,14 +339,3 @@ class Server:
                                   f"{pending.op} did not complete within {pending.wait:.3g}s; "
                                   f"it continues in the daemon")
         self.leases.expire(now)
-
-    def _drain_events(self):
-        while self._events:
-            event = self._events.popleft()
-            try:
-                kind = str(event.get("event", "event"))
-                body = dict(event, seq=next(self._event_seq), daemon=self.name)
-                self._pub.send_multipart([kind.encode(), P.dumps(jsonable(body))], zmq.NOBLOCK)
-                self.counters.events_published += 1
-            except (zmq.ZMQError, TypeError, ValueError, AttributeError):
-                self.counters.events_dropped += 1

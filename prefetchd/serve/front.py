@@ -25,7 +25,6 @@ respawned; one that stops answering its heartbeat (prefetchd.serve.heartbeat) is
 killed and replaced the same way; a request that outlives `request_timeout` is
 answered TIMEOUT. The `status` op is prefetchd.serve.status.
 """
-import collections
 import itertools
 import logging
 import os
@@ -88,7 +87,6 @@ class Front(FrontSockets):
         self.request_timeout = request_timeout
         self.respawn = respawn
         self.max_queue = max_queue
-        self.counters = collections.Counter()
         self._pool = WorkerPool(workers, self._control_endpoint, self._work_endpoint, self.spec,
                                 max_inflight_per_worker)
         self._loop = IOLoop(self, f"prefetchd-front-{name}", max_poll=0.5)
@@ -120,7 +118,8 @@ class Front(FrontSockets):
     def snapshot(self):
         """What the front's metrics report: counters, queue depth, each worker's public
         state and the per-model histograms (safe from another thread: copies only)."""
-        return {"counters": dict(self.counters), "queued": len(self._batcher),
+        return {"counters": dict(self.counters), "errors": dict(self.counters.errors),
+                "queued": len(self._batcher),
                 "workers": [s.public() for s in list(self._pool.slots)],
                 "histograms": {m: {k: h.snapshot() for k, h in hs.items()}
                                for m, hs in list(self.histograms.items())},
@@ -158,14 +157,9 @@ class Front(FrontSockets):
 
     # -- replies
 
-    def _error(self, envelope, rid, code, reason):
-        self.counters["errors"] += 1
-        self.counters["error:" + code] += 1
-        self._send(envelope, P.encode_error(rid, code, reason))
-
-    def _reply_error(self, job, code, reason):
+    def _fail(self, job, code, reason):
         job.done = True
-        self._error(job.envelope, job.rid, code, reason)
+        self._reply_error(job.envelope, job.rid, code, reason)
 
     # -- clients: the op table
 
@@ -173,12 +167,10 @@ class Front(FrontSockets):
         n = 2 if len(frames) >= 2 and len(frames[1]) == 0 else 1
         envelope = [f.bytes for f in frames[:n]]
         head, tensors = [f.bytes for f in frames[n:n + 3]], frames[n + 3:]
-        try:
-            rid, op, args, timeout = P.decode_request(head, self.max_message_size)
-        except P.ProtocolError as e:
-            self.counters["malformed"] += 1
-            self._send(envelope, P.encode_error(e.rid, e.code, e.reason))
+        request = self._decode(envelope, head)
+        if request is None:
             return
+        rid, op, args, timeout = request
         spec = self._ops.get(op)
         try:
             if spec is None:
@@ -192,7 +184,7 @@ class Front(FrontSockets):
                                    f"{' and '.join(TENSOR_OPS)} carry tensors")
             spec.handler(envelope, rid, spec.validate(args), timeout, tensors)
         except BadArguments as e:
-            self._error(envelope, rid, P.BAD_REQUEST, f"{op}: {e}")
+            self._reply_error(envelope, rid, P.BAD_REQUEST, f"{op}: {e}")
 
     def _op_ping(self, envelope, rid, args, timeout, tensors):
         self._send(envelope, P.encode_ok(rid, {
@@ -205,7 +197,7 @@ class Front(FrontSockets):
         info = self._models.get(model)
         if info is None:
             if model in self.spec.model_names():
-                self._error(envelope, rid, P.BUSY, "no worker has started yet")
+                self._reply_error(envelope, rid, P.BUSY, "no worker has started yet")
                 return
             raise BadArguments(f"unknown model {str(model)[:64]!r}; "
                                f"models: {', '.join(self.spec.model_names())}")
@@ -215,7 +207,7 @@ class Front(FrontSockets):
                           args.get("max_new_tokens"))
         if len(self._batcher) >= self.max_queue:
             self.counters["busy"] += 1
-            self._error(envelope, rid, P.BUSY, f"{len(self._batcher)} requests queued")
+            self._reply_error(envelope, rid, P.BUSY, f"{len(self._batcher)} requests queued")
             return
         now = time.monotonic()
         wait = min(timeout or self.request_timeout, self.request_timeout)
@@ -287,7 +279,7 @@ class Front(FrontSockets):
         if not doc.get("ok"):
             s.failed += 1
             for job in batch.pending():
-                self._reply_error(job, doc.get("code", P.INTERNAL), doc.get("reason", ""))
+                self._fail(job, doc.get("code", P.INTERNAL), doc.get("reason", ""))
             return
         s.served += 1
         now, r = time.monotonic(), doc["result"]
@@ -307,7 +299,7 @@ class Front(FrontSockets):
         reason, batches = self._pool.on_death(s, self.respawn and not self._closed)
         for batch in batches:
             for job in batch.pending():
-                self._reply_error(job, P.INTERNAL, reason)
+                self._fail(job, P.INTERNAL, reason)
         self.counters["worker_deaths"] += 1
         self._hints.forget(s)
         self._heartbeats.forget(s)
@@ -325,7 +317,7 @@ class Front(FrontSockets):
         self._heartbeats.forget(s)
         for batch in self._pool.replace_hung(s):
             for job in batch.pending():
-                self._reply_error(job, P.INTERNAL, f"worker {s.index} (pid {s.pid}) hung: no "
+                self._fail(job, P.INTERNAL, f"worker {s.index} (pid {s.pid}) hung: no "
                                                    f"heartbeat for {silent:.3g}s; replaced")
 
     # -- status (prefetchd.serve.status) and control replies
@@ -337,7 +329,8 @@ class Front(FrontSockets):
         return status_document({"endpoint": self.endpoint, "hints": self.hints,
                                 "queued": len(self._batcher), "models": self.spec.model_names(),
                                 "max_batch_size": self._batcher.max_batch_size,
-                                "counters": dict(self.counters), "shared_host": self.shared_status()},
+                                "counters": dict(self.counters), "errors": dict(self.counters.errors),
+                                "shared_host": self.shared_status()},
                                self._pool.slots, results)
 
     def _on_control_reply(self, s, frames):
@@ -362,7 +355,7 @@ class Front(FrontSockets):
                 self._batcher.remove(job)
             self.counters["timeouts"] += 1
             where = (f"on worker {job.batch.worker.index}" if job.batch else "waiting for a worker")
-            self._reply_error(job, P.TIMEOUT, f"{job.kind} did not complete within "
+            self._fail(job, P.TIMEOUT, f"{job.kind} did not complete within "
                                               f"{job.deadline - job.received:.3g}s ({where})")
         for s in self._heartbeats.hung(self._pool.slots, now):
             self._replace_hung(s)

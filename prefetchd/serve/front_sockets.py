@@ -15,22 +15,25 @@ import time
 import zmq
 
 from ..control import protocol as P
-from ..control.endpoints import bind, ensure_private_dir, resolve_endpoint, runtime_dir, unlink_ipc_files
+from ..control.endpoints import ensure_private_dir, resolve_endpoint, runtime_dir
+from ..control.router import RouterEndpoint
 from .spec import check_checkpoint_store
 from .worker import STOP
 
 log = logging.getLogger("prefetchd.serve.front")
 
 
-class FrontSockets:
+class FrontSockets(RouterEndpoint):
+    send_copy = False             # replies carry output tensors: hand zmq the frames, no copy
+
     def __init__(self, endpoint, name, spec, metrics_port, metrics_addr, start_timeout,
                  max_message_size):
+        super().__init__(max_message_size)
         self.spec = spec
         self.name = name
         self.endpoint = resolve_endpoint(endpoint or f"ipc://{name}.sock", name, bind=True)
         self.metrics_port, self.metrics_addr = metrics_port, metrics_addr
         self.start_timeout = start_timeout
-        self.max_message_size = max_message_size
         self._exporter = None
         self._owns_store = spec.store_dir is None    # a temporary one, made by start()
         if spec.checkpoint_store:     # refused here, not by every worker as it starts
@@ -39,11 +42,10 @@ class FrontSockets:
         base = runtime_dir()
         self._control_endpoint = lambda i: f"ipc://{os.path.join(base, f'{name}-{tag}-w{i}.sock')}"
         self._work_endpoint = f"ipc://{os.path.join(base, f'{name}-{tag}-work.sock')}"
-        self._router = self._work = None
+        self._work = None
         self._ready_event = threading.Event()
         self._start_error = None
         self._closed = False
-        self._ipc_files = []
         self._shared = None           # (owner, its store) of the shared host tier, with --shared-host
         self._tag = f"{name}-{tag}"
 
@@ -138,51 +140,29 @@ class FrontSockets:
     # -- LoopHandler: setup, teardown, release (I/O thread)
 
     def setup(self, ctx):
-        self._router = self._socket(ctx, zmq.ROUTER)
+        self._router = self._make_socket(ctx, zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Per frame: a body within max_message_size, a tensor within max_tensor_bytes.
         self._router.maxmsgsize = max(4 * self.max_message_size, self.spec.max_tensor_bytes) + 64
         self._bind(self._router, self.endpoint)
         self.endpoint = self._router.last_endpoint.decode()
-        self._work = self._socket(ctx, zmq.ROUTER)
+        self._work = self._make_socket(ctx, zmq.ROUTER)
         self._work.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._bind(self._work, self._pool.work_endpoint)
         self._pool.start(ctx)
 
     def teardown(self):
         for job in self.outstanding_jobs():
-            self._reply_error(job, P.SHUTDOWN, "server closing")
+            self._fail(job, P.SHUTDOWN, "server closing")
         for s in self._pool.slots:
             if s.ready and self._work is not None:
                 try:
                     self._work.send_multipart([s.identity, STOP], zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
-        for sock in (self._router, self._work):
-            if sock is not None:
-                sock.close(linger=0)
+        self._close_sockets(self._router, self._work)
         self._router = self._work = None
         self._pool.close_sockets()
-        unlink_ipc_files(self._ipc_files)
-        self._ipc_files.clear()
 
     def release(self):
         pass
-
-    @staticmethod
-    def _socket(ctx, kind):
-        sock = ctx.socket(kind)
-        sock.linger = 0
-        sock.sndhwm = sock.rcvhwm = 1000
-        return sock
-
-    def _bind(self, sock, address):
-        ipc_file = bind(sock, address)
-        if ipc_file is not None:
-            self._ipc_files.append(ipc_file)
-
-    def _send(self, envelope, frames):
-        try:
-            self._router.send_multipart(envelope + frames, zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError:
-            self.counters["replies_dropped"] += 1

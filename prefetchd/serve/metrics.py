@@ -64,9 +64,8 @@ class FrontCollector:
         requests.add_metric([], counters.get("requests", 0))
         errors = CounterMetricFamily("prefetchd_serve_errors",
                                      "Error replies of the front, by code.", labels=["code"])
-        for key, n in sorted(counters.items()):
-            if key.startswith("error:"):
-                errors.add_metric([key[len("error:"):]], n)
+        for code, n in sorted(snap["errors"].items()):
+            errors.add_metric([code], n)
         hints = CounterMetricFamily("prefetchd_serve_hints",
                                     "Prefetch hints sent to workers, by outcome.", labels=["outcome"])
         for outcome in ("sent", "ok", "failed", "dropped"):
