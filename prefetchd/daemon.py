@@ -10,7 +10,6 @@ invariants it keeps are in docs/design.md.
 """
 import atexit
 import contextlib
-import fnmatch
 import logging
 import threading
 import time
@@ -23,7 +22,7 @@ from . import backend as backends
 from . import dtypes
 from .backend import framework
 from .config import Config, parse_fraction_or_size
-from .core import policy as policies
+from .core import patterns, policy as policies
 from .core.binding import Binding
 from .attachments import Attachments
 from .core.events import Events
@@ -416,9 +415,14 @@ class Daemon:
             return self._status(), self.stats.snapshot()
 
     def tensors(self, pattern="*"):
+        """describe() of every tensor whose name matches the glob `pattern` (core/patterns.py)."""
+        glob = patterns.compile_glob(pattern)        # a bad or too long pattern raises here
         with self._lock:
-            return [r.describe() for name, r in self._registry.records.items()
-                    if fnmatch.fnmatchcase(name, pattern)]
+            records = list(self._registry.records.items())
+        # Matched on the snapshot, without the lock: the scheduler never waits for a pattern.
+        matched = [r for name, r in records if glob.match(name)]
+        with self._lock:
+            return [r.describe() for r in matched if self._registry.records.get(r.name) is r]
 
     def tiers_of(self, tensor):
         """Where a registered framework tensor's valid replicas are, or None if not registered."""
