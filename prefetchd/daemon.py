@@ -21,7 +21,7 @@ import numpy as np
 from . import backend as backends
 from . import dtypes
 from .backend import framework
-from .config import Config, parse_fraction_or_size
+from .config import PAGE, Config, parse_fraction_or_size
 from .core import patterns, policy as policies
 from .core.binding import Binding
 from .attachments import Attachments
@@ -360,8 +360,8 @@ class Daemon:
         budget = self.config.device_budget
         high_b = parse_fraction_or_size(high, budget, "high_watermark")
         low_b = parse_fraction_or_size(low, budget, "low_watermark") if low is not None else int(high_b * 0.85)
-        if not 0 < high_b <= budget:
-            raise ValueError(f"high watermark {high_b} must be in (0, device budget {budget}]")
+        if not PAGE <= high_b <= budget:      # below a page no tensor could ever fit
+            raise ValueError(f"high watermark {high_b} must be in [{PAGE}, device budget {budget}]")
         if low_b > high_b:
             raise ValueError(f"low watermark {low_b} is above the high watermark {high_b}")
         return self._submit(Request(Kind.WATERMARKS, (), Future(), args=(high_b, low_b)))

@@ -26,7 +26,7 @@ from ..errors import ShutdownError
 from . import keys, protocol as P
 from .codes import BadArguments, error_code
 from .connections import DEFAULT_FD_RESERVE, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_PEER, ConnectionGuard
-from .endpoints import bind, join_tcp, resolve_endpoint, split_tcp, unlink_ipc_files
+from .endpoints import bind, is_ipv6, join_tcp, resolve_endpoint, split_tcp, unlink_ipc_files
 from .ioloop import IOLoop
 from .leases import LeaseTable
 from .ops import OPS, Deferred
@@ -284,6 +284,7 @@ class Server:
         return sock
 
     def _bind(self, sock, address):
+        sock.ipv6 = is_ipv6(address)
         ipc_file = bind(sock, address)
         if ipc_file is not None:
             self._ipc_files.append(ipc_file)
