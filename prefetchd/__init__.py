@@ -22,7 +22,7 @@ _LAZY = {
 _ERRORS = (
     "PrefetchdError", "NotResidentError", "UnknownTensorError", "DoubleRegisterError",
     "BudgetError", "PinnedError", "ShutdownError", "UseAfterFreeError", "IntegrityError",
-    "StorageError", "StagingError", "ConfigError",
+    "StorageError", "FlushError", "StagingError", "ConfigError",
 )
 
 __all__ = sorted([*_LAZY, *_ERRORS, "__version__"])

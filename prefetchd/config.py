@@ -5,6 +5,7 @@ Sizes accept integers (bytes) or strings with IEC or SI units ("2GiB", "512MiB",
 value raises ConfigError naming the key and where the value came from.
 """
 import dataclasses
+import ipaddress
 import math
 import os
 import re
@@ -21,6 +22,25 @@ _UNITS = {"": 1, "b": 1,
           "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
 _MAX_SIZE = 1 << 50          # 1 PiB: larger is a typo, not a budget
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+PAGE = 4096                  # the smallest block any backend reserves: a smaller high watermark holds nothing
+
+# Every numeric key's bounds, checked at load (Config.__post_init__): beyond them a value
+# is a typo, or fails later and far from its cause (10**9 I/O queue slots are a bad_alloc
+# at the first write, 5000 I/O threads are 5000 threads). None: no bound on that side.
+BOUNDS = {
+    "device_budget": (2 * PAGE, None),       # its default high watermark (95%) holds a page;
+                                             # above: parse_size's 1 PiB
+    "high_watermark": (PAGE, None),          # above: device_budget
+    "host_budget": (0, None),
+    "copy_streams": (1, 64),
+    "io_block_size": (PAGE, 256 << 20),
+    "io_queue_depth": (1, 1024),
+    "io_threads": (1, 256),
+    "lookahead": (0, 1024),
+    "metrics_port": (0, 65535),
+    "max_message_size": (1024, 1 << 30),
+    "shutdown_timeout": (0, 24 * 3600),
+}
 
 
 def parse_size(value, key="size"):
@@ -126,13 +146,6 @@ def _parse_verify(value, key):
     return True
 
 
-def _parse_min_size(value, key, minimum):
-    size = parse_size(value, key)
-    if size < minimum:
-        raise ConfigError(f"{key}: must be at least {minimum} bytes, got {size}")
-    return size
-
-
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -142,6 +155,54 @@ def _parse_name(value, key):
         raise ConfigError(f"{key}: {name!r} must be 1-64 characters of letters, digits, '_', '.', '-' "
                           f"(it names metrics labels and socket files)")
     return name
+
+
+def _parse_ip(value, key):
+    """An IP address literal (or "localhost"): a host name would be resolved, and could
+    fail, only when the exporter starts."""
+    text = _optional_str(value, key)
+    if text is None or text == "localhost":
+        return text
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise ConfigError(f"{key}: {text!r} is not an IP address (e.g. 127.0.0.1, ::1, 0.0.0.0)") from None
+
+
+_HOST_RE = re.compile(r"^(\*|[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*)$")
+
+
+def _parse_endpoint(value, key):
+    """ipc://[path] or tcp://host:port, read now so that a bad one fails at load: the host
+    an IPv4 address, an IPv6 address in brackets (tcp://[::1]:5555), '*' or a name."""
+    text = _optional_str(value, key)
+    if text is None or text in ("ipc", "default") or text.startswith("ipc://"):
+        return text
+    if not text.startswith("tcp://"):
+        raise ConfigError(f"{key}: {text!r} is neither ipc://[path] nor tcp://host:port")
+    host, sep, port = text[len("tcp://"):].rpartition(":")
+    if not sep or not (port == "*" or (port.isdigit() and int(port) <= 65535)):
+        raise ConfigError(f"{key}: {text!r} needs a port from 0 to 65535 (tcp://127.0.0.1:5555)")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ConfigError(f"{key}: {host!r} in {text!r} is not an IPv6 address") from None
+    elif ":" in host:
+        raise ConfigError(f"{key}: an IPv6 host goes in brackets: tcp://[{host}]:{port}")
+    elif host and not _HOST_RE.match(host):
+        raise ConfigError(f"{key}: {host!r} in {text!r} is not an address or a host name")
+    return text
+
+
+def _check_bounds(config):
+    for key, (low, high) in BOUNDS.items():
+        value = getattr(config, key)
+        if value is None or isinstance(value, bool):
+            continue
+        if (low is not None and value < low) or (high is not None and value > high):
+            most = f" and at most {high}" if high is not None else ""
+            raise ConfigError(f"{key}: {value} is out of bounds: must be at least {low}{most}")
 
 
 def _choice(*allowed):
@@ -270,13 +331,17 @@ class Config:
                 except ConfigError as e:
                     where = origin.get(key)
                     raise ConfigError(f"{e} (from {where})" if where else str(e)) from None
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ConfigError as e:            # a bound or a relation: name where the key came from
+            where = origin.get(str(e).partition(":")[0])
+            raise ConfigError(f"{e} (from {where})" if where else str(e)) from None
 
     def __post_init__(self):
-        if self.device_budget <= 0:
-            raise ConfigError(f"device_budget: must be > 0, got {self.device_budget}")
         high = self.high_watermark or int(self.device_budget * 0.95)
         low = self.low_watermark or int(high * 0.85)
+        object.__setattr__(self, "high_watermark", high)
+        _check_bounds(self)
         if high > self.device_budget:
             raise ConfigError(f"high_watermark: {high} bytes exceeds device_budget {self.device_budget}")
         if low > high:
@@ -286,7 +351,6 @@ class Config:
                               f"world_size {self.world_size})")
         if self.rank is not None and not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank: {self.rank} is outside the world of {self.world_size} ranks")
-        object.__setattr__(self, "high_watermark", high)
         object.__setattr__(self, "low_watermark", low)
         if self.host_budget is None:
             object.__setattr__(self, "host_budget", _auto_host_budget(self))
@@ -328,27 +392,27 @@ _PARSERS.update({
     "host_budget": lambda v, k: None if v in (None, "auto") else parse_size(v, k),
     "store_dir": _optional_str,
     "backend": _choice("cpu", "ascend", "ascend-vmm"),
-    "copy_streams": lambda v, k: _parse_int(v, k, minimum=1),
+    "copy_streams": _parse_int,
     "io_engine": _choice("auto", "aio", "threads", "buffered"),
     "direct_io": _parse_bool,
     "huge_pages": _parse_bool,
     "io_block_size": _parse_io_block,
-    "io_queue_depth": lambda v, k: _parse_int(v, k, minimum=1),
-    "io_threads": lambda v, k: _parse_int(v, k, minimum=1),
+    "io_queue_depth": _parse_int,
+    "io_threads": _parse_int,
     "fsync": _parse_bool,
     "verify_reads": _parse_verify,
-    "lookahead": lambda v, k: _parse_int(v, k, minimum=0),
+    "lookahead": _parse_int,
     "policy": _choice("lru", "belady"),
     "auto_fetch": _parse_bool,
     "metrics_port": _parse_port,
-    "metrics_addr": _optional_str,
-    "endpoint": _optional_str,
+    "metrics_addr": _parse_ip,
+    "endpoint": _parse_endpoint,
     "curve_keys_dir": _optional_str,
     "allow_remote": _parse_bool,
     "allow_insecure_remote": _parse_bool,
     "shared_host": _optional_str,
     "trace": _optional_str,
-    "max_message_size": lambda v, k: _parse_min_size(v, k, 1024),
+    "max_message_size": parse_size,
     "name": _parse_name,
     "shutdown_timeout": lambda v, k: _parse_seconds(v, k),
     "rank": lambda v, k: None if v in (None, "") else _parse_int(v, k, minimum=0),

@@ -10,7 +10,6 @@ invariants it keeps are in docs/design.md.
 """
 import atexit
 import contextlib
-import fnmatch
 import logging
 import threading
 import time
@@ -19,8 +18,8 @@ from concurrent.futures import Future
 
 from . import backend as backends
 from .backend import framework
-from .config import Config, parse_fraction_or_size
-from .core import policy as policies
+from .config import PAGE, Config, parse_fraction_or_size
+from .core import patterns, policy as policies
 from .core.binding import Binding
 from .attachments import Attachments
 from .core.events import Events
@@ -270,8 +269,8 @@ class Daemon:
         budget = self.config.device_budget
         high_b = parse_fraction_or_size(high, budget, "high_watermark")
         low_b = parse_fraction_or_size(low, budget, "low_watermark") if low is not None else int(high_b * 0.85)
-        if not 0 < high_b <= budget:
-            raise ValueError(f"high watermark {high_b} must be in (0, device budget {budget}]")
+        if not PAGE <= high_b <= budget:      # below a page no tensor could ever fit
+            raise ValueError(f"high watermark {high_b} must be in [{PAGE}, device budget {budget}]")
         if low_b > high_b:
             raise ValueError(f"low watermark {low_b} is above the high watermark {high_b}")
         return self._submit(Request(Kind.WATERMARKS, (), Future(), args=(high_b, low_b)))
@@ -325,9 +324,14 @@ class Daemon:
             return self._status(), self.stats.snapshot()
 
     def tensors(self, pattern="*"):
+        """describe() of every tensor whose name matches the glob `pattern` (core/patterns.py)."""
+        glob = patterns.compile_glob(pattern)        # a bad or too long pattern raises here
         with self._lock:
-            return [r.describe() for name, r in self._registry.records.items()
-                    if fnmatch.fnmatchcase(name, pattern)]
+            records = list(self._registry.records.items())
+        # Matched on the snapshot, without the lock: the scheduler never waits for a pattern.
+        matched = [r for name, r in records if glob.match(name)]
+        with self._lock:
+            return [r.describe() for r in matched if self._registry.records.get(r.name) is r]
 
     def tiers_of(self, tensor):
         """Where a registered framework tensor's valid replicas are, or None if not registered."""

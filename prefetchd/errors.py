@@ -32,6 +32,22 @@ class StorageError(PrefetchdError):
     """The remote tier failed to read or write (I/O error, disk full, ...)."""
 
 
+class FlushError(StorageError):
+    """A flush some of whose write-backs failed, raised once every write-back it covered has
+    settled: `.failures` maps each failed tensor's name to its error (a StorageError)."""
+
+    def __init__(self, failures):
+        self.failures = dict(failures)
+        items = list(self.failures.items())
+        if len(items) == 1:
+            message = str(items[0][1])
+        else:
+            shown = "; ".join(f"{name!r}: {error}" for name, error in items[:5])
+            more = f"; and {len(items) - 5} more" if len(items) > 5 else ""
+            message = f"{len(items)} write-backs failed: {shown}{more}"
+        super().__init__(message)
+
+
 class IntegrityError(StorageError):
     """Data read back from the remote tier failed its checksum."""
 

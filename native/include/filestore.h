@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common.h"
+#include "fd_reserve.h"
 #include "io_engine.h"
 
 namespace pfd {
@@ -90,6 +91,8 @@ struct MemRef {
     size_t capacity = 0;
 };
 
+constexpr size_t kSpareFds = 8;  // descriptors a store holds back for its own opens (fd_reserve.h)
+
 class FileStore {
   public:
     FileStore(const std::string &directory, const StoreOptions &opt);
@@ -145,6 +148,9 @@ class FileStore {
     RecoveryReport recovery_;
     int dir_fd_ = -1;
     int lock_fd_ = -1;
+    // Spare descriptors for the files reads and writes open (fd_reserve.h): a connection
+    // flood at RLIMIT_NOFILE must not fail store I/O. Created after the store opened.
+    std::unique_ptr<FdReserve> spare_fds_;
     bool created_dir_ = false, created_lock_ = false;  // undone if open fails
 
     mutable std::mutex mu_;  // guards index_ and the file set on disk

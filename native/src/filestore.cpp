@@ -99,6 +99,7 @@ FileStore::FileStore(const std::string &directory, const StoreOptions &opt) : di
         release_directory(true);
         throw;
     }
+    spare_fds_.reset(new FdReserve(kSpareFds));
 }
 
 FileStore::~FileStore() { close(); }
@@ -110,6 +111,7 @@ void FileStore::close() {
         ops_cv_.wait(g, [&] { return active_ops_ == 0; });
     }
     engine_.reset();  // joins engine threads, destroys io contexts
+    if (spare_fds_) spare_fds_->release_all();
     release_directory(false);
 }
 

@@ -79,7 +79,8 @@ size_t FileStore::read(const std::string &key, MemRef dst, bool verify) {
         auto it = index_.find(key);
         if (it == index_.end()) not_found(key);
         e = it->second.current;
-        fd = open(e->path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | (direct_ ? O_DIRECT : 0));
+        const int flags = O_RDONLY | O_CLOEXEC | O_NOFOLLOW | (direct_ ? O_DIRECT : 0);
+        fd = spare_fds_->open([&] { return ::open(e->path.c_str(), flags); });
         if (fd < 0) {
             int err = errno;
             throw Error(ErrKind::IOFailure, "read failed: key '" + key + "': open: " + errno_name(err) + " (" + e->path + ")", err);
@@ -157,7 +158,8 @@ uint64_t FileStore::write(const std::string &key, MemRef src, const std::string 
         std::lock_guard<std::mutex> g(mu_);
         writing_.insert(tmp);
     }
-    int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (direct_ ? O_DIRECT : 0), 0600);
+    const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (direct_ ? O_DIRECT : 0);
+    int fd = spare_fds_->open([&] { return ::open(tmp.c_str(), flags, 0600); });
     int err = fd < 0 ? errno : 0;
     std::string what = fd < 0 ? "open" : "";
     TransferResult r;

@@ -80,6 +80,31 @@ def bind_placeholder(target, dtype):
     bind(target, np.zeros((0,), dtype=dtype))
 
 
+def release_backward_pre_hook(cell):
+    """Free what MindSpore keeps for `cell`'s backward pre-hooks once none is left.
+
+    The first register_backward_pre_hook gives the cell a CellBackwardHook primitive
+    whose C++ side holds a closure over the primitive, and the primitive holds the
+    cell: a cycle through C++ that Python's gc cannot see, so removing the hook (its
+    handle) leaves the cell, and all it refers to, alive for good. Giving the
+    primitive a hook function that refers to nothing drops that closure; the cell
+    then forgets the primitive, as a cell that never had a backward pre-hook.
+    (MindSpore 2.10; docs/mindspore-notes.md.) A hook the cell still has is left alone.
+    """
+    prim = getattr(cell, "_cell_backward_pre_hook", None)
+    if prim is None or cell._backward_pre_hook:
+        return False
+    from mindspore._c_expression import HookType
+    prim.set_hook_fn(_pass_gradient, HookType.BackwardPreHook)
+    prim.cell = None
+    object.__setattr__(cell, "_cell_backward_pre_hook", None)
+    return True
+
+
+def _pass_gradient(grad):
+    return grad
+
+
 def synchronize():
     mindspore().hal.synchronize()
 

@@ -18,7 +18,7 @@ import zmq
 from ..errors import ShutdownError
 from . import protocol as P
 from .codes import RequestTimeout, exception_for
-from .endpoints import join_tcp, resolve_endpoint, split_tcp
+from .endpoints import is_ipv6, join_tcp, resolve_endpoint, split_tcp
 from .keys import client_curve
 
 __all__ = ["Client", "Subscription"]
@@ -75,6 +75,7 @@ class Client:
         if self._sock is None:
             sock = ctx.socket(zmq.DEALER)
             self._configure(sock)
+            sock.ipv6 = is_ipv6(self.endpoint)
             sock.connect(self.endpoint)
             self._sock = sock
         return self._sock
@@ -228,6 +229,7 @@ class Subscription:
         self._sock = client.subscription_socket()
         for topic in [*topics, P.SYNC_TOPIC]:
             self._sock.setsockopt(zmq.SUBSCRIBE, topic if isinstance(topic, bytes) else topic.encode())
+        self._sock.ipv6 = is_ipv6(endpoint)
         self._sock.connect(endpoint)
 
     def sync(self, timeout=5.0):

@@ -24,9 +24,14 @@ the guard runs could still reach the limit, which is why a server also raises
 the soft RLIMIT_NOFILE to the hard one (`raise_fd_limit`). At the default reserve
 of 64 and a limit of 1024: admitted up to 896 descriptors, listeners stopped above 960.
 Peers that connect and never finish a ZMTP/CURVE handshake are dropped by
-libzmq itself after `handshake_ivl` (socket options in `configure`).
+libzmq itself after `handshake_ivl` (socket options in `configure`); before that, a
+tcp connection counts against no peer's budget: it waits among at most
+`handshake_budget` others still in their handshake, the oldest pushed out by a new
+one (prefetchd.control.handshakes), so peers without an authorized CURVE key cannot
+crowd out the authorized clients from the same address.
 """
 import collections
+import itertools
 import logging
 import os
 import resource
@@ -35,17 +40,21 @@ import struct
 
 import zmq
 
+from .handshakes import THROUGH_CURVE, THROUGH_NULL, Handshakes
+
 log = logging.getLogger("prefetchd.control.connections")
 
 DEFAULT_MAX_CONNECTIONS = 512
 DEFAULT_MAX_PER_PEER = 64
 DEFAULT_FD_RESERVE = 64
+DEFAULT_HANDSHAKE_BUDGET = 64    # tcp connections held in their handshake at once
 HANDSHAKE_IVL_MS = 5000          # a peer has this long to finish its handshake (CURVE included)
 HEARTBEAT_IVL_MS = 10000         # ZMTP pings find peers that vanished without a FIN
 HEARTBEAT_TIMEOUT_MS = 30000
 MAX_RAISED_FD_LIMIT = 1 << 16
 
 _PEERCRED = struct.Struct("3i")
+_MONITORS = itertools.count()
 
 
 def open_descriptors():
@@ -125,41 +134,57 @@ class ConnectionGuard:
         self.fd_reserve = fd_reserve
         self.fd_limit = raise_fd_limit() if raise_limit else resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self._on_pause, self._on_resume = on_pause, on_resume
-        self._monitors = []
+        self._monitors = []              # (socket, its monitor, bytes sent once a handshake is through)
         self._live = {}                  # fd -> peer key of a connection we let in
         self._per_peer = collections.Counter()
+        self._handshakes = Handshakes(max(4, min(DEFAULT_HANDSHAKE_BUDGET, self.admit_line // 4)))
         self._doomed = set()             # fds shut down, their DISCONNECTED not seen yet
-        self._accepted = []              # fds accepted since the last settle()
+        self._accepted = []              # (fd, handshake threshold) accepted since the last settle()
         self.dropped = 0
+        self.dropped_in_handshake = 0    # of those: pushed out before their handshake was through
         self.paused = False
 
     @property
     def held(self):
-        """Connections held now (let in, not yet disconnected)."""
-        return len(self._live)
+        """Connections held now (let in or in their handshake, not yet disconnected)."""
+        return len(self._live) + len(self._handshakes)
 
-    def watch(self, sock):
-        """Monitor `sock`; returns the monitor socket the I/O loop polls (on_monitor)."""
+    @property
+    def handshaking(self):
+        return len(self._handshakes)
+
+    def watch(self, sock, curve=False):
+        """Monitor `sock` (a CURVE server if `curve`); returns the monitor socket the I/O loop polls."""
         configure(sock)
-        mon = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        self._monitors.append((sock, mon))
+        # Not get_monitor_socket: its PAIR keeps the default high-water mark, and libzmq
+        # drops monitor events beyond it. Under a flood a lost DISCONNECTED left a dropped
+        # connection "doomed" for good, and the listeners paused for good with it.
+        address = f"inproc://prefetchd-monitor-{next(_MONITORS)}"
+        sock.monitor(address, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        mon = sock.context.socket(zmq.PAIR)
+        mon.rcvhwm = 0                   # no limit: the I/O loop drains it at every poll
+        mon.linger = 0
+        mon.connect(address)
+        self._monitors.append((sock, mon, THROUGH_CURVE if curve else THROUGH_NULL))
         return mon
 
     def poll_items(self):
-        return [(mon, self.on_monitor) for _, mon in self._monitors]
+        return [(mon, lambda frames, through=through: self.on_monitor(frames, through))
+                for _, mon, through in self._monitors]
 
-    def on_monitor(self, frames):
+    def on_monitor(self, frames, through=THROUGH_NULL):
         if len(frames) != 2 or len(frames[0]) != 6:
             return
         event, fd = struct.unpack("=hi", frames[0])
         if event == zmq.EVENT_ACCEPTED:
-            self._accepted.append(fd)
+            self._gone(fd)               # the number is reused: its last connection is closed
+            self._accepted.append((fd, through))
         elif event == zmq.EVENT_DISCONNECTED:
             self._gone(fd)
 
     def _gone(self, fd):
-        if fd in self._accepted:
-            self._accepted.remove(fd)
+        self._accepted = [item for item in self._accepted if item[0] != fd]
+        self._handshakes.discard(fd)
         self._doomed.discard(fd)
         key = self._live.pop(fd, None)
         if key is not None:
@@ -168,30 +193,47 @@ class ConnectionGuard:
                 del self._per_peer[key]
 
     def settle(self):
-        """Admit or drop what was accepted since the last call (after every poll)."""
+        """Admit or drop what was accepted since the last call, and the tcp connections
+        whose handshake is through since (after every poll)."""
         self._drain()            # every queued event first: a descriptor seen gone is not shut down
-        if self._accepted:
-            budget = self.admit_line
-            per_peer = self.per_peer_budget
+        through = self._handshakes.through()
+        if self._accepted or through:
             in_use = open_descriptors()
+            for fd, key in through:
+                self._admit(fd, key, in_use)
             accepted, self._accepted = self._accepted, []
-            for fd in accepted:
+            for fd, threshold in accepted:
                 key = _peer_of(fd)
                 if key is None:
                     continue
-                if (len(self._live) >= self.max_connections or in_use > budget
-                        or self._per_peer[key] >= per_peer):
-                    if _shut_down(fd):
-                        self._doomed.add(fd)
-                        self.dropped += 1
+                if key[0] == "addr":             # tcp: counted once through its handshake
+                    for old in self._handshakes.add(fd, key, threshold):
+                        self.dropped_in_handshake += self._drop(old)
                     continue
-                self._live[fd] = key
-                self._per_peer[key] += 1
+                self._admit(fd, key, in_use)
             in_use = open_descriptors()
             if not self.paused and in_use > self.pause_line:
                 self._set_paused(True, in_use)
-        if self.paused and not self._doomed and open_descriptors() <= self.admit_line:
+        if self.paused and open_descriptors() <= self.admit_line:     # (the descriptors themselves)
             self._set_paused(False, None)
+
+    def _admit(self, fd, key, in_use):
+        """Let `fd` in, or drop it if it is beyond a budget (see the module docstring)."""
+        # Descriptors already shut down leave as soon as libzmq sees it: a flood's churn
+        # of them must not turn away a client whose handshake is through.
+        if (len(self._live) >= self.max_connections or in_use - len(self._doomed) > self.admit_line
+                or self._per_peer[key] >= self.per_peer_budget):
+            self._drop(fd)
+            return
+        self._live[fd] = key
+        self._per_peer[key] += 1
+
+    def _drop(self, fd):
+        if _shut_down(fd):
+            self._doomed.add(fd)
+            self.dropped += 1
+            return 1
+        return 0
 
     @property
     def admit_line(self):
@@ -218,16 +260,16 @@ class ConnectionGuard:
             callback()
 
     def _drain(self):
-        for _, mon in self._monitors:
+        for _, mon, through in self._monitors:
             while True:
                 try:
                     frames = mon.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self.on_monitor(frames)
+                self.on_monitor(frames, through)
 
     def close(self):
-        for sock, mon in self._monitors:
+        for sock, mon, _ in self._monitors:
             try:
                 sock.disable_monitor()
             except zmq.ZMQError:

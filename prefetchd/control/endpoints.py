@@ -85,6 +85,13 @@ def split_tcp(endpoint):
     return host.strip("[]"), port
 
 
+def is_ipv6(address):
+    """Whether `address` is tcp:// on an IPv6 host (tcp://[::1]:5555): libzmq binds and
+    connects to one only with the IPV6 socket option ("No such device" without it). The
+    option is not set for IPv4: it would rename 127.0.0.1 to [::ffff:127.0.0.1]."""
+    return address.startswith("tcp://") and ":" in split_tcp(address)[0]
+
+
 def is_loopback(host):
     if host in ("", "localhost"):
         return True

@@ -9,13 +9,13 @@ of the wrong type or out of range, so that no number too large for the daemon's
 arithmetic ever reaches it.
 """
 import concurrent.futures
-import fnmatch
 import logging
 import math
 import os
 import time
 from dataclasses import dataclass, field
 
+from ..core import patterns
 from .codes import BadArguments
 
 log = logging.getLogger("prefetchd.control.ops")
@@ -95,6 +95,8 @@ def short_string(key, value):
 def glob(key, value):
     if not isinstance(value, str):
         raise BadArguments(f"'{key}' must be a string")
+    if len(value) > patterns.MAX_PATTERN:
+        raise BadArguments(f"'{key}' is {len(value)} characters; at most {patterns.MAX_PATTERN} are allowed")
     return value
 
 
@@ -134,7 +136,7 @@ def target_names(server, args, required=True):
     if names is not None and pattern is not None:
         raise BadArguments("give 'names' or 'pattern', not both")
     if pattern is not None:
-        return [n for n in server.daemon.names() if fnmatch.fnmatchcase(n, pattern)]
+        return patterns.select(server.daemon.names(), pattern)
     if names is None and required:
         raise BadArguments("needs 'names' (list of tensor names) or 'pattern' (glob)")
     return names

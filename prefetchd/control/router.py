@@ -12,7 +12,7 @@ import collections
 import zmq
 
 from . import protocol as P
-from .endpoints import bind, unlink_ipc_files
+from .endpoints import bind, is_ipv6, unlink_ipc_files
 from .stats_codec import jsonable
 
 
@@ -55,6 +55,7 @@ class RouterEndpoint:
         return sock
 
     def _bind(self, sock, address):
+        sock.ipv6 = is_ipv6(address)          # tcp://[::1] needs libzmq's IPV6 option
         ipc_file = bind(sock, address)
         if ipc_file is not None:
             self._ipc_files.append(ipc_file)

@@ -163,11 +163,11 @@ class Server(RouterEndpoint):
         self._router = self._make_socket(ctx, zmq.ROUTER, hwm=self.hwm, curve=curve)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.maxmsgsize = 4 * self.max_message_size + 64
-        self.connections.watch(self._router)     # before bind: no connection goes unseen
+        self.connections.watch(self._router, curve is not None)   # before bind: no connection goes unseen
         self._bind(self._router, self.endpoint)
         self.endpoint = self._router.last_endpoint.decode()
         self._pub = self._make_socket(ctx, zmq.PUB, hwm=self.hwm, curve=curve)
-        self.connections.watch(self._pub)
+        self.connections.watch(self._pub, curve is not None)
         self._bind(self._pub, self.events_endpoint)
         self.events_endpoint = self._pub.last_endpoint.decode()
 
@@ -237,6 +237,7 @@ class Server(RouterEndpoint):
                 "leases_granted": c.leases_granted, "leases_expired": c.leases_expired,
                 "leases_released": c.leases_released,
                 "connections": self.connections.held, "connections_dropped": self.connections.dropped,
+                "connections_handshaking": self.connections.handshaking,
                 "requests": dict(c.requests), "errors": dict(c.errors)}
 
     # -- requests

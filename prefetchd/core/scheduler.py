@@ -17,7 +17,7 @@ import logging
 import time
 
 from ..backend.base import TransferKind
-from ..errors import BudgetError, PinnedError, PrefetchdError, ShutdownError
+from ..errors import BudgetError, FlushError, PinnedError, PrefetchdError, ShutdownError
 from ..telemetry.timeline import NullTimeline
 from . import lending
 from .compute_writes import note_writes
@@ -270,29 +270,33 @@ class Scheduler:
                 self.writebacks.start(rec)
             if rec.state is State.STORING:
                 pending.append(rec)
+        # Those that failed already (at start, or before and not retried) are reported with
+        # the pending ones once every one of those has settled.
+        req.args = [r for r in recs if _failed(r)]
         if pending:
             self.waiting.append((req, pending))
             return
-        failed = next((r for r in recs if r.writeback_failed and r.state is State.RESIDENT), None)
-        self.outcomes.resolve(req, failed.error if failed is not None else None)
+        self.outcomes.resolve(req, _flush_error(req.args))
 
     def _settle_waiting(self):
         still = []
         for req, recs in self.waiting:
-            failed = next((r for r in recs if r.writeback_failed and r.state is State.RESIDENT), None)
+            if req.kind is Kind.FLUSH:
+                if any(r.state is State.STORING for r in recs):
+                    still.append((req, recs))
+                else:
+                    self.outcomes.resolve(req, _flush_error([*req.args, *filter(_failed, recs)]))
+                continue
+            failed = next((r for r in recs if _failed(r)), None)
             if failed is not None:
                 self.outcomes.resolve(req, failed.error)
                 continue
-            if req.kind is Kind.EVICT:
-                for r in recs:
-                    if r.state is State.RESIDENT and not r.pins:
-                        self.writebacks.evict(r, "explicit")
-                done = all(r.state is State.ABSENT for r in recs)
-                if done:
-                    self.memory.fence_if(lambda: True)
-            else:
-                done = all(r.state is not State.STORING for r in recs)
+            for r in recs:                          # an evict request
+                if r.state is State.RESIDENT and not r.pins:
+                    self.writebacks.evict(r, "explicit")
+            done = all(r.state is State.ABSENT for r in recs)
             if done:
+                self.memory.fence_if(lambda: True)
                 self.outcomes.resolve(req)
             else:
                 still.append((req, recs))
@@ -330,6 +334,17 @@ class Scheduler:
             rec.block = None
             rec.host_block = None
         self.memory.close()
+
+
+def _failed(rec):
+    """Its last write-back failed: the replica stays, dirty (writeback.py's _held)."""
+    return rec.writeback_failed and rec.state is State.RESIDENT
+
+
+def _flush_error(failed):
+    """A flush's outcome: None, or a FlushError naming every tensor whose write-back failed."""
+    failures = {r.name: r.error for r in failed}
+    return FlushError(failures) if failures else None
 
 
 def run(daemon_ref, scheduler, release_targets, deliver_events=lambda: None):

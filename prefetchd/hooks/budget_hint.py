@@ -7,6 +7,7 @@ and the unit share are all included: this module gets the re-planning as a
 function (`fits(high)`, or `min_high(lookahead)`) and never imports the planner.
 The Plan's min_high_watermark, min_device_budget and budget_hint call it.
 """
+from ..config import BOUNDS
 from ..errors import PrefetchdError
 
 # What Config.__post_init__ makes the high watermark when high_watermark is not set:
@@ -34,12 +35,16 @@ def lowest_fitting(fits, start):
     return hi
 
 
+MIN_BUDGET = BOUNDS["device_budget"][0]      # the smallest device_budget a Config takes
+
+
 def budget_for_high_watermark(high, fraction=DEFAULT_HIGH_FRACTION):
-    """The smallest device_budget B with int(B * fraction) >= high (the Config's rounding)."""
-    budget = max(int(-(-high // fraction)), 1)
+    """The smallest device_budget B with int(B * fraction) >= high (the Config's rounding),
+    at least the smallest a Config takes."""
+    budget = max(int(-(-high // fraction)), MIN_BUDGET)
     while int(budget * fraction) < high:
         budget += 1
-    while budget > 1 and int((budget - 1) * fraction) >= high:
+    while budget > MIN_BUDGET and int((budget - 1) * fraction) >= high:
         budget -= 1
     return budget
 

@@ -331,6 +331,9 @@ class Offloaded:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        # Else MindSpore's backward-hook primitive keeps the model (and through its
+        # hooks this handle, the daemon and its 64 GiB reservation) alive for good.
+        framework.release_backward_pre_hook(self.model)
         self._parts.remove()
         self.closed = True
         self._handles.append(self.model.register_forward_pre_hook(self._refuse_closed))

@@ -1,6 +1,7 @@
 """A served Daemon under a low RLIMIT_NOFILE (a child of test_connection_limits.py).
 
-argv: endpoint store_dir soft [hard] (the RLIMIT_NOFILE; hard defaults to the inherited one).
+argv: endpoint store_dir soft [hard [curve_keys_dir]] (the RLIMIT_NOFILE; hard defaults to the
+inherited one, 0 meaning the same; with a curve_keys_dir the endpoint requires CURVE).
 Prints "ready <endpoint>" once serving; then reads
 commands from stdin, one per line:
   check   registers, prefetches, evicts and flushes a new tensor (store reads and
@@ -13,7 +14,8 @@ import resource
 import sys
 
 endpoint, store_dir, soft = sys.argv[1], sys.argv[2], int(sys.argv[3])
-hard = int(sys.argv[4]) if len(sys.argv) > 4 else resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+hard = int(sys.argv[4]) if len(sys.argv) > 4 and int(sys.argv[4]) else resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+curve_keys_dir = sys.argv[5] if len(sys.argv) > 5 else None
 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 import mindspore as ms   # noqa: E402
@@ -23,7 +25,7 @@ import prefetchd         # noqa: E402
 
 ms.set_device("CPU")
 daemon = prefetchd.Daemon(store_dir=store_dir, device_budget="16MiB", name="fdlimit").start()
-server = daemon.serve(endpoint)
+server = daemon.serve(endpoint, curve_keys_dir=curve_keys_dir)
 print("ready", server.endpoint, flush=True)
 checks = 0
 for line in sys.stdin:

@@ -23,13 +23,13 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 class Child:
-    def __init__(self, tmp_path, soft, hard=None):
+    def __init__(self, tmp_path, soft, hard=None, endpoint=None, curve_keys_dir=None):
         sock_dir = tmp_path / "sock"
         sock_dir.mkdir(mode=0o700)
         (tmp_path / "store").mkdir()
-        endpoint = f"ipc://{sock_dir}/d-{secrets.token_hex(3)}.sock"
+        endpoint = endpoint or f"ipc://{sock_dir}/d-{secrets.token_hex(3)}.sock"
         argv = [sys.executable, os.path.join(HERE, "_fd_limited_daemon.py"), endpoint,
-                str(tmp_path / "store"), str(soft)] + ([str(hard)] if hard else [])
+                str(tmp_path / "store"), str(soft), str(hard or 0)] + ([curve_keys_dir] if curve_keys_dir else [])
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=env, cwd=ROOT)
@@ -71,8 +71,8 @@ class Child:
 def child(tmp_path):
     made = []
 
-    def make(soft, hard=None):
-        made.append(Child(tmp_path, soft, hard))
+    def make(soft, hard=None, **kwargs):
+        made.append(Child(tmp_path, soft, hard, **kwargs))
         return made[-1]
     yield make
     for c in made:

@@ -5,12 +5,13 @@ path must be in a private directory."""
 import json
 import os
 import secrets
+import time
 
 import pytest
 import zmq
 
 from prefetchd.errors import ConfigError
-from prefetchd.control import Client, Server, create_keys
+from prefetchd.control import Client, Server, ServiceError, create_keys
 from prefetchd.control import protocol as P
 
 HUGE = 10 ** 4000                     # parses as JSON; overflows float()
@@ -107,3 +108,16 @@ def test_ipc_socket_in_a_group_writable_directory_of_ours_is_refused(daemon, tmp
     with pytest.raises(ConfigError, match=str(loose)):
         Server(daemon, f"ipc://{loose}/ctl.sock").start()
     assert oct(os.stat(loose).st_mode & 0o777) == oct(0o770)      # refused, not "fixed"
+
+
+def test_a_pattern_over_the_length_limit_is_a_bad_request_at_once(served):
+    from prefetchd.core.patterns import MAX_PATTERN
+    with Client(served.endpoint, timeout=5) as c:
+        for op in ("list", "prefetch", "evict"):
+            started = time.monotonic()
+            with pytest.raises(ServiceError) as err:
+                c.call(op, pattern="[" * 15000)
+            assert err.value.code == P.BAD_REQUEST and f"at most {MAX_PATTERN}" in str(err.value)
+            assert time.monotonic() - started < 2.0
+        assert [t["name"] for t in c.list("[" * MAX_PATTERN)] == []
+        assert [t["name"] for t in c.list("[vw]")] == ["w"]

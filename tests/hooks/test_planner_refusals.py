@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import prefetchd
-from prefetchd.hooks.budget_hint import DEFAULT_HIGH_FRACTION, budget_for_high_watermark
+from prefetchd.hooks.budget_hint import DEFAULT_HIGH_FRACTION, MIN_BUDGET, budget_for_high_watermark
 from prefetchd.config import Config
 from prefetchd.errors import BudgetError, PrefetchdError
 from prefetchd.hooks.planner import param_nbytes, plan_units
@@ -77,11 +77,11 @@ def kinds(ms):
 
 
 def test_the_default_high_fraction_is_the_configs():
-    for budget in (1, 4095, 1 << 20, 3 * (1 << 30) + 7):
+    for budget in (MIN_BUDGET, 8195, 1 << 20, 3 * (1 << 30) + 7):
         assert high_of(budget) == int(budget * DEFAULT_HIGH_FRACTION)
-    for high in (1, 95, 96, 798720, 3 << 30):
-        budget = budget_for_high_watermark(high)
-        assert high_of(budget) >= high and (budget == 1 or high_of(budget - 1) < high)
+    for high in (1, 95, 96, 7782, 7783, 798720, 3 << 30):
+        budget = budget_for_high_watermark(high)         # never below what a Config takes
+        assert high_of(budget) >= high and (budget == MIN_BUDGET or high_of(budget - 1) < high)
 
 
 ROOT = pages(64 * 64 * 4) + pages(64 * 4)            # the embedding Dense, paged

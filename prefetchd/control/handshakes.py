@@ -1,0 +1,119 @@
+"""TCP connections still in their ZMTP handshake, kept apart from those through it.
+
+On a CURVE endpoint a peer without an authorized key never gets through the
+handshake, but until libzmq gives up on it (`handshake_ivl`) it holds a descriptor;
+counted against its address's budget from the accept on, ~1,100 of them crowded the
+authorized clients from the same address out for good (each dropped one reconnects).
+So the connection guard (prefetchd.control.connections) holds a new tcp connection
+here first: at most `budget` at once, and a new one beyond that pushes the *oldest*
+out (shut down). A peer that holds a connection silent loses it to the next
+connect; an authorized client, whose handshake takes milliseconds, is through
+before a flood can push it out, and only then counts against its peer's budget.
+
+libzmq's monitor says that a handshake succeeded but not for which descriptor, so
+this reads it off the connection: the bytes the server sent and the peer
+acknowledged (TCP_INFO's tcpi_bytes_acked). The server sends READY only once the
+peer's greeting arrived (NULL) or its key passed ZAP (CURVE); before that it has sent
+at most its greeting (64 bytes) and a WELCOME (170), and a peer refused by ZAP gets
+an ERROR and is closed. A READY is at least 27 bytes (NULL) or 51 (CURVE, boxed):
+the thresholds below. Measured on loopback: 107 (NULL) and 301 (CURVE) bytes once
+through, 10 for a peer that never spoke.
+"""
+import collections
+import errno
+import socket
+import struct
+import time
+
+GREETING = 64
+THROUGH_NULL = GREETING + 27                 # a NULL READY sent: the peer spoke ZMTP
+THROUGH_CURVE = GREETING + 170 + 51          # a CURVE READY sent: the peer's key passed ZAP
+STALLED = 1.0                                # seconds mid-handshake after which a connection may be pushed out
+_BYTES_ACKED = struct.Struct("=Q")
+_BYTES_ACKED_AT = 120                        # offset of tcpi_bytes_acked in struct tcp_info (Linux >= 4.1)
+
+
+GONE = -1
+
+
+def bytes_acked(fd):
+    """What the server sent on `fd` that the peer acknowledged; None where TCP_INFO has no
+    such field (an older kernel, or not a TCP socket); GONE if `fd` is no socket now."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return GONE
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except OSError as e:
+        return GONE if e.errno in (errno.EBADF, errno.ENOTSOCK) else None
+    finally:
+        sock.detach()               # the descriptor stays libzmq's
+    if len(info) < _BYTES_ACKED_AT + _BYTES_ACKED.size:
+        return None
+    return _BYTES_ACKED.unpack_from(info, _BYTES_ACKED_AT)[0]
+
+
+class Handshakes:
+    """Handshaking connections, oldest first: fd -> [peer key, bytes that mean "through",
+    bytes sent at the last look, when it came]."""
+
+    def __init__(self, budget, clock=time.monotonic):
+        self.budget = budget
+        self._clock = clock
+        self._fds = collections.OrderedDict()
+
+    def __len__(self):
+        return len(self._fds)
+
+    def __contains__(self, fd):
+        return fd in self._fds
+
+    def add(self, fd, key, through):
+        """Hold `fd`; returns the fds to shut down to stay within the budget: the oldest
+        connection whose peer has not spoken, else the oldest stalled mid-handshake for
+        STALLED seconds, else `fd` itself (every one held is mid-handshake: they finish,
+        or are refused by ZAP and closed, within milliseconds)."""
+        out = []
+        if len(self._fds) >= self.budget:
+            victim = self._victim()
+            if victim is None:
+                return [fd]
+            del self._fds[victim]
+            out.append(victim)
+        self._fds[fd] = [key, through, 0, self._clock()]
+        return out
+
+    def _victim(self):
+        now, stalled = self._clock(), None
+        for fd, held in self._fds.items():                    # oldest first
+            if held[2] <= GREETING:
+                # Looked at again now: a client's HELLO may have come since (a connection
+                # added in this very batch has not been looked at yet).
+                sent = bytes_acked(fd)
+                if sent is None or sent <= GREETING:
+                    return fd
+                held[2] = sent
+            if stalled is None and now - held[3] >= STALLED:
+                stalled = fd
+        return stalled
+
+    def discard(self, fd):
+        self._fds.pop(fd, None)
+
+    def through(self):
+        """[(fd, peer key)] of the connections whose handshake ended since the last call
+        (no longer held here); one whose TCP_INFO says nothing counts as through, one
+        that is no socket any more is forgotten. Notes how far the others got."""
+        done = []
+        for fd, held in list(self._fds.items()):
+            key, threshold = held[0], held[1]
+            sent = bytes_acked(fd)
+            if sent == GONE:
+                del self._fds[fd]
+            elif sent is None or sent >= threshold:
+                del self._fds[fd]
+                done.append((fd, key))
+            else:
+                held[2] = sent
+        return done
