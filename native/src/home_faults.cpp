@@ -25,6 +25,11 @@ struct Slot {
 
 Slot g_slots[kSlots];
 struct sigaction g_previous;
+// Set once a real fault was handed on. A handler installed over ours and then under it
+// again (faulthandler.enable(), then install_on_top) restores ours when it is done and
+// lets the read fault again: handing on a second time would ping-pong between the two
+// forever, so the second time the default action ends the process.
+std::atomic<bool> g_handed_on{false};
 std::once_flag g_installed;
 std::mutex g_install_mu;
 
@@ -131,7 +136,15 @@ void on_fault(int sig, siginfo_t *info, void *context) {
     }
     // Hand the fault on: returning re-runs the faulting read, which now goes to
     // the handler installed before ours (or the default action, which ends the process).
-    sigaction(SIGSEGV, &g_previous, nullptr);
+    if (g_handed_on.exchange(true)) {
+        struct sigaction fallback;
+        memset(&fallback, 0, sizeof fallback);
+        fallback.sa_handler = SIG_DFL;
+        sigemptyset(&fallback.sa_mask);
+        sigaction(SIGSEGV, &fallback, nullptr);
+    } else {
+        sigaction(SIGSEGV, &g_previous, nullptr);
+    }
     // A signal sent by kill() has no read to re-run: send it again, to be
     // delivered to that handler once ours returns.
     if (sent) raise(sig);
