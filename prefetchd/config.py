@@ -9,12 +9,14 @@ import ipaddress
 import math
 import os
 import re
+import stat
 import tomllib
 from dataclasses import dataclass, fields
 
 from .errors import ConfigError
 
 ENV_PREFIX = "PREFETCHD_"
+MAX_CONFIG_BYTES = 1 << 20  # a config file larger than this is not one
 
 _UNITS = {"": 1, "b": 1,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
@@ -289,12 +291,22 @@ class Config:
         reader. For "prefetchd", a file without a [prefetchd] table is read flat (its
         top-level keys), as Config.load does. ConfigError names the file on any failure."""
         try:
+            # Not a regular file (a FIFO would block the read forever, a directory fails later):
+            # refused before it is opened.
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                raise ConfigError(f"config file {path}: not a regular file")
+            if os.path.getsize(path) > MAX_CONFIG_BYTES:
+                raise ConfigError(f"config file {path}: larger than {MAX_CONFIG_BYTES} bytes")
             with open(path, "rb") as f:
                 doc = tomllib.load(f)
         except OSError as e:
             raise ConfigError(f"config file {path}: {e.strerror}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path}: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+        except RecursionError:
+            raise ConfigError(f"config file {path}: nested too deeply to be a prefetchd config") from None
         if section in doc:
             table = doc[section]
             if not isinstance(table, dict):
