@@ -16,6 +16,7 @@ from prefetchd.sharedhost import policy, wire
 from prefetchd.sharedhost.blocks import segment_size
 from prefetchd.sharedhost.client import Refused, SharedHostClient
 from prefetchd.sharedhost.owner import SharedHostOwner
+from helpers import wait_until
 from procs import link_store, stage
 
 N = 1 << 18                     # floats: 1 MiB tensors
@@ -139,6 +140,8 @@ def test_a_lease_keeps_a_block_until_released_or_its_holder_disconnects(tmp_path
         assert owner.status()["leases"] == 1
         a.close()                          # the holder goes away: its lease with it
         held.close()
+        # The owner sees the close on its own thread: b's next request may come first.
+        assert wait_until(lambda: owner.status()["leases"] == 0, timeout=10)
         with b.acquire(*t1) as got:        # t0 is dropped for t1 now
             assert np.array_equal(_read(got), values("t1"))
         b.release(*t1[:2])                 # a stray release is ignored
