@@ -207,7 +207,7 @@ class Daemon:
         first written back), "host", or "remote" (written to the store and
         verified; the framework tensor then releases its memory).
         """
-        checked_name(tensor, name, tier)      # a bad argument says so, also before start()
+        name = checked_name(tensor, name, tier)      # a bad argument says so, also before start()
         self.check_open()
         return TensorHandle(self._registrar.register(tensor, name, tier))
 

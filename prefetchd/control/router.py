@@ -11,7 +11,7 @@ import collections
 
 import zmq
 
-from . import protocol as P
+from . import keys, protocol as P
 from .endpoints import bind, is_ipv6, unlink_ipc_files
 from .stats_codec import jsonable
 
@@ -50,7 +50,6 @@ class RouterEndpoint:
         sock.linger = 0
         sock.sndhwm = sock.rcvhwm = hwm
         if curve is not None:
-            from . import keys
             keys.make_curve_server(sock, curve)
         return sock
 

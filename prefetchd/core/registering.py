@@ -38,8 +38,8 @@ class Registrar:
         self._binding = binding
 
     def register(self, tensor, name, tier):
-        """The record of `tensor`, placed on `tier` (see the module docstring)."""
-        name = checked_name(tensor, name, tier)
+        """The record of `tensor` under `name`, placed on `tier` (see the module docstring);
+        name and tier as checked_name returned and checked them."""
         array = np.ascontiguousarray(framework.host_copy(tensor))
         rec = ManagedTensor(name=name, shape=tuple(array.shape), dtype=array.dtype,
                             nbytes=array.nbytes, target=tensor)
@@ -60,8 +60,7 @@ class Registrar:
         return rec
 
     def register_remote(self, name, shape, dtype, target):
-        """The record of the stored tensor `name`, checked against shape and dtype."""
-        check_name(name)
+        """The record of the stored tensor `name` (a checked name), checked against shape and dtype."""
         backend = self._core.backend
         if not backend.store_contains(name):
             raise UnknownTensorError(f"the store has no tensor named {name!r}")

@@ -45,7 +45,6 @@ class ComputeSession:
             if missing is not None:
                 raise NotResidentError(missing.name, ",".join(missing.tiers), missing.state.value)
         started = time.monotonic_ns()
-        self._daemon.check_open()
         self._core.submit(Request(Kind.PIN, records, Future())).result(timeout=stall_timeout)
         ended = time.monotonic_ns()
         if records:
@@ -71,7 +70,6 @@ class ComputeSession:
         if unit is not None:
             # The compute span ends when MindSpore reaches the fence (or now, without one).
             self.timeline.compute_end(unit, self.marker if epoch is not None else None, epoch)
-        self._daemon.check_open()
         self._core.submit(Request(Kind.UNPIN, records))
         return epoch
 

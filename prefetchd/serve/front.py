@@ -97,9 +97,10 @@ class Front(FrontSockets):
         self._deadlines = Deadlines()
         self._heartbeats = Heartbeats(heartbeat_interval, heartbeat_timeout)
         self._batch_ids = itertools.count(1)
-        self._ctl_ids = itertools.count(1)
-        self._hints = Hints(self.counters, lambda: P.new_rid(next(self._ctl_ids)))
-        self._status = StatusGathers(self._send, lambda: P.new_rid(next(self._ctl_ids)))
+        ctl_ids = itertools.count(1)
+        self._new_ctl_rid = lambda: P.new_rid(next(ctl_ids))    # ids of requests to workers' control sockets
+        self._hints = Hints(self.counters, self._new_ctl_rid)
+        self._status = StatusGathers(self._send, self._new_ctl_rid)
         self.histograms = {}           # model -> {"batch_size": Histogram, "queue_seconds": ...}
 
     @property
@@ -359,5 +360,5 @@ class Front(FrontSockets):
                                               f"{job.deadline - job.received:.3g}s ({where})")
         for s in self._heartbeats.hung(self._pool.slots, now):
             self._replace_hung(s)
-        self._heartbeats.ping_due(self._pool.slots, now, lambda: P.new_rid(next(self._ctl_ids)))
+        self._heartbeats.ping_due(self._pool.slots, now, self._new_ctl_rid)
         self._status.finish(now)

@@ -16,8 +16,8 @@ included; the next stage deletes the leftover work directory. A daemon that
 had the store open keeps its open files; it should reopen the store to see
 the new generation.
 
-The steps (stage_lock, remove_leftovers, hold_store_lock, link_current,
-stage_into, swap_in) are public: `shards` builds several rank stores with
+The steps (store_place, stage_lock, remove_leftovers, hold_store_lock,
+link_current, stage_into, swap_in) are public: `shards` builds several rank stores with
 them and swaps their parent directory in one step instead.
 """
 import ctypes
@@ -88,14 +88,9 @@ def stage_checkpoint(path, store_dir, progress=False, *, config=None, progress_i
     started = time.monotonic()
     checkpoint = iter_checkpoint(path)                 # structure checked before the store is touched
     try:
-        store_dir = os.path.realpath(store_dir)
-        parent, base = os.path.split(store_dir)
-        if not base:
-            raise StagingError(f"{store_dir}: a filesystem root cannot be a store directory")
-        os.makedirs(parent, exist_ok=True)
+        store_dir, parent, base, work = store_place(store_dir)
         with stage_lock(parent, base):
             remove_leftovers(parent, base)
-            work = os.path.join(parent, f".{base}.staging-{os.getpid()}")
             store_lock = None
             try:
                 store_lock = hold_store_lock(store_dir)
@@ -114,6 +109,18 @@ def stage_checkpoint(path, store_dir, progress=False, *, config=None, progress_i
     report.update(checkpoint=str(path), store=store_dir, seconds=round(seconds, 3),
                   MBps=round(report["bytes"] / max(seconds, 1e-9) / 1e6, 1))
     return report
+
+
+def store_place(store_dir):
+    """(store_dir resolved, its parent, its name, this process' work directory beside it):
+    where a stage builds the new generation. The parent is made if missing; a filesystem
+    root is refused (there is nowhere beside it to build)."""
+    store_dir = os.path.realpath(store_dir)
+    parent, base = os.path.split(store_dir)
+    if not base:
+        raise StagingError(f"{store_dir}: a filesystem root cannot be a store directory")
+    os.makedirs(parent, exist_ok=True)
+    return store_dir, parent, base, os.path.join(parent, f".{base}.staging-{os.getpid()}")
 
 
 def stage_into(work, checkpoint, config, progress, interval, stream, generation, source,

@@ -28,7 +28,7 @@ import numpy as np
 
 from .errors import StagingError
 from .generations import (hold_store_lock, link_current, remove_leftovers, stage_into, stage_lock,
-                          swap_in, fsync_dir)
+                          store_place, swap_in, fsync_dir)
 from .readers import iter_checkpoint
 
 SHARDS_FILE = "prefetchd-shards.json"
@@ -176,15 +176,10 @@ def stage_sharded(source, store_dir, *, spec=None, world_size=None, progress=Fal
         iter_checkpoint(source).close()
         sources = [lambda r=r: RankSlice(source, spec, r, world_size) for r in range(world_size)]
         files, described = [str(source)] * world_size, {glob: axis for glob, axis in spec}
-    root = os.path.realpath(store_dir)
-    parent, base = os.path.split(root)
-    if not base:
-        raise StagingError(f"{root}: a filesystem root cannot be a store directory")
-    os.makedirs(parent, exist_ok=True)
+    root, parent, base, work = store_place(store_dir)
     with stage_lock(parent, base):
         remove_leftovers(parent, base)
         previous = _check_root(root, world_size)
-        work = os.path.join(parent, f".{base}.staging-{os.getpid()}")
         os.mkdir(work)
         locks = []
         try:
