@@ -66,6 +66,20 @@ class Block {
     // atomic state, so a release racing an attach cannot both win.
     void claim_for_attach();  // Closed if released, ValueError if already attached
     void mark_detached() { state_.store(kLive); }
+    // Read-only pages. Pages moved in from a read-only home keep their protection
+    // (mremap moves it with them), so [data, data + readonly_bytes()) may be
+    // mapped PROT_READ while the rest is writable: a block lent back and forth
+    // between the host tier and a home never changes protection (each change
+    // costs a TLB shootdown of every core computing). Whoever writes the block
+    // makes it writable first (module.cpp's buffer access does); a released
+    // block gives its range back writable.
+    size_t readonly_bytes() const { return readonly_.load(); }
+    void set_readonly_bytes(size_t n) { readonly_.store(n); }
+    void ensure_writable();   // NativeError if mprotect fails
+    // After its pages moved away: writable again. No page is mapped there, so no
+    // TLB entry can exist and the change needs no shootdown (not counted below);
+    // best effort: on failure the range stays marked read-only.
+    void writable_while_empty();
 
   private:
     std::shared_ptr<Mapping> mapping_;
@@ -75,7 +89,13 @@ class Block {
     int64_t offset_;
     static constexpr int kLive = 0, kAttached = 1, kReleased = 2;
     std::atomic<int> state_{kLive};
+    std::atomic<size_t> readonly_{0};
 };
+
+// Protection changes (mprotect) made by blocks and homes, for tests and the
+// per-pass report: each is a TLB shootdown of every core running this process.
+uint64_t protection_changes();
+void count_protection_change();
 
 // Best-fit allocator over one lazily faulted mapping; the free list is ordered by offset so
 // neighbours coalesce on free and fragmentation stays visible (largest_free).

@@ -36,15 +36,47 @@ Mapping::~Mapping() {
     if (raw) munmap(raw, raw_len);
 }
 
+namespace {
+std::atomic<uint64_t> g_protection_changes{0};
+}  // namespace
+
+uint64_t protection_changes() { return g_protection_changes.load(); }
+void count_protection_change() { g_protection_changes.fetch_add(1); }
+
+void Block::ensure_writable() {
+    size_t n = readonly_.load();
+    if (n == 0) return;
+    count_protection_change();
+    if (mprotect(ptr_, n, PROT_READ | PROT_WRITE) != 0) {
+        int e = errno;
+        throw Error(ErrKind::Native, "making the block at offset " + std::to_string(offset_) + " writable failed: " +
+                                         errno_name(e) + " (too many mappings? see vm.max_map_count)");
+    }
+    readonly_.store(0);
+}
+
+void Block::writable_while_empty() {
+    size_t n = readonly_.load();
+    if (n && mprotect(ptr_, n, PROT_READ | PROT_WRITE) == 0) readonly_.store(0);
+}
+
 Block::~Block() {
     // A Block dropped without release() still returns its bytes. (An attached
     // block is owned by its Home, which marks it detached before dropping it.)
     int s = kLive;
-    if (state_.compare_exchange_strong(s, kReleased) && owner_) owner_->give_back(offset_, capacity_, nbytes_);
+    if (state_.compare_exchange_strong(s, kReleased) && owner_) {
+        try {
+            ensure_writable();   // the next block cut from this range is written
+        } catch (...) {
+            return;              // keep the range out of the free list rather than hand it out read-only
+        }
+        owner_->give_back(offset_, capacity_, nbytes_);
+    }
 }
 
 void Block::release() {
     int s = kLive;
+    if (readonly_.load() && state_.load() == kLive) ensure_writable();   // throws before anything changed
     if (state_.compare_exchange_strong(s, kReleased)) {
         if (owner_) owner_->give_back(offset_, capacity_, nbytes_);
         return;

@@ -57,9 +57,15 @@ size_t move_block_pages(const std::shared_ptr<Block> &dst, const std::shared_ptr
     uintptr_t d = dst->address(), s = src->address();
     if (len && d < s + len && s < d + len) throw Error(ErrKind::Value, "move_pages: the blocks overlap");
     if (len == 0) return 0;
+    // dst's first len bytes take src's protection with its pages (memory.h, "Read-only
+    // pages"); a read-only part of dst beyond them is made writable first, so the
+    // read-only part stays one prefix.
+    if (dst->readonly_bytes() > len) dst->ensure_writable();
     Claim hold_src(*src);   // ValueError/Closed if a release or attach won the race
     Claim hold_dst(*dst);
     move_pages(src->data(), dst->data(), len);
+    dst->set_readonly_bytes(std::min(src->readonly_bytes(), len));
+    src->writable_while_empty();   // its range holds no pages now
     return len;
 }
 

@@ -87,6 +87,7 @@ BufRef get_buffer(py::handle obj, bool writable) {
     if (py::isinstance<Block>(obj)) {
         auto b = obj.cast<std::shared_ptr<Block>>();
         b->check_live();
+        if (writable) b->ensure_writable();
         r.mem = MemRef{b->data(), b->nbytes(), b->capacity()};
         r.keep = b;  // the C++ Block holds the mapping; no Python needed later
         return r;
@@ -121,7 +122,16 @@ int block_getbuffer(PyObject *self, Py_buffer *view, int flags) {
             view->obj = nullptr;
             return -1;
         }
-        return PyBuffer_FillInfo(view, self, b.data(), Py_ssize_t(b.nbytes()), 0, flags);
+        // A writer gets writable pages (memory.h, "Read-only pages"); a reader of a
+        // block holding read-only pages gets a read-only view, so a write through it
+        // is a TypeError, not a fault.
+        if (flags & PyBUF_WRITABLE) b.ensure_writable();
+        int readonly = b.readonly_bytes() ? 1 : 0;
+        return PyBuffer_FillInfo(view, self, b.data(), Py_ssize_t(b.nbytes()), readonly, flags);
+    } catch (const Error &e) {
+        PyErr_SetString(PyExc_BufferError, e.what());
+        view->obj = nullptr;
+        return -1;
     } catch (...) {
         PyErr_SetString(PyExc_BufferError, "not a live Block");
         view->obj = nullptr;
@@ -316,6 +326,8 @@ PYBIND11_MODULE(_native, m) {
         }, py::arg("nbytes"))
         .def("close", &HostPoolImpl::close);
 
+    m.def("protection_changes", &protection_changes,
+          "mprotect calls made so far by blocks and homes (each a TLB shootdown; memory.h)");
     m.def("aligned_buffer", &aligned_buffer, py::arg("nbytes"), py::arg("alignment") = 4096);
     bind_vmem(m);
     bind_block_moves(m);

@@ -78,10 +78,16 @@ void reserve_none(char *p, size_t len) {
 
 // Reads only, writes watched (home_faults.h); -1 where the home stays writable
 // and unwatched (no mprotect, or the watch table is full).
-int watch(char *p, size_t len, uint64_t &seen) {
-    if (mprotect(p, len, PROT_READ) != 0) return -1;
+// `readonly`: the pages arrived read-only (memory.h, "Read-only pages"), so no
+// protection change (and no TLB shootdown) is needed.
+int watch(char *p, size_t len, uint64_t &seen, bool readonly) {
+    if (!readonly) {
+        count_protection_change();
+        if (mprotect(p, len, PROT_READ) != 0) return -1;
+    }
     int slot = watch_writes(reinterpret_cast<uintptr_t>(p), len);
     if (slot < 0) {
+        count_protection_change();
         mprotect(p, len, PROT_READ | PROT_WRITE);
         return -1;
     }
@@ -191,6 +197,7 @@ void Home::attach(ArenaImpl &arena, const std::shared_ptr<Block> &b) {
     std::lock_guard<std::mutex> g(res_->mu);
     if (attached_) throw Error(ErrKind::Value, "attach: the home at " + hex(ptr_) + " already has a block attached");
     b->claim_for_attach();  // from here on release() refuses, another attach too
+    bool arrives_readonly = b->readonly_bytes() >= len_;
     try {
         move_pages(b->data(), ptr_, len_);
     } catch (...) {
@@ -198,7 +205,8 @@ void Home::attach(ArenaImpl &arena, const std::shared_ptr<Block> &b) {
         throw;
     }
     attached_ = b;
-    watch_ = watch(ptr_, len_, seen_);
+    watch_ = watch(ptr_, len_, seen_, arrives_readonly);
+    b->writable_while_empty();
 }
 
 void Home::detach(const std::shared_ptr<Block> &b) {
@@ -207,18 +215,17 @@ void Home::detach(const std::shared_ptr<Block> &b) {
     if (attached_ != b)
         throw Error(ErrKind::Value, "detach: the home at " + hex(ptr_) + " holds the pages of the block at " +
                                         hex(attached_->data()) + ", not of the block at " + hex(b->data()));
-    // Writable again before the pages leave (their protection moves with them,
-    // and the block is filled next by a read or a copy). Compute has finished
-    // with the home by now: it is detached only after its compute fence.
+    // The pages leave with their protection: read-only unless a write since the
+    // watch was last armed made the home writable (home_faults.h). The block then
+    // records it, and whoever writes it next makes it writable (memory.h, "Read-only
+    // pages"): a clean page move back and forth changes no protection. Compute has
+    // finished with the home by now: it is detached only after its compute fence.
+    bool readonly = watch_ >= 0 && watched_writes(watch_) == seen_;
+    if (b->readonly_bytes() > len_) b->ensure_writable();   // the read-only part stays a prefix
+    move_pages(ptr_, b->data(), len_);
     unwatch_writes(watch_);
     watch_ = -1;
-    if (mprotect(ptr_, len_, PROT_READ | PROT_WRITE) != 0) {
-        int e = errno;
-        watch_ = watch(ptr_, len_, seen_);
-        throw Error(ErrKind::Native, "detach: making the home at " + hex(ptr_) + " writable failed: " +
-                                         errno_name(e));
-    }
-    move_pages(ptr_, b->data(), len_);
+    b->set_readonly_bytes(readonly ? len_ : 0);
     reserve_none(ptr_, len_);
     b->mark_detached();
     attached_.reset();
@@ -237,6 +244,7 @@ bool Home::take_written() {
             sched_yield();
             before = watched_writes(watch_);
         }
+        count_protection_change();
         if (mprotect(ptr_, len_, PROT_READ) != 0) {   // cannot re-arm: unwatched, always "written"
             unwatch_writes(watch_);
             watch_ = -1;

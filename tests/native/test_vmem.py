@@ -587,3 +587,64 @@ def test_cpu_backend_uses_huge_pages_unless_configured_off(tmp_path):
             assert backend.device.huge_pages is setting and backend.host.huge_pages is setting
         finally:
             backend.close()
+
+
+# ---------------------------------------------------------------- read-only pages (memory.h)
+
+def test_clean_pages_travel_read_only_and_change_no_protection():
+    arena = n.Arena(1 << 20)
+    home = n.VirtualRange(1 << 20).slice(0, 2 * PAGE)
+    block, data = filled(arena, 2 * PAGE, 3)
+    arena.attach(block, home)                  # a written block: the home is made read-only (one change)
+    before = n.protection_changes()
+    arena.detach(home, block)                  # clean: the pages leave read-only, nothing changed
+    assert bytes(memoryview(block)) == data and memoryview(block).readonly
+    with pytest.raises(TypeError):
+        memoryview(block)[0] = 1               # a reader's view is read-only: no fault, a refusal
+    for _ in range(3):
+        arena.attach(block, home)
+        assert bytes(memoryview(home)) == data
+        arena.detach(home, block)
+    other = arena.alloc(2 * PAGE)
+    n.move_pages(other, block)                 # the protection moves with the pages
+    assert memoryview(other).readonly and bytes(memoryview(other)) == data
+    assert n.protection_changes() == before, "a clean round trip changed protections"
+    assert not memoryview(block).readonly      # its range holds no pages now: writable again
+    np.frombuffer(other, np.uint8)[:4] = 9     # a writer makes the block writable first
+    assert n.protection_changes() == before + 1 and not memoryview(other).readonly
+    assert bytes(memoryview(other))[:8] == b"\x09" * 4 + data[4:8]
+
+
+def test_a_written_home_gives_writable_pages_back():
+    arena = n.Arena(1 << 20)
+    home = n.VirtualRange(1 << 20).slice(0, PAGE)
+    block, _ = filled(arena, PAGE, 4)
+    arena.attach(block, home)
+    arena.detach(home, block)                  # read-only pages now
+    arena.attach(block, home)                  # arrive read-only: watched without a change
+    assert home.write_watched
+    np.frombuffer(home, np.uint8)[0] = 77      # compute writes: faults once, counted
+    assert home.take_written()
+    np.frombuffer(home, np.uint8)[1] = 78      # and again after the re-arm
+    arena.detach(home, block)
+    assert not memoryview(block).readonly and bytes(memoryview(block))[:2] == bytes([77, 78])
+
+
+def test_native_writers_and_a_reused_range_get_writable_pages(tmp_path):
+    arena = n.Arena(4 * PAGE)
+    home = n.VirtualRange(1 << 20).slice(0, 2 * PAGE)
+    block, data = filled(arena, 2 * PAGE, 5)
+    arena.attach(block, home)
+    arena.detach(home, block)
+    assert memoryview(block).readonly
+    src = np.arange(2 * PAGE, dtype=np.uint8)
+    n.bulk_copy(block, src)                    # a native copy into read-only pages: made writable first
+    assert bytes(memoryview(block)) == src.tobytes()
+    arena.attach(block, home)
+    arena.detach(home, block)                  # read-only again
+    address = block.address
+    block.release()                            # its range goes back to the arena writable
+    again = arena.alloc(2 * PAGE)
+    assert again.address == address and not memoryview(again).readonly
+    memoryview(again)[:3] = b"abc"
+    assert bytes(memoryview(again))[:3] == b"abc"
