@@ -10,6 +10,9 @@ phases measured minutes apart at most on this shared, noisy machine:
     generate    1 worker serving a causal LM (prefetchd.serve.tiny_lm) at --budget
     hints       --workers workers, 3 weight sets, a budget of 1.5 of them: requests
                 switch models, with and without prefetch hints (kept from before)
+    shared_host after the fronts above are closed: 4 workers (--quick: 2) with one
+                host tier shared by the front against 4 with private host
+                tiers, on one staged checkpoint (prefetchd.bench.serve_shared)
 
 Each infer/generate front is measured with batching on (max_batch_size 32) and
 off (max_batch_size 1; Front.max_batch_size is switched between phases, with
@@ -19,6 +22,7 @@ mean batch size the front formed and, for generation, tokens/s; a phase is
 complete when every request got a whole reply (prefetchd.bench.serve_load).
 
 `--quick` is a tiny size for tests (correctness of the report, not speed).
+`--only shared` (a hidden flag) runs the shared_host section alone.
 """
 import os
 import sys
@@ -205,7 +209,12 @@ def _warm(s, fronts, inputs, prompt):
 
 def bench_serve(args):
     """`prefetchd bench serve` (see the module docstring); the report as a dict."""
+    from .serve_shared import bench_shared_host
     s = _sizes(args)
+    if getattr(args, "only", None) == "shared":
+        shared = bench_shared_host(args, s["quick"], s["repeats"], s["lookahead"])
+        return {"kind": "serve", "quick": s["quick"], "only": "shared", "shared_host": shared,
+                "ok": shared["ok"]}
     fronts = _fronts(s, getattr(args, "dir", None))
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal((1, s["seq"], s["hidden"])).astype(np.float32)]
@@ -226,7 +235,10 @@ def bench_serve(args):
             t.start()
         for t in closing:
             t.join()
-    return _report(s, runs, described)
+    report = _report(s, runs, described)
+    report["shared_host"] = bench_shared_host(args, s["quick"], s["repeats"], s["lookahead"])
+    report["ok"] = report["ok"] and report["shared_host"]["ok"]
+    return report
 
 
 def _report(s, runs, fronts):
