@@ -48,7 +48,7 @@ import threading
 
 import numpy as np
 
-from .serve import _median, _progress, _ratio, _start_all
+from .serve_phases import median, progress, ratio, start_all
 from .serve_load import run_load
 
 FULL = dict(hidden=512, layers=12, seq=8, workers=4, requests=48)    # ~147 MiB of weights
@@ -150,14 +150,14 @@ def _measure(fronts, size, repeats, inputs):
     """Warm, then the interleaved phases: ({role: [run]}, {role: read_bytes before}, pids)."""
     c = 2 * size["workers"]
     for role in ROLES:
-        _progress(f"warm shared_host {role}", run_load(fronts[role].endpoint, ["m0"], 2 * c, c, False,
+        progress(f"warm shared_host {role}", run_load(fronts[role].endpoint, ["m0"], 2 * c, c, False,
                                                         inputs, seed=99))
     pids = {role: _pids(f) for role, f in fronts.items()}
     before = {role: [_proc_read_bytes(p) for p in pids[role]] for role in ROLES}
     runs = {role: [] for role in ROLES}
     for r in range(repeats):
         for role in (ROLES if r % 2 == 0 else ROLES[::-1]):
-            runs[role].append(_progress(f"shared_host {role} c={c}", run_load(
+            runs[role].append(progress(f"shared_host {role} c={c}", run_load(
                 fronts[role].endpoint, ["m0"], max(size["requests"], 2 * c), c, False, inputs,
                 seed=r)))
     return runs, before, pids
@@ -172,10 +172,10 @@ def _describe(front, runs, before, pids):
     segment_bytes = owner["bytes"] if owner else 0
     daemons = [w["daemon"] for w in status["workers"]]
     return {
-        "rps": _median([r["rps"] for r in runs]),
-        "p50_seconds": _median([r["p50_seconds"] for r in runs]),
-        "p99_seconds": _median([r["p99_seconds"] for r in runs]),
-        "mean_batch_size": _median([r["mean_batch_size"] for r in runs]),
+        "rps": median([r["rps"] for r in runs]),
+        "p50_seconds": median([r["p50_seconds"] for r in runs]),
+        "p99_seconds": median([r["p99_seconds"] for r in runs]),
+        "mean_batch_size": median([r["mean_batch_size"] for r in runs]),
         "requests": sum(r["requests"] for r in runs),
         "completed": sum(r["completed"] for r in runs),
         "errors": sum(sum(r["errors"].values()) for r in runs), "runs": runs,
@@ -210,7 +210,7 @@ def bench_shared_host(args, quick, repeats, lookahead):
     try:
         store = stage_demo(root, size["hidden"], size["layers"], size["seq"])
         fronts, model_bytes = _fronts(size, store, root, lookahead)
-        _start_all(fronts)
+        start_all(fronts)
         runs, before, pids = _measure(fronts, size, repeats, inputs)
         described = {role: _describe(fronts[role], runs[role], before[role], pids[role])
                      for role in ROLES}
@@ -224,11 +224,11 @@ def bench_shared_host(args, quick, repeats, lookahead):
             t.join()
         shutil.rmtree(root, ignore_errors=True)
     shared, private = described["shared"], described["private"]
-    ratios = {"disk_bytes_shared_over_private": _ratio(shared["disk"]["front_read_bytes_total"],
+    ratios = {"disk_bytes_shared_over_private": ratio(shared["disk"]["front_read_bytes_total"],
                                                        private["disk"]["front_read_bytes_total"]),
-              "host_ram_shared_over_private": _ratio(shared["host_ram"]["bytes"],
+              "host_ram_shared_over_private": ratio(shared["host_ram"]["bytes"],
                                                      private["host_ram"]["bytes"]),
-              "rps_shared_over_private": _ratio(shared["rps"], private["rps"])}
+              "rps_shared_over_private": ratio(shared["rps"], private["rps"])}
     complete = all(f["completed"] == f["requests"] and f["errors"] == 0 and not f["workers_replaced"]
                    for f in described.values())
     return {"workers": size["workers"], "concurrency": 2 * size["workers"],
