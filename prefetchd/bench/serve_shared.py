@@ -6,7 +6,7 @@ One demo-model checkpoint is saved and staged (`prefetchd stage`'s code, in a
 child process so the bench process never imports MindSpore), then two fronts
 are started side by side on that store with the same spec but `shared_host`:
 
-    shared    the front owns the host tier (prefetchd.sharedhost), its workers map it
+    shared    the front owns the host tier (prefetchd.sharedhost), its workers load from it
     private   every worker daemon keeps its own host cache (the default)
 
 Each has WORKERS workers (--quick: 2 and a tiny model), a device budget of
@@ -24,9 +24,10 @@ each. Per front the section reports:
   the owner's `fill_bytes` counter (the owner runs in this process, whose /proc io
   is not counted: it runs other things too);
 - host RAM in use: the sum of the workers' PSS (/proc/<pid>/smaps_rollup) plus,
-  for shared, the bytes of the shared segments (the owner's status). That is an
-  upper bound: the workers' PSS already holds their share of the segment pages
-  they map (`workers_shared_pss_bytes`, from /proc/<pid>/smaps), counted twice;
+  for shared, the bytes of the shared segments (the owner's status). That would be
+  an upper bound if workers kept segments mapped (their PSS share of those pages,
+  `workers_shared_pss_bytes` from /proc/<pid>/smaps, counted twice); today's
+  workers copy with a pread and keep no mapping, so it is 0;
 - the host-tier bytes from status: private, the sum of each worker daemon's host
   bytes in use; shared, the owner's.
 
