@@ -10,6 +10,9 @@ phases measured minutes apart at most on this shared, noisy machine:
     generate    1 worker serving a causal LM (prefetchd.serve.tiny_lm) at --budget
     hints       --workers workers, 3 weight sets, a budget of 1.5 of them: requests
                 switch models, with and without prefetch hints (kept from before)
+    shared_host after the fronts above are closed: 4 workers (--quick: 2) with one
+                host tier shared by the front against 4 with private host
+                tiers, on one staged checkpoint (prefetchd.bench.serve_shared)
 
 Each infer/generate front is measured with batching on (max_batch_size 32) and
 off (max_batch_size 1; Front.max_batch_size is switched between phases, with
@@ -19,6 +22,7 @@ mean batch size the front formed and, for generation, tokens/s; a phase is
 complete when every request got a whole reply (prefetchd.bench.serve_load).
 
 `--quick` is a tiny size for tests (correctness of the report, not speed).
+`--only shared` (a hidden flag) runs the shared_host section alone.
 """
 import os
 import sys
@@ -28,6 +32,7 @@ import time
 import numpy as np
 
 from .serve_load import run_load
+from .serve_phases import median, progress, ratio, start_all
 
 CONCURRENCY = (1, 8, 32)
 QUICK_CONCURRENCY = (1, 2, 4)      # --quick: a test's minute cannot hold 32 unbatched passes
@@ -100,54 +105,15 @@ def _fronts(s, root):
     return fronts
 
 
-def _start_all(fronts):
-    """Start every front at once (their workers import MindSpore in parallel)."""
-    errors = {}
-
-    def start(role, front):
-        try:
-            front.start()
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after the others
-            errors[role] = e
-    threads = [threading.Thread(target=start, args=item) for item in fronts.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        role, error = next(iter(errors.items()))
-        raise RuntimeError(f"bench serve: the {role} front did not start: {error}") from error
-
-
-def _progress(what, run):
-    """One line per phase on stderr: a long run shows where it is."""
-    print(f"bench serve: {what}: {run['completed']}/{run['requests']} in {run['seconds']:.2f}s, "
-          f"{run['rps']:.1f} req/s, batch {run['mean_batch_size'] or 0:.1f}", file=sys.stderr,
-          flush=True)
-    return run
-
-
-def _median(values):
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
-
 def _summary(runs):
-    return {"rps": _median([r["rps"] for r in runs]),
-            "p50_seconds": _median([r["p50_seconds"] for r in runs]),
-            "p99_seconds": _median([r["p99_seconds"] for r in runs]),
-            "mean_batch_size": _median([r["mean_batch_size"] for r in runs]),
-            "tokens_per_second": _median([r["tokens_per_second"] for r in runs]),
+    return {"rps": median([r["rps"] for r in runs]),
+            "p50_seconds": median([r["p50_seconds"] for r in runs]),
+            "p99_seconds": median([r["p99_seconds"] for r in runs]),
+            "mean_batch_size": median([r["mean_batch_size"] for r in runs]),
+            "tokens_per_second": median([r["tokens_per_second"] for r in runs]),
             "requests": sum(r["requests"] for r in runs),
             "completed": sum(r["completed"] for r in runs),
             "errors": sum(sum(r["errors"].values()) for r in runs), "runs": runs}
-
-
-def _ratio(a, b):
-    return a / b if a and b else None
 
 
 def _phases(s, fronts, inputs, prompt):
@@ -155,7 +121,7 @@ def _phases(s, fronts, inputs, prompt):
     def infer(role, batched, c, seed):
         front = fronts[role]
         front.max_batch_size = MAX_BATCH if batched else 1
-        return _progress(f"{role} batching {'on' if batched else 'off'} c={c}", run_load(
+        return progress(f"{role} batching {'on' if batched else 'off'} c={c}", run_load(
             front.endpoint, ["m0"], max(s["requests"], s["rounds"] * c), c, False, inputs,
             seed=seed))
 
@@ -163,7 +129,7 @@ def _phases(s, fronts, inputs, prompt):
         front = fronts["generate"]
         front.max_batch_size = MAX_BATCH if batched else 1
         n = max(s["requests"] // 2, s["rounds"] * c) if batched else max(s["requests"] // 8, c)
-        return _progress(f"generate batching {'on' if batched else 'off'} c={c}", run_load(
+        return progress(f"generate batching {'on' if batched else 'off'} c={c}", run_load(
             front.endpoint, ["m0"], n, c, False, [prompt], seed=seed,
             max_new_tokens=s["new_tokens"]))
 
@@ -181,7 +147,7 @@ def _phases(s, fronts, inputs, prompt):
                     generate(mode.endswith("_batched"), c, r))
         concurrency = 2 * s["workers"]
         for mode, hint in (("no_hints", False), ("hints", True)):
-            runs.setdefault(("hints", mode, concurrency), []).append(_progress(mode, run_load(
+            runs.setdefault(("hints", mode, concurrency), []).append(progress(mode, run_load(
                 fronts["hints"].endpoint, names, max(s["requests"], 6 * s["workers"]), concurrency,
                 hint, inputs, seed=r)))
     return runs
@@ -193,26 +159,31 @@ def _warm(s, fronts, inputs, prompt):
     for role in ("resident", "offloaded"):
         for mbs in (MAX_BATCH, 1):
             fronts[role].max_batch_size = mbs
-            _progress(f"warm {role} max_batch_size {mbs}", run_load(
+            progress(f"warm {role} max_batch_size {mbs}", run_load(
                 fronts[role].endpoint, ["m0"], s["rounds"] * top if mbs > 1 else 2, top, False,
                 inputs, seed=99))
     fronts["generate"].max_batch_size = MAX_BATCH
-    _progress("warm generate", run_load(fronts["generate"].endpoint, ["m0"], 4, 4, False, [prompt],
+    progress("warm generate", run_load(fronts["generate"].endpoint, ["m0"], 4, 4, False, [prompt],
                                         seed=99, max_new_tokens=s["new_tokens"]))
-    _progress("warm hints", run_load(fronts["hints"].endpoint, ["m0", "m1", "m2"], 3 * s["workers"],
+    progress("warm hints", run_load(fronts["hints"].endpoint, ["m0", "m1", "m2"], 3 * s["workers"],
                                      2 * s["workers"], False, inputs, seed=99))
 
 
 def bench_serve(args):
     """`prefetchd bench serve` (see the module docstring); the report as a dict."""
+    from .serve_shared import bench_shared_host
     s = _sizes(args)
+    if getattr(args, "only", None) == "shared":
+        shared = bench_shared_host(args, s["quick"], s["repeats"], s["lookahead"])
+        return {"kind": "serve", "quick": s["quick"], "only": "shared", "shared_host": shared,
+                "ok": shared["ok"]}
     fronts = _fronts(s, getattr(args, "dir", None))
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal((1, s["seq"], s["hidden"])).astype(np.float32)]
     prompt = rng.integers(0, s["lm"]["vocab"], (1, s["prompt"])).astype(np.int64)
     try:
         t0 = time.monotonic()
-        _start_all(fronts)
+        start_all(fronts)
         print(f"bench serve: {len(fronts)} fronts ready in {time.monotonic() - t0:.1f}s",
               file=sys.stderr, flush=True)
         _warm(s, fronts, inputs, prompt)
@@ -226,7 +197,10 @@ def bench_serve(args):
             t.start()
         for t in closing:
             t.join()
-    return _report(s, runs, described)
+    report = _report(s, runs, described)
+    report["shared_host"] = bench_shared_host(args, s["quick"], s["repeats"], s["lookahead"])
+    report["ok"] = report["ok"] and report["shared_host"]["ok"]
+    return report
 
 
 def _report(s, runs, fronts):
@@ -238,18 +212,18 @@ def _report(s, runs, fronts):
     hints_c = str(2 * s["workers"])
     hints, no_hints = sections["hints"]["hints"][hints_c], sections["hints"]["no_hints"][hints_c]
     ratios = {
-        "offloaded_over_resident_batched": _ratio(infer["offloaded_batched"][top]["rps"],
+        "offloaded_over_resident_batched": ratio(infer["offloaded_batched"][top]["rps"],
                                                   infer["resident_batched"][top]["rps"]),
-        "offloaded_over_resident_unbatched": _ratio(infer["offloaded_unbatched"][top]["rps"],
+        "offloaded_over_resident_unbatched": ratio(infer["offloaded_unbatched"][top]["rps"],
                                                     infer["resident_unbatched"][top]["rps"]),
-        "batched_over_unbatched_offloaded": _ratio(infer["offloaded_batched"][top]["rps"],
+        "batched_over_unbatched_offloaded": ratio(infer["offloaded_batched"][top]["rps"],
                                                    infer["offloaded_unbatched"][top]["rps"]),
-        "batched_over_unbatched_resident": _ratio(infer["resident_batched"][top]["rps"],
+        "batched_over_unbatched_resident": ratio(infer["resident_batched"][top]["rps"],
                                                   infer["resident_unbatched"][top]["rps"]),
-        "generate_tokens_batched_over_unbatched": _ratio(
+        "generate_tokens_batched_over_unbatched": ratio(
             gen["offloaded_batched"][top]["tokens_per_second"],
             gen["offloaded_unbatched"][top]["tokens_per_second"]),
-        "hints_over_no_hints_rps": _ratio(hints["rps"], no_hints["rps"])}
+        "hints_over_no_hints_rps": ratio(hints["rps"], no_hints["rps"])}
     complete = all(p["completed"] == p["requests"] and p["errors"] == 0
                    for modes in sections.values() for by_c in modes.values() for p in by_c.values())
     return {"kind": "serve", "quick": s["quick"], "concurrency": list(s["concurrency"]),

@@ -1,4 +1,5 @@
 """Verbs that run in this process: demo, bench, stage, config, collect-env."""
+import argparse
 import os
 
 from .common import (DEMO_BUDGET_HELP, UsageError, budget, budget_fraction, demo_budget,
@@ -63,6 +64,8 @@ def register(sub):
                         "model's weights (default 25%%)")
     p.add_argument("--repeats", type=positive_int, default=3, help="runs of each measurement (3)")
     p.add_argument("--lookahead", type=positive_int, default=2, help="model/serve: units prefetched ahead (2)")
+    # serve: run only the shared_host section (prefetchd.bench.serve's docstring); not advertised.
+    p.add_argument("--only", choices=["shared"], default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)
 
 

@@ -1,6 +1,9 @@
 """`prefetchd bench serve --quick --json` end to end, through the CLI, with real fronts and
 worker processes: the report's structure, and that every phase answered every request
-with its own rows (correctness, not speed: the quick model is tiny)."""
+with its own rows (correctness, not speed: the quick model is tiny); and in the
+shared_host section, what a shared host tier must do even at the quick size: its
+workers read nothing from the store while measured, and the front reads less in
+total than the private host tiers of the same run (the owner reads each tensor once)."""
 import json
 import subprocess
 import sys
@@ -9,7 +12,8 @@ from prefetchd.bench.serve import GENERATE_MODES, INFER_MODES, QUICK_CONCURRENCY
 
 
 def test_bench_serve_quick_json(tmp_path):
-    # About a minute (66-78s with the machine's load average at 11-14): 4 fronts, 5 workers.
+    # About a minute (66-78s with the machine's load average at 11-14): 4 fronts, 5 workers;
+    # then the shared_host section's 2 fronts of 2 workers (about 40s more).
     out = subprocess.run([sys.executable, "-m", "prefetchd.cli", "bench", "serve", "--quick", "--json",
                           "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -51,3 +55,42 @@ def test_bench_serve_quick_json(tmp_path):
     assert all(v is not None and v > 0 for v in report["ratios"].values()), report["ratios"]
     assert set(report["targets"]) == {"offloaded_over_resident_batched",
                                       "batched_over_unbatched_offloaded"}
+    _check_shared_host(report["shared_host"])
+
+
+def _check_shared_host(section):
+    from prefetchd.bench.serve_shared import QUICK, ROLES
+    assert section["ok"] is True and section["same_reply"] is True
+    assert section["workers"] == QUICK["workers"] and set(section["fronts"]) == set(ROLES)
+    assert section["device_budget_bytes"] < section["model"]["bytes"] <= section["host_budget_bytes"]
+    fronts = section["fronts"]
+    for role, front in fronts.items():
+        assert front["requests"] > 0 and front["completed"] == front["requests"], role
+        assert front["errors"] == 0 and not front["workers_replaced"], role
+        assert front["rps"] > 0 and 0 < front["p50_seconds"] <= front["p99_seconds"], role
+        assert len(front["worker_pids"]) == QUICK["workers"], role
+        assert len(front["disk"]["workers_read_bytes_total"]) == QUICK["workers"], role
+        assert all(p > 0 for p in front["host_ram"]["workers_pss_bytes"]), role
+    shared, private = fronts["shared"], fronts["private"]
+    model = section["model"]["bytes"]
+    # The shared front's workers never read the store while measured; its owner read each
+    # tensor once (fills), and it holds the model once, in the owner's segments.
+    assert shared["disk"]["workers_read_bytes_measured"] == [0] * QUICK["workers"]
+    assert shared["disk"]["owner_fill_bytes"] == model
+    assert shared["shared"]["counters"]["fills"] == shared["shared"]["blocks"]
+    assert shared["shared"]["worker_fallbacks"] == [0] * QUICK["workers"]
+    assert all(h > 0 for h in shared["shared"]["worker_hits"])
+    assert shared["host_ram"]["shared_segment_bytes"] >= model
+    assert shared["workers_host_used_bytes"] == [0] * QUICK["workers"]
+    # Private host tiers: a copy per worker, each read from the store.
+    assert private["disk"]["owner_fill_bytes"] is None and private["shared"] is None
+    assert private["host_tier_bytes"] >= QUICK["workers"] * model
+    assert sum(private["disk"]["workers_read_bytes_total"]) >= QUICK["workers"] * model
+    assert shared["disk"]["front_read_bytes_total"] < private["disk"]["front_read_bytes_total"]
+    assert shared["host_tier_bytes"] < private["host_tier_bytes"]
+    ratios = section["ratios"]
+    assert set(ratios) == {"disk_bytes_shared_over_private", "host_ram_shared_over_private",
+                           "rps_shared_over_private"}
+    assert all(v is not None and v > 0 for v in ratios.values()), ratios
+    assert ratios["disk_bytes_shared_over_private"] < 1
+    assert set(section["targets"]) == {"shared_rps_not_worse"}
