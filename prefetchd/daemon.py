@@ -303,7 +303,10 @@ class Daemon:
     def set_trace(self, steps, owner=None):
         """A recorded execution order (one collection of tensor names per unit run) of `owner`."""
         with self._lock:
-            self._policy.set_trace(steps, owner)
+            if self._core is not None:
+                self._core.set_trace(steps, owner)
+            else:
+                self._policy.set_trace(steps, owner)
 
     def advance_trace(self, position, owner=None):
         with self._lock:

@@ -80,7 +80,7 @@ class ComputeSession:
     def set_trace(self, steps):
         """The recorded execution order: one collection of tensor names per unit run."""
         with self._core.lock:
-            self._core.policy.set_trace(steps, self.owner)
+            self._core.set_trace(steps, self.owner)
 
     def at(self, position):
         with self._core.lock:

@@ -156,6 +156,13 @@ class Grant:
         self.close()
 
 
+class _Trace:
+    """A trace waiting on SharedLoads' queue."""
+
+    def __init__(self, names):
+        self.names = names
+
+
 class SharedLoads:
     """The cpu backend's loads through the shared tier (see the module docstring)."""
 
@@ -174,6 +181,13 @@ class SharedLoads:
         self._jobs.put((key, block, nbytes, tag, verify))
         return True
 
+    def set_trace(self, steps):
+        """This daemon's recorded load order (one collection of tensor names per step),
+        queued for the owner: it ranks its blocks by Belady's rule on the union of the
+        attached processes' traces (prefetchd.sharedhost.policy). Sent from the load
+        thread, so the caller never waits on the owner."""
+        self._jobs.put(_Trace([name for step in steps for name in step]))
+
     def describe(self):
         return {"socket": self.client.path, "attached": not self.client.closed, **self.counts,
                 "refusals": dict(self.refusals)}
@@ -185,10 +199,21 @@ class SharedLoads:
 
     def _run(self):
         while (job := self._jobs.get()) is not None:
+            if isinstance(job, _Trace):
+                self._send_trace(job.names)
+                continue
             try:
                 self._load(*job)
             except Exception:        # e.g. the stream closed under a closing daemon
                 log.exception("shared host tier: load of %r failed", job[0])
+
+    def _send_trace(self, names):
+        if self.client.closed:
+            return
+        try:
+            self.client.set_trace(names)
+        except Exception as e:       # the owner keeps ranking by LRU for this process
+            log.warning("shared host tier: sending the trace (%d names) failed: %s", len(names), e)
 
     def _load(self, key, block, nbytes, tag, verify):
         be = self.backend

@@ -262,3 +262,19 @@ def test_a_daemon_whose_shared_tier_is_not_running_refuses_to_start(tmp_path):
     with pytest.raises(StorageError, match="cannot attach to the shared host tier"):
         Daemon(store_dir=str(tmp_path / "s"), shared_host=str(tmp_path / "none.sock"),
                device_budget=4 << 20).start()
+
+
+def test_a_daemons_trace_reaches_the_owner(owner, src, tmp_path):
+    # Belady on the union of the attached traces needs the daemons to send theirs.
+    from prefetchd.daemon import Daemon
+    d = Daemon(store_dir=link_store(src, str(tmp_path / "w")), shared_host=owner.path,
+               device_budget=4 << 20, host_budget=0, name="traced").start()
+    try:
+        handles = [d.register_remote(name, (N,), np.float32) for name in TENSORS]
+        assert [w["trace"] for w in owner.status()["workers"]] == [False]
+        d.set_trace([[name] for name in TENSORS], owner="t")
+        assert wait_until(lambda: [w["trace"] for w in owner.status()["workers"]] == [True], 10)
+        with d.use(handles[:1]) as recs:
+            assert np.array_equal(np.frombuffer(recs[0].home, np.float32, N), values("t0"))
+    finally:
+        d.close(10)
