@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from . import backend as backends
 from .backend import framework
 from .config import PAGE, Config, parse_fraction_or_size
-from .core import patterns, policy as policies
+from .core import patterns, policy as policies, traces
 from .core.binding import Binding
 from .attachments import Attachments
 from .core.events import Events
@@ -304,7 +304,7 @@ class Daemon:
         """A recorded execution order (one collection of tensor names per unit run) of `owner`."""
         with self._lock:
             if self._core is not None:
-                self._core.set_trace(steps, owner)
+                traces.set_trace(self._core, steps, owner)
             else:
                 self._policy.set_trace(steps, owner)
 

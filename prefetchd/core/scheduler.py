@@ -135,15 +135,6 @@ class Scheduler:
     def tick(self):
         return next(self._tick)
 
-    def set_trace(self, steps, owner):
-        """owner's recorded order (one collection of tensor names per step), for the
-        eviction policy and, where the backend loads through a machine's shared host
-        tier, for its owner too (it ranks blocks by every attached trace). Caller holds lock."""
-        self.policy.set_trace(steps, owner)
-        shared = getattr(self.backend, "shared", None)
-        if shared is not None:
-            shared.set_trace(steps)     # queued: the caller never waits on the owner
-
     def note_writes(self, rec):
         """Dirty rec if compute wrote it in place since we last looked (core/compute_writes.py)."""
         note_writes(self.backend, self.stats, rec)

@@ -15,6 +15,7 @@ import time
 from concurrent.futures import Future
 
 from ..errors import NotResidentError
+from . import traces
 from .records import State
 from .requests import Kind, Request
 
@@ -80,7 +81,7 @@ class ComputeSession:
     def set_trace(self, steps):
         """The recorded execution order: one collection of tensor names per unit run."""
         with self._core.lock:
-            self._core.set_trace(steps, self.owner)
+            traces.set_trace(self._core, steps, self.owner)
 
     def at(self, position):
         with self._core.lock:
