@@ -12,9 +12,10 @@ this daemon's own checksummed store read, as without the shared tier. So the
 shared tier can save reads and RAM but never changes what a load returns.
 
 Why a copy (a pread from the memfd) and not a mapping of the shared pages at the
-tensor's home: measured in docs/shared-host.md (the shared memfd pages are 4 KiB
-pages; mapping them costs about what the pread costs, and a home mapped to shared
-pages would need native support for copy-on-write of written weights).
+tensor's home: docs/shared-host.md, "Copy or map" (mapping the 4 KiB shmem pages
+measured about a quarter cheaper, but a home mapped to shared pages needs a
+private copy-on-write mapping, a lease held while mapped and the write watch over
+it, which the home code does not have).
 """
 import logging
 import os
@@ -125,7 +126,7 @@ class Grant:
 
     def read_into(self, dst):
         """Copy the block's bytes to the front of the writable buffer dst. A pread, not a
-        mapping: cheapest for 4 KiB shmem pages (docs/shared-host.md). Refused
+        mapping (docs/shared-host.md, "Copy or map"). Refused
         ("corrupt") if the bytes do not match the crc of this daemon's store copy."""
         from .. import _native
         with memoryview(dst) as view, view.cast("B")[:self.nbytes] as out:
