@@ -26,13 +26,12 @@ complete when every request got a whole reply (prefetchd.bench.serve_load).
 """
 import os
 import sys
-import threading
 import time
 
 import numpy as np
 
 from .serve_load import run_load
-from .serve_phases import median, progress, ratio, start_all
+from .serve_phases import close_all, median, progress, ratio, start_all, summarize
 
 CONCURRENCY = (1, 8, 32)
 QUICK_CONCURRENCY = (1, 2, 4)      # --quick: a test's minute cannot hold 32 unbatched passes
@@ -106,14 +105,7 @@ def _fronts(s, root):
 
 
 def _summary(runs):
-    return {"rps": median([r["rps"] for r in runs]),
-            "p50_seconds": median([r["p50_seconds"] for r in runs]),
-            "p99_seconds": median([r["p99_seconds"] for r in runs]),
-            "mean_batch_size": median([r["mean_batch_size"] for r in runs]),
-            "tokens_per_second": median([r["tokens_per_second"] for r in runs]),
-            "requests": sum(r["requests"] for r in runs),
-            "completed": sum(r["completed"] for r in runs),
-            "errors": sum(sum(r["errors"].values()) for r in runs), "runs": runs}
+    return dict(summarize(runs), tokens_per_second=median([r["tokens_per_second"] for r in runs]))
 
 
 def _phases(s, fronts, inputs, prompt):
@@ -192,11 +184,7 @@ def bench_serve(args):
                             "model_bytes": f.spec.model_bytes(), "counters": dict(f.counters)}
                      for role, f in fronts.items()}
     finally:
-        closing = [threading.Thread(target=f.close, args=(30,)) for f in fronts.values()]
-        for t in closing:
-            t.start()
-        for t in closing:
-            t.join()
+        close_all(fronts)
     report = _report(s, runs, described)
     report["shared_host"] = bench_shared_host(args, s["quick"], s["repeats"], s["lookahead"])
     report["ok"] = report["ok"] and report["shared_host"]["ok"]

@@ -1,5 +1,5 @@
 """What the `bench serve` sections share (prefetchd.bench.serve, .serve_shared): starting
-fronts at once, one progress line per phase, medians and ratios of the runs."""
+and closing fronts at once, one progress line per phase, medians and ratios of the runs."""
 import sys
 import threading
 
@@ -23,6 +23,15 @@ def start_all(fronts):
         raise RuntimeError(f"bench serve: the {role} front did not start: {error}") from error
 
 
+def close_all(fronts, timeout=30):
+    """Close every front at once (each waits for its workers to exit)."""
+    closing = [threading.Thread(target=f.close, args=(timeout,)) for f in fronts.values()]
+    for t in closing:
+        t.start()
+    for t in closing:
+        t.join()
+
+
 def progress(what, run):
     """One line per phase on stderr: a long run shows where it is."""
     print(f"bench serve: {what}: {run['completed']}/{run['requests']} in {run['seconds']:.2f}s, "
@@ -41,3 +50,15 @@ def median(values):
 
 def ratio(a, b):
     return a / b if a and b else None
+
+
+def summarize(runs):
+    """One phase's closed-loop runs (prefetchd.bench.serve_load): medians of requests/s
+    and latency, the mean batch, and the totals."""
+    return {"rps": median([r["rps"] for r in runs]),
+            "p50_seconds": median([r["p50_seconds"] for r in runs]),
+            "p99_seconds": median([r["p99_seconds"] for r in runs]),
+            "mean_batch_size": median([r["mean_batch_size"] for r in runs]),
+            "requests": sum(r["requests"] for r in runs),
+            "completed": sum(r["completed"] for r in runs),
+            "errors": sum(sum(r["errors"].values()) for r in runs), "runs": runs}

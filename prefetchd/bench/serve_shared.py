@@ -45,11 +45,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 
 import numpy as np
 
-from .serve_phases import median, progress, ratio, start_all
+from .serve_phases import close_all, progress, ratio, start_all, summarize
 from .serve_load import run_load
 
 FULL = dict(hidden=512, layers=12, seq=8, workers=4, requests=48)    # ~147 MiB of weights
@@ -173,13 +172,7 @@ def _describe(front, runs, before, pids):
     segment_bytes = owner["bytes"] if owner else 0
     daemons = [w["daemon"] for w in status["workers"]]
     return {
-        "rps": median([r["rps"] for r in runs]),
-        "p50_seconds": median([r["p50_seconds"] for r in runs]),
-        "p99_seconds": median([r["p99_seconds"] for r in runs]),
-        "mean_batch_size": median([r["mean_batch_size"] for r in runs]),
-        "requests": sum(r["requests"] for r in runs),
-        "completed": sum(r["completed"] for r in runs),
-        "errors": sum(sum(r["errors"].values()) for r in runs), "runs": runs,
+        **summarize(runs),
         "worker_pids": pids, "workers_replaced": _pids(front) != pids,
         "disk": {"workers_read_bytes_measured": [t - b for t, b in zip(total, before)],
                  "workers_read_bytes_total": total,
@@ -218,11 +211,7 @@ def bench_shared_host(args, quick, repeats, lookahead):
         same = _same_reply(fronts, inputs[0])
         device_budget = fronts["shared"].spec.device_budget()
     finally:
-        closing = [threading.Thread(target=f.close, args=(30,)) for f in fronts.values()]
-        for t in closing:
-            t.start()
-        for t in closing:
-            t.join()
+        close_all(fronts)
         shutil.rmtree(root, ignore_errors=True)
     shared, private = described["shared"], described["private"]
     ratios = {"disk_bytes_shared_over_private": ratio(shared["disk"]["front_read_bytes_total"],
