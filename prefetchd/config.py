@@ -255,6 +255,8 @@ class Config:
     allow_insecure_remote: bool = False   # allow_remote without CURVE: every peer on the network may connect
     shared_host: str | None = None        # Unix socket of a shared host tier's owner (docs/shared-host.md):
                                           # clean host replicas come from it; None: a private host tier
+    shared_host_map: bool = True          # cpu: map a shared block's pages under the device block (no copy)
+                                          # where the kernel can move file mappings; false: copy (pread)
     trace: str | None = None              # write a Chrome/Perfetto timeline of the scheduler here at close()
     name: str = "default"
     shutdown_timeout: float = 10.0
@@ -423,6 +425,7 @@ _PARSERS.update({
     "allow_remote": _parse_bool,
     "allow_insecure_remote": _parse_bool,
     "shared_host": _optional_str,
+    "shared_host_map": _parse_bool,
     "trace": _optional_str,
     "max_message_size": parse_size,
     "name": _parse_name,

@@ -31,6 +31,10 @@ struct Mapping {
     // mremap (block_moves.cpp). Memory shared with other processes (a memfd
     // segment) must not be: a move would leave its source still mapping them.
     bool movable = true;
+    // [base, base + huge_len) is advised MADV_HUGEPAGE (an arena or pool with
+    // huge_pages): a range put back after a segment was mapped there is advised
+    // again (segment_maps.cpp), so it merges with its neighbours.
+    size_t huge_len = 0;
     Mapping(size_t len, size_t alignment);  // throws OutOfSpace/NativeError
     ~Mapping();
     Mapping(const Mapping &) = delete;
@@ -80,8 +84,18 @@ class Block {
     // TLB entry can exist and the change needs no shootdown (not counted below);
     // best effort: on failure the range stays marked read-only.
     void writable_while_empty();
+    // Segments shared with other processes (segment_maps.cpp). map_segment maps the
+    // first len bytes of a sealed memfd over the block's range, private and read-only
+    // (no copy: the pages stay the other processes' too; a write gets a private copy).
+    // Until the block is released its range may map the file (mremap carries the
+    // mapping to a home and back; the range a move leaves behind still maps it), so
+    // release puts fresh anonymous memory back first. Moves mark their destination.
+    void map_segment(int fd, size_t len);   // Value/Native errors; never on an attached block
+    bool maps_segment() const { return maps_segment_.load(); }
+    void mark_maps_segment() { maps_segment_.store(true); }
 
   private:
+    bool unmap_segment() noexcept;   // fresh anonymous memory over the range if it maps one; false if mmap failed
     std::shared_ptr<Mapping> mapping_;
     std::shared_ptr<BlockOwner> owner_;
     char *ptr_;
@@ -90,12 +104,17 @@ class Block {
     static constexpr int kLive = 0, kAttached = 1, kReleased = 2;
     std::atomic<int> state_{kLive};
     std::atomic<size_t> readonly_{0};
+    std::atomic<bool> maps_segment_{false};
 };
 
 // Protection changes (mprotect) made by blocks and homes, for tests and the
 // per-pass report: each is a TLB shootdown of every core running this process.
 uint64_t protection_changes();
 void count_protection_change();
+
+// Whether this kernel moves private file mappings with MREMAP_DONTUNMAP (Linux >=
+// 5.13), which attaching a block that maps a segment needs. Probed once.
+bool segment_maps_supported();
 
 // Best-fit allocator over one lazily faulted mapping; the free list is ordered by offset so
 // neighbours coalesce on free and fragmentation stays visible (largest_free).

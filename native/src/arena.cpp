@@ -66,6 +66,7 @@ Block::~Block() {
     int s = kLive;
     if (state_.compare_exchange_strong(s, kReleased) && owner_) {
         try {
+            if (!unmap_segment()) return;   // keep a range still mapping a segment out of the free list
             ensure_writable();   // the next block cut from this range is written
         } catch (...) {
             return;              // keep the range out of the free list rather than hand it out read-only
@@ -76,7 +77,12 @@ Block::~Block() {
 
 void Block::release() {
     int s = kLive;
-    if (readonly_.load() && state_.load() == kLive) ensure_writable();   // throws before anything changed
+    if (state_.load() == kLive) {   // throws before anything changed
+        if (!unmap_segment())
+            throw Error(ErrKind::Native, "putting anonymous memory back under the block at offset " +
+                                             std::to_string(offset_) + " failed (too many mappings? see vm.max_map_count)");
+        if (readonly_.load()) ensure_writable();
+    }
     if (state_.compare_exchange_strong(s, kReleased)) {
         if (owner_) owner_->give_back(offset_, capacity_, nbytes_);
         return;
@@ -112,6 +118,7 @@ ArenaImpl::ArenaImpl(size_t capacity, size_t alignment, bool huge_pages)
     capacity_ = capacity / alignment * alignment;  // only whole aligned units are usable
     mapping_ = std::make_shared<Mapping>(capacity_, huge_ ? std::max(alignment, kHugePage) : alignment);
     if (huge_) advise_huge_pages(mapping_->base, mapping_->len);
+    if (huge_) mapping_->huge_len = mapping_->len;
     // Nothing is faulted in here: a page costs memory from its first write on
     // and is reused (never zeroed again) after that, so a budget larger than
     // what is actually loaded costs address space only. Whether the budget can

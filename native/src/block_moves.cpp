@@ -64,6 +64,7 @@ size_t move_block_pages(const std::shared_ptr<Block> &dst, const std::shared_ptr
     Claim hold_src(*src);   // ValueError/Closed if a release or attach won the race
     Claim hold_dst(*dst);
     move_pages(src->data(), dst->data(), len);
+    if (src->maps_segment()) dst->mark_maps_segment();   // the file mapping moved with the pages
     dst->set_readonly_bytes(std::min(src->readonly_bytes(), len));
     src->writable_while_empty();   // its range holds no pages now
     return len;

@@ -35,7 +35,10 @@ std::shared_ptr<Block> HostPoolImpl::alloc(size_t nbytes) {
     }
     // Only the whole huge pages: a partial one at the end would fault in 2 MiB
     // for the tail's few bytes, memory the budget does not count.
-    if (huge) advise_huge_pages(m->base, m->len / kHugePage * kHugePage);
+    if (huge) {
+        m->huge_len = m->len / kHugePage * kHugePage;
+        advise_huge_pages(m->base, m->huge_len);
+    }
     if (lock_ && nbytes > 0 && mlock(m->base, m->len) != 0) {
         std::lock_guard<std::mutex> g(mu_);
         all_locked_ = false;  // RLIMIT_MEMLOCK: keep going unlocked, report via `locked`

@@ -21,6 +21,7 @@ using namespace pfd;
 
 void bind_vmem(py::module_ &m);  // vmem.cpp: VirtualRange, Home, Arena.attach/detach
 void bind_block_moves(py::module_ &m);  // block_moves.cpp: move_pages, Block.movable
+void bind_segment_maps(py::module_ &m);  // segment_maps.cpp: Block.map_segment
 
 namespace {
 
@@ -331,6 +332,7 @@ PYBIND11_MODULE(_native, m) {
     m.def("aligned_buffer", &aligned_buffer, py::arg("nbytes"), py::arg("alignment") = 4096);
     bind_vmem(m);
     bind_block_moves(m);
+    bind_segment_maps(m);
 
     // ------------------------------------------------------------ checksums
     m.def("crc32c", [](py::handle buf, uint32_t seed) {

@@ -69,7 +69,8 @@ class CpuBackend(HostAndStoreTiers):
         if config.shared_host:
             from ..sharedhost.client import attach
             try:
-                self.shared = attach(config.shared_host, self, config.name)
+                self.shared = attach(config.shared_host, self, config.name,
+                                     self._maps_shared if config.shared_host_map else None)
             except OSError as e:
                 self.close()
                 from ..errors import StorageError
@@ -84,6 +85,15 @@ class CpuBackend(HostAndStoreTiers):
 
     def free_device(self, block):
         block.release()
+        if self.shared is not None:
+            self.shared.unmapped(block)   # its range mapped a shared segment: the lease ends now
+
+    def _maps_shared(self, block):
+        """Whether a shared-tier load into `block` maps the segment (no copy): device blocks
+        (their pages move to the home and back, carrying the mapping) where the kernel can
+        move file mappings; a host block or an older kernel gets a copy."""
+        return (_native.segment_maps_supported()
+                and self._base <= block.address < self._base + self.device.capacity)
 
     def device_used(self):
         return self.device.used

@@ -23,11 +23,10 @@ each. Per front the section reports:
   imports included, the same for both fronts); the shared tier's own reads are
   the owner's `fill_bytes` counter (the owner runs in this process, whose /proc io
   is not counted: it runs other things too);
-- host RAM in use: the sum of the workers' PSS (/proc/<pid>/smaps_rollup) plus,
-  for shared, the bytes of the shared segments (the owner's status). That would be
-  an upper bound if workers kept segments mapped (their PSS share of those pages,
-  `workers_shared_pss_bytes` from /proc/<pid>/smaps, counted twice); today's
-  workers copy with a pread and keep no mapping, so it is 0;
+- host RAM in use: the sum of the workers' PSS (/proc/<pid>/smaps_rollup) without
+  their share of the shared segments' pages (`workers_shared_pss_bytes`, from
+  /proc/<pid>/smaps: resident weights map them), plus, for shared, the bytes of the
+  shared segments (the owner's status), so each segment page is counted once;
 - the host-tier bytes from status: private, the sum of each worker daemon's host
   bytes in use; shared, the owner's.
 
@@ -182,7 +181,7 @@ def _describe(front, runs, before, pids):
         "host_ram": {"workers_pss_bytes": [p for p, _ in pss],
                      "workers_shared_pss_bytes": sum(s for _, s in pss),
                      "shared_segment_bytes": segment_bytes,
-                     "bytes": sum(p for p, _ in pss) + segment_bytes},
+                     "bytes": sum(p - s for p, s in pss) + segment_bytes},
         "host_tier_bytes": segment_bytes if owner else sum(d["host"]["used"] for d in daemons),
         "workers_host_used_bytes": [d["host"]["used"] for d in daemons],
         "shared": ({"blocks": owner["blocks"], "leases": owner["leases"],

@@ -11,11 +11,14 @@ its bytes do not match the checksum, the owner is gone — the load falls back t
 this daemon's own checksummed store read, as without the shared tier. So the
 shared tier can save reads and RAM but never changes what a load returns.
 
-Why a copy (a pread from the memfd) and not a mapping of the shared pages at the
-tensor's home: docs/shared-host.md, "Copy or map" (mapping the 4 KiB shmem pages
-measured about a quarter cheaper, but a home mapped to shared pages needs a
-private copy-on-write mapping, a lease held while mapped and the write watch over
-it, which the home code does not have).
+Map or copy (docs/shared-host.md, "Copy or map"). A load into a device block of the
+cpu backend maps the segment over the block (`Block.map_segment`: private,
+read-only, no copy; the block then moves to the home and back like any other, and a
+write by compute gets a private page), and the lease is held until that block is
+freed (`unmapped`): the block's range maps the segment until then. Any other
+destination (a host block, a backend or kernel that cannot move file mappings,
+`shared_host_map = false`) gets a copy, a pread from the memfd, and the lease ends
+with the copy.
 """
 import logging
 import os
@@ -117,12 +120,35 @@ class SharedHostClient:
 
 
 class Grant:
-    """One leased block: `read_into` copies it out (checked against the store's crc
-    the first time this process reads this block), `close` releases the lease."""
+    """One leased block: `read_into` copies it out, `map_into` maps it over a device
+    block (either checked against the store's crc the first time this process reads
+    this block); `close` releases the lease of a copy, `release` that of a mapping."""
 
     def __init__(self, client, key, version, nbytes, crc, fd, verified, inode):
         self.client, self.key, self.version, self.nbytes, self.crc = client, key, version, nbytes, crc
         self.fd, self._verified, self._inode = fd, verified, inode
+
+    def map_into(self, block):
+        """Map the block's bytes over the device `block` (no copy), checked against the
+        store's crc the first time; the descriptor is closed, the lease stays held (the
+        caller releases it with `release` once the block is freed). Refused ("corrupt")
+        on a mismatch; NativeError if the mapping fails."""
+        from .. import _native
+        block.map_segment(self.fd, self.nbytes)
+        if not self._verified:
+            with memoryview(block) as view:
+                got = _native.crc32c(view[:self.nbytes])
+            if got != self.crc:
+                raise Refused("corrupt", f"shared block of {self.key!r} has crc {got:#x}, its "
+                                         f"store copy {self.crc:#x}")
+            self.client._verified.add((self.key, self.version, self._inode))
+            self._verified = True
+        os.close(self.fd)
+        self.fd = -1
+
+    def release(self):
+        """End the lease of a mapped grant (its descriptor is closed already)."""
+        self.client.release(self.key, self.version)
 
     def read_into(self, dst):
         """Copy the block's bytes to the front of the writable buffer dst. A pread, not a
@@ -167,9 +193,13 @@ class _Trace:
 class SharedLoads:
     """The cpu backend's loads through the shared tier (see the module docstring)."""
 
-    def __init__(self, client, backend):
+    def __init__(self, client, backend, maps=None):
         self.client, self.backend = client, backend
-        self.counts = {"hits": 0, "hit_bytes": 0, "fallbacks": 0, "fallback_bytes": 0}
+        # maps(block): whether a load into `block` maps the segment instead of copying
+        self._maps = maps or (lambda block: False)
+        self._mapped = {}              # block address -> Grant: leases held while a block maps its segment
+        self._mapped_lock = threading.Lock()
+        self.counts = {"hits": 0, "hit_bytes": 0, "mapped": 0, "fallbacks": 0, "fallback_bytes": 0}
         self.refusals = {}
         self._jobs = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="prefetchd-shared-loads", daemon=True)
@@ -189,9 +219,18 @@ class SharedLoads:
         thread, so the caller never waits on the owner."""
         self._jobs.put(_Trace([name for step in steps for name in step]))
 
+    def unmapped(self, block):
+        """`block` (released) maps no segment any more: end the lease its load kept."""
+        with self._mapped_lock:
+            grant = self._mapped.pop(block.address, None)
+        if grant is not None:
+            grant.release()
+
     def describe(self):
+        with self._mapped_lock:
+            leases = len(self._mapped)
         return {"socket": self.client.path, "attached": not self.client.closed, **self.counts,
-                "refusals": dict(self.refusals)}
+                "mapped_leases": leases, "refusals": dict(self.refusals)}
 
     def close(self, timeout=10.0):
         self._jobs.put(None)
@@ -232,17 +271,34 @@ class SharedLoads:
                 log.warning("shared host tier detached; loads read this daemon's store: %s", e)
             return self._own_read(key, block, nbytes, tag, verify)
         try:
-            with grant:
-                grant.read_into(block)
+            if nbytes and self._maps(block):
+                self._map(grant, block)
+            else:
+                with grant:
+                    grant.read_into(block)
         except Exception as e:       # never leave a load without a completion
             if isinstance(e, Refused):
                 self.refusals[e.code] = self.refusals.get(e.code, 0) + 1
-            log.warning("shared host tier: copying %r out of its shared block failed (%s); "
+            log.warning("shared host tier: loading %r from its shared block failed (%s); "
                         "reading this daemon's store", key, e)
             return self._own_read(key, block, nbytes, tag, verify)
         self.counts["hits"] += 1
         self.counts["hit_bytes"] += nbytes
         be.load_stream.record(tag=tag, cq=be.cq)
+
+    def _map(self, grant, block):
+        """Map the grant over `block`, keeping its lease until `unmapped(block)`."""
+        try:
+            grant.map_into(block)
+        except BaseException:
+            grant.close()            # the block may map part of it: released with the block
+            raise
+        with self._mapped_lock:
+            stale = self._mapped.pop(block.address, None)
+            self._mapped[block.address] = grant
+        if stale is not None:        # a block freed without `unmapped` (a bug): do not leak its lease
+            stale.release()
+        self.counts["mapped"] += 1
 
     def _own_read(self, key, block, nbytes, tag, verify):
         self.counts["fallbacks"] += 1
@@ -251,6 +307,7 @@ class SharedLoads:
         be.load_stream.read(be.store, key, block, verify=verify, tag=tag, cq=be.cq)
 
 
-def attach(path, backend, name=""):
-    """SharedLoads for `backend` attached to the owner at `path`; OSError if it cannot connect."""
-    return SharedLoads(SharedHostClient(path, name), backend)
+def attach(path, backend, name="", maps=None):
+    """SharedLoads for `backend` attached to the owner at `path` (maps: see SharedLoads);
+    OSError if it cannot connect."""
+    return SharedLoads(SharedHostClient(path, name), backend, maps)

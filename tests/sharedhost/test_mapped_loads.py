@@ -1,0 +1,91 @@
+"""Loads from the shared host tier on the cpu backend map the shared pages (no copy):
+the tensor's home maps the owner's segment while resident, the worker holds a lease
+exactly while its device tier maps a block, and `shared_host_map = false` copies."""
+import numpy as np
+import pytest
+
+from prefetchd import _native
+from prefetchd.daemon import Daemon
+from prefetchd.sharedhost.owner import SharedHostOwner
+from helpers import wait_until
+from procs import link_store, stage
+
+N = 1 << 18                     # floats: 1 MiB tensors
+TENSORS = {f"t{i}": [i, N] for i in range(4)}
+SEGMENT = "memfd:prefetchd-host:"
+
+pytestmark = pytest.mark.skipif(not _native.segment_maps_supported(),
+                                reason="the kernel cannot move private file mappings (Linux < 5.13)")
+
+
+def values(name):
+    return np.random.default_rng(TENSORS[name][0]).standard_normal(N).astype(np.float32)
+
+
+def mapping_of(address):
+    for line in open("/proc/self/maps"):
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= address < hi:
+            return line.strip()
+    return ""
+
+
+@pytest.fixture
+def owner(tmp_path):
+    src = stage(str(tmp_path), TENSORS)
+    o = SharedHostOwner(str(tmp_path / "h.sock"), link_store(src, str(tmp_path / "own")), 64 << 20).start()
+    o.src = src
+    yield o
+    o.close()
+
+
+def _daemon(owner, tmp_path, **kw):
+    return Daemon(store_dir=link_store(owner.src, str(tmp_path / "w")), shared_host=owner.path,
+                  device_budget=3 << 20, host_budget=0, lookahead=0, **kw).start()
+
+
+def _owner_leases(owner):
+    return sum(w["leases"] for w in owner.status()["workers"])
+
+
+def test_a_resident_weight_is_the_shared_pages_and_its_lease_lasts_while_mapped(owner, tmp_path):
+    d = _daemon(owner, tmp_path)
+    try:
+        handles = [d.register_remote(name, (N,), np.float32) for name in TENSORS]
+        for _ in range(3):                       # the budget holds three of four: each round reloads
+            for name, h in zip(TENSORS, handles):
+                with d.use([h]) as recs:
+                    home = recs[0].home
+                    assert np.array_equal(np.frombuffer(home, np.float32, N), values(name))
+                    assert SEGMENT + name in mapping_of(home.address), "the home does not map the segment"
+                # a lease per device block mapping a segment: at most the 3 MiB budget's three
+                # (a release has no reply: the owner may count it a moment later)
+                held = d.status()["shared_host"]["mapped_leases"]
+                assert 1 <= held <= 3 and wait_until(lambda: _owner_leases(owner) == held, 5)
+        shared = d.status()["shared_host"]
+        assert shared["mapped"] == shared["hits"] == 12 and shared["fallbacks"] == 0
+        assert d.status()["page_moves"]["copied_bytes"] == 0
+        assert owner.status()["counters"]["fills"] == 4          # one store read per tensor
+        d.evict(handles).result(30)
+        assert d.status()["shared_host"]["mapped_leases"] == 0
+        assert wait_until(lambda: _owner_leases(owner) == 0, 5)
+        with d.use(handles[:1]) as recs:
+            pass
+        assert wait_until(lambda: _owner_leases(owner) == 1, 5)
+    finally:
+        d.close(10)
+    assert wait_until(lambda: owner.status()["leases"] == 0, 5)   # closing released the rest
+
+
+def test_shared_host_map_false_copies_and_holds_no_lease_when_idle(owner, tmp_path):
+    d = _daemon(owner, tmp_path, shared_host_map=False)
+    try:
+        h = d.register_remote("t1", (N,), np.float32)
+        with d.use([h]) as recs:
+            assert np.array_equal(np.frombuffer(recs[0].home, np.float32, N), values("t1"))
+            assert SEGMENT not in mapping_of(recs[0].home.address)
+        shared = d.status()["shared_host"]
+        assert shared["hits"] == 1 and shared["mapped"] == 0 and shared["mapped_leases"] == 0
+        assert _owner_leases(owner) == 0
+    finally:
+        d.close(10)
