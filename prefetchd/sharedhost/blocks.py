@@ -12,8 +12,10 @@ well as the workers' while they map it) and the descriptor it passes to them.
 import fcntl
 import mmap
 import os
+import re
 
 PAGE = mmap.PAGESIZE
+HUGE_PAGE = 2 << 20
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 REQUIRED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK
 
@@ -48,6 +50,7 @@ class SharedBlock:
                              f"({info['nbytes']} bytes, crc {info['crc']:#x}), not the one asked for")
         writable = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         try:
+            advise_huge_pages(writable, self.size)
             if self.nbytes:
                 store.read_sync(self.key, writable, True)
         finally:
@@ -64,6 +67,34 @@ class SharedBlock:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def advise_huge_pages(mapping, size):
+    """Ask for huge pages for a segment's pages as they are first written. shmem honours it
+    only where /sys/kernel/mm/transparent_hugepage/shmem_enabled is `advise` (or `always`,
+    `within_size`); a worker then maps a 2 MiB piece with one page-table entry instead
+    of 512 (docs/shared-host.md, "Huge pages")."""
+    if size >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass                    # no THP in this kernel: small pages, still correct
+
+
+SHMEM_HUGE = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+
+
+def shmem_huge_mode(path=SHMEM_HUGE):
+    """The machine's shmem huge-page mode (`never`, `advise`, `always`, `within_size`,
+    `deny`, `force`), or None where the kernel has no THP. The admin sets it; prefetchd only
+    reports it (docs/shared-host.md, "Huge pages")."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    chosen = re.search(r"\[(\w+)\]", text)
+    return chosen.group(1) if chosen else None
 
 
 def check_received(fd, nbytes, size):

@@ -29,7 +29,7 @@ import struct
 import threading
 
 from . import policy, wire
-from .blocks import SharedBlock, segment_size
+from .blocks import SharedBlock, segment_size, shmem_huge_mode
 from .table import BlockTable
 
 log = logging.getLogger("prefetchd.sharedhost")
@@ -58,6 +58,7 @@ class SharedHostOwner:
         if budget <= 0:
             raise ValueError(f"shared host budget must be > 0, got {budget}")
         self.path, self.budget = socket_path, budget
+        self._huge_mode = shmem_huge_mode()      # blocks >= 2 MiB ask for huge pages
         self.store = _native.FileStore(store_dir)
         self.counters = collections.Counter()
         self._blocks = BlockTable(budget, self.counters)
@@ -125,6 +126,7 @@ class SharedHostOwner:
     def _status(self):
         return {
             "socket": self.path, "budget": self.budget, **self._blocks.summary(),
+            "shmem_huge_pages": self._huge_mode,
             "counters": dict(self.counters),
             "workers": [{"pid": c.pid, "name": c.name, "leases": sum(c.leases.values()),
                          "hits": c.hits, "fills": c.fills, "refused": c.refused,

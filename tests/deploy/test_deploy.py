@@ -25,6 +25,7 @@ from _yaml import yaml_documents
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 UNIT = DEPLOY / "systemd" / "prefetchd-serve.service"
+SHMEM_HUGE = DEPLOY / "systemd" / "prefetchd-shmem-huge.conf"
 KUBE = DEPLOY / "kubernetes" / "prefetchd-serve.yaml"
 
 
@@ -106,6 +107,21 @@ def test_a_venv_install_has_the_command_the_unit_runs():
     out = subprocess.run([str(command), "serve", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "--checkpoint-store" in out.stdout, out.stderr
+
+
+def test_tmpfiles_snippet_sets_shmem_huge_pages_to_advise(tmp_path):
+    """Applied under a scratch root (never this machine's /sys), the snippet writes
+    `advise` to the file prefetchd reads the mode from."""
+    from prefetchd.sharedhost.blocks import SHMEM_HUGE as SYSFS
+    tmpfiles = shutil.which("systemd-tmpfiles")
+    if tmpfiles is None:
+        pytest.skip("systemd-tmpfiles is not installed (Debian package `systemd`)")
+    target = tmp_path / SYSFS.lstrip("/")
+    target.parent.mkdir(parents=True)
+    target.write_text("")
+    subprocess.run([tmpfiles, "--create", f"--root={tmp_path}", str(SHMEM_HUGE)],
+                   check=True, capture_output=True, timeout=30)
+    assert target.read_text().strip() == "advise"
 
 
 # -- Kubernetes
