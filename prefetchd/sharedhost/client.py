@@ -2,10 +2,13 @@
 
 `SharedHostClient` speaks prefetchd.sharedhost.wire to the owner, one request at a
 time. `SharedLoads` is the seam the cpu backend calls for every load from the
-remote tier (`start_load`): on its own thread it asks the owner for the block of
-(tensor name, version, crc) this daemon's store holds, copies the block into the
-device block, releases the lease, and completes the load on the backend's load
-stream. Whatever goes wrong — the owner refuses (another version: a weight this
+remote tier (`start_load`): on its own thread it takes every load queued by then
+(a unit's tensors, at most wire.MAX_BATCH) and asks the owner in one request for
+the blocks of (tensor name, version, crc) this daemon's store holds, maps or
+copies each block into its device block, and completes each load on the
+backend's load stream. Leases ended meanwhile go to the owner in one release
+message ahead of that request: one wake-up of the owner per batch, not two per
+tensor. Whatever goes wrong — the owner refuses (another version: a weight this
 daemon wrote back; no room; the owner's read failed), the block is not sealed or
 its bytes do not match the checksum, the owner is gone — the load falls back to
 this daemon's own checksummed store read, as without the shared tier. So the
@@ -55,35 +58,72 @@ class SharedHostClient:
         self._lock = threading.Lock()
         self._verified = set()     # (key, version, memfd inode): checksummed once per block
         self.closed = False
-        self.budget = self._call({"op": "hello", "pid": os.getpid(), "name": name[:128]})[0]["budget"]
+        self.budget = self._call({"op": "hello", "pid": os.getpid(), "name": name[:128]})[0][0]["budget"]
 
-    def _call(self, obj, expect_reply=True):
+    def _call(self, obj, replies=1):
+        """Send one request and receive up to `replies` messages: [(reply, fd or None)].
+        A refusal naming no item refuses the whole request and is its last reply."""
         with self._lock:
             if self.closed:
                 raise ConnectionError(f"shared host tier {self.path}: connection closed")
+            got, fd = [], None
             try:
                 wire.send(self.sock, obj)
-                if not expect_reply:
-                    return None, None
-                data, fds, _, _ = socket.recv_fds(self.sock, wire.MAX_MESSAGE, 1)
-                if not data:
-                    raise ConnectionError("the owner closed the connection")
-                return wire.decode(data), (fds[0] if fds else None)
+                while len(got) < replies:
+                    data, fds, _, _ = socket.recv_fds(self.sock, wire.MAX_MESSAGE, 1)
+                    fd = fds[0] if fds else None
+                    if not data:
+                        raise ConnectionError("the owner closed the connection")
+                    got.append((wire.decode(data), fd))
+                    fd = None
+                    if not got[-1][0].get("ok") and "item" not in got[-1][0]:
+                        break
+                return got
             except (OSError, wire.WireError) as e:
                 # Out of step with the owner (timeout, death, garbage): closing the
                 # socket releases every lease this process holds there.
+                for held in [fd] + [f for _, f in got]:
+                    if held is not None:
+                        os.close(held)
                 self._close_locked()
                 raise ConnectionError(f"shared host tier {self.path}: {e}") from None
 
     def acquire(self, key, version, nbytes, crc):
         """A Grant of the sealed block holding these bytes (a lease: `release` it);
         Refused if the owner will not share them or the block fails its checks."""
-        reply, fd = self._call({"op": "acquire", "key": key, "version": version, "nbytes": nbytes,
-                                "crc": crc})
+        result = self.acquire_many([(key, version, nbytes, crc)])[0]
+        if isinstance(result, Refused):
+            raise result
+        return result
+
+    def acquire_many(self, wants):
+        """One request for the blocks of `wants`, [(key, version, nbytes, crc)] (at most
+        wire.MAX_BATCH): a Grant or a Refused for each, in the order asked.
+        ConnectionError (the connection closed: no lease held) if the owner's replies do
+        not answer exactly these items."""
+        items = [{"key": k, "version": v, "nbytes": n, "crc": c} for k, v, n, c in wants]
+        replies = self._call({"op": "acquire", "items": items}, len(items))
+        answers = [None] * len(wants)
+        for reply, fd in replies:
+            index = reply.get("item")
+            if (type(index) is not int or not 0 <= index < len(wants) or answers[index] is not None
+                    or (reply.get("key"), reply.get("version")) != wants[index][:2]):
+                for _, held in replies:          # e.g. a bad_request naming no item
+                    if held is not None:
+                        os.close(held)
+                self.close()
+                raise ConnectionError(f"shared host tier {self.path}: a reply to no item asked: "
+                                      f"{reply.get('code')}: {reply.get('reason')}")
+            answers[index] = (reply, fd)
+        return [self._granted(want, *answer) for want, answer in zip(wants, answers)]
+
+    def _granted(self, want, reply, fd):
+        """The Grant a reply makes of `want`, or the Refused it is."""
+        key, version, nbytes, crc = want
         if not reply.get("ok"):
             if fd is not None:
                 os.close(fd)
-            raise Refused(reply.get("code", "?"), reply.get("reason", ""))
+            return Refused(reply.get("code", "?"), reply.get("reason", ""))
         try:
             if fd is None:
                 raise ValueError("the owner granted a block without its descriptor")
@@ -94,20 +134,27 @@ class SharedHostClient:
             if fd is not None:
                 os.close(fd)
             self.release(key, version)
-            raise Refused("corrupt", str(e)) from None
+            return Refused("corrupt", str(e))
         return Grant(self, key, version, nbytes, crc, fd, (key, version, inode) in self._verified, inode)
 
     def release(self, key, version):
-        try:
-            self._call({"op": "release", "key": key, "version": version}, expect_reply=False)
-        except ConnectionError:
-            pass                    # closed: the owner released everything already
+        self.release_many([(key, version)])
+
+    def release_many(self, idents):
+        """End the leases of [(key, version)] (no reply; batches of wire.MAX_BATCH)."""
+        idents = list(idents)
+        for at in range(0, len(idents), wire.MAX_BATCH):
+            items = [{"key": k, "version": v} for k, v in idents[at:at + wire.MAX_BATCH]]
+            try:
+                self._call({"op": "release", "items": items}, replies=0)
+            except ConnectionError:
+                return              # closed: the owner released everything already
 
     def set_trace(self, names):
-        return self._call({"op": "trace", "names": list(names)})[0]
+        return self._call({"op": "trace", "names": list(names)})[0][0]
 
     def status(self):
-        return self._call({"op": "status"})[0]["status"]
+        return self._call({"op": "status"})[0][0]["status"]
 
     def close(self):
         with self._lock:
@@ -190,6 +237,13 @@ class _Trace:
         self.names = names
 
 
+class _Release:
+    """The lease of a freed mapped block, waiting on SharedLoads' queue."""
+
+    def __init__(self, grant):
+        self.ident = (grant.key, grant.version)
+
+
 class SharedLoads:
     """The cpu backend's loads through the shared tier (see the module docstring)."""
 
@@ -220,11 +274,13 @@ class SharedLoads:
         self._jobs.put(_Trace([name for step in steps for name in step]))
 
     def unmapped(self, block):
-        """`block` (released) maps no segment any more: end the lease its load kept."""
+        """`block` (released) maps no segment any more: end the lease its load kept
+        (queued: sent from the load thread with the next batch, so the caller never
+        waits on the owner)."""
         with self._mapped_lock:
             grant = self._mapped.pop(block.address, None)
         if grant is not None:
-            grant.release()
+            self._jobs.put(_Release(grant))
 
     def describe(self):
         with self._mapped_lock:
@@ -239,13 +295,29 @@ class SharedLoads:
 
     def _run(self):
         while (job := self._jobs.get()) is not None:
+            batch = [job]
+            while len(batch) < wire.MAX_BATCH:      # what else is queued now: one message for it
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    self._serve(batch)
+                    return
+                batch.append(job)
+            self._serve(batch)
+
+    def _serve(self, batch):
+        """Releases first (they make room), then traces, then one acquire for the loads."""
+        releases = [job.ident for job in batch if isinstance(job, _Release)]
+        if releases:
+            self.client.release_many(releases)
+        for job in batch:
             if isinstance(job, _Trace):
                 self._send_trace(job.names)
-                continue
-            try:
-                self._load(*job)
-            except Exception:        # e.g. the stream closed under a closing daemon
-                log.exception("shared host tier: load of %r failed", job[0])
+        loads = [job for job in batch if isinstance(job, tuple)]
+        if loads:
+            self._load_many(loads)
 
     def _send_trace(self, names):
         if self.client.closed:
@@ -255,35 +327,57 @@ class SharedLoads:
         except Exception as e:       # the owner keeps ranking by LRU for this process
             log.warning("shared host tier: sending the trace (%d names) failed: %s", len(names), e)
 
-    def _load(self, key, block, nbytes, tag, verify):
-        be = self.backend
+    def _load_many(self, loads):
+        """Ask the owner for the blocks of `loads` [(key, block, nbytes, tag, verify)] in
+        one request; each load completes from its grant or from this daemon's store."""
+        asked, wants = [], []
+        for load in loads:
+            try:
+                info = self.backend.store.info(load[0])
+            except KeyError:             # not in this store: its own read reports that
+                self._each([load], self._own_read)
+                continue
+            asked.append(load)
+            wants.append((load[0], info["version"], info["nbytes"], info["crc"]))
+        if not asked:
+            return
         try:
-            info = be.store.info(key)
-            version = info["version"]
-            grant = self.client.acquire(key, version, info["nbytes"], info["crc"])
-        except Refused as e:
-            self.refusals[e.code] = self.refusals.get(e.code, 0) + 1
-            if e.code != wire.MISMATCH:
-                log.info("shared host tier: reading %r from this daemon's store: %s", key, e)
-            return self._own_read(key, block, nbytes, tag, verify)
-        except (KeyError, ConnectionError) as e:
-            if isinstance(e, ConnectionError):
-                log.warning("shared host tier detached; loads read this daemon's store: %s", e)
-            return self._own_read(key, block, nbytes, tag, verify)
+            results = self.client.acquire_many(wants)
+        except ConnectionError as e:
+            log.warning("shared host tier detached; loads read this daemon's store: %s", e)
+            return self._each(asked, self._own_read)
+        for load, result in zip(asked, results):
+            self._each([load], self._finish, result)
+
+    def _each(self, loads, step, *args):
+        for load in loads:
+            try:
+                step(*load, *args)
+            except Exception:        # e.g. the stream closed under a closing daemon
+                log.exception("shared host tier: load of %r failed", load[0])
+
+    def _finish(self, key, block, nbytes, tag, verify, grant):
+        """Complete one load from its grant (a Refused: from this daemon's store)."""
         try:
+            if isinstance(grant, Refused):
+                raise grant
             if nbytes and self._maps(block):
                 self._map(grant, block)
             else:
                 with grant:
                     grant.read_into(block)
+        except Refused as e:         # another version (a weight written back), no room, corrupt
+            self.refusals[e.code] = self.refusals.get(e.code, 0) + 1
+            if e.code != wire.MISMATCH:
+                log.info("shared host tier: reading %r from this daemon's store: %s", key, e)
+            return self._own_read(key, block, nbytes, tag, verify)
         except Exception as e:       # never leave a load without a completion
-            if isinstance(e, Refused):
-                self.refusals[e.code] = self.refusals.get(e.code, 0) + 1
             log.warning("shared host tier: loading %r from its shared block failed (%s); "
                         "reading this daemon's store", key, e)
             return self._own_read(key, block, nbytes, tag, verify)
         self.counts["hits"] += 1
         self.counts["hit_bytes"] += nbytes
+        be = self.backend
         be.load_stream.record(tag=tag, cq=be.cq)
 
     def _map(self, grant, block):

@@ -220,10 +220,12 @@ class SharedHostOwner:
         except (BlockingIOError, OSError) as e:   # not reading its replies, or gone
             self._drop_conn(conn, f"cannot reply: {e}")
 
-    def _refuse(self, conn, code, reason):
+    def _refuse(self, conn, code, reason, item=None):
+        """Refuse a request, or one item of an acquire: item = (index, key, version)."""
         self.counters["refused_" + code] += 1
         conn.refused += 1
-        self._reply(conn, {"ok": False, "code": code, "reason": reason})
+        named = {} if item is None else dict(zip(("item", "key", "version"), item))
+        self._reply(conn, {"ok": False, **named, "code": code, "reason": reason})
 
     # -- ops
     def _op_hello(self, conn, pid, name):
@@ -237,12 +239,22 @@ class SharedHostOwner:
         conn.trace = policy.Trace(names) if names else None
         self._reply(conn, {"ok": True, "names": len(names)})
 
-    def _op_release(self, conn, key, version):
-        if not self._blocks.unlease(conn, (key, version)):
-            self.counters["stray_releases"] += 1    # not held: ignored (release has no reply)
+    def _op_release(self, conn, items):
+        self.counters["release_requests"] += 1
+        for item in items:
+            if not self._blocks.unlease(conn, (item["key"], item["version"])):
+                self.counters["stray_releases"] += 1    # not held: ignored (release has no reply)
 
-    def _op_acquire(self, conn, key, version, nbytes, crc):
-        ident = (key, version)
+    def _op_acquire(self, conn, items):
+        self.counters["acquire_requests"] += 1     # of hits + fills + refusals items
+        for index, item in enumerate(items):
+            if conn.sock.fileno() not in self._conns:
+                return                                  # dropped while replying
+            self._acquire(conn, index, **item)
+
+    def _acquire(self, conn, index, key, version, nbytes, crc):
+        """One item of an acquire; its reply names it (index, key, version)."""
+        ident, named = (key, version), (index, key, version)
         if conn.trace is not None:
             conn.trace.advance(key)
         entry = self._blocks.get(ident)
@@ -250,42 +262,43 @@ class SharedHostOwner:
             try:
                 info = self.store.info(key)
             except KeyError:
-                self._refuse(conn, wire.NOT_FOUND, f"the shared tier's store has no tensor {key!r}")
+                self._refuse(conn, wire.NOT_FOUND, f"the shared tier's store has no tensor {key!r}", named)
                 return
             if (info["version"], info["nbytes"], info["crc"]) != (version, nbytes, crc):
                 self._refuse(conn, wire.MISMATCH, (
                     f"{key!r}: the shared tier's store holds version {info['version']} ({info['nbytes']} "
-                    f"bytes, crc {info['crc']:#x}), not version {version} ({nbytes} bytes, crc {crc:#x})"))
+                    f"bytes, crc {info['crc']:#x}), not version {version} ({nbytes} bytes, crc {crc:#x})"), named)
                 return
             traces = [c.trace for c in self._conns.values() if c.trace is not None]
             if not self._blocks.make_room(segment_size(nbytes), traces):
-                self._refuse(conn, wire.NO_ROOM, f"every block of the shared tier's {self.budget} B "
-                                                 f"is leased; {key!r} needs {segment_size(nbytes)} B")
+                self._refuse(conn, wire.NO_ROOM, f"every block of the shared tier's {self.budget} B is "
+                                                 f"leased; {key!r} needs {segment_size(nbytes)} B", named)
                 return
             try:
                 entry = self._blocks.add(ident, SharedBlock(key, version, nbytes, crc))
             except OSError as e:
-                self._refuse(conn, wire.NO_ROOM, f"cannot create a shared segment: {e.strerror}")
+                self._refuse(conn, wire.NO_ROOM, f"cannot create a shared segment: {e.strerror}", named)
                 return
             self.counters["fills"] += 1
             conn.fills += 1
             self._fills.submit(self._fill, entry)
         elif entry.block.crc != crc or entry.block.nbytes != nbytes:
             self._refuse(conn, wire.MISMATCH, f"{key!r} version {version}: the shared block holds "
-                                              f"{entry.block.nbytes} bytes with crc {entry.block.crc:#x}")
+                                              f"{entry.block.nbytes} bytes with crc {entry.block.crc:#x}", named)
             return
         else:
             self.counters["hits"] += 1
             conn.hits += 1
         self._blocks.lease(conn, ident, entry)
         if entry.ready:
-            self._grant(conn, entry)
+            self._grant(conn, index, entry)
         else:
-            entry.waiters.append(conn)
+            entry.waiters.append((conn, index))
 
-    def _grant(self, conn, entry):
+    def _grant(self, conn, index, entry):
         b = entry.block
-        self._reply(conn, {"ok": True, "nbytes": b.nbytes, "crc": b.crc, "size": b.size}, b.fd)
+        self._reply(conn, {"ok": True, "item": index, "key": b.key, "version": b.version,
+                           "nbytes": b.nbytes, "crc": b.crc, "size": b.size}, b.fd)
 
     # -- fills
     def _fill(self, entry):
@@ -306,14 +319,15 @@ class SharedHostOwner:
         if error is None:
             entry.ready = True
             self.counters["fill_bytes"] += entry.block.nbytes
-            for conn in waiters:
+            for conn, index in waiters:
                 if conn.sock.fileno() in self._conns:
-                    self._grant(conn, entry)
+                    self._grant(conn, index, entry)
             return
         log.warning("shared host tier: filling %r failed; the block is not shared: %s", entry.key, error)
         self._blocks.discard(ident)
         self.counters["fill_errors"] += 1
-        for conn in waiters:
+        for conn, index in waiters:
             self._blocks.unlease(conn, ident)
             if conn.sock.fileno() in self._conns:
-                self._refuse(conn, wire.IO_ERROR, f"reading {entry.key!r} into the shared tier failed: {error}")
+                self._refuse(conn, wire.IO_ERROR, f"reading {entry.key!r} into the shared tier failed: {error}",
+                             (index, *ident))

@@ -10,7 +10,7 @@ from . import policy
 
 
 class Entry:
-    """One shared block: ready once filled; `waiters` are connections whose acquire waits."""
+    """One shared block: ready once filled; `waiters` are the (connection, item index) of acquires waiting for it."""
 
     def __init__(self, block):
         self.block = block
@@ -68,7 +68,7 @@ class BlockTable:
             if entry is not None:
                 entry.leases -= n
                 released += n
-                entry.waiters = [w for w in entry.waiters if w is not conn]
+                entry.waiters = [w for w in entry.waiters if w[0] is not conn]
         conn.leases.clear()
         return released
 

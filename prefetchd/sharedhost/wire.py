@@ -2,18 +2,27 @@
 
 One message is one JSON object (UTF-8), at most MAX_MESSAGE bytes; the owner's
 replies to `acquire` carry the block's memfd as one SCM_RIGHTS descriptor
-(socket.send_fds). Requests, each answered in order except `release`:
+(socket.send_fds). Requests:
 
     {"op": "hello", "pid": int, "name": str}            -> {"ok": true, "budget": int}
-    {"op": "acquire", "key": str, "version": int,
-     "nbytes": int, "crc": int}                         -> {"ok": true, "nbytes", "crc", "size"} + fd
-                                                           or {"ok": false, "code", "reason"}
-    {"op": "release", "key": str, "version": int}       (no reply)
+    {"op": "acquire", "items": [{"key": str, "version": int,
+                                 "nbytes": int, "crc": int}, ...]}
+                                                        -> per item, as its block is ready:
+                                                           {"ok": true, "item", "key", "version", "nbytes", "crc",
+                                                            "size"} + fd
+                                                           or {"ok": false, "item", "key", "version", "code", "reason"}
+    {"op": "release", "items": [{"key": str, "version": int}, ...]}    (no reply)
     {"op": "trace", "names": [str, ...]}                -> {"ok": true, "names": int}
     {"op": "status"}                                    -> {"ok": true, "status": {...}}
 
-`check_request` is the owner's gate: anything else is refused with code
-"bad_request" and a reason, never a crash of the owner.
+An acquire or release of one item may also be sent flat ({"op": "acquire", "key": ...}).
+A batch (at most MAX_BATCH items) costs the owner one wake-up instead of one per
+tensor; its replies come one per item, in the order the blocks are ready (a hit
+before a fill), and name the item they answer ("item": its index in the batch). Other requests are answered in order.
+
+`check_request` is the owner's gate: anything else, or a batch with one bad item,
+is refused as a whole with code "bad_request" and a reason (a reply naming no
+item), never a crash of the owner.
 """
 import json
 import socket
@@ -22,6 +31,8 @@ MAX_MESSAGE = 192 << 10          # below the default unix socket send buffer (20
 MAX_KEY_BYTES = 1024             # the FileStore's key limit
 MAX_NBYTES = 1 << 46
 MAX_TRACE = 65536
+MAX_BATCH = 16                   # items of one acquire or release: 16 keys of the longest JSON
+                                 # (1 KiB of control characters, 6 KiB escaped) fit a message
 
 # Refusal codes of an acquire (the client then reads from its own store).
 BAD_REQUEST = "bad_request"
@@ -80,6 +91,33 @@ def _key(msg, field="key"):
     return value
 
 
+def _ident(item):
+    return {"key": _key(item), "version": _int(item, "version", 0, (1 << 64) - 1)}
+
+
+def _acquire_item(item):
+    return {**_ident(item), "nbytes": _int(item, "nbytes", 0, MAX_NBYTES),
+            "crc": _int(item, "crc", 0, (1 << 32) - 1)}
+
+
+def _items(msg, check_item):
+    """The checked items of a batch request, or of a flat one-item request."""
+    if "items" not in msg:
+        return [check_item(msg)]
+    items = msg["items"]
+    if not isinstance(items, list) or not 1 <= len(items) <= MAX_BATCH:
+        raise WireError(f"items: expected a list of 1..{MAX_BATCH} items")
+    checked = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise WireError(f"items[{i}]: expected an object, got {type(item).__name__}")
+        try:
+            checked.append(check_item(item))
+        except WireError as e:
+            raise WireError(f"items[{i}]: {e}") from None
+    return checked
+
+
 def check_request(msg):
     """The validated request as (op, args); WireError naming what is wrong."""
     op = msg.get("op")
@@ -89,10 +127,9 @@ def check_request(msg):
             raise WireError("name: expected a string of at most 128 characters")
         return op, {"pid": _int(msg, "pid", 0, 1 << 31), "name": name}
     if op == "acquire":
-        return op, {"key": _key(msg), "version": _int(msg, "version", 0, (1 << 64) - 1),
-                    "nbytes": _int(msg, "nbytes", 0, MAX_NBYTES), "crc": _int(msg, "crc", 0, (1 << 32) - 1)}
+        return op, {"items": _items(msg, _acquire_item)}
     if op == "release":
-        return op, {"key": _key(msg), "version": _int(msg, "version", 0, (1 << 64) - 1)}
+        return op, {"items": _items(msg, _ident)}
     if op == "trace":
         names = msg.get("names")
         if not isinstance(names, list) or len(names) > MAX_TRACE:

@@ -40,8 +40,8 @@ def owner(tmp_path):
 
 
 def _daemon(owner, tmp_path, **kw):
-    return Daemon(store_dir=link_store(owner.src, str(tmp_path / "w")), shared_host=owner.path,
-                  device_budget=3 << 20, host_budget=0, lookahead=0, **kw).start()
+    kw = {"device_budget": 3 << 20, "host_budget": 0, "lookahead": 0, **kw}
+    return Daemon(store_dir=link_store(owner.src, str(tmp_path / "w")), shared_host=owner.path, **kw).start()
 
 
 def _owner_leases(owner):
@@ -87,5 +87,32 @@ def test_shared_host_map_false_copies_and_holds_no_lease_when_idle(owner, tmp_pa
         shared = d.status()["shared_host"]
         assert shared["hits"] == 1 and shared["mapped"] == 0 and shared["mapped_leases"] == 0
         assert _owner_leases(owner) == 0
+    finally:
+        d.close(10)
+
+
+def test_loads_queued_together_go_to_the_owner_in_one_request(owner, tmp_path):
+    """The load thread sends what is queued by the time it runs as one acquire (and the
+    leases freed meanwhile as one release): held back here by the client's lock."""
+    d = _daemon(owner, tmp_path, device_budget=16 << 20)
+    try:
+        names = list(TENSORS)
+        handles = [d.register_remote(name, (N,), np.float32) for name in names]
+        client = d.backend.shared.client
+        before = owner.status()["counters"].get("acquire_requests", 0)
+        with client._lock:                          # the load thread waits at its first request
+            futures = [d.prefetch([h]) for h in handles]
+            assert wait_until(lambda: d.status()["in_flight"] == 4, 10)   # all four started
+        for f in futures:
+            f.result(30)
+        counters = owner.status()["counters"]
+        assert counters.get("hits", 0) + counters["fills"] == 4
+        assert counters["acquire_requests"] - before <= 2     # the first alone at most, the rest batched
+        for name, h in zip(names, handles):
+            with d.use([h]) as recs:
+                assert np.array_equal(np.frombuffer(recs[0].home, np.float32, N), values(name))
+        d.evict(handles).result(30)
+        assert wait_until(lambda: _owner_leases(owner) == 0, 5)
+        assert owner.status()["counters"]["release_requests"] <= 4
     finally:
         d.close(10)

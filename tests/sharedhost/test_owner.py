@@ -90,6 +90,11 @@ HOSTILE = [
     b'{"op": "hello", "pid": "me"}', b'{"op": "release", "key": null, "version": 1}',
     b'{"op": "acquire", "key": "\\ud800", "version": 1, "nbytes": 4, "crc": 1}',
     b"{" * 100000,
+    b'{"op": "acquire", "items": []}', b'{"op": "acquire", "items": "t0"}',
+    b'{"op": "acquire", "items": [1]}', b'{"op": "release", "items": [{"key": "t0"}]}',
+    json.dumps({"op": "acquire", "items": [{"key": "t0", "version": 1, "nbytes": 4, "crc": 1}] * 17}).encode(),
+    json.dumps({"op": "acquire", "items": [{"key": "t0", "version": 1, "nbytes": 4, "crc": 1},
+                                           {"key": 7, "version": 1, "nbytes": 4, "crc": 1}]}).encode(),
 ]
 
 
@@ -101,6 +106,42 @@ def test_hostile_requests_get_a_reason_and_the_owner_keeps_serving(owner, data):
     assert _ask(s, b'{"op": "status"}')["ok"] is True       # same connection still served
     s.close()
     assert owner.status()["leases"] == 0
+
+
+def test_a_batch_gets_one_reply_per_item_naming_it_and_one_release_ends_its_leases(owner, src):
+    s = _raw(owner)
+    items = [dict(zip(("key", "version", "nbytes", "crc"), _ident(src, name))) for name in ("t0", "t1", "t0")]
+    items += [{"key": "nope", "version": 1, "nbytes": 4, "crc": 0}, {**items[1], "crc": items[1]["crc"] ^ 1}]
+    s.send(json.dumps({"op": "acquire", "items": items}).encode())
+    replies = []
+    for _ in items:
+        data, fds, _, _ = socket.recv_fds(s, wire.MAX_MESSAGE, 1)
+        replies.append((json.loads(data), fds))
+    by_item = sorted(((r["key"], r["ok"], r.get("code"), len(fds)) for r, fds in replies))
+    assert by_item == [("nope", False, wire.NOT_FOUND, 0), ("t0", True, None, 1), ("t0", True, None, 1),
+                       ("t1", False, wire.MISMATCH, 0), ("t1", True, None, 1)]
+    for reply, fds in replies:
+        if reply["ok"]:
+            got = np.frombuffer(os.pread(fds[0], reply["nbytes"], 0), np.float32)
+            assert np.array_equal(got, values(reply["key"]))
+            os.close(fds[0])
+    assert owner.status()["leases"] == 3
+    s.send(json.dumps({"op": "release", "items": [{"key": i["key"], "version": i["version"]}
+                                                  for i in items[:3]]}).encode())
+    assert _ask(s, b'{"op": "status"}')["status"]["leases"] == 0
+    s.close()
+
+
+def test_the_client_batch_answers_each_item_in_the_order_asked(owner, src):
+    c = SharedHostClient(owner.path, "t")
+    t0, t1 = _ident(src, "t0"), _ident(src, "t1")
+    results = c.acquire_many([t1, ("nope", 1, 4, 0), t0, t1[:3] + (t1[3] ^ 1,)])
+    assert [type(r).__name__ for r in results] == ["Grant", "Refused", "Grant", "Refused"]
+    assert results[1].code == wire.NOT_FOUND and results[3].code == wire.MISMATCH
+    assert np.array_equal(_read(results[0]), values("t1")) and np.array_equal(_read(results[2]), values("t0"))
+    results[0].close(), results[2].close()
+    assert wait_until(lambda: owner.status()["leases"] == 0, 5)
+    c.close()
 
 
 def test_oversized_messages_and_sent_descriptors_are_refused(owner):
@@ -201,7 +242,9 @@ class _FakeOwner(threading.Thread):
                 conn.send(b'{"ok": true, "budget": 1}')
             elif msg["op"] == "acquire":
                 fd = self.make_fd()
-                socket.send_fds(conn, [json.dumps({"ok": True, "nbytes": self.nbytes, "crc": self.crc,
+                item = msg["items"][0]
+                socket.send_fds(conn, [json.dumps({"ok": True, "item": 0, "key": item["key"], "version": item["version"],
+                                                   "nbytes": self.nbytes, "crc": self.crc,
                                                    "size": segment_size(self.nbytes)}).encode()], [fd])
                 os.close(fd)
 

@@ -41,7 +41,7 @@ def test_a_closed_connection_releases_every_lease_and_stops_waiting():
     for _ in range(3):
         table.lease(conn, ("a", 1), a)
     table.lease(conn, ("b", 1), b)
-    b.waiters.append(conn)
+    b.waiters.append((conn, 0))
     table.lease(other, ("a", 1), a)
     assert table.release_all(conn) == 4
     assert a.leases == 1 and b.leases == 0 and b.waiters == [] and not conn.leases
