@@ -308,6 +308,12 @@ class SharedLoads:
             self._serve(batch)
 
     def _serve(self, batch):
+        try:
+            self._serve_batch(batch)
+        except Exception:            # a bug here must not stop every later load
+            log.exception("shared host tier: serving a batch of %d jobs failed", len(batch))
+
+    def _serve_batch(self, batch):
         """Releases first (they make room), then traces, then one acquire for the loads."""
         releases = [job.ident for job in batch if isinstance(job, _Release)]
         if releases:
@@ -334,7 +340,7 @@ class SharedLoads:
         for load in loads:
             try:
                 info = self.backend.store.info(load[0])
-            except KeyError:             # not in this store: its own read reports that
+            except Exception:            # not in this store, or it failed: its own read reports why
                 self._each([load], self._own_read)
                 continue
             asked.append(load)

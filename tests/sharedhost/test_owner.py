@@ -2,7 +2,6 @@
 hostile requests, leases and the budget, eviction order, refusals, and a client
 that refuses blocks it cannot trust."""
 import json
-import mmap
 import os
 import socket
 import threading
