@@ -21,18 +21,18 @@ from dataclasses import dataclass
 
 import zmq
 
-from ..errors import ConfigError, ShutdownError
+from ..errors import ShutdownError
 from . import keys, protocol as P, server_options
 from .codes import BadArguments, error_code
 from .connections import DEFAULT_FD_RESERVE, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_PEER, ConnectionGuard
 from .event_feed import EventFeed
 from .ioloop import IOLoop
 from .leases import LeaseTable
+from .listening import Listening
 from .ops import OPS, Deferred
 from .router import RouterEndpoint
 
 log = logging.getLogger("prefetchd.control.server")
-RELISTEN_INTERVAL = 0.1       # seconds between binds of an endpoint whose port a connection holds
 
 
 @dataclass
@@ -94,8 +94,10 @@ class Server(RouterEndpoint):
         self.max_wait = max_wait
         self.default_lease = default_lease
         self.max_lease = max_lease
+        self.listening = Listening(self._bind, lambda: [(self._router, self.endpoint),
+                                                        (self._pub, self.events_endpoint)])
         self.connections = ConnectionGuard(max_connections, max_connections_per_peer, fd_reserve,
-                                           on_pause=self._stop_listening, on_resume=self._listen)
+                                           on_pause=self.listening.stop, on_resume=self.listening.resume)
         self.leases = LeaseTable(daemon.unpin, self.counters)
         self._loop = IOLoop(self, f"prefetchd-server-{self.name}")
         self._auth = None
@@ -109,8 +111,6 @@ class Server(RouterEndpoint):
         self._timers = []           # heap of (deadline, token)
         self._tokens = itertools.count()
         self._pub = None
-        self._unlistened = []       # (socket, endpoint) a resume could not bind yet
-        self._relisten_at = None
 
     # -- lifecycle (caller's thread)
 
@@ -178,55 +178,18 @@ class Server(RouterEndpoint):
     def poll_items(self):
         return [(self._router, self._handle)] + self.connections.poll_items()
 
-    def _stop_listening(self):
-        """The guard's pause: no new connections while descriptors are short."""
-        unbound = {id(sock) for sock, _ in self._unlistened}
-        self._unlistened, self._relisten_at = [], None     # the resume binds both again
-        for sock, endpoint in ((self._router, self.endpoint), (self._pub, self.events_endpoint)):
-            if id(sock) in unbound:
-                continue
-            try:
-                sock.unbind(endpoint)
-            except zmq.ZMQError as e:
-                log.warning("prefetchd server: could not stop listening on %s: %s", endpoint, e)
-
-    def _listen(self):
-        self._unlistened = [(self._router, self.endpoint), (self._pub, self.events_endpoint)]
-        self._relisten()
-
-    def _relisten(self):
-        """Bind what the pause unbound. While it was unbound, any outgoing connection on
-        this machine may have taken its port as a source port (an auto-picked port is in
-        the ephemeral range): such a bind fails with EADDRINUSE until that connection
-        closes, so it is retried every RELISTEN_INTERVAL instead of given up."""
-        failed = []
-        for sock, endpoint in self._unlistened:
-            try:
-                self._bind(sock, endpoint)
-            except (zmq.ZMQError, ConfigError) as e:
-                if self._relisten_at is None:
-                    log.error("prefetchd server: could not listen on %s again (retrying): %s", endpoint, e)
-                failed.append((sock, endpoint))
-        self._unlistened = failed
-        if failed:
-            self._relisten_at = time.monotonic() + RELISTEN_INTERVAL
-        else:
-            self._relisten_at = None
-            log.info("prefetchd server: accepting connections again on %s", self.endpoint)
-
     def tick(self):
         self.connections.settle()
         self._drain_completions()
         self._events.publish(self._pub)
         self._run_timers()
-        if self._relisten_at is not None and time.monotonic() >= self._relisten_at:
-            self._relisten()
+        self.listening.tick()
 
     def poll_timeout(self):
         if self._completions or self._events:
             return 0.0
         nearest = min([t[0] for t in self._timers[:1]]
-                      + [t for t in [self.leases.next_expiry(), self._relisten_at] if t is not None],
+                      + [t for t in [self.leases.next_expiry(), self.listening.retry_at] if t is not None],
                       default=None)
         return None if nearest is None else nearest - time.monotonic()
 

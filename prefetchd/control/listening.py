@@ -1,0 +1,60 @@
+"""A server's pause and resume of its listening endpoints, for the connection guard.
+
+While an endpoint is unbound, any outgoing connection on this machine may be given
+its port as a source port (an auto-picked port is in the ephemeral range); binding
+it again then fails with EADDRINUSE until that connection closes. So a resume
+retries every RELISTEN_INTERVAL until every endpoint is bound, never gives up.
+"""
+import logging
+import time
+
+import zmq
+
+from ..errors import ConfigError
+
+log = logging.getLogger("prefetchd.control.server")
+RELISTEN_INTERVAL = 0.1       # seconds between binds of an endpoint whose port a connection holds
+
+
+class Listening:
+    """`endpoints()` -> [(socket, endpoint)]; `bind(socket, endpoint)` binds one.
+    Owned by the server's I/O thread."""
+
+    def __init__(self, bind, endpoints):
+        self._bind, self._endpoints = bind, endpoints
+        self._unbound = []          # (socket, endpoint) a resume could not bind yet
+        self.retry_at = None        # monotonic time of the next bind attempt, or None
+
+    def stop(self):
+        """The guard's pause: no new connections while descriptors are short."""
+        waiting = {id(sock) for sock, _ in self._unbound}
+        self._unbound, self.retry_at = [], None     # the resume binds every endpoint again
+        for sock, endpoint in self._endpoints():
+            if id(sock) in waiting:
+                continue
+            try:
+                sock.unbind(endpoint)
+            except zmq.ZMQError as e:
+                log.warning("prefetchd server: could not stop listening on %s: %s", endpoint, e)
+
+    def resume(self):
+        self._unbound = list(self._endpoints())
+        self._bind_unbound()
+
+    def tick(self):
+        if self.retry_at is not None and time.monotonic() >= self.retry_at:
+            self._bind_unbound()
+
+    def _bind_unbound(self):
+        failed = []
+        for sock, endpoint in self._unbound:
+            try:
+                self._bind(sock, endpoint)
+            except (zmq.ZMQError, ConfigError) as e:
+                if self.retry_at is None:
+                    log.error("prefetchd server: could not listen on %s again (retrying): %s", endpoint, e)
+                failed.append((sock, endpoint))
+        self._unbound = failed
+        self.retry_at = time.monotonic() + RELISTEN_INTERVAL if failed else None
+        if not failed:
+            log.info("prefetchd server: accepting connections again")
