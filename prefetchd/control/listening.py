@@ -46,6 +46,7 @@ class Listening:
             self._bind_unbound()
 
     def _bind_unbound(self):
+        endpoints = [endpoint for _, endpoint in self._unbound]
         failed = []
         for sock, endpoint in self._unbound:
             try:
@@ -57,4 +58,4 @@ class Listening:
         self._unbound = failed
         self.retry_at = time.monotonic() + RELISTEN_INTERVAL if failed else None
         if not failed:
-            log.info("prefetchd server: accepting connections again")
+            log.info("prefetchd server: accepting connections again on %s", ", ".join(endpoints))

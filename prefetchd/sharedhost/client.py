@@ -35,6 +35,12 @@ from .blocks import check_received
 log = logging.getLogger("prefetchd.sharedhost")
 
 
+def _close_fds(fds):
+    for fd in fds:
+        if fd is not None:
+            os.close(fd)
+
+
 class Refused(Exception):
     """The owner will not share this tensor (code: a wire refusal code, or "corrupt")."""
 
@@ -82,9 +88,7 @@ class SharedHostClient:
             except (OSError, wire.WireError) as e:
                 # Out of step with the owner (timeout, death, garbage): closing the
                 # socket releases every lease this process holds there.
-                for held in [fd] + [f for _, f in got]:
-                    if held is not None:
-                        os.close(held)
+                _close_fds([fd] + [f for _, f in got])
                 self._close_locked()
                 raise ConnectionError(f"shared host tier {self.path}: {e}") from None
 
@@ -108,9 +112,7 @@ class SharedHostClient:
             index = reply.get("item")
             if (type(index) is not int or not 0 <= index < len(wants) or answers[index] is not None
                     or (reply.get("key"), reply.get("version")) != wants[index][:2]):
-                for _, held in replies:          # e.g. a bad_request naming no item
-                    if held is not None:
-                        os.close(held)
+                _close_fds(f for _, f in replies)    # e.g. a bad_request naming no item
                 self.close()
                 raise ConnectionError(f"shared host tier {self.path}: a reply to no item asked: "
                                       f"{reply.get('code')}: {reply.get('reason')}")
@@ -341,7 +343,7 @@ class SharedLoads:
             try:
                 info = self.backend.store.info(load[0])
             except Exception:            # not in this store, or it failed: its own read reports why
-                self._each([load], self._own_read)
+                self._safely(self._own_read, load)
                 continue
             asked.append(load)
             wants.append((load[0], info["version"], info["nbytes"], info["crc"]))
@@ -351,16 +353,18 @@ class SharedLoads:
             results = self.client.acquire_many(wants)
         except ConnectionError as e:
             log.warning("shared host tier detached; loads read this daemon's store: %s", e)
-            return self._each(asked, self._own_read)
+            for load in asked:
+                self._safely(self._own_read, load)
+            return
         for load, result in zip(asked, results):
-            self._each([load], self._finish, result)
+            self._safely(self._finish, load, result)
 
-    def _each(self, loads, step, *args):
-        for load in loads:
-            try:
-                step(*load, *args)
-            except Exception:        # e.g. the stream closed under a closing daemon
-                log.exception("shared host tier: load of %r failed", load[0])
+    def _safely(self, step, load, *args):
+        """step(*load, *args), logged if it fails: one load's failure never stops the batch."""
+        try:
+            step(*load, *args)
+        except Exception:            # e.g. the stream closed under a closing daemon
+            log.exception("shared host tier: load of %r failed", load[0])
 
     def _finish(self, key, block, nbytes, tag, verify, grant):
         """Complete one load from its grant (a Refused: from this daemon's store)."""

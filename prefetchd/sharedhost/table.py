@@ -10,7 +10,8 @@ from . import policy
 
 
 class Entry:
-    """One shared block: ready once filled; `waiters` are the (connection, item index) of acquires waiting for it."""
+    """One shared block: ready once filled; `waiters` are the (connection, item index)
+    of the acquires waiting for it."""
 
     def __init__(self, block):
         self.block = block

@@ -18,7 +18,8 @@ replies to `acquire` carry the block's memfd as one SCM_RIGHTS descriptor
 An acquire or release of one item may also be sent flat ({"op": "acquire", "key": ...}).
 A batch (at most MAX_BATCH items) costs the owner one wake-up instead of one per
 tensor; its replies come one per item, in the order the blocks are ready (a hit
-before a fill), and name the item they answer ("item": its index in the batch). Other requests are answered in order.
+before a fill), and name the item they answer ("item": its index in the batch).
+Other requests are answered in order.
 
 `check_request` is the owner's gate: anything else, or a batch with one bad item,
 is refused as a whole with code "bad_request" and a reason (a reply naming no
