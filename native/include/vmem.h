@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 
 #include "memory.h"
 
@@ -23,6 +24,21 @@ size_t page_size();
 // mapped with no pages behind it (reads see zeros). NativeError if the kernel
 // refuses; a failure after a partial move puts the moved part back.
 void move_pages(char *src, char *dst, size_t len);
+
+// ValueError/Closed unless `b` can give or take pages by move_pages: live, not
+// attached, private anonymous memory, page-aligned. `what` names the operation and
+// the block for the message (e.g. "move_pages: the source").
+void check_movable(const Block &b, const std::string &what);
+
+// A block held (no release, no attach) while its pages move: Closed/ValueError
+// if a release or an attach won the race.
+struct BlockClaim {
+    Block &b;
+    explicit BlockClaim(Block &block) : b(block) { b.claim_for_attach(); }
+    ~BlockClaim() { b.mark_detached(); }
+    BlockClaim(const BlockClaim &) = delete;
+    BlockClaim &operator=(const BlockClaim &) = delete;
+};
 
 // PROT_NONE | MAP_NORESERVE reservation. Shared by the VirtualRange and every
 // Home cut from it, so the address space stays reserved while any Home (or a
@@ -74,9 +90,14 @@ class Home {
     std::shared_ptr<Block> block() const;  // the attached block, or null
 
     // Move `block`'s pages here; the block's own range gets fresh untouched pages.
-    void attach(ArenaImpl &arena, const std::shared_ptr<Block> &block);
-    // Move the pages back onto `block` (the attached one); the home faults again.
-    void detach(const std::shared_ptr<Block> &block);
+    // With `lender` (a host block of private anonymous memory), the pages come from
+    // the lender instead, and `block` is attached holding none of them: one move per
+    // load from the host tier instead of two (docs/stable-addresses.md, "Zero-copy tiers").
+    void attach(ArenaImpl &arena, const std::shared_ptr<Block> &block,
+                const std::shared_ptr<Block> &lender = nullptr);
+    // Move the pages back onto `block` (the attached one), or with `to` onto that block
+    // instead (the lender taking its pages back); the home faults again.
+    void detach(const std::shared_ptr<Block> &block, const std::shared_ptr<Block> &to = nullptr);
 
     // An attached home is read-only with its writes watched (home_faults.h).
     // True if it was written since it was attached or since the last call that

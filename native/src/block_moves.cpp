@@ -1,11 +1,11 @@
 // move_pages(dst, src): a block's bytes change blocks without being copied.
 //
 // On the CPU backend the host tier and the device tier are the same DRAM, so
-// a load from the host tier need not copy: the host block's physical pages are
-// moved under the device block (and from there under the tensor's home by
-// Arena.attach), and an eviction moves them back. Each move is one mremap
-// (page tables only; for 2 MiB-aligned ranges one entry per huge page), see
-// docs/stable-addresses.md "Zero-copy tiers".
+// pages move instead of bytes: a load from the host tier moves the host block's
+// pages straight under the tensor's home (Arena.attach with a lender, vmem.cpp)
+// and the eviction moves them back. move_pages itself moves pages between two
+// blocks (no home). Each move is one mremap (page tables only; for 2 MiB-aligned
+// ranges one entry per huge page), see docs/stable-addresses.md "Zero-copy tiers".
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -17,36 +17,20 @@
 
 namespace pfd {
 
-namespace {
-
-// Both blocks held (no release, no attach) for the duration of the move.
-struct Claim {
-    Block &b;
-    explicit Claim(Block &block) : b(block) { b.claim_for_attach(); }
-    ~Claim() { b.mark_detached(); }
-    Claim(const Claim &) = delete;
-    Claim &operator=(const Claim &) = delete;
-};
-
-void check_movable(const Block &b, const char *which) {
-    if (b.released()) throw Error(ErrKind::Closed, std::string("move_pages: the ") + which + " block is released");
+void check_movable(const Block &b, const std::string &what) {
+    if (b.released()) throw Error(ErrKind::Closed, what + " block is released");
     if (b.attached())
-        throw Error(ErrKind::Value, std::string("move_pages: the ") + which +
-                                        " block is attached to a home (its pages are mapped there); detach it first");
+        throw Error(ErrKind::Value, what + " block is attached to a home (its pages are mapped there); detach it first");
     if (!b.movable())
-        throw Error(ErrKind::Value, std::string("move_pages: the ") + which +
-                                        " block is not private anonymous memory (its pages cannot be moved); copy it");
-    if (!is_aligned(b.data(), page_size()))
-        throw Error(ErrKind::Value, std::string("move_pages: the ") + which + " block is not page-aligned");
+        throw Error(ErrKind::Value, what + " block is not private anonymous memory (its pages cannot be moved); copy it");
+    if (!is_aligned(b.data(), page_size())) throw Error(ErrKind::Value, what + " block is not page-aligned");
 }
-
-}  // namespace
 
 // Returns the bytes moved (src's pages, nbytes rounded up to the page size).
 size_t move_block_pages(const std::shared_ptr<Block> &dst, const std::shared_ptr<Block> &src) {
     if (dst.get() == src.get()) throw Error(ErrKind::Value, "move_pages: source and destination are the same block");
-    check_movable(*dst, "destination");
-    check_movable(*src, "source");
+    check_movable(*dst, "move_pages: the destination");
+    check_movable(*src, "move_pages: the source");
     size_t len = round_up(src->nbytes(), page_size());
     if (dst->nbytes() < src->nbytes() || dst->capacity() < len || src->capacity() < len)
         throw Error(ErrKind::Value, "move_pages: a destination of " + std::to_string(dst->nbytes()) +
@@ -61,8 +45,8 @@ size_t move_block_pages(const std::shared_ptr<Block> &dst, const std::shared_ptr
     // pages"); a read-only part of dst beyond them is made writable first, so the
     // read-only part stays one prefix.
     if (dst->readonly_bytes() > len) dst->ensure_writable();
-    Claim hold_src(*src);   // ValueError/Closed if a release or attach won the race
-    Claim hold_dst(*dst);
+    BlockClaim hold_src(*src);   // ValueError/Closed if a release or attach won the race
+    BlockClaim hold_dst(*dst);
     move_pages(src->data(), dst->data(), len);
     if (src->maps_segment()) dst->mark_maps_segment();   // the file mapping moved with the pages
     dst->set_readonly_bytes(std::min(src->readonly_bytes(), len));

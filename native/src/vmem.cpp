@@ -182,7 +182,7 @@ std::shared_ptr<Block> Home::block() const {
     return attached_;
 }
 
-void Home::attach(ArenaImpl &arena, const std::shared_ptr<Block> &b) {
+void Home::attach(ArenaImpl &arena, const std::shared_ptr<Block> &b, const std::shared_ptr<Block> &lender) {
     if (arena.closed()) throw Error(ErrKind::Closed, "arena is closed");
     if (!arena.owns(*b)) throw Error(ErrKind::Value, "attach: the block does not belong to this arena");
     b->check_live();  // early, clear error; claim_for_attach below is the race-free check
@@ -194,22 +194,44 @@ void Home::attach(ArenaImpl &arena, const std::shared_ptr<Block> &b) {
         throw Error(ErrKind::Value, "attach: block of " + std::to_string(b->nbytes()) + " bytes (capacity " +
                                         std::to_string(b->capacity()) + ") cannot back a home of " +
                                         std::to_string(nbytes_) + " bytes (" + std::to_string(len_) + " mapped)");
+    if (lender) {
+        if (lender.get() == b.get()) throw Error(ErrKind::Value, "attach: the lender is the block itself");
+        check_movable(*lender, "attach: the lending");
+        if (lender->nbytes() < nbytes_ || lender->capacity() < len_)
+            throw Error(ErrKind::Value, "attach: a lending block of " + std::to_string(lender->nbytes()) +
+                                            " bytes (capacity " + std::to_string(lender->capacity()) +
+                                            ") cannot fill a home of " + std::to_string(nbytes_) + " bytes");
+    }
+    Block &source = lender ? *lender : *b;
     std::lock_guard<std::mutex> g(res_->mu);
     if (attached_) throw Error(ErrKind::Value, "attach: the home at " + hex(ptr_) + " already has a block attached");
     b->claim_for_attach();  // from here on release() refuses, another attach too
-    bool arrives_readonly = b->readonly_bytes() >= len_;
+    bool arrives_readonly = source.readonly_bytes() >= len_;
     try {
-        move_pages(b->data(), ptr_, len_);
+        if (lender) {
+            BlockClaim hold(*lender);   // Closed/ValueError if a release or a move won the race
+            move_pages(lender->data(), ptr_, len_);
+        } else {
+            move_pages(b->data(), ptr_, len_);
+        }
     } catch (...) {
         b->mark_detached();
         throw;
     }
     attached_ = b;
     watch_ = watch(ptr_, len_, seen_, arrives_readonly);
-    b->writable_while_empty();
+    source.writable_while_empty();   // its range holds no pages now
 }
 
-void Home::detach(const std::shared_ptr<Block> &b) {
+void Home::detach(const std::shared_ptr<Block> &b, const std::shared_ptr<Block> &to) {
+    if (to) {
+        if (to.get() == b.get()) throw Error(ErrKind::Value, "detach: the lender is the attached block itself");
+        check_movable(*to, "detach: the lending");
+        if (to->capacity() < len_)
+            throw Error(ErrKind::Value, "detach: a lending block of capacity " + std::to_string(to->capacity()) +
+                                            " cannot take the " + std::to_string(len_) + " mapped bytes of the home");
+    }
+    Block &dest = to ? *to : *b;
     std::lock_guard<std::mutex> g(res_->mu);
     if (!attached_) throw Error(ErrKind::Value, "detach: the home at " + hex(ptr_) + " has no block attached");
     if (attached_ != b)
@@ -221,11 +243,16 @@ void Home::detach(const std::shared_ptr<Block> &b) {
     // pages"): a clean page move back and forth changes no protection. Compute has
     // finished with the home by now: it is detached only after its compute fence.
     bool readonly = watch_ >= 0 && watched_writes(watch_) == seen_;
-    if (b->readonly_bytes() > len_) b->ensure_writable();   // the read-only part stays a prefix
-    move_pages(ptr_, b->data(), len_);
+    if (dest.readonly_bytes() > len_) dest.ensure_writable();   // the read-only part stays a prefix
+    if (to) {
+        BlockClaim hold(*to);
+        move_pages(ptr_, to->data(), len_);
+    } else {
+        move_pages(ptr_, b->data(), len_);
+    }
     unwatch_writes(watch_);
     watch_ = -1;
-    b->set_readonly_bytes(readonly ? len_ : 0);
+    dest.set_readonly_bytes(readonly ? len_ : 0);
     reserve_none(ptr_, len_);
     b->mark_detached();
     attached_.reset();
@@ -312,20 +339,23 @@ void bind_vmem(py::module_ &m) {
 
     py::object arena = m.attr("Arena");
     arena.attr("attach") = py::cpp_function(
-        [](ArenaImpl &a, std::shared_ptr<Block> block, std::shared_ptr<Home> home) {
+        [](ArenaImpl &a, std::shared_ptr<Block> block, std::shared_ptr<Home> home, std::shared_ptr<Block> pages_from) {
             py::gil_scoped_release nogil;
-            home->attach(a, block);
+            home->attach(a, block, pages_from);
         },
         py::name("attach"), py::is_method(arena), py::sibling(py::getattr(arena, "attach", py::none())),
-        py::arg("block"), py::arg("home"),
-        "move the block's pages onto the home (mremap); the block's range gets fresh untouched pages");
+        py::arg("block"), py::arg("home"), py::arg("pages_from") = py::none(),
+        "move the block's pages onto the home (mremap); the block's range gets fresh untouched pages. "
+        "With pages_from (a movable host block), that block's pages move onto the home instead and "
+        "`block` is attached holding none: the lender reads zeros until detach(..., pages_to=lender)");
     arena.attr("detach") = py::cpp_function(
-        [](ArenaImpl &a, std::shared_ptr<Home> home, std::shared_ptr<Block> block) {
+        [](ArenaImpl &a, std::shared_ptr<Home> home, std::shared_ptr<Block> block, std::shared_ptr<Block> pages_to) {
             if (!a.owns(*block)) throw Error(ErrKind::Value, "detach: the block does not belong to this arena");
             py::gil_scoped_release nogil;
-            home->detach(block);
+            home->detach(block, pages_to);
         },
         py::name("detach"), py::is_method(arena), py::sibling(py::getattr(arena, "detach", py::none())),
-        py::arg("home"), py::arg("block"),
-        "move the home's pages back onto the block; the home faults (PROT_NONE) again");
+        py::arg("home"), py::arg("block"), py::arg("pages_to") = py::none(),
+        "move the home's pages back onto the block, or onto pages_to (a movable block: the lender "
+        "taking its pages back); the home faults (PROT_NONE) again");
 }

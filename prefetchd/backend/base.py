@@ -58,6 +58,13 @@ class Backend(Protocol):
     def home(self, vrange, offset: int, nbytes: int): ...  # -> Home at page-aligned offset of vrange
     def attach(self, home, block) -> None: ...        # block's bytes now read/written at home
     def detach(self, home, block) -> None: ...        # back to block; home faults until re-attached
+    # optional (cpu: the host and device tiers are the same RAM; docs/stable-addresses.md,
+    # "Zero-copy tiers"). A backend without them copies host -> device (fill_from_host).
+    def lends(self, host_block) -> bool: ...          # attach_lent can take this host block's pages
+    def attach_lent(self, home, block, host_block) -> None: ...  # host_block's pages move to home
+                                                      # (no byte copied); block is attached holding
+                                                      # none, host_block holds none until detach_lent
+    def detach_lent(self, home, block, host_block) -> None: ...  # the home's pages back to host_block
     def written(self, home) -> bool: ...              # compute wrote the attached home in place since
                                                       # the last True (cpu: write faults); False where
                                                       # the backend cannot see such writes
@@ -78,15 +85,11 @@ class Backend(Protocol):
     def start_verify(self, key: str, tag: int) -> None: ...
     def start_copy(self, kind: TransferKind, dst, src, nbytes: int, tag: int,
                    shape=None, dtype=None) -> None: ...
-    # host -> device: the one place the tiers' memory differs (docs/stable-addresses.md,
-    # "Zero-copy tiers"). With lend=True a backend whose tiers are the same RAM (cpu) moves
-    # host_block's pages under dst and returns True: done, no completion follows, and
-    # host_block holds no bytes until return_to_host(host_block, dst) moves them back.
-    # Otherwise it starts a copy (DMA on an accelerator) and returns False: the
-    # completion carries `tag`, and host_block keeps its bytes.
-    def fill_from_host(self, dst, host_block, nbytes: int, tag: int, *, lend: bool,
-                       shape=None, dtype=None) -> bool: ...
-    def return_to_host(self, host_block, block) -> None: ...
+    # host -> device by copy (DMA on an accelerator): the completion carries `tag`, and
+    # host_block keeps its bytes. Where the tiers are the same RAM a load with a home moves
+    # pages instead (attach_lent above).
+    def fill_from_host(self, dst, host_block, nbytes: int, tag: int,
+                       shape=None, dtype=None) -> None: ...
     def wait_completions(self, timeout: float | None) -> list: ...
     def notify(self) -> None: ...
 
@@ -209,14 +212,10 @@ class HostAndStoreTiers:
     def host_used(self):
         return self.host.used
 
-    def fill_from_host(self, dst, host_block, nbytes, tag, *, lend, shape=None, dtype=None):
+    def fill_from_host(self, dst, host_block, nbytes, tag, shape=None, dtype=None):
         """Host -> device by copy (the accelerator backends: DMA beside compute); the
-        cpu backend moves pages instead."""
+        cpu backend moves a load's pages straight under its home instead (attach_lent)."""
         self.start_copy(TransferKind.H2D, dst, host_block, nbytes, tag, shape=shape, dtype=dtype)
-        return False
-
-    def return_to_host(self, host_block, block):
-        raise NotImplementedError(f"the {self.name} backend never lends host pages (fill_from_host copies)")
 
     def host_capacity(self):
         return self.host.budget

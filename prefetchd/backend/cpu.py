@@ -61,7 +61,7 @@ class CpuBackend(HostAndStoreTiers):
         self._marker_lock = threading.Lock()   # sessions on several threads get one marker
         # A host->device copy is a memcpy on the cores compute runs on; MindSpore's
         # kernels use all of them and wait for the slowest (plan.Inputs). Loads from the
-        # host tier move pages instead (fill_from_host); what still copies is a load of
+        # host tier move pages instead (attach_lent); what still copies is a load of
         # register()'s values and a host block that cannot be moved.
         self.copy_contention = 1.0
         # Loads from the remote tier through a host tier other daemons share (opt-in).
@@ -119,6 +119,25 @@ class CpuBackend(HostAndStoreTiers):
     def detach(self, home, block):
         """Move the pages back to `block`; reading `home` faults until the next attach."""
         self.device.detach(home, block)
+
+    # Device and host tier are the same RAM here: a load from the host tier moves the
+    # host block's pages straight under the home, one mremap, and the eviction moves
+    # them straight back; the device block is attached holding none of them (it is the
+    # device budget's slot). Two page moves per tensor per pass, no byte copied.
+    @staticmethod
+    def lends(host_block):
+        """Whether attach_lent can take host_block's pages: private anonymous memory
+        (Block.movable). Others (a segment shared with other processes) are copied."""
+        return getattr(host_block, "movable", False)
+
+    def attach_lent(self, home, block, host_block):
+        """host_block's pages move under `home` (no copy); host_block holds none until
+        detach_lent, and `block` is attached holding none."""
+        self.device.attach(block, home, pages_from=host_block)
+
+    def detach_lent(self, home, block, host_block):
+        """The home's pages (host_block's, written or not) move back under host_block."""
+        self.device.detach(home, block, pages_to=host_block)
 
     @staticmethod
     def written(home):
@@ -194,22 +213,6 @@ class CpuBackend(HostAndStoreTiers):
     def start_copy(self, kind, dst, src, nbytes, tag, shape=None, dtype=None):
         stream = self.store_stream if kind is TransferKind.D2H else self.load_stream
         stream.copy(dst, src, nbytes, tag=tag, cq=self.cq)
-
-    def fill_from_host(self, dst, host_block, nbytes, tag, *, lend, shape=None, dtype=None):
-        """Device and host tier are the same RAM here: with `lend`, move the host block's
-        pages under `dst` (mremap, no byte copied; True, done now) and leave the host block
-        empty until return_to_host. A host block that is not private anonymous memory
-        (Block.movable: e.g. a segment shared with other processes) is copied instead."""
-        if lend and getattr(host_block, "movable", False):
-            _native.move_pages(dst, host_block)
-            return True
-        return super().fill_from_host(dst, host_block, nbytes, tag, lend=False, shape=shape, dtype=dtype)
-
-    @staticmethod
-    def return_to_host(host_block, block):
-        """The pages a fill moved under `block` go back under `host_block` (the same pages:
-        a cached replica survives its device residency without a copy)."""
-        _native.move_pages(host_block, block)
 
     def wait_completions(self, timeout):
         done = self.cq.wait(timeout)

@@ -64,7 +64,7 @@ class HostCache:
 
     def drop(self, rec):
         """Free rec's host replica. One lent to the device tier (core/lending.py) holds no
-        bytes: its pages stay under the device replica and are freed with it."""
+        bytes: its pages stay under the home and are freed with the device block."""
         self.backend.free_host(rec.host_block)
         rec.host_block = None
         rec.host_valid = False

@@ -182,33 +182,36 @@ class Loads:
             TransferKind.H2D, rec.block, source, rec.nbytes, tag, shape=rec.shape, dtype=rec.dtype))
 
     def _fill_from_host(self, rec):
-        """The device block from the host replica: its pages moved under the block where
-        the tiers share RAM (cpu; done here, the host block lent until the drop), else a
-        copy whose completion comes later. Lent only with a home (core/lending.py)."""
+        """The device replica from the host replica: its pages moved straight under the
+        home where the tiers share RAM (cpu; done here, the host block lent until the
+        drop: core/lending.py), else a copy into the block whose completion comes later."""
+        if lending.can_lend(self._backend, rec):
+            self._lend(rec)
+            return
         rec.reading_host = True
         tag = self._transfers.add(TransferKind.H2D, rec)
-        start = time.monotonic_ns()
         try:
-            moved = self._backend.fill_from_host(rec.block, rec.host_block, rec.nbytes, tag,
-                                             lend=rec.home is not None, shape=rec.shape, dtype=rec.dtype)
-        except Exception as e:   # nothing moved or started: back to ABSENT, the waiters learn why
+            self._backend.fill_from_host(rec.block, rec.host_block, rec.nbytes, tag,
+                                         shape=rec.shape, dtype=rec.dtype)
+        except Exception as e:   # nothing started: back to ABSENT, the waiters learn why
             self._transfers.discard(tag)
             self._failed(rec, StorageError(f"cannot start loading {rec.name!r} from the host tier: {e}"))
+
+    def _lend(self, rec):
+        start = time.monotonic_ns()
+        try:
+            lending.lend(self._backend, self._stats, rec)
+        except Exception as e:   # nothing moved: back to ABSENT, the waiters learn why
+            self._failed(rec, StorageError(f"cannot load {rec.name!r} from the host tier: {e}"))
             return
-        if not moved:
-            return                 # a copy: done() runs on its completion
         end = time.monotonic_ns()
-        self._transfers.discard(tag)
-        rec.host_lent = True
-        self._stats.moved_bytes += rec.nbytes
-        lending.count(self._stats, (end - start) / 1e9)
         self.timeline.transfer(TransferKind.H2D.value, rec.name, rec.nbytes, start, end, ok=True)
         try:
-            self.done(rec, TransferKind.H2D, Completion(tag, 0, nbytes=rec.nbytes, start_ns=start, end_ns=end),
+            self.done(rec, TransferKind.H2D, Completion(0, 0, nbytes=rec.nbytes, start_ns=start, end_ns=end),
                       (end - start) / 1e9)
         except Exception as e:
             log.exception("prefetchd: completing the page move of %r failed", rec.name)
-            if rec.state is State.LOADING:    # not attached: the pages go back, the load fails
+            if rec.state is State.LOADING:    # the pages go back to the host block, the load fails
                 self._failed(rec, PrefetchdError(f"internal error while loading {rec.name!r}: {e!r}"))
 
     def _issue(self, rec, kind, start):
@@ -229,8 +232,8 @@ class Loads:
             return
         if kind is TransferKind.H2D and not rec.host_lent:
             self._stats.copied_bytes += rec.nbytes
-        if rec.home is not None:   # page tables only: the bytes appear at the home
-            lending.timed(self._stats, self._backend.attach, rec.home, rec.block)
+        if rec.home is not None and not rec.host_lent:   # lent pages are under the home already;
+            lending.timed(self._stats, self._backend.attach, rec.home, rec.block)   # else page tables only
         self.arrived(rec)
         self._stats.record_transfer(kind.value if kind is TransferKind.H2D else "load", rec.nbytes, seconds)
         self._emit("loaded", rec, seconds)
@@ -264,7 +267,7 @@ class Loads:
 
     def _failed(self, rec, error, seconds=0.0):
         rec.reading_host = False
-        lending.give_back(self._backend, self._stats, rec, rec.block)
+        lending.give_back(self._backend, self._stats, rec, rec.block)   # lent pages off the home
         self._backend.free_device(rec.block)
         rec.block = None
         rec.state = State.ABSENT

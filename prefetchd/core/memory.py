@@ -109,8 +109,8 @@ class DeviceMemory:
             if rec.state is State.ABSENT and self.backend.written(home):
                 self.written_late(rec, block)
                 return
-            lending.timed(self.stats, self.backend.detach, home, block)
-        lending.give_back(self.backend, self.stats, rec, block)   # lent host pages go home first
+            if not lending.give_back(self.backend, self.stats, rec, block):   # lent: to the host block
+                lending.timed(self.stats, self.backend.detach, home, block)
         self.backend.free_device(block)
 
     # ------------------------------------------------------------------ victims

@@ -107,3 +107,89 @@ def test_a_move_that_cannot_be_done_is_refused_and_moves_nothing():
     arena.detach(home, attached)
     assert np.array_equal(np.frombuffer(host, np.uint8), canary)
     assert host.movable and attached.movable
+
+
+# ---------------------------------------------------------------- lent pages: host block <-> home
+
+def _home(nbytes):
+    vrange = _native.VirtualRange(max(64 * MiB, 2 * nbytes))
+    return vrange, vrange.slice(0, nbytes)
+
+
+@pytest.mark.parametrize("huge", [True, False], ids=["huge-pages", "4KiB-pages"])
+@pytest.mark.parametrize("nbytes", [100, 5000, 3 * MiB + 100, 8 * MiB])
+def test_a_lent_attach_moves_the_host_pages_straight_under_the_home_and_the_detach_straight_back(huge, nbytes):
+    pool = _native.HostPool(64 * MiB, PAGE, huge_pages=huge)
+    arena = _native.Arena(64 * MiB, PAGE, huge_pages=huge)
+    host, device = pool.alloc(nbytes), arena.alloc(nbytes)
+    theirs = filled(device, 9)                # the device block's own range: not touched by the lend
+    canary = filled(host, nbytes)
+    before = frames(host, nbytes)
+    _vrange, home = _home(nbytes)
+    arena.attach(device, home, pages_from=host)
+    assert home.attached and home.block is device and device.attached
+    assert np.array_equal(np.frombuffer(home, np.uint8), canary)
+    assert not np.frombuffer(host, np.uint8).any(), "the host block kept its bytes: that was a copy"
+    if None not in before:
+        assert frames(home.address, nbytes) == before
+    with pytest.raises(RuntimeError, match="attached to a home"):
+        device.release()                      # the device block is the home's now
+    arena.detach(home, device, pages_to=host)
+    assert not home.attached and not device.attached
+    assert np.array_equal(np.frombuffer(host, np.uint8), canary)
+    if None not in before:
+        assert frames(host, nbytes) == before     # the same physical pages came back
+    assert np.array_equal(np.frombuffer(device, np.uint8), theirs)
+    assert pool.used == nbytes
+    device.release()
+
+
+def test_a_lent_home_written_in_place_gives_the_written_pages_back_to_the_host_block():
+    pool = _native.HostPool(16 * MiB, PAGE)
+    arena = _native.Arena(16 * MiB, PAGE)
+    nbytes = 3 * PAGE
+    host, device = pool.alloc(nbytes), arena.alloc(nbytes)
+    filled(host, 4)
+    _vrange, home = _home(nbytes)
+    arena.attach(device, home, pages_from=host)
+    np.frombuffer(home, np.uint8)[:] = 7        # a write faults once and is let through
+    assert home.take_written()
+    arena.detach(home, device, pages_to=host)
+    assert (np.frombuffer(host, np.uint8) == 7).all()
+    np.frombuffer(host, np.uint8)[:] = 8        # and the host block is writable again
+    arena.attach(device, home, pages_from=host)
+    assert (np.frombuffer(home, np.uint8) == 8).all() and not home.take_written()
+    arena.detach(home, device, pages_to=host)
+
+
+def test_a_lend_that_cannot_be_done_is_refused_and_moves_nothing():
+    pool = _native.HostPool(16 * MiB, PAGE)
+    arena = _native.Arena(16 * MiB, PAGE)
+    host = pool.alloc(8192)
+    canary = filled(host, 5)
+    device = arena.alloc(8192)
+    _vrange, home = _home(8192)
+    with pytest.raises(ValueError, match="cannot fill a home"):
+        arena.attach(device, home, pages_from=pool.alloc(4096))
+    with pytest.raises(ValueError, match="the lender is the block itself"):
+        arena.attach(device, home, pages_from=device)
+    released = pool.alloc(8192)
+    released.release()
+    with pytest.raises(_native.Closed, match="lending block is released"):
+        arena.attach(device, home, pages_from=released)
+    other_vrange, other = _home(8192)
+    lent_elsewhere = arena.alloc(8192)
+    arena.attach(lent_elsewhere, other)
+    with pytest.raises(ValueError, match="lending block is attached"):
+        arena.attach(device, home, pages_from=lent_elsewhere)
+    assert not home.attached and not device.attached
+    assert np.array_equal(np.frombuffer(host, np.uint8), canary)
+    arena.attach(device, home, pages_from=host)
+    with pytest.raises(ValueError, match="cannot take the"):
+        arena.detach(home, device, pages_to=pool.alloc(4096))
+    with pytest.raises(ValueError, match="is attached to a home"):
+        arena.detach(home, device, pages_to=lent_elsewhere)
+    assert home.attached                          # refused: the pages stay at the home
+    arena.detach(home, device, pages_to=host)
+    assert np.array_equal(np.frombuffer(host, np.uint8), canary)
+    arena.detach(other, lent_elsewhere)

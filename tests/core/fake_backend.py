@@ -167,23 +167,30 @@ class FakeBackend:
             dst[:nbytes] = bytes(memoryview(src).cast("B")[:nbytes])
         self.queued.append((kind, tag, run))
 
-    lends = False    # True: fill_from_host moves (the cpu backend's page moves), else copies
-
-    def fill_from_host(self, dst, host_block, nbytes, tag, *, lend, shape=None, dtype=None):
+    def fill_from_host(self, dst, host_block, nbytes, tag, shape=None, dtype=None):
         self._call("fill_from_host")
-        if not (lend and self.lends):
-            self.start_copy(TransferKind.H2D, dst, host_block, nbytes, tag)
-            return False
-        # A move: the bytes are under dst now and the host block holds zeros, so a core
-        # that read a lent host block would load zeros, not the tensor.
-        dst[:nbytes] = host_block[:nbytes]
-        host_block[:] = bytes(len(host_block))
-        return True
+        self.start_copy(TransferKind.H2D, dst, host_block, nbytes, tag)
 
-    def return_to_host(self, host_block, block):
-        self._call("return_to_host")
+    lending = False    # True: loads with a home move pages (the cpu backend's attach_lent)
+
+    def lends(self, host_block):
+        return self.lending
+
+    def attach_lent(self, home, block, host_block):
+        # A move: the bytes are at the home now and the host block holds zeros, so a core
+        # that read a lent host block would load zeros, not the tensor.
+        self._call("attach_lent")
+        assert home.block is None
+        block[:len(host_block)] = host_block
+        host_block[:] = bytes(len(host_block))
+        home.block = block
+
+    def detach_lent(self, home, block, host_block):
+        self._call("detach_lent")
+        assert home.block is block
         host_block[:] = block[:len(host_block)]
         block[:] = bytes(len(block))
+        home.block = None
 
     def store_contains(self, key):
         return key in self.store

@@ -1,8 +1,8 @@
 """Host blocks lent to the device tier (core/lending.py), driven step by step.
 
-The fake backend's `lends = True` models the cpu backend's page moves: a fill
-moves the bytes under the device block and leaves zeros in the host block, a
-return moves them back. So a core that read a lent host block, or freed pages it
+The fake backend's `lending = True` models the cpu backend's page moves: a load
+moves the bytes under the home (attach_lent) and leaves zeros in the host block,
+the drop moves them back (detach_lent). So a core that read a lent host block, or freed pages it
 should have returned, would load zeros: every check below compares bytes.
 """
 import random
@@ -18,7 +18,7 @@ from .test_moves import KiB, Core
 
 def _lending_core(device=64 * KiB, host=64 * KiB, **kw):
     c = Core(device=device, host=host, **kw)
-    c.backend.lends = True
+    c.backend.lending = True
     return c
 
 
@@ -127,24 +127,56 @@ def test_a_failed_write_back_of_a_lent_replica_loses_nothing():
     assert bytes(a.host_block) == bytes([8]) * a.nbytes and c.backend.store["a"] == bytes([8]) * a.nbytes
 
 
-def test_an_attach_that_fails_after_the_move_gives_the_pages_back():
+def test_a_host_load_and_its_drop_are_one_page_move_each():
+    c = _lending_core()
+    a = _host_only(c, "a", fill=2)
+    _load(c, a)
+    _evict(c, a)
+    moves = [m for m in c.backend.calls if m in ("attach", "detach", "attach_lent", "detach_lent",
+                                                    "fill_from_host")]
+    assert moves == ["attach_lent", "detach_lent"]
+    assert c.stats.page_moves == 2
+
+
+def test_a_move_the_kernel_refuses_fails_the_load_and_the_host_replica_keeps_its_bytes():
     c = _lending_core()
     a = _host_only(c, "a", fill=6)
-    real, calls = c.backend.attach, []
+    real, calls = c.backend.attach_lent, []
 
-    def attach(home, block):
+    def attach_lent(home, block, host_block):
         calls.append(home)
         if len(calls) == 1:
             raise RuntimeError("injected: the kernel refused the move")
-        real(home, block)
-    c.backend.attach = attach
+        real(home, block, host_block)
+    c.backend.attach_lent = attach_lent
+    f = c.submit(Kind.PREFETCH, [a])
+    c.drain()
+    assert "the kernel refused the move" in str(f.exception(0)) and a.state is State.ABSENT
+    assert not a.host_lent and bytes(a.host_block) == bytes([6]) * a.nbytes
+    assert c.backend.used == 0 and a.home.block is None
+    _load(c, a)
+    assert bytes(a.replica) == bytes([6]) * a.nbytes
+
+
+def test_a_failure_after_the_move_gives_the_pages_back_to_the_host_block():
+    c = _lending_core()
+    a = _host_only(c, "a", fill=7)
+    real, calls = c.s.loads.arrived, []
+
+    def arrived(rec):
+        calls.append(rec)
+        if len(calls) == 1:
+            raise RuntimeError("injected: completing the load broke")
+        real(rec)
+    c.s.loads.arrived = arrived
     f = c.submit(Kind.PREFETCH, [a])
     c.drain()
     assert f.exception(0) is not None and a.state is State.ABSENT
-    assert not a.host_lent and bytes(a.host_block) == bytes([6]) * a.nbytes
+    assert not a.host_lent and a.home.block is None
+    assert bytes(a.host_block) == bytes([7]) * a.nbytes   # the pages went back, not freed
     assert c.backend.used == 0
     _load(c, a)
-    assert bytes(a.replica) == bytes([6]) * a.nbytes
+    assert bytes(a.replica) == bytes([7]) * a.nbytes
 
 
 @pytest.mark.parametrize("seed", range(6))
