@@ -39,10 +39,25 @@ def drain(daemon, timeout=120.0):
         time.sleep(0.0005)
 
 
+def tlb_shootdowns():
+    """TLB-shootdown interrupts received so far, summed over cores (/proc/interrupts' "TLB"
+    line; 0 where the kernel shows none). Machine-wide: a page move's shootdown interrupts
+    the cores running the process' other threads, and so does anything else running."""
+    try:
+        with open("/proc/interrupts") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name.strip() == "TLB":
+                    return sum(int(field) for field in rest.split() if field.isdigit())
+    except OSError:
+        pass
+    return 0
+
+
 def daemon_counters(daemon):
     _status, s = daemon.snapshot()
-    return {"rebinds": s.rebinds, "reclaims": s.reclaims, "loads_from": dict(s.loads_from),
-            "load_bytes_from": dict(s.load_bytes_from), "stall_seconds": s.stall.sum,
+    return {"tlb_shootdowns": tlb_shootdowns(), "rebinds": s.rebinds, "reclaims": s.reclaims,
+            "loads_from": dict(s.loads_from), "load_bytes_from": dict(s.load_bytes_from), "stall_seconds": s.stall.sum,
             "host_drops": s.host_drops, "fences": s.fences,
             # how bytes reached the device tier (core/lending.py): pages moved vs bytes copied
             "moved_bytes": s.moved_bytes, "copied_bytes": s.copied_bytes, "returned_bytes": s.returned_bytes,
@@ -59,7 +74,7 @@ class Resident:
         return self.model(self.x).asnumpy()
 
     def counters(self):
-        return {}
+        return {"tlb_shootdowns": tlb_shootdowns()}
 
     def compute_profile(self, marker):
         """(dispatch_ns, fence_ns) per layer of one pass, from compute fences (cost.fence_clock.FenceClock)."""

@@ -21,6 +21,7 @@ def _pass_summary(record):
             "moved_bytes": record.get("moved_bytes", 0), "copied_bytes": record.get("copied_bytes", 0),
             "returned_bytes": record.get("returned_bytes", 0), "page_moves": record.get("page_moves", 0),
             "page_move_seconds": record.get("page_move_seconds", 0.0),
+            "tlb_shootdowns": record.get("tlb_shootdowns", 0),
             "outputs_match": record.get("outputs_match", True)}
 
 
@@ -46,6 +47,9 @@ def _method_info(records, method):
         "moved_bytes": statistics.median(r["moved_bytes"] for r in steady),
         "copied_bytes_steady": sum(r["copied_bytes"] for r in steady),
         "page_move_seconds": statistics.median(r["page_move_seconds"] for r in steady),
+        # machine-wide TLB-shootdown interrupts during a steady pass (the page moves' cost
+        # to the computing cores; the resident pass's count is the baseline)
+        "tlb_shootdowns": statistics.median(r["tlb_shootdowns"] for r in steady),
         "peak_device_bytes": status["device"]["peak"],
         "high_watermark": status["device"]["high_watermark"],
         "host_budget": status["host"]["budget"],
@@ -66,6 +70,7 @@ def case_report(case, tier, batch, host_budget, resident, resident_log, logs, me
     report = {
         "case": case, "tier": tier, "batch": batch, "host_budget": host_budget,
         "seconds": seconds, "resident_passes": list(resident),
+        "resident_tlb_shootdowns": statistics.median(r.get("tlb_shootdowns", 0) for r in resident_log[1:]),
         "first_pass": {"resident": resident[0], **{n: i["first_pass_seconds"] for n, i in info.items()}},
         "prefetchd_over_bound": seconds["prefetchd"] / bound,
         "bound": "compute" if seconds["resident"] >= seconds["io_only"] else "io",

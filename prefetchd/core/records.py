@@ -50,7 +50,7 @@ class ManagedTensor:
     requested: bool = False  # a prefetch was submitted and the scheduler has not taken it yet
     prefetched_unused: bool = False  # loaded ahead of use and not used yet
     reading_host: bool = False   # a load is copying from the host replica (do not drop it)
-    host_lent: bool = False  # the host block's pages are under the device block (moved, not copied;
+    host_lent: bool = False  # the host block's pages are under the home (moved, not copied;
                              # core/lending.py): the host block holds none of the bytes until they return
     writeback_failed: bool = False   # last write-back failed: keep in place, do not pick as victim
     evict_after_store: str | None = None  # eviction reason waiting for the write-back
