@@ -19,19 +19,14 @@ a host block whose pages are still out.
 import time
 
 
-def count(stats, seconds):
-    """One page move (a fill, a return, a home's attach or detach) took `seconds`."""
-    stats.page_move_seconds += seconds
-    stats.page_moves += 1
-
-
 def timed(stats, move, *args):
-    """Run one page move and count its wall time."""
+    """Run one page move (a lend, a give-back, a home's attach or detach) and count its wall time."""
     t = time.perf_counter_ns()
     try:
         return move(*args)
     finally:
-        count(stats, (time.perf_counter_ns() - t) / 1e9)
+        stats.page_move_seconds += (time.perf_counter_ns() - t) / 1e9
+        stats.page_moves += 1
 
 
 def can_lend(backend, rec):
