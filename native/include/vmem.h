@@ -59,6 +59,13 @@ struct Reservation {
 
 class Home;
 
+// Shared by vmem.cpp and home_parking.cpp. reserve_none: back to an
+// address-space-only reservation (reads fault, no memory held). watch_home: read-only
+// with writes watched (home_faults.h), the slot or -1 if left writable and unwatched;
+// `readonly`: the range is PROT_READ already (no protection change, no TLB shootdown).
+void reserve_none(char *p, size_t len);
+int watch_home(char *p, size_t len, uint64_t &seen, bool readonly);
+
 class VirtualRange {
   public:
     VirtualRange(size_t nbytes, size_t alignment);
@@ -106,12 +113,27 @@ class Home {
     bool take_written();
     bool write_watched() const;  // attached and watched (false: every take_written is true)
 
+    // Parking (home_parking.cpp; docs/stable-addresses.md, "Parked pages"): a lent
+    // home's pages stay under it while its tensor is not resident, PROT_NONE, so the
+    // next load from the host tier is one permission change instead of a page move.
+    bool parked() const;
+    // Detach `block` (the attached one: the device budget's slot) and make the home
+    // PROT_NONE holding its pages. Reads fault as on a detached home.
+    void park(const std::shared_ptr<Block> &block);
+    // The parked pages readable again, `block` attached as their slot (no page moves).
+    void attach_parked(ArenaImpl &arena, const std::shared_ptr<Block> &block);
+    // The parked pages moved onto `to` (the lender taking them back), or freed without
+    // `to`; the home is re-reserved PROT_NONE|MAP_NORESERVE either way.
+    void unpark(const std::shared_ptr<Block> &to);
+
   private:
     std::shared_ptr<Reservation> res_;
     char *ptr_;
     size_t offset_, nbytes_, len_;
     std::shared_ptr<Block> attached_;  // guarded by res_->mu; keeps the block allocated
     int watch_ = -1;                   // write-watch slot while attached, or -1 (unwatched)
+    bool parked_ = false;              // guarded by res_->mu; holds pages, PROT_NONE, no block
+    void check_slot(ArenaImpl &arena, Block &b, const char *what) const;
     uint64_t seen_ = 0;                // its write count when take_written last looked
 };
 

@@ -21,6 +21,7 @@ using namespace pfd;
 
 void bind_vmem(py::module_ &m);  // vmem.cpp: VirtualRange, Home, Arena.attach/detach
 void bind_block_moves(py::module_ &m);  // block_moves.cpp: move_pages, Block.movable
+void bind_home_parking(py::module_ &m);  // home_parking.cpp: Arena.park/attach_parked/unpark
 void bind_segment_maps(py::module_ &m);  // segment_maps.cpp: Block.map_segment
 
 namespace {
@@ -332,6 +333,7 @@ PYBIND11_MODULE(_native, m) {
     m.def("aligned_buffer", &aligned_buffer, py::arg("nbytes"), py::arg("alignment") = 4096);
     bind_vmem(m);
     bind_block_moves(m);
+    bind_home_parking(m);
     bind_segment_maps(m);
 
     // ------------------------------------------------------------ checksums

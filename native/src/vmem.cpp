@@ -64,8 +64,6 @@ void move_pages(char *src, char *dst, size_t len) {
                                      (e == EINVAL ? " (MREMAP_DONTUNMAP needs Linux >= 5.7)" : ""));
 }
 
-namespace {
-
 // Back to an address-space-only reservation: reads fault, no memory is held.
 void reserve_none(char *p, size_t len) {
     void *r = mmap(p, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
@@ -80,7 +78,7 @@ void reserve_none(char *p, size_t len) {
 // and unwatched (no mprotect, or the watch table is full).
 // `readonly`: the pages arrived read-only (memory.h, "Read-only pages"), so no
 // protection change (and no TLB shootdown) is needed.
-int watch(char *p, size_t len, uint64_t &seen, bool readonly) {
+int watch_home(char *p, size_t len, uint64_t &seen, bool readonly) {
     if (!readonly) {
         count_protection_change();
         if (mprotect(p, len, PROT_READ) != 0) return -1;
@@ -94,8 +92,6 @@ int watch(char *p, size_t len, uint64_t &seen, bool readonly) {
     seen = watched_writes(slot);
     return slot;
 }
-
-}  // namespace
 
 Reservation::Reservation(size_t nbytes, size_t alignment) {
     check_alignment(alignment);
@@ -168,6 +164,11 @@ Home::~Home() {
         }
         attached_->mark_detached();
         attached_.reset();
+    } else if (parked_) {
+        try {
+            reserve_none(ptr_, len_);   // the parked pages are freed with the home
+        } catch (...) {
+        }
     }
     res_->slices.erase(offset_);
 }
@@ -182,18 +183,24 @@ std::shared_ptr<Block> Home::block() const {
     return attached_;
 }
 
-void Home::attach(ArenaImpl &arena, const std::shared_ptr<Block> &b, const std::shared_ptr<Block> &lender) {
+// What every attach asks of the block it attaches (a page source or only a slot).
+void Home::check_slot(ArenaImpl &arena, Block &b, const char *what) const {
+    std::string op = what;
     if (arena.closed()) throw Error(ErrKind::Closed, "arena is closed");
-    if (!arena.owns(*b)) throw Error(ErrKind::Value, "attach: the block does not belong to this arena");
-    b->check_live();  // early, clear error; claim_for_attach below is the race-free check
+    if (!arena.owns(b)) throw Error(ErrKind::Value, op + ": the block does not belong to this arena");
+    b.check_live();  // early, clear error; claim_for_attach is the race-free check
     size_t page = page_size();
-    if (!is_aligned(b->data(), page))
-        throw Error(ErrKind::Value, "attach: block address " + hex(b->data()) + " is not page-aligned (arena alignment " +
+    if (!is_aligned(b.data(), page))
+        throw Error(ErrKind::Value, op + ": block address " + hex(b.data()) + " is not page-aligned (arena alignment " +
                                         std::to_string(arena.alignment()) + " < page size " + std::to_string(page) + ")");
-    if (b->nbytes() < nbytes_ || b->capacity() < len_)
-        throw Error(ErrKind::Value, "attach: block of " + std::to_string(b->nbytes()) + " bytes (capacity " +
-                                        std::to_string(b->capacity()) + ") cannot back a home of " +
+    if (b.nbytes() < nbytes_ || b.capacity() < len_)
+        throw Error(ErrKind::Value, op + ": block of " + std::to_string(b.nbytes()) + " bytes (capacity " +
+                                        std::to_string(b.capacity()) + ") cannot back a home of " +
                                         std::to_string(nbytes_) + " bytes (" + std::to_string(len_) + " mapped)");
+}
+
+void Home::attach(ArenaImpl &arena, const std::shared_ptr<Block> &b, const std::shared_ptr<Block> &lender) {
+    check_slot(arena, *b, "attach");
     if (lender) {
         if (lender.get() == b.get()) throw Error(ErrKind::Value, "attach: the lender is the block itself");
         check_movable(*lender, "attach: the lending");
@@ -205,6 +212,9 @@ void Home::attach(ArenaImpl &arena, const std::shared_ptr<Block> &b, const std::
     Block &source = lender ? *lender : *b;
     std::lock_guard<std::mutex> g(res_->mu);
     if (attached_) throw Error(ErrKind::Value, "attach: the home at " + hex(ptr_) + " already has a block attached");
+    if (parked_)
+        throw Error(ErrKind::Value, "attach: the home at " + hex(ptr_) +
+                                        " holds parked pages (attach_parked or unpark them first)");
     b->claim_for_attach();  // from here on release() refuses, another attach too
     bool arrives_readonly = source.readonly_bytes() >= len_;
     try {
@@ -219,7 +229,7 @@ void Home::attach(ArenaImpl &arena, const std::shared_ptr<Block> &b, const std::
         throw;
     }
     attached_ = b;
-    watch_ = watch(ptr_, len_, seen_, arrives_readonly);
+    watch_ = watch_home(ptr_, len_, seen_, arrives_readonly);
     source.writable_while_empty();   // its range holds no pages now
 }
 

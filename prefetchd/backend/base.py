@@ -65,6 +65,11 @@ class Backend(Protocol):
                                                       # (no byte copied); block is attached holding
                                                       # none, host_block holds none until detach_lent
     def detach_lent(self, home, block, host_block) -> None: ...  # the home's pages back to host_block
+    parks: bool                                       # optional, with park/attach_parked/unpark:
+    def park(self, home, block) -> None: ...          # detach the slot, the home keeps the lent
+                                                      # pages unreadable (they are the host tier's)
+    def attach_parked(self, home, block) -> None: ... # parked pages readable again, block the slot
+    def unpark(self, home, host_block=None) -> None: ...  # parked pages to host_block, or freed
     def written(self, home) -> bool: ...              # compute wrote the attached home in place since
                                                       # the last True (cpu: write faults); False where
                                                       # the backend cannot see such writes

@@ -121,9 +121,9 @@ class CpuBackend(HostAndStoreTiers):
         self.device.detach(home, block)
 
     # Device and host tier are the same RAM here: a load from the host tier moves the
-    # host block's pages straight under the home, one mremap, and the eviction moves
-    # them straight back; the device block is attached holding none of them (it is the
-    # device budget's slot). Two page moves per tensor per pass, no byte copied.
+    # host block's pages straight under the home, one mremap (the device block is
+    # attached holding none of them: it is the device budget's slot), and they stay
+    # there, parked, after the drop. No byte copied.
     @staticmethod
     def lends(host_block):
         """Whether attach_lent can take host_block's pages: private anonymous memory
@@ -138,6 +138,23 @@ class CpuBackend(HostAndStoreTiers):
     def detach_lent(self, home, block, host_block):
         """The home's pages (host_block's, written or not) move back under host_block."""
         self.device.detach(home, block, pages_to=host_block)
+
+    # Parking (docs/stable-addresses.md, "Parked pages"): the drop leaves the lent pages
+    # under the home, PROT_NONE, instead of moving them back; the next load unprotects
+    # them. One TLB flush per tensor per pass instead of one per 2 MiB moved.
+    parks = True
+
+    def park(self, home, block):
+        """Detach `block` (the device slot); the home keeps the pages, unreadable."""
+        self.device.park(home, block)
+
+    def attach_parked(self, home, block):
+        """The parked pages readable again under `home`, `block` attached as their slot."""
+        self.device.attach_parked(block, home)
+
+    def unpark(self, home, host_block=None):
+        """The parked pages back under host_block, or freed without one."""
+        self.device.unpark(home, pages_to=host_block)
 
     @staticmethod
     def written(home):

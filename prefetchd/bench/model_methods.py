@@ -59,9 +59,11 @@ def daemon_counters(daemon):
     return {"tlb_shootdowns": tlb_shootdowns(), "rebinds": s.rebinds, "reclaims": s.reclaims,
             "loads_from": dict(s.loads_from), "load_bytes_from": dict(s.load_bytes_from), "stall_seconds": s.stall.sum,
             "host_drops": s.host_drops, "fences": s.fences,
-            # how bytes reached the device tier (core/lending.py): pages moved vs bytes copied
+            # how bytes reached the device tier (core/lending.py): with no copy (pages moved,
+            # or unparked under the home) vs bytes copied
             "moved_bytes": s.moved_bytes, "copied_bytes": s.copied_bytes, "returned_bytes": s.returned_bytes,
-            "page_moves": s.page_moves, "page_move_seconds": s.page_move_seconds}
+            "unparked_bytes": s.unparked_bytes, "page_moves": s.page_moves, "page_protects": s.page_protects,
+            "page_move_seconds": s.page_move_seconds}
 
 
 class Resident:

@@ -19,7 +19,8 @@ def _pass_summary(record):
             "host_hit_rate": _hit_rate(nbytes.get("host", 0), nbytes.get("remote", 0)),
             "misses": record.get("misses"), "stall_seconds": record.get("stall_seconds", 0.0),
             "moved_bytes": record.get("moved_bytes", 0), "copied_bytes": record.get("copied_bytes", 0),
-            "returned_bytes": record.get("returned_bytes", 0), "page_moves": record.get("page_moves", 0),
+            "returned_bytes": record.get("returned_bytes", 0), "unparked_bytes": record.get("unparked_bytes", 0),
+            "page_moves": record.get("page_moves", 0), "page_protects": record.get("page_protects", 0),
             "page_move_seconds": record.get("page_move_seconds", 0.0),
             "tlb_shootdowns": record.get("tlb_shootdowns", 0),
             "outputs_match": record.get("outputs_match", True)}
@@ -42,9 +43,13 @@ def _method_info(records, method):
         "loaded_bytes": statistics.median(sum(r["load_bytes_from"].values()) for r in steady),
         "stall_seconds": statistics.median(r["stall_seconds"] for r in steady),
         "fences": sum(r["fences"] for r in steady),
-        # per steady pass: bytes into the device tier by page moves vs by copies, and the
-        # wall time of the page moves (fills, returns, attaches, detaches)
+        # per steady pass: bytes into the device tier with no copy vs by copies, how many
+        # of them were unparked in place, the page moves and permission changes, and
+        # their wall time (fills, returns, attaches, detaches, parks, unparks)
         "moved_bytes": statistics.median(r["moved_bytes"] for r in steady),
+        "unparked_bytes": statistics.median(r["unparked_bytes"] for r in steady),
+        "page_moves": statistics.median(r["page_moves"] for r in steady),
+        "page_protects": statistics.median(r["page_protects"] for r in steady),
         "copied_bytes_steady": sum(r["copied_bytes"] for r in steady),
         "page_move_seconds": statistics.median(r["page_move_seconds"] for r in steady),
         # machine-wide TLB-shootdown interrupts during a steady pass (the page moves' cost

@@ -8,6 +8,7 @@ Scheduler thread only, under the daemon's lock.
 """
 from ..backend.base import TransferKind
 from ..errors import BudgetError, StorageError
+from . import lending
 from .transfers import transfer_error
 
 
@@ -78,6 +79,7 @@ class HostReplicas:
             return False
 
     def free(self, rec):
+        lending.drop_parked(self._backend, self._stats, rec)
         if rec.host_block is not None:
             self._backend.free_host(rec.host_block)
         rec.host_block = None

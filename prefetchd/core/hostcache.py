@@ -12,6 +12,7 @@ cache is Belady's (keep what is used again soonest; do not admit a tensor
 whose next reuse is farther than everything it would displace), without one
 it is LRU. Scheduler thread only.
 """
+from . import lending
 
 
 class HostCache:
@@ -64,7 +65,9 @@ class HostCache:
 
     def drop(self, rec):
         """Free rec's host replica. One lent to the device tier (core/lending.py) holds no
-        bytes: its pages stay under the home and are freed with the device block."""
+        bytes: its pages stay under the home and are freed with the device block; pages
+        parked under the home are freed now."""
+        lending.drop_parked(self.backend, self.stats, rec)
         self.backend.free_host(rec.host_block)
         rec.host_block = None
         rec.host_valid = False

@@ -12,21 +12,37 @@ it (`detach_lent`), or into the device block, to be freed with it, if the host
 cache dropped it meanwhile (the remote copy is the truth then). One page move in,
 one out, per tensor per pass. docs/stable-addresses.md, "Zero-copy tiers".
 
+Where the backend parks (`parks`: cpu), the drop does not move the pages at all while
+the host tier keeps the block: it detaches the device slot and leaves the pages under
+the home, PROT_NONE (`park`; `rec.host_parked`), so a stray read still faults. The
+next load makes them readable again (`attach_parked`: no page move, no TLB
+shootdown), and the host cache takes them back (`unpark`) only when it drops the
+block. A mremap flushes the TLB once per 2 MiB moved on every core computing; a
+park flushes once per tensor. The host budget still counts the block, the device
+budget only the slot while resident. docs/stable-addresses.md, "Parked pages".
+
 Lending needs a home: a dropped replica waiting for its fence is taken back by
 `Loads.reclaim` through its home before any new load starts, so no load ever reads
 a host block whose pages are still out.
 """
+import logging
 import time
 
+log = logging.getLogger("prefetchd")
 
-def timed(stats, move, *args):
-    """Run one page move (a lend, a give-back, a home's attach or detach) and count its wall time."""
+
+def timed(stats, move, *args, protect=False):
+    """Run one page move (a lend, a give-back, a home's attach or detach) or, with
+    `protect`, one permission change (a park or unpark), and count its wall time."""
     t = time.perf_counter_ns()
     try:
         return move(*args)
     finally:
         stats.page_move_seconds += (time.perf_counter_ns() - t) / 1e9
-        stats.page_moves += 1
+        if protect:
+            stats.page_protects += 1
+        else:
+            stats.page_moves += 1
 
 
 def can_lend(backend, rec):
@@ -36,21 +52,49 @@ def can_lend(backend, rec):
 
 
 def lend(backend, stats, rec):
-    """Move rec's host replica's pages under its home, attached to rec.block (no copy)."""
-    timed(stats, backend.attach_lent, rec.home, rec.block, rec.host_block)
+    """Put rec's host replica's pages under its home, attached to rec.block (no copy):
+    made readable where they are parked there, else moved from the host block."""
+    if rec.host_parked:
+        timed(stats, backend.attach_parked, rec.home, rec.block, protect=True)
+        rec.host_parked = False
+        stats.unparked_bytes += rec.nbytes
+    else:
+        timed(stats, backend.attach_lent, rec.home, rec.block, rec.host_block)
     rec.host_lent = True
     stats.moved_bytes += rec.nbytes
 
 
 def give_back(backend, stats, rec, block):
-    """Take lent pages off rec's home (attached to its device `block`): back under the
-    host block while the host tier keeps it. False if rec holds no lent pages (the
+    """Take lent pages off rec's home (attached to its device `block`) and give them to
+    the host tier while it keeps the block: parked under the home where the backend
+    parks, else moved back under the host block. False if rec holds no lent pages (the
     caller detaches as usual); a lent replica the host cache dropped meanwhile has
     host_lent cleared (hostcache.drop), so its pages go into the block and are freed
     with it."""
     if not rec.host_lent:
         return False
     rec.host_lent = False
-    timed(stats, backend.detach_lent, rec.home, block, rec.host_block)
     stats.returned_bytes += rec.nbytes
+    if getattr(backend, "parks", False):
+        try:
+            timed(stats, backend.park, rec.home, block, protect=True)
+        except Exception as e:   # e.g. the kernel's mapping limit: move the pages back instead
+            log.warning("prefetchd: parking %r under its home failed (%s); moving its pages back", rec.name, e)
+        else:
+            rec.host_parked = True
+            stats.parked_bytes += rec.nbytes
+            return True
+    timed(stats, backend.detach_lent, rec.home, block, rec.host_block)
     return True
+
+
+def drop_parked(backend, stats, rec):
+    """The host tier frees rec's host block: pages parked under the home are freed with
+    it (the remote copy is the truth then). No-op unless rec is parked."""
+    if not rec.host_parked:
+        return
+    rec.host_parked = False
+    try:
+        timed(stats, backend.unpark, rec.home, protect=True)
+    except Exception as e:   # the home keeps them, unreadable, until it goes; its next attach says why
+        log.error("prefetchd: freeing the pages parked under %r failed: %s", rec.name, e)

@@ -52,6 +52,8 @@ class ManagedTensor:
     reading_host: bool = False   # a load is copying from the host replica (do not drop it)
     host_lent: bool = False  # the host block's pages are under the home (moved, not copied;
                              # core/lending.py): the host block holds none of the bytes until they return
+    host_parked: bool = False  # not resident, its host-tier pages left under the home, PROT_NONE
+                               # (core/lending.py): the host block holds none until unparked
     writeback_failed: bool = False   # last write-back failed: keep in place, do not pick as victim
     evict_after_store: str | None = None  # eviction reason waiting for the write-back
     evict_after_load: bool = False

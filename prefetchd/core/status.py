@@ -5,7 +5,7 @@ from .records import State
 def describe(config, registry, core, *, closed, running):
     """status() of a daemon; `core` is None before start()."""
     states = dict.fromkeys((s.value for s in State), 0)
-    pinned = pinned_bytes = cached = cached_bytes = lent_bytes = 0
+    pinned = pinned_bytes = cached = cached_bytes = lent_bytes = parked_bytes = 0
     for rec in registry:
         states[rec.state.value] += 1
         if rec.pins:
@@ -16,6 +16,8 @@ def describe(config, registry, core, *, closed, running):
             cached_bytes += rec.nbytes
         if rec.host_lent:
             lent_bytes += rec.nbytes
+        if rec.host_parked:
+            parked_bytes += rec.nbytes
     be = core.backend if core else None
     used = be.device_used() if be else 0
     cap = config.device_budget
@@ -33,9 +35,11 @@ def describe(config, registry, core, *, closed, running):
                    "low_watermark": memory.low if memory else config.low_watermark,
                    "usage_ratio": used / cap if cap else 0.0},
         # cached: host replicas kept as a cache of the remote tier (dropped for free)
-        # lent_bytes: host blocks (counted in `used`) whose pages are under a device replica
+        # lent_bytes: host blocks (counted in `used`) whose pages are under a device replica;
+        # parked_bytes: those whose pages wait under their home, unreadable (core/lending.py)
         "host": {"budget": config.host_budget, "used": be.host_used() if be else 0,
-                 "cached": cached, "cached_bytes": cached_bytes, "lent_bytes": lent_bytes},
+                 "cached": cached, "cached_bytes": cached_bytes, "lent_bytes": lent_bytes,
+                 "parked_bytes": parked_bytes},
         "page_moves": _page_moves(core.stats if core else None),
         # the shared host tier this daemon loads through (docs/shared-host.md), or None
         "shared_host": be.shared.describe() if getattr(be, "shared", None) is not None else None,
@@ -50,10 +54,13 @@ def describe(config, registry, core, *, closed, running):
 
 
 def _page_moves(stats):
-    """How bytes reached the device tier: moved (pages, no copy) or copied, and the time
-    spent in page moves (core/lending.py). Cumulative since start()."""
+    """How bytes reached the device tier: with no copy (pages moved, or unparked under the
+    home) or copied, and the time spent in page moves and permission changes
+    (core/lending.py). Cumulative since start()."""
     if stats is None:
-        return {"moved_bytes": 0, "copied_bytes": 0, "returned_bytes": 0, "moves": 0, "seconds": 0.0}
+        return {"moved_bytes": 0, "copied_bytes": 0, "returned_bytes": 0, "parked_bytes": 0,
+                "unparked_bytes": 0, "moves": 0, "protects": 0, "seconds": 0.0}
     return {"moved_bytes": stats.moved_bytes, "copied_bytes": stats.copied_bytes,
-            "returned_bytes": stats.returned_bytes, "moves": stats.page_moves,
-            "seconds": stats.page_move_seconds}
+            "returned_bytes": stats.returned_bytes, "parked_bytes": stats.parked_bytes,
+            "unparked_bytes": stats.unparked_bytes, "moves": stats.page_moves,
+            "protects": stats.page_protects, "seconds": stats.page_move_seconds}

@@ -87,11 +87,14 @@ class Stats:
     reclaims: int = 0        # dropped replicas taken back before their pages left (no I/O)
     compute_writes: int = 0  # resident replicas found written in place by compute (then written back)
     # Host -> device on the cpu backend moves pages, not bytes (core/lending.py):
-    moved_bytes: int = 0     # loaded into the device tier by moving the host block's pages
+    moved_bytes: int = 0     # loaded into the device tier with no copy: pages moved or unparked
     copied_bytes: int = 0    # loaded into the device tier by a copy (memcpy / DMA)
-    returned_bytes: int = 0  # moved back under their host block when the device replica was dropped
+    returned_bytes: int = 0  # given back to the host tier when the device replica was dropped
+    parked_bytes: int = 0    # of those, left under the home PROT_NONE (no page move)
+    unparked_bytes: int = 0  # of moved_bytes, made readable again under the home (no page move)
     page_moves: int = 0      # mremap moves: host fills and returns, home attaches and detaches
-    page_move_seconds: float = 0.0   # wall time in them (the caller's side of their TLB shootdowns)
+    page_protects: int = 0   # permission changes instead of moves: parks and unparks
+    page_move_seconds: float = 0.0   # wall time in both (the caller's side of their TLB shootdowns)
 
     def count(self, op, outcome):
         """Count one request outcome (registrations are not counted as requests)."""
@@ -128,6 +131,9 @@ class Stats:
             moved_bytes=self.moved_bytes,
             copied_bytes=self.copied_bytes,
             returned_bytes=self.returned_bytes,
+            parked_bytes=self.parked_bytes,
+            unparked_bytes=self.unparked_bytes,
             page_moves=self.page_moves,
+            page_protects=self.page_protects,
             page_move_seconds=self.page_move_seconds,
         )

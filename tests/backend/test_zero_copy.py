@@ -1,8 +1,9 @@
 """Zero-copy tiers on the cpu backend, through the Daemon and real MindSpore models.
 
 A load from the host tier moves the host block's pages straight under the tensor's home, an
-eviction moves them back (core/lending.py): a weight's bytes are in one place in RAM
-at a time, and after the disk read no byte is copied (status()["page_moves"]).
+eviction parks them there unreadable and the next load unparks them (core/lending.py): a
+weight's bytes are in one place in RAM at a time, and after the disk read no byte is copied
+(status()["page_moves"]).
 """
 import os
 import subprocess
@@ -24,7 +25,7 @@ def _moves(daemon):
     return daemon.status()["page_moves"]
 
 
-def test_a_host_tier_load_moves_the_same_pages_under_the_home_and_the_eviction_moves_them_back(
+def test_a_host_tier_load_moves_the_same_pages_under_the_home_and_the_eviction_parks_them_there(
         make_daemon, make_param):
     d = make_daemon(device_budget="16MiB", host_budget="16MiB")
     values = np.random.default_rng(0).standard_normal(3 * MiB // 4 + 25, dtype=np.float32)  # 3 MiB + 100 B
@@ -34,22 +35,50 @@ def test_a_host_tier_load_moves_the_same_pages_under_the_home_and_the_eviction_m
     host = np.frombuffer(rec.host_block, np.float32, values.size)
     assert np.array_equal(host, values)
     before = frames(rec.host_block, rec.nbytes)
-    with d.use(h):
-        assert p.data_ptr() == rec.home.address
-        assert np.array_equal(p.asnumpy(), values)
-        assert not host.any(), "the host block kept its bytes: the load copied them"
+    for _ in range(2):                                 # the first load moves, the second unparks
+        with d.use(h):
+            assert p.data_ptr() == rec.home.address
+            assert np.array_equal(p.asnumpy(), values)
+            assert not host.any(), "the host block kept its bytes: the load copied them"
+            if None not in before:
+                assert frames(rec.home.address, rec.nbytes) == before
+            assert d.status()["host"]["lent_bytes"] == rec.nbytes
+            assert d.status()["host"]["used"] == rec.nbytes    # its slot stays in the host budget
+        d.evict(h).result(10)
+        status = d.status()
+        assert rec.host_parked and rec.home.parked and not rec.home.attached
+        assert status["host"]["parked_bytes"] == rec.nbytes and status["host"]["used"] == rec.nbytes
+        assert status["device"]["used"] == 0                 # the device slot is free ...
+        assert not host.any()                                # ... and the pages stayed at the home
         if None not in before:
             assert frames(rec.home.address, rec.nbytes) == before
-        assert d.status()["host"]["lent_bytes"] == rec.nbytes
-        assert d.status()["host"]["used"] == rec.nbytes        # its slot stays in the host budget
-    d.evict(h).result(10)
-    assert np.array_equal(host, values)                          # back in the same host block ...
-    if None not in before:
-        assert frames(rec.host_block, rec.nbytes) == before      # ... on the same physical pages
     moves = _moves(d)
     assert moves["copied_bytes"] == 0
-    assert moves["moved_bytes"] == moves["returned_bytes"] == rec.nbytes
-    assert moves["moves"] == 2 and moves["seconds"] > 0          # host block -> home, and back
+    assert moves["moved_bytes"] == moves["returned_bytes"] == moves["parked_bytes"] == 2 * rec.nbytes
+    assert moves["unparked_bytes"] == rec.nbytes
+    assert moves["moves"] == 1 and moves["protects"] == 3    # one move in; park, unpark, park
+    assert moves["seconds"] > 0
+
+
+def test_the_host_cache_dropping_a_parked_replica_frees_its_pages_and_the_next_load_reads_the_disk(
+        make_daemon, make_param):
+    d = make_daemon(device_budget="16MiB", host_budget="5MiB", policy="lru")
+    a = np.full(MiB, 1.0, np.float32)
+    b = np.full(MiB, 2.0, np.float32)
+    pa, pb = make_param(a, "a"), make_param(b, "b")
+    ha, hb = d.register(pa, tier="remote"), d.register(pb, tier="remote")   # 4 MiB each
+    with d.use(ha):
+        np.testing.assert_array_equal(pa.asnumpy(), a)
+    d.evict(ha).result(10)
+    ra = d.record(ha)
+    assert ra.host_parked and ra.home.parked
+    with d.use(hb):                                      # LRU: b's host replica displaces a's
+        np.testing.assert_array_equal(pb.asnumpy(), b)
+    assert not ra.host_parked and not ra.home.parked and not ra.host_valid
+    assert d.status()["host"]["used"] <= 5 * MiB
+    with d.use(ha):                                      # from the disk again, same values
+        np.testing.assert_array_equal(pa.asnumpy(), a)
+    assert d.status()["loads_from"]["remote"] == 3 and _moves(d)["copied_bytes"] == 0
 
 
 CASES = {
@@ -85,9 +114,10 @@ def test_a_model_streams_from_each_tier_bit_equal_to_resident_with_no_byte_copie
 
 
 @pytest.mark.parametrize("tier", ["host", "remote"])
-def test_steady_passes_change_no_page_protection(make_daemon, tier):
-    # Each mprotect is a TLB shootdown of every core computing: clean pages keep their
-    # read-only protection as they move between the host tier and their homes.
+def test_steady_passes_move_no_pages_and_change_protection_only_to_park_and_unpark(make_daemon, tier):
+    # A page move flushes the TLB of every core computing once per 2 MiB, a park once
+    # per tensor, an unpark never: with a host budget covering the model, a steady pass
+    # parks and unparks and moves nothing; clean pages are never made writable and back.
     from prefetchd import _native
     hidden, layers = 128, 6
     model = build_model(hidden, layers, seed=6)
@@ -98,14 +128,14 @@ def test_steady_passes_change_no_page_protection(make_daemon, tier):
     handle = prefetchd.offload(model, d, lookahead=1, tier=tier)
     for _ in range(2):                         # recording pass, first streamed pass
         np.testing.assert_array_equal(model(x).asnumpy(), want)
-    moved = _moves(d)["moved_bytes"]
-    changes = []
     for _ in range(3):
-        before = _native.protection_changes()
+        before, moves = _native.protection_changes(), _moves(d)
         np.testing.assert_array_equal(model(x).asnumpy(), want)
-        changes.append(_native.protection_changes() - before)
-    assert _moves(d)["moved_bytes"] > moved, "the steady passes moved nothing"
-    assert changes == [0, 0, 0], changes
+        after = _moves(d)
+        assert after["moves"] == moves["moves"], "a steady pass moved pages"
+        assert after["unparked_bytes"] > moves["unparked_bytes"], "a steady pass unparked nothing"
+        assert _native.protection_changes() - before == after["protects"] - moves["protects"]
+    assert _moves(d)["copied_bytes"] == 0
     handle.close()
 
 
@@ -123,7 +153,7 @@ def test_a_weight_written_while_resident_is_written_back_and_read_back_equal(mak
     stored = np.zeros_like(new)
     d.backend.read_sync("w", stored)
     np.testing.assert_array_equal(stored, new)
-    np.testing.assert_array_equal(np.frombuffer(rec.host_block, np.float32, new.size), new)
+    assert rec.host_parked                                      # the written pages wait at the home
     with d.use(h):
         np.testing.assert_array_equal(p.asnumpy(), new)
     assert _moves(d)["copied_bytes"] == 0
@@ -153,7 +183,12 @@ def test_a_failed_write_back_of_a_moved_weight_loses_nothing(make_daemon, make_p
         np.testing.assert_array_equal(p.asnumpy(), new)
 
 
-def test_a_stray_read_of_a_weight_whose_pages_went_back_to_the_host_tier_still_faults(tmp_path):
+@pytest.mark.parametrize("access", ["read", "write"])
+def test_a_stray_access_of_a_weight_whose_pages_are_parked_at_its_home_still_faults(tmp_path, access):
+    # Parked pages sit right under the home: only the protection keeps a stray kernel from
+    # them, and the write watch must not let a write to a parked home through.
+    touch = {"read": "ctypes.c_float.from_address(address).value",
+             "write": "ctypes.c_float.from_address(address).value = 2.0"}[access]
     script = textwrap.dedent(f"""
         import ctypes, numpy as np, mindspore as ms, prefetchd
         ms.set_device("CPU")
@@ -165,15 +200,14 @@ def test_a_stray_read_of_a_weight_whose_pages_went_back_to_the_host_tier_still_f
                 address = p.data_ptr()
                 assert float(p.asnumpy()[0]) == 1.0
             d.evict(h).result(10)
-            assert d.status()["page_moves"]["returned_bytes"] == 4 << 20
-            assert float(np.frombuffer(d.record(h).host_block, np.float32)[0]) == 1.0
-            print("reading", flush=True)
-            ctypes.c_float.from_address(address).value   # what a stray kernel read would do
-            print("read returned", flush=True)
+            assert d.status()["host"]["parked_bytes"] == 4 << 20 and d.record(h).home.parked
+            print("touching", flush=True)
+            {touch}   # what a stray kernel would do
+            print("access returned", flush=True)
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "GLOG_v": "3"})
-    assert "reading" in out.stdout, out.stderr[-2000:]
-    assert "read returned" not in out.stdout
+    assert "touching" in out.stdout, out.stderr[-2000:]
+    assert "access returned" not in out.stdout
     assert out.returncode == -11, (out.returncode, out.stderr[-2000:])
     assert "prefetchd: a managed tensor was read while it was not resident" in out.stderr, out.stderr[-2000:]

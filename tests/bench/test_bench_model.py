@@ -85,7 +85,8 @@ def test_no_byte_is_copied_after_the_disk_read_and_page_moves_are_timed(report):
                 if r["case"] == "host":
                     assert p["moved_bytes"] == loaded["host"]
                 if p["moved_bytes"]:
-                    assert p["page_moves"] > 0 and p["page_move_seconds"] > 0
+                    assert p["page_moves"] + p["page_protects"] > 0 and p["page_move_seconds"] > 0
+                assert p["unparked_bytes"] <= p["moved_bytes"], p
                 assert isinstance(p["tlb_shootdowns"], int) and p["tlb_shootdowns"] >= 0
             if r["case"] == "host":
                 assert r[name]["moved_bytes"] > 0

@@ -34,6 +34,7 @@ class Home:
 
     def __init__(self):
         self.block, self.written = None, False
+        self.parked = None         # the bytes a park left here (the fake's PROT_NONE pages)
 
     def __getitem__(self, index):
         return self.block[index]
@@ -191,6 +192,28 @@ class FakeBackend:
         host_block[:] = block[:len(host_block)]
         block[:] = bytes(len(block))
         home.block = None
+
+    parks = False      # True (with lending): the drop leaves the bytes at the home (the cpu park)
+
+    def park(self, home, block):
+        # The home keeps the bytes but shows none (reading it raises, like PROT_NONE).
+        self._call("park")
+        assert home.block is block
+        home.parked, home.block = bytes(block), None
+        block[:] = bytes(len(block))
+
+    def attach_parked(self, home, block):
+        self._call("attach_parked")
+        assert home.block is None and home.parked is not None
+        block[:len(home.parked)] = home.parked
+        home.parked, home.block = None, block
+
+    def unpark(self, home, host_block=None):
+        self._call("unpark")
+        assert home.parked is not None
+        if host_block is not None:
+            host_block[:] = home.parked[:len(host_block)]
+        home.parked = None
 
     def store_contains(self, key):
         return key in self.store

@@ -16,9 +16,10 @@ from .fake_backend import Home
 from .test_moves import KiB, Core
 
 
-def _lending_core(device=64 * KiB, host=64 * KiB, **kw):
+def _lending_core(device=64 * KiB, host=64 * KiB, parks=False, **kw):
     c = Core(device=device, host=host, **kw)
     c.backend.lending = True
+    c.backend.parks = parks
     return c
 
 
@@ -179,10 +180,100 @@ def test_a_failure_after_the_move_gives_the_pages_back_to_the_host_block():
     assert bytes(a.replica) == bytes([7]) * a.nbytes
 
 
+# ---------------------------------------------------------------- parking (the cpu drop)
+def _moves(c):
+    return [m for m in c.backend.calls if m in ("attach", "detach", "attach_lent", "detach_lent",
+                                                "park", "attach_parked", "unpark", "fill_from_host")]
+
+
+def test_a_parked_drop_leaves_the_bytes_at_the_home_and_the_next_load_unparks_them():
+    c = _lending_core(parks=True)
+    a = _host_only(c, "a", fill=3)
+    host = a.host_block
+    _load(c, a)
+    _evict(c, a)
+    assert a.state is State.ABSENT and a.host_parked and not a.host_lent and a.host_block is host
+    assert a.home.block is None and a.home.parked == bytes([3]) * a.nbytes   # unreadable, kept
+    assert bytes(host) == bytes(a.nbytes) and c.backend.used == 0            # the slot is free
+    assert c.backend.host_in_use == a.nbytes                                 # the host tier's still
+    _load(c, a)
+    assert a.host_lent and not a.host_parked and bytes(a.replica) == bytes([3]) * a.nbytes
+    _evict(c, a)
+    _load(c, a)
+    assert _moves(c) == ["attach_lent", "park", "attach_parked", "park", "attach_parked"]
+    assert c.stats.page_moves == 1 and c.stats.page_protects == 4
+    assert c.stats.moved_bytes == 3 * a.nbytes and c.stats.unparked_bytes == 2 * a.nbytes
+    assert c.stats.copied_bytes == 0 and c.stats.parked_bytes == c.stats.returned_bytes == 2 * a.nbytes
+
+
+def test_a_parked_replica_the_host_cache_drops_is_freed_and_loads_from_disk_again():
+    c = _lending_core(device=64 * KiB, host=4 * KiB, policy="lru", parks=True)
+    a, b = _tensor(c, "a", fill=1), _tensor(c, "b", fill=2)
+    _load(c, a)
+    _evict(c, a)
+    assert a.host_parked
+    _load(c, b)                                        # LRU: b's replica displaces a's parked one
+    assert not a.host_parked and not a.host_valid and a.home.parked is None
+    assert c.backend.host_in_use <= c.backend.host_budget
+    assert "unpark" in _moves(c)
+    _load(c, a)                                        # from disk, into a fresh block
+    assert bytes(a.replica) == bytes([1]) * a.nbytes and c.stats.loads_from["remote"] == 3
+
+
+def test_a_written_parked_replica_is_written_back_first_and_the_new_bytes_are_parked():
+    c = _lending_core(parks=True)
+    a = _host_only(c, "a", fill=5)
+    _load(c, a)
+    a.replica[:] = bytes([9]) * a.nbytes               # compute writes the weight in place
+    a.home.written = True
+    _evict(c, a)
+    assert c.backend.store["a"] == bytes([9]) * a.nbytes   # written back before the drop
+    assert a.host_parked and a.home.parked == bytes([9]) * a.nbytes
+    _load(c, a)
+    assert bytes(a.replica) == bytes([9]) * a.nbytes
+
+
+def test_a_park_the_kernel_refuses_moves_the_pages_back_instead():
+    c = _lending_core(parks=True)
+    a = _host_only(c, "a", fill=6)
+
+    def park(home, block):
+        raise RuntimeError("injected: ENOMEM, too many mappings")
+    c.backend.park = park
+    _load(c, a)
+    _evict(c, a)
+    assert not a.host_parked and bytes(a.host_block) == bytes([6]) * a.nbytes
+    assert c.backend.used == 0 and a.home.block is None
+    _load(c, a)
+    assert bytes(a.replica) == bytes([6]) * a.nbytes
+
+
+def test_an_unpark_the_kernel_refuses_fails_that_load_only():
+    c = _lending_core(parks=True)
+    a = _host_only(c, "a", fill=7)
+    _load(c, a)
+    _evict(c, a)
+    real, calls = c.backend.attach_parked, []
+
+    def attach_parked(home, block):
+        calls.append(home)
+        if len(calls) == 1:
+            raise RuntimeError("injected: mprotect refused")
+        real(home, block)
+    c.backend.attach_parked = attach_parked
+    f = c.submit(Kind.PREFETCH, [a])
+    c.drain()
+    assert "mprotect refused" in str(f.exception(0)) and a.state is State.ABSENT
+    assert a.host_parked and a.home.parked == bytes([7]) * a.nbytes and c.backend.used == 0
+    _load(c, a)
+    assert bytes(a.replica) == bytes([7]) * a.nbytes
+
+
+@pytest.mark.parametrize("parks", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_bytes_and_budgets_hold_under_random_steps_with_lending(seed):
+def test_bytes_and_budgets_hold_under_random_steps_with_lending(seed, parks):
     rnd = random.Random(seed)
-    c = _lending_core(device=40 * KiB, host=24 * KiB, policy=rnd.choice(["lru", "belady"]))
+    c = _lending_core(device=40 * KiB, host=24 * KiB, policy=rnd.choice(["lru", "belady"]), parks=parks)
     recs = [_tensor(c, f"t{i}", fill=i + 1, nbytes=rnd.choice([4, 8]) * KiB) for i in range(10)]
     truth = {r.name: bytes([i + 1]) * r.nbytes for i, r in enumerate(recs)}
     pinned = []
@@ -210,8 +301,13 @@ def test_bytes_and_budgets_hold_under_random_steps_with_lending(seed):
         for rec in recs:
             if rec.state is State.RESIDENT and rec.home.block is not None:
                 assert bytes(rec.replica) == truth[rec.name], (seed, step, rec.name)
-            if rec.host_lent:
+            if rec.host_lent or rec.host_parked:
                 assert rec.host_block is not None and bytes(rec.host_block) == bytes(rec.nbytes)
+            assert not (rec.host_lent and rec.host_parked)
+            if rec.host_parked:
+                assert rec.state is State.ABSENT and rec.home.parked == truth[rec.name], (seed, step)
+            else:
+                assert rec.home.parked is None, (seed, step, rec.name)
     c.drain()                     # every pin has landed (an unpin may have overtaken its pin)
     for rec in recs:
         for _ in range(rec.pins):
@@ -221,7 +317,8 @@ def test_bytes_and_budgets_hold_under_random_steps_with_lending(seed):
         _evict(c, rec)
         assert not rec.host_lent
         if rec.host_valid:
-            assert bytes(rec.host_block) == truth[rec.name], rec.name
+            held = rec.home.parked if rec.host_parked else bytes(rec.host_block)
+            assert held == truth[rec.name], rec.name
     for rec in recs:
         _load(c, rec)
         assert bytes(rec.replica) == truth[rec.name], rec.name
