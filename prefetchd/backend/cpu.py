@@ -67,7 +67,7 @@ class CpuBackend(HostAndStoreTiers):
         # Loads from the remote tier through a host tier other daemons share (opt-in).
         self.shared = None
         if config.shared_host:
-            from ..sharedhost.client import attach
+            from ..sharedhost.loads import attach
             try:
                 self.shared = attach(config.shared_host, self, config.name,
                                      self._maps_shared if config.shared_host_map else None)
@@ -142,19 +142,32 @@ class CpuBackend(HostAndStoreTiers):
     # Parking (docs/stable-addresses.md, "Parked pages"): the drop leaves the lent pages
     # under the home, PROT_NONE, instead of moving them back; the next load unprotects
     # them. One TLB flush per tensor per pass instead of one per 2 MiB moved.
+    # A shared-tier mapping parks too, where the owner's budget holds the whole store
+    # (sharedhost/loads.py, "Parked mappings"): its lease follows the pages.
     parks = True
+
+    def parks_mapping(self, block):
+        """Whether the drop of `block` (attached, mapping a leased shared segment) may park
+        the mapping under the home instead of detaching it."""
+        return self.shared is not None and self.shared.parks(block)
 
     def park(self, home, block):
         """Detach `block` (the device slot); the home keeps the pages, unreadable."""
         self.device.park(home, block)
+        if self.shared is not None:
+            self.shared.parked(block, home)
 
     def attach_parked(self, home, block):
         """The parked pages readable again under `home`, `block` attached as their slot."""
         self.device.attach_parked(block, home)
+        if self.shared is not None:
+            self.shared.unparked(home, block)
 
     def unpark(self, home, host_block=None):
         """The parked pages back under host_block, or freed without one."""
         self.device.unpark(home, pages_to=host_block)
+        if self.shared is not None:
+            self.shared.dropped(home)
 
     @staticmethod
     def written(home):

@@ -21,6 +21,13 @@ block. A mremap flushes the TLB once per 2 MiB moved on every core computing; a
 park flushes once per tensor. The host budget still counts the block, the device
 budget only the slot while resident. docs/stable-addresses.md, "Parked pages".
 
+A load from a shared host tier (prefetchd/sharedhost) maps the owner's block over the
+device block, and the attach moves that mapping under the home. Where the owner's
+budget holds the whole store, so that no block is ever dropped for room, the drop
+parks that mapping the same way (`park_mapping`; `rec.mapping_parked`, the lease kept
+by the backend), and the next load unparks it (`unpark_mapping`): no request to the
+owner, no mapping, no page move.
+
 Lending needs a home: a dropped replica waiting for its fence is taken back by
 `Loads.reclaim` through its home before any new load starts, so no load ever reads
 a host block whose pages are still out.
@@ -88,12 +95,46 @@ def give_back(backend, stats, rec, block):
     return True
 
 
-def drop_parked(backend, stats, rec):
-    """The host tier frees rec's host block: pages parked under the home are freed with
-    it (the remote copy is the truth then). No-op unless rec is parked."""
-    if not rec.host_parked:
+def park_mapping(backend, stats, rec, block):
+    """Park a dropped replica whose pages map a shared-tier block under its home, lease
+    held, where the backend allows it (the owner's budget holds the whole store). True
+    if parked; False: the caller detaches as usual."""
+    parks_mapping = getattr(backend, "parks_mapping", None)
+    if not callable(parks_mapping) or not parks_mapping(block):
+        return False
+    try:
+        timed(stats, backend.park, rec.home, block, protect=True)
+    except Exception as e:
+        log.warning("prefetchd: parking the shared mapping of %r failed (%s); detaching it", rec.name, e)
+        return False
+    rec.mapping_parked = True
+    stats.parked_bytes += rec.nbytes
+    return True
+
+
+def unpark_mapping(backend, stats, rec):
+    """rec's parked shared-tier mapping readable again under its home, attached to rec.block."""
+    timed(stats, backend.attach_parked, rec.home, rec.block, protect=True)
+    rec.mapping_parked = False
+    stats.moved_bytes += rec.nbytes
+    stats.unparked_bytes += rec.nbytes
+
+
+def release_home(backend, stats, rec, block):
+    """Take a dropped replica's pages off its home (attached to `block`, about to be
+    freed): lent pages to the host tier, a shared mapping parked where it may be, else
+    the pages back onto the block."""
+    if not give_back(backend, stats, rec, block) and not park_mapping(backend, stats, rec, block):
+        timed(stats, backend.detach, rec.home, block)
+
+
+def drop_parked(backend, stats, rec, *, mappings=False):
+    """The host tier frees rec's host block: the host pages parked under the home are
+    freed (the remote copy is the truth then). With `mappings` (the daemon closes) a
+    parked shared mapping goes too, and its lease ends. No-op unless rec is parked so."""
+    if not (rec.host_parked or (mappings and rec.mapping_parked)):
         return
-    rec.host_parked = False
+    rec.host_parked = rec.mapping_parked = False
     try:
         timed(stats, backend.unpark, rec.home, protect=True)
     except Exception as e:   # the home keeps them, unreadable, until it goes; its next attach says why

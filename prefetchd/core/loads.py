@@ -159,9 +159,13 @@ class Loads:
         rec.block = block
         rec.exposed = False
         self.timeline.decision("load", rec.name, rec.nbytes, source="register" if rec.initial is not None
-                            else "host" if rec.host_valid else "remote")
+                            else "host" if rec.host_valid or rec.mapping_parked else "remote")
         if rec.initial is not None:
             self._copy_in(rec, rec.initial)
+        elif rec.mapping_parked:      # its shared-tier mapping waits under the home: no request
+            self._stats.loads_from["host"] += 1
+            self._stats.load_bytes_from["host"] += rec.nbytes
+            self._at_home(rec, TransferKind.LOAD, lending.unpark_mapping)
         elif rec.host_valid:
             self._stats.loads_from["host"] += 1
             self._stats.load_bytes_from["host"] += rec.nbytes
@@ -186,7 +190,7 @@ class Loads:
         home where the tiers share RAM (cpu; done here, the host block lent until the
         drop: core/lending.py), else a copy into the block whose completion comes later."""
         if lending.can_lend(self._backend, rec):
-            self._lend(rec)
+            self._at_home(rec, TransferKind.H2D, lending.lend)
             return
         rec.reading_host = True
         tag = self._transfers.add(TransferKind.H2D, rec)
@@ -197,22 +201,25 @@ class Loads:
             self._transfers.discard(tag)
             self._failed(rec, StorageError(f"cannot start loading {rec.name!r} from the host tier: {e}"))
 
-    def _lend(self, rec):
+    def _at_home(self, rec, kind, move):
+        """Complete a load whose pages are put under the home by one page move or
+        permission change, done here (lending.lend, lending.unpark_mapping): no transfer."""
         start = time.monotonic_ns()
         try:
-            lending.lend(self._backend, self._stats, rec)
+            move(self._backend, self._stats, rec)
         except Exception as e:   # nothing moved: back to ABSENT, the waiters learn why
             self._failed(rec, StorageError(f"cannot load {rec.name!r} from the host tier: {e}"))
             return
         end = time.monotonic_ns()
-        self.timeline.transfer(TransferKind.H2D.value, rec.name, rec.nbytes, start, end, ok=True)
+        self.timeline.transfer(kind.value, rec.name, rec.nbytes, start, end, ok=True)
         try:
-            self.done(rec, TransferKind.H2D, Completion(0, 0, nbytes=rec.nbytes, start_ns=start, end_ns=end),
-                      (end - start) / 1e9)
+            self.done(rec, kind, Completion(0, 0, nbytes=rec.nbytes, start_ns=start, end_ns=end),
+                      (end - start) / 1e9, at_home=True)
         except Exception as e:
             log.exception("prefetchd: completing the page move of %r failed", rec.name)
-            if rec.state is State.LOADING:    # the pages go back to the host block, the load fails
-                self._failed(rec, PrefetchdError(f"internal error while loading {rec.name!r}: {e!r}"))
+            if rec.state is State.LOADING:    # the pages go back to their tier, the load fails
+                self._failed(rec, PrefetchdError(f"internal error while loading {rec.name!r}: {e!r}"),
+                             at_home=True)
 
     def _issue(self, rec, kind, start):
         """Start one transfer of a load; if it cannot start, the load fails (nothing lost)."""
@@ -224,16 +231,17 @@ class Loads:
             self._failed(rec, StorageError(f"cannot start loading {rec.name!r}: {e}"))
 
     # ------------------------------------------------------------------ completions
-    def done(self, rec, kind, c, seconds):
+    def done(self, rec, kind, c, seconds, at_home=False):
+        """A load's transfer completed (`at_home`: its pages are under the home already)."""
         rec.initial = None
         rec.reading_host = False
         if c.status:
             self._failed(rec, transfer_error(self._stats, "read", rec, c), seconds)
             return
-        if kind is TransferKind.H2D and not rec.host_lent:
+        if kind is TransferKind.H2D and not at_home:
             self._stats.copied_bytes += rec.nbytes
-        if rec.home is not None and not rec.host_lent:   # lent pages are under the home already;
-            lending.timed(self._stats, self._backend.attach, rec.home, rec.block)   # else page tables only
+        if rec.home is not None and not at_home:        # page tables only, no copy
+            lending.timed(self._stats, self._backend.attach, rec.home, rec.block)
         self.arrived(rec)
         self._stats.record_transfer(kind.value if kind is TransferKind.H2D else "load", rec.nbytes, seconds)
         self._emit("loaded", rec, seconds)
@@ -265,9 +273,11 @@ class Loads:
             if not rec.pins:
                 self._evict(rec, "explicit")
 
-    def _failed(self, rec, error, seconds=0.0):
+    def _failed(self, rec, error, seconds=0.0, at_home=False):
+        """The load failed: the block goes (`at_home`: its pages leave the home first)."""
         rec.reading_host = False
-        lending.give_back(self._backend, self._stats, rec, rec.block)   # lent pages off the home
+        if at_home:
+            lending.release_home(self._backend, self._stats, rec, rec.block)
         self._backend.free_device(rec.block)
         rec.block = None
         rec.state = State.ABSENT

@@ -109,8 +109,7 @@ class DeviceMemory:
             if rec.state is State.ABSENT and self.backend.written(home):
                 self.written_late(rec, block)
                 return
-            if not lending.give_back(self.backend, self.stats, rec, block):   # lent: to the host block
-                lending.timed(self.stats, self.backend.detach, home, block)
+            lending.release_home(self.backend, self.stats, rec, block)   # lent, parked or detached
         self.backend.free_device(block)
 
     # ------------------------------------------------------------------ victims

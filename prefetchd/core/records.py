@@ -54,6 +54,8 @@ class ManagedTensor:
                              # core/lending.py): the host block holds none of the bytes until they return
     host_parked: bool = False  # not resident, its host-tier pages left under the home, PROT_NONE
                                # (core/lending.py): the host block holds none until unparked
+    mapping_parked: bool = False  # not resident, its shared-tier mapping left under the home,
+                                  # PROT_NONE, its lease held (core/lending.py)
     writeback_failed: bool = False   # last write-back failed: keep in place, do not pick as victim
     evict_after_store: str | None = None  # eviction reason waiting for the write-back
     evict_after_load: bool = False

@@ -331,7 +331,7 @@ class Scheduler:
             self.outcomes.resolve(req, ShutdownError("daemon closed before the request completed"))
         self.waiting.clear()
         for rec in self.registry:
-            lending.drop_parked(self.backend, self.stats, rec)   # the host tier goes with the daemon
+            lending.drop_parked(self.backend, self.stats, rec, mappings=True)   # they go with the daemon
             rec.block = None
             rec.host_block = None
         self.memory.close()

@@ -16,7 +16,7 @@ def describe(config, registry, core, *, closed, running):
             cached_bytes += rec.nbytes
         if rec.host_lent:
             lent_bytes += rec.nbytes
-        if rec.host_parked:
+        if rec.host_parked or rec.mapping_parked:
             parked_bytes += rec.nbytes
     be = core.backend if core else None
     used = be.device_used() if be else 0
@@ -36,7 +36,8 @@ def describe(config, registry, core, *, closed, running):
                    "usage_ratio": used / cap if cap else 0.0},
         # cached: host replicas kept as a cache of the remote tier (dropped for free)
         # lent_bytes: host blocks (counted in `used`) whose pages are under a device replica;
-        # parked_bytes: those whose pages wait under their home, unreadable (core/lending.py)
+        # parked_bytes: pages of the host tier (or a shared tier's mappings) waiting under
+        # homes of tensors not resident, unreadable (core/lending.py)
         "host": {"budget": config.host_budget, "used": be.host_used() if be else 0,
                  "cached": cached, "cached_bytes": cached_bytes, "lent_bytes": lent_bytes,
                  "parked_bytes": parked_bytes},

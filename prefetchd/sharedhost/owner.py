@@ -62,6 +62,10 @@ class SharedHostOwner:
         self.store = _native.FileStore(store_dir)
         self.counters = collections.Counter()
         self._blocks = BlockTable(budget, self.counters)
+        # Every block of the store fits at once: no block is ever dropped for room, so a
+        # daemon may keep a lease for as long as it keeps the pages mapped under a home
+        # whose tensor is not resident (parked: docs/shared-host.md, "Parked mappings").
+        self.covering = sum(segment_size(self.store.info(k)["nbytes"]) for k in self.store.keys()) <= budget
         self._conns = {}            # fd -> _Conn
         self._lock = threading.Lock()
         self._ids = 0
@@ -125,7 +129,7 @@ class SharedHostOwner:
 
     def _status(self):
         return {
-            "socket": self.path, "budget": self.budget, **self._blocks.summary(),
+            "socket": self.path, "budget": self.budget, "covering": self.covering, **self._blocks.summary(),
             "shmem_huge_pages": self._huge_mode,
             "counters": dict(self.counters),
             "workers": [{"pid": c.pid, "name": c.name, "leases": sum(c.leases.values()),
@@ -230,7 +234,7 @@ class SharedHostOwner:
     # -- ops
     def _op_hello(self, conn, pid, name):
         conn.name = name
-        self._reply(conn, {"ok": True, "budget": self.budget})
+        self._reply(conn, {"ok": True, "budget": self.budget, "covering": self.covering})
 
     def _op_status(self, conn):
         self._reply(conn, {"ok": True, "status": self._status()})

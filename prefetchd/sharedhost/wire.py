@@ -4,7 +4,9 @@ One message is one JSON object (UTF-8), at most MAX_MESSAGE bytes; the owner's
 replies to `acquire` carry the block's memfd as one SCM_RIGHTS descriptor
 (socket.send_fds). Requests:
 
-    {"op": "hello", "pid": int, "name": str}            -> {"ok": true, "budget": int}
+    {"op": "hello", "pid": int, "name": str}            -> {"ok": true, "budget": int, "covering": bool}
+                                                           (covering: every block of the store fits
+                                                           in the budget at once)
     {"op": "acquire", "items": [{"key": str, "version": int,
                                  "nbytes": int, "crc": int}, ...]}
                                                         -> per item, as its block is ready:

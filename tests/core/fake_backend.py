@@ -208,6 +208,11 @@ class FakeBackend:
         block[:len(home.parked)] = home.parked
         home.parked, home.block = None, block
 
+    mapped = ()        # blocks a test marks as mapping a shared-tier block (the cpu parks_mapping)
+
+    def parks_mapping(self, block):
+        return any(block is b for b in self.mapped)
+
     def unpark(self, home, host_block=None):
         self._call("unpark")
         assert home.parked is not None

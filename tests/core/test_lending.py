@@ -269,6 +269,31 @@ def test_an_unpark_the_kernel_refuses_fails_that_load_only():
     assert bytes(a.replica) == bytes([7]) * a.nbytes
 
 
+def test_a_dropped_shared_mapping_parks_and_its_next_load_unparks_it_with_no_transfer():
+    c = Core(device=64 * KiB, host=0)
+    a = _tensor(c, "a", fill=4)
+    c.backend.mapped = []
+    real_load = c.backend.start_load
+
+    def start_load(key, dst, nbytes, tag, verify, shape=None, dtype=None):
+        c.backend.mapped.append(dst)             # the shared tier maps its block over dst
+        real_load(key, dst, nbytes, tag, verify)
+    c.backend.start_load = start_load
+    _load(c, a)
+    _evict(c, a)
+    assert a.mapping_parked and a.home.parked == bytes([4]) * a.nbytes and c.backend.used == 0
+    loads = c.backend.calls.count("start_load")
+    _load(c, a)
+    assert not a.mapping_parked and bytes(a.replica) == bytes([4]) * a.nbytes
+    assert c.backend.calls.count("start_load") == loads              # no transfer: unparked
+    assert _moves(c) == ["park", "attach_parked"]        # (the fake's attach/detach go unrecorded)
+    assert c.stats.unparked_bytes == a.nbytes and c.stats.loads_from == {"host": 1, "remote": 1}
+    c.backend.mapped = []                        # not mapped any more: an ordinary detach
+    _evict(c, a)
+    assert not a.mapping_parked and a.home.parked is None and a.home.block is None
+    assert _moves(c) == ["park", "attach_parked"]
+
+
 @pytest.mark.parametrize("parks", [False, True])
 @pytest.mark.parametrize("seed", range(6))
 def test_bytes_and_budgets_hold_under_random_steps_with_lending(seed, parks):

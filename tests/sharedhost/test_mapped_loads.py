@@ -1,6 +1,8 @@
 """Loads from the shared host tier on the cpu backend map the shared pages (no copy):
-the tensor's home maps the owner's segment while resident, the worker holds a lease
-exactly while its device tier maps a block, and `shared_host_map = false` copies."""
+the tensor's home maps the owner's segment while resident; where the owner's budget
+holds the whole store, a dropped tensor's mapping stays parked under its home
+(PROT_NONE, lease held) and its next load unparks it; otherwise the worker holds a
+lease exactly while its device tier maps a block. `shared_host_map = false` copies."""
 import numpy as np
 import pytest
 
@@ -30,11 +32,23 @@ def mapping_of(address):
     return ""
 
 
+def _start_owner(tmp_path, budget):
+    src = stage(str(tmp_path), TENSORS)
+    o = SharedHostOwner(str(tmp_path / "h.sock"), link_store(src, str(tmp_path / "own")), budget).start()
+    o.src = src
+    return o
+
+
 @pytest.fixture
 def owner(tmp_path):
-    src = stage(str(tmp_path), TENSORS)
-    o = SharedHostOwner(str(tmp_path / "h.sock"), link_store(src, str(tmp_path / "own")), 64 << 20).start()
-    o.src = src
+    o = _start_owner(tmp_path, 64 << 20)          # covering: the four 1 MiB blocks fit at once
+    yield o
+    o.close()
+
+
+@pytest.fixture
+def small_owner(tmp_path):
+    o = _start_owner(tmp_path, (3 << 20) + (1 << 19))   # three of the four blocks fit
     yield o
     o.close()
 
@@ -48,9 +62,11 @@ def _owner_leases(owner):
     return sum(w["leases"] for w in owner.status()["workers"])
 
 
-def test_a_resident_weight_is_the_shared_pages_and_its_lease_lasts_while_mapped(owner, tmp_path):
+def test_a_resident_weight_is_the_shared_pages_and_a_dropped_one_stays_parked_under_its_home(
+        owner, tmp_path):
     d = _daemon(owner, tmp_path)
     try:
+        assert d.status()["shared_host"]["covering"]
         handles = [d.register_remote(name, (N,), np.float32) for name in TENSORS]
         for _ in range(3):                       # the budget holds three of four: each round reloads
             for name, h in zip(TENSORS, handles):
@@ -58,23 +74,50 @@ def test_a_resident_weight_is_the_shared_pages_and_its_lease_lasts_while_mapped(
                     home = recs[0].home
                     assert np.array_equal(np.frombuffer(home, np.float32, N), values(name))
                     assert SEGMENT + name in mapping_of(home.address), "the home does not map the segment"
+        shared = d.status()["shared_host"]
+        assert shared["mapped"] == shared["hits"] == 4 and shared["fallbacks"] == 0   # one map each
+        moves = d.status()["page_moves"]
+        assert moves["copied_bytes"] == 0 and moves["unparked_bytes"] == 8 * 4 * N   # the other 8 loads
+        assert owner.status()["counters"]["fills"] == 4          # one store read per tensor
+        assert shared["mapped_leases"] == 4 and wait_until(lambda: _owner_leases(owner) == 4, 5)
+        d.evict(handles).result(30)
+        shared = d.status()["shared_host"]
+        assert shared["parked_leases"] == shared["mapped_leases"] == 4      # parked, leases kept
+        assert d.status()["host"]["parked_bytes"] == 4 * 4 * N and d.status()["device"]["used"] == 0
+        rec = d.record(handles[0])
+        line = mapping_of(rec.home.address)
+        assert SEGMENT + "t0" in line and line.split()[1] == "---p", line   # unreadable, still mapped
+        with d.use(handles[:1]) as recs:
+            assert np.array_equal(np.frombuffer(recs[0].home, np.float32, N), values("t0"))
+        assert d.status()["shared_host"]["hits"] == 4            # no request to the owner
+    finally:
+        d.close(10)
+    assert wait_until(lambda: owner.status()["leases"] == 0, 5)   # closing released every lease
+
+
+def test_without_a_covering_budget_the_lease_lasts_only_while_mapped(small_owner, tmp_path):
+    owner = small_owner
+    d = _daemon(owner, tmp_path)
+    try:
+        assert not d.status()["shared_host"]["covering"]
+        handles = [d.register_remote(name, (N,), np.float32) for name in TENSORS]
+        for _ in range(3):
+            for name, h in zip(TENSORS, handles):
+                with d.use([h]) as recs:
+                    home = recs[0].home
+                    assert np.array_equal(np.frombuffer(home, np.float32, N), values(name))
                 # a lease per device block mapping a segment: at most the 3 MiB budget's three
                 # (a release has no reply: the owner may count it a moment later)
                 held = d.status()["shared_host"]["mapped_leases"]
                 assert 1 <= held <= 3 and wait_until(lambda: _owner_leases(owner) == held, 5)
         shared = d.status()["shared_host"]
-        assert shared["mapped"] == shared["hits"] == 12 and shared["fallbacks"] == 0
-        assert d.status()["page_moves"]["copied_bytes"] == 0
-        assert owner.status()["counters"]["fills"] == 4          # one store read per tensor
+        assert shared["parked_leases"] == 0 and d.status()["host"]["parked_bytes"] == 0
+        assert shared["mapped"] == shared["hits"] and shared["hits"] + shared["fallbacks"] == 12
         d.evict(handles).result(30)
         assert d.status()["shared_host"]["mapped_leases"] == 0
         assert wait_until(lambda: _owner_leases(owner) == 0, 5)
-        with d.use(handles[:1]) as recs:
-            pass
-        assert wait_until(lambda: _owner_leases(owner) == 1, 5)
     finally:
         d.close(10)
-    assert wait_until(lambda: owner.status()["leases"] == 0, 5)   # closing released the rest
 
 
 def test_shared_host_map_false_copies_and_holds_no_lease_when_idle(owner, tmp_path):
@@ -111,8 +154,8 @@ def test_loads_queued_together_go_to_the_owner_in_one_request(owner, tmp_path):
         for name, h in zip(names, handles):
             with d.use([h]) as recs:
                 assert np.array_equal(np.frombuffer(recs[0].home, np.float32, N), values(name))
-        d.evict(handles).result(30)
-        assert wait_until(lambda: _owner_leases(owner) == 0, 5)
-        assert owner.status()["counters"]["release_requests"] <= 4
+        d.evict(handles).result(30)                 # parked (a covering owner): leases kept
+        assert d.status()["shared_host"]["parked_leases"] == 4 and _owner_leases(owner) == 4
     finally:
         d.close(10)
+    assert wait_until(lambda: _owner_leases(owner) == 0, 5)
