@@ -36,6 +36,11 @@ class Inbox(collections.deque):
     def next_seq(self):
         return next(self._seq)
 
+    @property
+    def accepting(self):
+        """Whether `submit` takes new requests (the daemon is not closing)."""
+        return self._refusal is None
+
     def refuse_new(self, reason):
         """From now on `submit` raises ShutdownError(reason). Call under the lock."""
         self._refusal = reason

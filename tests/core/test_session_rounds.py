@@ -2,12 +2,14 @@
 number of times per call, however many records the unit has (the hooks call them once per
 unit per pass), and a session's requests are refused once close() began."""
 import threading
+from concurrent.futures import Future
 
 import mindspore as ms
 import numpy as np
 import pytest
 
 import prefetchd
+from prefetchd.core.requests import Kind, Request
 from prefetchd.errors import ShutdownError
 
 
@@ -66,3 +68,60 @@ def test_a_session_is_refused_once_its_daemon_closed():
     daemon.close()
     with pytest.raises(ShutdownError, match="is closed"):
         session.acquire((daemon.record(h),))
+
+
+def _resident(name, n=2):
+    daemon = prefetchd.Daemon(device_budget="8MiB", name=name).start()
+    handles = [daemon.register(ms.Parameter(ms.Tensor(np.full((64,), i, np.float32)), name=f"p{i}"))
+               for i in range(n)]
+    return daemon, tuple(daemon.record(h) for h in handles), handles
+
+
+def _submitted(daemon):
+    """The kinds of the requests submitted from now on (the scheduler still gets them all)."""
+    core, kinds = daemon._core, []
+    real = core.submit
+
+    def submit(request):
+        kinds.append(request.kind.value)
+        return real(request)
+    core.submit = submit
+    return kinds
+
+
+def test_a_unit_already_resident_is_pinned_without_a_round_trip_through_the_scheduler():
+    daemon, records, handles = _resident("pin-resident")
+    try:
+        session = daemon.compute_session("m")
+        kinds = _submitted(daemon)
+        assert session.acquire(records) < 1.0
+        assert [r.pins for r in records] == [1, 1] and "pin" not in kinds
+        session.release(records)                       # the unpin is queued as before
+        assert kinds == ["unpin"]
+        daemon.evict(handles[:1]).result(10)
+        session.acquire(records)                       # one is not resident: the scheduler loads it
+        assert "pin" in kinds and all(r.state.value == "resident" for r in records)
+        session.release(records)
+        daemon.flush().result(10)
+        assert [r.pins for r in records] == [0, 0]
+    finally:
+        daemon.close()
+
+
+def test_a_resident_pin_waits_its_turn_behind_requests_queued_before_it():
+    # An evict queued before the pin must apply first, as it would through the inbox.
+    daemon, records, handles = _resident("pin-order", n=1)
+    try:
+        session = daemon.compute_session("m")
+        core = daemon._core
+        evict = Request(Kind.EVICT, records, Future())
+        core.inbox.append(evict)                       # queued, the scheduler not woken for it
+        assert not session._pin_resident(records)      # so the pin may not overtake it
+        core.backend.notify()
+        evict.future.result(10)
+        kinds = _submitted(daemon)
+        session.acquire(records)                       # reloaded through the scheduler
+        assert kinds == ["pin"] and records[0].pins == 1 and records[0].state.value == "resident"
+        session.release(records)
+    finally:
+        daemon.close()
