@@ -175,6 +175,10 @@ def _run_batch(ms, hidden, layers, batch, cases, budget, model_bytes, args, dire
                                  {name: log[case, name] for name in STREAMED}, streamed)
             report["plan"] = plan_report(streamed, report, layer_seconds, rates, args.lookahead, tier,
                                          resident_seconds=statistics.median(resident[1:]))
+            # Without the compute-fence kernel every drop waits for the whole op queue: a
+            # different (slower) regime, so the report says which one it measured.
+            report["compute_fences"] = ("per-unit" if streamed["prefetchd"].daemon.backend.marker
+                                        else "whole-queue")
             results.append(report)
         raw = {name: {"bytes": methods["", name].nbytes, "first_pass": methods["", name].seconds[0],
                       "seconds": statistics.median(methods["", name].seconds[1:]),
@@ -231,6 +235,7 @@ def run(directory, args):
             "hidden": hidden, "layers": layers, "model_bytes": model_bytes, "device_budget": budget,
             "lookahead": args.lookahead, "passes": max(1, args.repeats), "small_host_budget": args.host_budget,
             "results": results, "batches": by_batch, "raw_rates": raw, "ok": ok,
+            "compute_fences": sorted({r["compute_fences"] for r in results}),
             "targets": targets(results, by_batch, steady)}
 
 

@@ -22,6 +22,7 @@ def test_report_fields(report):
     assert report["benchmark"] == "model" and report["mode"] == "steady"
     assert report["page_cache_dropped"] is False
     assert report["ok"] is True
+    assert report["compute_fences"] == ["per-unit"]   # the kernel is built: not the whole-queue regime
     assert [r["case"] for r in report["results"]] == list(CASES)
     for r in report["results"]:
         for key in ("seconds", "first_pass"):
