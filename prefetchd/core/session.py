@@ -20,6 +20,10 @@ from .records import State
 from .requests import Kind, Request
 
 
+# Queued requests a resident pin may overtake (ComputeSession._pin_resident).
+_PIN_MAY_PASS = frozenset((Kind.PREFETCH, Kind.PIN, Kind.UNPIN))
+
+
 class ComputeSession:
     def __init__(self, daemon, core, binding, owner):
         self._daemon = daemon          # prefetch (its hit path)
@@ -60,15 +64,19 @@ class ComputeSession:
         return stall
 
     def _pin_resident(self, records):
-        """Pin records that are all resident right here, when nothing was queued before
-        this pin (so it takes effect in order, as the scheduler would have applied it):
-        no round trip through the scheduler thread, whose wake-up behind compute on busy
-        cores costs about a millisecond per unit (docs/performance.md, "Parked pages").
-        The same bookkeeping as a pin the scheduler finds resident (core/loads.py); the
-        unpin goes through the inbox as usual. True if pinned."""
+        """Pin records that are all resident right here: no round trip through the
+        scheduler thread, whose wake-up behind compute on busy cores costs about a
+        millisecond per unit (docs/performance.md, "Parked pages"). Only when every
+        request queued before this pin is a prefetch, pin or unpin: those never take a
+        resident tensor away except as a victim, which a pin may rightly protect (the pin
+        could have been queued first), so the outcome is one the scheduler could have
+        produced; an evict, flush, watermark change or registration queued before keeps
+        its turn. The same bookkeeping as a pin the scheduler finds resident
+        (core/loads.py); the unpin is queued as before. True if pinned."""
         core = self._core
         with core.lock:
-            if core.inbox or not core.inbox.accepting or any(r.state is not State.RESIDENT for r in records):
+            if (not core.inbox.accepting or any(req.kind not in _PIN_MAY_PASS for req in core.inbox)
+                    or any(r.state is not State.RESIDENT for r in records)):
                 return False
             tick = core.tick()
             for rec in records:

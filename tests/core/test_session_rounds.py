@@ -108,6 +108,30 @@ def test_a_unit_already_resident_is_pinned_without_a_round_trip_through_the_sche
         daemon.close()
 
 
+def test_a_resident_pin_passes_queued_prefetches_and_unpins():
+    # The hooks queue the previous unit's unpin and the next units' prefetches just
+    # before each pin: none of them can take a resident tensor away from this pin.
+    daemon, records, handles = _resident("pin-pass", n=2)
+    try:
+        session = daemon.compute_session("m")
+        core = daemon._core
+        queued = [Request(Kind.UNPIN, records[:1]), Request(Kind.PREFETCH, records[1:], Future()),
+                  Request(Kind.PIN, records[1:], Future())]
+        with daemon._lock:
+            records[0].pins += 1                       # the pin the queued unpin undoes
+            core.inbox.extend(queued)                  # queued, the scheduler not woken for them
+        assert session._pin_resident(records)
+        assert [r.pins for r in records] == [2, 1]
+        core.backend.notify()
+        queued[2].future.result(10)
+        session.release(records)
+        daemon.unpin(handles[1:])                      # the queued pin's
+        daemon.flush().result(10)
+        assert [r.pins for r in records] == [0, 0]
+    finally:
+        daemon.close()
+
+
 def test_a_resident_pin_waits_its_turn_behind_requests_queued_before_it():
     # An evict queued before the pin must apply first, as it would through the inbox.
     daemon, records, handles = _resident("pin-order", n=1)
