@@ -82,16 +82,22 @@ def give_back(backend, stats, rec, block):
         return False
     rec.host_lent = False
     stats.returned_bytes += rec.nbytes
-    if getattr(backend, "parks", False):
-        try:
-            timed(stats, backend.park, rec.home, block, protect=True)
-        except Exception as e:   # e.g. the kernel's mapping limit: move the pages back instead
-            log.warning("prefetchd: parking %r under its home failed (%s); moving its pages back", rec.name, e)
-        else:
-            rec.host_parked = True
-            stats.parked_bytes += rec.nbytes
-            return True
+    if getattr(backend, "parks", False) and _park(backend, stats, rec, block, "moving its pages back"):
+        rec.host_parked = True
+        return True
     timed(stats, backend.detach_lent, rec.home, block, rec.host_block)
+    return True
+
+
+def _park(backend, stats, rec, block, fallback):
+    """Park rec's pages under its home (detaching `block`); False, logged, if the kernel
+    refuses (e.g. its mapping limit): the caller then does `fallback` instead."""
+    try:
+        timed(stats, backend.park, rec.home, block, protect=True)
+    except Exception as e:
+        log.warning("prefetchd: parking %r under its home failed (%s); %s", rec.name, e, fallback)
+        return False
+    stats.parked_bytes += rec.nbytes
     return True
 
 
@@ -100,15 +106,10 @@ def park_mapping(backend, stats, rec, block):
     held, where the backend allows it (the owner's budget holds the whole store). True
     if parked; False: the caller detaches as usual."""
     parks_mapping = getattr(backend, "parks_mapping", None)
-    if not callable(parks_mapping) or not parks_mapping(block):
-        return False
-    try:
-        timed(stats, backend.park, rec.home, block, protect=True)
-    except Exception as e:
-        log.warning("prefetchd: parking the shared mapping of %r failed (%s); detaching it", rec.name, e)
+    if not callable(parks_mapping) or not parks_mapping(block) or not _park(backend, stats, rec, block,
+                                                                            "detaching its shared mapping"):
         return False
     rec.mapping_parked = True
-    stats.parked_bytes += rec.nbytes
     return True
 
 
