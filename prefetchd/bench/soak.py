@@ -63,18 +63,23 @@ class _Counters:
             self.mismatches += 1
 
 
-def _producer(ms, daemon, tid, stop, counters, seed, tensors_per_thread=8):
-    from ..errors import BudgetError, PinnedError, PrefetchdError
-    rng = random.Random(seed)
+def _producer_tensors(ms, daemon, tid, rng, tensors_per_thread=8):
+    """One producer's tensors, registered before any fault is injected (an injected
+    EIO on a registration's read-back is a correct refusal, but would leave the
+    producer with nothing to work on)."""
     params, expected = [], []
     for k in range(tensors_per_thread):
         n = rng.choice([16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB]) // 4
         v = np.full(n, tid * 100 + k, np.float32)
-        with _MINDSPORE:
-            p = ms.Parameter(ms.Tensor(v), name=f"soak.{tid}.{k}")
-            daemon.register(p, tier=rng.choice(["remote", "host", "device"]))
+        p = ms.Parameter(ms.Tensor(v), name=f"soak.{tid}.{k}")
+        daemon.register(p, tier=rng.choice(["remote", "host", "device"]))
         params.append(p)
         expected.append(v.copy())
+    return params, expected
+
+
+def _producer(ms, daemon, params, expected, rng, stop, counters):
+    from ..errors import BudgetError, PinnedError, PrefetchdError
     futures = collections.deque()
     while not stop.is_set():
         k = rng.randrange(len(params))
@@ -111,7 +116,6 @@ def _producer(ms, daemon, tid, stop, counters, seed, tensors_per_thread=8):
             f.result(30)
         except Exception as e:
             counters.error(e)
-    return params, expected
 
 
 def _streamer(ms, daemon, stop, counters):
@@ -169,6 +173,18 @@ def _second_process_opens(store_dir):
     return out.stdout.strip() or f"failed: {out.stderr.strip()[-200:]}"
 
 
+def _thread(name, crashed, fn, *args):
+    """A worker thread whose uncaught exception is recorded in `crashed` (a worker that
+    died early would otherwise just stop adding load, and the soak would still pass)."""
+    def run():
+        try:
+            fn(*args)
+        except BaseException as e:
+            crashed.append(f"{name}: {type(e).__name__}: {e}")
+            raise
+    return threading.Thread(target=run, name=name)
+
+
 def _raising_listener(rng, counters):
     def listener(event):
         if rng.random() < 0.05:
@@ -199,11 +215,15 @@ def run(directory, seconds=60.0, producers=3, fault_every=0.5, seed=1):
     second_process = collections.Counter()
     remote = {"status": "not started"}
     results = {}
-    workers = [threading.Thread(target=lambda i=i: results.__setitem__(i, _producer(
-        ms, daemon, i, stop, counters, seed + i)), name=f"soak-producer-{i}") for i in range(producers)]
-    workers.append(threading.Thread(target=_streamer, args=(ms, daemon, stop, counters), name="soak-stream"))
-    workers.append(threading.Thread(target=lambda: remote.__setitem__("status", _remote_client(
-        daemon, stop, counters, directory)), name="soak-remote"))
+    crashed = []
+    for i in range(producers):
+        rng = random.Random(seed + i)
+        results[i] = _producer_tensors(ms, daemon, i, rng) + (rng,)
+    workers = [_thread(f"soak-producer-{i}", crashed, _producer, ms, daemon, *results[i], stop, counters)
+               for i in range(producers)]
+    workers.append(_thread("soak-stream", crashed, _streamer, ms, daemon, stop, counters))
+    workers.append(_thread("soak-remote", crashed, lambda: remote.__setitem__("status", _remote_client(
+        daemon, stop, counters, directory))))
     rng = random.Random(seed)
     started = time.monotonic()
     faults = 0
@@ -229,7 +249,7 @@ def run(directory, seconds=60.0, producers=3, fault_every=0.5, seed=1):
         _native.clear_faults()
     # every value, after all that, reads back as last written
     daemon.set_watermarks(0.95, None).result(30)
-    for params, expected in results.values():
+    for params, expected, _ in results.values():
         for p, want in zip(params, expected):
             try:
                 with daemon.use(p.name):
@@ -252,11 +272,11 @@ def run(directory, seconds=60.0, producers=3, fault_every=0.5, seed=1):
         "rss_start_bytes": rss_start, "rss_end_bytes": _rss(),
         "fds_before": fds_before, "fds_after": len(os.listdir("/proc/self/fd")),
         "threads_before": threads_before, "threads_after": threading.active_count(),
-        "hung_threads": hung, "remote_client": remote["status"],
+        "hung_threads": hung, "crashed_threads": crashed, "remote_client": remote["status"],
         "second_process": dict(second_process),
     }
     report["rss_growth_bytes"] = report["rss_end_bytes"] - rss_start
-    report["ok"] = (report["data_mismatches"] == 0 and not peak_violations and not hung
+    report["ok"] = (report["data_mismatches"] == 0 and not peak_violations and not hung and not crashed
                     and set(second_process) <= {"refused"}
                     and report["fds_after"] <= fds_before and report["threads_after"] <= threads_before)
     return report

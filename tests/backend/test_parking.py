@@ -20,14 +20,22 @@ def _setup(nbytes, huge=True):
     return pool, arena, vrange, vrange.slice(0, nbytes)
 
 
+def _lent(nbytes, seed, huge=True):
+    """A home lent the pages of a host block filled from `seed`:
+    (pool, arena, vrange, home, host block, device slot, the bytes written, the
+    host block's frames before the lend)."""
+    pool, arena, vrange, home = _setup(nbytes, huge)
+    host, slot = pool.alloc(nbytes), arena.alloc(nbytes)
+    canary = filled(host, seed)
+    before = frames(host, nbytes)
+    arena.attach(slot, home, pages_from=host)
+    return pool, arena, vrange, home, host, slot, canary, before
+
+
 @pytest.mark.parametrize("huge", [True, False], ids=["huge-pages", "4KiB-pages"])
 @pytest.mark.parametrize("nbytes", [100, 5000, 3 * MiB + 100, 8 * MiB])
 def test_a_parked_home_keeps_the_same_pages_and_unparks_them_without_a_move(huge, nbytes):
-    pool, arena, _vrange, home = _setup(nbytes, huge)
-    host, slot = pool.alloc(nbytes), arena.alloc(nbytes)
-    canary = filled(host, nbytes)
-    before = frames(host, nbytes)
-    arena.attach(slot, home, pages_from=host)
+    pool, arena, _vrange, home, host, slot, canary, before = _lent(nbytes, nbytes, huge)
     arena.park(home, slot)
     assert home.parked and not home.attached and not slot.attached
     assert not np.frombuffer(host, np.uint8).any(), "the pages went back to the host block"
@@ -53,10 +61,7 @@ def test_a_parked_home_keeps_the_same_pages_and_unparks_them_without_a_move(huge
 
 
 def test_a_write_after_unparking_is_seen_and_kept():
-    pool, arena, _vrange, home = _setup(3 * PAGE)
-    host, slot = pool.alloc(3 * PAGE), arena.alloc(3 * PAGE)
-    filled(host, 4)
-    arena.attach(slot, home, pages_from=host)
+    _pool, arena, _vrange, home, host, slot, _, _ = _lent(3 * PAGE, 4)
     arena.park(home, slot)
     arena.attach_parked(slot, home)
     np.frombuffer(home, np.uint8)[:] = 7                    # a write faults once and is let through
@@ -71,10 +76,7 @@ def test_a_write_after_unparking_is_seen_and_kept():
 
 
 def test_unparking_without_a_host_block_frees_the_pages():
-    pool, arena, _vrange, home = _setup(4 * MiB)
-    host, slot = pool.alloc(4 * MiB), arena.alloc(4 * MiB)
-    filled(host, 5)
-    arena.attach(slot, home, pages_from=host)
+    _pool, arena, _vrange, home, _host, slot, _, _ = _lent(4 * MiB, 5)
     arena.park(home, slot)
     shown = None not in frames(home.address, 4 * MiB)      # the kernel shows frames (root)
     arena.unpark(home)
@@ -120,10 +122,7 @@ def test_parking_moves_that_cannot_be_done_are_refused_and_change_nothing():
 
 
 def test_a_parked_home_that_dies_frees_its_pages():
-    pool, arena, vrange, home = _setup(2 * MiB)
-    host, slot = pool.alloc(2 * MiB), arena.alloc(2 * MiB)
-    filled(host, 7)
-    arena.attach(slot, home, pages_from=host)
+    _pool, arena, vrange, home, _host, slot, _, _ = _lent(2 * MiB, 7)
     arena.park(home, slot)
     address = home.address
     del home                                                # its offset is free again ...

@@ -7,6 +7,7 @@ def test_short_soak_loses_nothing_and_leaks_nothing(tmp_path):
     assert report["data_mismatches"] == 0, report
     assert report["watermark_violations"] == 0, report
     assert not report["hung_threads"], report
+    assert not report["crashed_threads"], report   # every worker kept adding load to the end
     assert report["operations_total"] > 200, report
     assert report["operations"].get("forward", 0) > 3, report
     assert report["remote_client"] == "ok", report
