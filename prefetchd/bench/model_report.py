@@ -1,5 +1,6 @@
 """`prefetchd bench model`: turning per-pass records into one case's report, and the plan's
 prediction next to the measurement."""
+import math
 import statistics
 
 from ..cost import model as plans
@@ -24,6 +25,28 @@ def _pass_summary(record):
             "page_move_seconds": record.get("page_move_seconds", 0.0),
             "tlb_shootdowns": record.get("tlb_shootdowns", 0),
             "outputs_match": record.get("outputs_match", True)}
+
+
+def median_interval(values, confidence=0.95):
+    """A distribution-free interval for the median of `values` (order statistics: the
+    k-th smallest to the k-th largest, k the largest rank whose binomial tail is within
+    (1 - confidence) / 2), or None with too few values for that confidence (under 6 at 95%)."""
+    xs, n = sorted(values), len(values)
+    tail, k = 0.0, 0
+    while True:
+        tail += math.comb(n, k) / 2 ** n          # P(fewer than k + 1 of n below the median)
+        if tail > (1 - confidence) / 2:
+            break
+        k += 1
+    return [xs[k - 1], xs[n - k]] if k >= 1 else None
+
+
+def _paired(streamed, *baselines):
+    """Round by round (passes 1..N), the streamed pass over the slowest baseline pass of the
+    same round: a ratio less exposed to the machine's drift than one of two medians."""
+    ratios = [s / max(b) for s, *b in zip(streamed[1:], *(base[1:] for base in baselines))]
+    return {"median": statistics.median(ratios), "range": [min(ratios), max(ratios)],
+            "interval_95": median_interval(ratios), "rounds": len(ratios)}
 
 
 def _method_info(records, method):
@@ -81,6 +104,10 @@ def case_report(case, tier, batch, host_budget, resident, resident_log, logs, me
         "bound": "compute" if seconds["resident"] >= seconds["io_only"] else "io",
         "speedup_over_on_demand": seconds["on_demand"] / seconds["prefetchd"],
         "prefetchd_over_resident": seconds["prefetchd"] / seconds["resident"],
+        # The same two, round by round (median, range and a 95% interval of the median).
+        "prefetchd_over_bound_paired": _paired([r["seconds"] for r in logs["prefetchd"]], resident,
+                                               [r["seconds"] for r in logs["io_only"]]),
+        "prefetchd_over_resident_paired": _paired([r["seconds"] for r in logs["prefetchd"]], resident),
         "outputs_match": outputs, "watermark_respected": watermark, "rebinds_steady": rebinds,
         **info,
     }

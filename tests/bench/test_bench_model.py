@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from prefetchd.bench.model import CASES, bench_model
+from prefetchd.bench.model_report import median_interval
 
 TENSORS_PER_LAYER = 2          # Dense: weight and bias
 
@@ -53,6 +54,19 @@ def test_report_fields(report):
     resident = report["results"][0]["resident_passes"][1:]
     assert batch["resident_spread"] == pytest.approx((max(resident) - min(resident)) / float(np.median(resident)))
     assert len(batch["layer_compute_seconds"]) == report["layers"]
+    for r in report["results"]:
+        res = r["resident_passes"]
+        streamed = [p["seconds"] for p in r["prefetchd"]["passes"]]
+        io = [p["seconds"] for p in r["io_only"]["passes"]]
+        over = [s / max(a, b) for s, a, b in zip(streamed[1:], res[1:], io[1:])]
+        paired = r["prefetchd_over_bound_paired"]
+        assert paired["median"] == pytest.approx(float(np.median(over)))
+        assert paired["range"] == pytest.approx([min(over), max(over)]) and paired["rounds"] == report["passes"]
+        assert paired["interval_95"] is None            # 2 rounds: too few for a 95% interval
+        key = f'{r["batch"]}/{r["case"]}'
+        want = paired if r["case"] == "remote-small-host" else r["prefetchd_over_resident_paired"]
+        assert report["targets"]["over_baseline_paired"][key] == want["median"]
+        assert report["targets"]["within_1.05x_of_baseline"][key] is (want["median"] <= 1.05)
     rates = report["raw_rates"]["4"]
     assert rates["disk_read"]["bytes"] == report["model_bytes"] == rates["h2d_copy"]["bytes"]
 
@@ -172,3 +186,10 @@ def test_targets_of_a_pair_off_by_more_than_15_percent_are_not_met():
     assert _within({"predicted": 1.0, "measured": 1.25}) is False     # under-predicted by 20%
     assert _within({"predicted": 1.3, "measured": 1.0}) is False      # over-predicted by 30%
     assert _within(None) is False and _within({"predicted": None, "measured": 1.0}) is False
+
+
+def test_the_median_interval_is_the_order_statistics_one():
+    assert median_interval([5, 1, 4, 2, 3]) is None                 # 5 values: at best 93.8%
+    assert median_interval(range(1, 7)) == [1, 6]                   # 96.9%
+    assert median_interval(range(1, 10)) == [2, 8]                  # 96.1%
+    assert median_interval(range(15, 0, -1)) == [4, 12]             # 96.5%, order of input ignored
