@@ -60,8 +60,7 @@ class HostCache:
         candidates = [r for r in self.registry if self.droppable(r)]
         if incoming_reuse is None or incoming_reuse == float("inf"):
             return self.policy.rank(candidates)
-        ranked = self.policy.rank(candidates)
-        return [r for r in ranked if self.policy.distance(r.name) > incoming_reuse]
+        return self.policy.rank_beyond(candidates, incoming_reuse)
 
     def drop(self, rec):
         """Free rec's host replica. One lent to the device tier (core/lending.py) holds no

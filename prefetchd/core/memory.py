@@ -118,12 +118,10 @@ class DeviceMemory:
         candidates = [r for r in self.registry
                       if r.state is State.RESIDENT and not r.pins and not r.waiters
                       and not r.writeback_failed and (demand or not r.prefetched_unused)]
-        ranked = self.policy.rank(candidates)
         if incoming is not None and not demand and self.policy.knows(incoming.name):
             # Belady: never evict a tensor needed sooner than the one being prefetched.
-            limit = self.policy.distance(incoming.name)
-            ranked = [r for r in ranked if self.policy.distance(r.name) > limit]
-        return ranked
+            return self.policy.rank_beyond(candidates, self.policy.distance(incoming.name))
+        return self.policy.rank(candidates)
 
     def make_room(self, need, *, demand, incoming=None):
         """Evict until used + need <= low watermark (hysteresis). True if room now exists."""
@@ -134,11 +132,12 @@ class DeviceMemory:
             return True
         # Blocks already released wait only for a compute fence: count them as free.
         projected = be.device_used() - sum(entry[0].capacity for entry in self.unfenced)
-        for victim in self.victims(demand, incoming):
-            if projected <= goal:
-                break
+        # (ranking the candidates is most of a reservation's cost: not when those cover it)
+        for victim in self.victims(demand, incoming) if projected > goal else ():
             projected -= be.block_bytes(victim.nbytes)
             self.evict(victim, "watermark")
+            if projected <= goal:
+                break
         self.fence_if(lambda: True)
         return be.device_used() + need <= self.high
 

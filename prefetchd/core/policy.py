@@ -37,6 +37,10 @@ class Policy:
     def rank(self, candidates):
         raise NotImplementedError
 
+    def rank_beyond(self, candidates, limit):
+        """`rank`, keeping only the candidates next used more than `limit` steps from now."""
+        return [r for r in self.rank(candidates) if self.distance(r.name) > limit]
+
     def knows(self, name):
         """True if the policy can say when `name` is next used."""
         return False
@@ -124,3 +128,9 @@ class BeladyPolicy(Policy):
         if not self._traces:
             return sorted(candidates, key=lambda r: r.last_use)
         return sorted(candidates, key=lambda r: (-self.distance(r.name), r.last_use))
+
+    def rank_beyond(self, candidates, limit):
+        # one distance per candidate (the scheduler asks this for every reservation)
+        keyed = [(d, r) for r in candidates if (d := self.distance(r.name)) > limit]
+        keyed.sort(key=lambda dr: (-dr[0], dr[1].last_use))
+        return [r for _, r in keyed]
