@@ -310,8 +310,10 @@ namespace py = pybind11;
 // Called from module.cpp's PYBIND11_MODULE after Arena and Block are bound.
 void bind_vmem(py::module_ &m) {
     using namespace pfd;
+    // The huge-page size the arena, the host pool and shared segments align to (Python's one copy).
+    m.attr("HUGE_PAGE") = kHugePage;
     py::class_<VirtualRange, std::shared_ptr<VirtualRange>>(m, "VirtualRange")
-        .def(py::init<size_t, size_t>(), py::arg("nbytes"), py::arg("align") = size_t(2) << 20)
+        .def(py::init<size_t, size_t>(), py::arg("nbytes"), py::arg("align") = kHugePage)
         .def_property_readonly("address", &VirtualRange::address)
         .def_property_readonly("nbytes", &VirtualRange::nbytes)
         .def_property_readonly("closed", &VirtualRange::closed)

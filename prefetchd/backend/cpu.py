@@ -18,7 +18,7 @@ from .. import _native
 from .. import limits
 from .base import ALIGN as _ALIGN, HostAndStoreTiers, TransferKind, open_store
 
-RANGE_ALIGN = 2 << 20    # virtual ranges start on a huge-page boundary
+RANGE_ALIGN = _native.HUGE_PAGE    # virtual ranges start on a huge-page boundary
 ARENA_SPACE = 2          # arena address space per byte of device budget
 
 

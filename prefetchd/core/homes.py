@@ -10,8 +10,10 @@ together, sit side by side; tensors of 2 MiB or more start on a 2 MiB
 boundary (huge pages). Offsets and sizes are multiples of the backend's
 `granularity` (a page on CPU; 2 MiB under ACL/CUDA virtual memory).
 """
+from .. import _native
+
 PAGE = 4096
-HUGE = 2 << 20
+HUGE = _native.HUGE_PAGE
 CHUNK = 64 << 30      # address space per reservation: costs no memory, one mapping
 
 

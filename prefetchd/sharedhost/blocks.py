@@ -14,8 +14,10 @@ import mmap
 import os
 import re
 
+from .. import _native
+
 PAGE = mmap.PAGESIZE
-HUGE_PAGE = 2 << 20
+HUGE_PAGE = _native.HUGE_PAGE
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 REQUIRED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK
 
