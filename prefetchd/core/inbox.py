@@ -1,8 +1,8 @@
 """The scheduler's inbox: where any thread's requests wait for the scheduler thread.
 
 `submit` numbers a request and queues it in one round of the daemon's lock, then
-wakes the scheduler (the backend's completion queue); the scheduler thread pops
-requests in that order. Once the daemon is closing, `refuse_new` makes `submit`
+wakes the scheduler (the backend's completion queue) if the inbox was empty; the
+scheduler thread pops every queued request, in that order, each time it wakes. Once the daemon is closing, `refuse_new` makes `submit`
 raise; the shutdown sentinel itself is never refused.
 """
 import collections
@@ -29,8 +29,13 @@ class Inbox(collections.deque):
             if self._refusal is not None:
                 raise ShutdownError(self._refusal)
             request.seq = next(self._seq)
+            wake = not self
             self.append(request)
-        self._backend.notify()
+        # The scheduler drains the whole inbox under the lock each time it wakes, so only
+        # the request that found it empty needs to wake it: the ones behind it are taken
+        # with it (each notify is one more wake-up, ~0.1 ms of the scheduler's CPU).
+        if wake:
+            self._backend.notify()
         return request.future
 
     def next_seq(self):
