@@ -27,9 +27,16 @@ class Policy:
     """Interface. `rank` returns candidates best-victim first; it must not mutate them."""
 
     name = "base"
+    traces_set = 0   # set_trace calls so far: what depends on the traces is recomputed when it moves
 
     def set_trace(self, steps, owner=None):
         """steps: collections of tensor names in execution order (one per unit) of `owner`'s model."""
+
+    def single_use_steps(self):
+        """Every trace whose tensors are each used once per pass, as its steps (lists of
+        names, in execution order), one trace after another; [] without such a trace.
+        What a host cache spreads its replicas over (core/spread.py)."""
+        return []
 
     def advance(self, position, owner=None):
         """Compute of `owner`'s model has reached trace step `position`."""
@@ -76,6 +83,7 @@ class BeladyPolicy(Policy):
     def __init__(self):
         self._traces = {}     # owner -> [uses: name -> sorted positions, length, position]
         self._owner = {}      # name -> owner
+        self._steps = {}      # owner -> its steps as lists of names
 
     def set_trace(self, steps, owner=None):
         uses = {}
@@ -84,6 +92,16 @@ class BeladyPolicy(Policy):
                 uses.setdefault(name, []).append(i)
                 self._owner[name] = owner
         self._traces[owner] = [uses, len(steps), 0]
+        self._steps[owner] = [list(names) for names in steps]
+        self.traces_set += 1
+
+    def single_use_steps(self):
+        out = []
+        for owner, steps in self._steps.items():
+            uses = self._traces[owner][0]
+            if all(len(positions) == 1 for positions in uses.values()):
+                out.extend(steps)
+        return out
 
     def advance(self, position, owner=None):
         trace = self._traces.get(owner)

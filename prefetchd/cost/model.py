@@ -31,14 +31,15 @@ the previous pass's post-hook). The first pass records the trace, so it loads
 on demand (k = 0 for its own units).
 
 Host cache (core/hostcache.py): the first pass has no trace, so the cache is
-LRU and ends holding the most recently loaded units that fit the host budget
-(a suffix of the trace). From then on it is Belady with bypass: on a cyclic
-trace every cached unit is reused before any incoming one, so nothing is
-displaced and those units stay. Those units copy from RAM every later pass;
-the others are read from disk straight into the device block.
+LRU and admits every unit that fits. From then on, where the budget cannot hold
+the model, it keeps units spread evenly along the trace (core/spread.py): those
+copy from RAM every later pass, the others are read from disk straight into the
+device block, each between cached units whose compute hides it.
 """
 import statistics
 from dataclasses import dataclass, field
+
+from ..core.spread import spread
 
 ALIGN = 4096                 # host and device blocks are reserved in 4 KiB pages (backend.block_bytes)
 TOLERANCE = 0.01             # lookaheads within 1% of the best pass time count as hiding the I/O
@@ -146,20 +147,14 @@ def fits_on_device(inputs):
 
 
 def host_cached(inputs):
-    """Unit indices whose tensors stay in host RAM after the first pass."""
+    """Unit indices whose tensors stay in host RAM after the first pass: the steps the
+    host cache spreads evenly along the trace (core/spread.py; the root is its step 0),
+    every unit where the budget holds them all."""
     n = len(inputs.unit_bytes)
     if inputs.tier == "host":
         return tuple(range(n))
-    room = inputs.host_budget
-    kept = []
-    # LRU over the first pass keeps the most recent loads: walk the trace backwards.
-    for i in range(n - 1, -1, -1):
-        need = block_bytes(inputs.unit_bytes[i])
-        if need > room:
-            break
-        room -= need
-        kept.append(i)
-    return tuple(sorted(kept))
+    sizes = [block_bytes(inputs.root_bytes)] + [block_bytes(b) for b in inputs.unit_bytes]
+    return tuple(i - 1 for i in spread(sizes, inputs.host_budget) if i > 0)
 
 
 def moves(inputs, first_pass):

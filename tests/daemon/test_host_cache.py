@@ -74,6 +74,33 @@ def test_a_host_budget_smaller_than_the_model_caches_part_and_stays_within_it(ms
     assert 0 < after["host"]["cached"] < TENSORS
 
 
+def test_a_host_budget_for_half_the_model_caches_every_other_block(ms, make_daemon, case):
+    """core/spread.py: the cached blocks alternate with the ones read from disk, so each
+    disk read has a cached block's compute beside it; and they stay put, pass after pass."""
+    x, want = case
+    daemon = make_daemon(device_budget=4 * UNIT_BLOCKS, host_budget=BLOCKS // 2 * UNIT_BLOCKS)
+    model = build(ms)
+    prefetchd.offload(model, daemon, lookahead=1)
+
+    def cached_blocks():
+        return [i for i in range(BLOCKS)
+                if all("host" in r["tiers"] for r in daemon.tensors(f"blocks.{i}.*"))]
+
+    runs = passes(model, daemon, x, want, 3)          # record, then the first traced pass moves it
+    cached = cached_blocks()
+    assert cached == list(range(1, BLOCKS, 2))
+    for equal, status, _ in runs + passes(model, daemon, x, want, 2):
+        assert equal and status["host"]["used"] <= status["host"]["budget"]
+        assert cached_blocks() == cached
+    drops = daemon.snapshot()[1].host_drops
+    before = daemon.status()["loads_from"]
+    passes(model, daemon, x, want, 2)
+    # Steady: the other half still comes from disk, and no cached replica is dropped for it.
+    after = daemon.status()["loads_from"]
+    assert after["remote"] > before["remote"] and after["host"] > before["host"]
+    assert daemon.snapshot()[1].host_drops == drops
+
+
 def test_a_weight_changed_under_a_host_cache_too_small_for_the_model_is_not_lost(ms, make_daemon, case):
     """A dirty replica must be written back before its host copy can be dropped: with the
     host budget far below the model, every pass drops host replicas, and the changed weight
