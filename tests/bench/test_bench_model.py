@@ -144,8 +144,10 @@ def test_small_host_budget_hits_part_and_stays_within_it(report):
         assert 0.0 < r[name]["host_hit_rate"] < 1.0
     predicted = r["plan"]["host_cached_units"]
     assert 0 < len(predicted) < report["layers"]
-    # The plan's cached units are the last ones of the trace that fit the budget.
-    assert predicted == list(range(report["layers"] - len(predicted), report["layers"]))
+    # The plan's cached units are spread evenly along the trace, as the host cache keeps
+    # them (core/spread.py): no two adjacent, gaps within one unit of each other.
+    gaps = {b - a for a, b in zip(predicted, predicted[1:])}
+    assert min(gaps) >= 2 and max(gaps) - min(gaps) <= 1
 
 
 def test_daemon_rates_come_from_its_own_io_only_passes():
