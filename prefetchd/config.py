@@ -38,6 +38,7 @@ BOUNDS = {
     "io_block_size": (PAGE, 256 << 20),
     "io_queue_depth": (1, 1024),
     "io_threads": (1, 256),
+    "io_nice": (-20, 19),
     "lookahead": (0, 1024),
     "metrics_port": (0, 65535),
     "max_message_size": (1024, 1 << 30),
@@ -241,6 +242,8 @@ class Config:
     io_block_size: int = 8 << 20
     io_queue_depth: int = 8
     io_threads: int = 4
+    io_nice: int = -10                    # cpu: nice of the copy-stream threads (disk reads, copies);
+                                          # below 0 needs CAP_SYS_NICE or RLIMIT_NICE, else left as is
     fsync: bool = True
     verify_reads: bool = True
     lookahead: int = 2
@@ -413,6 +416,7 @@ _PARSERS.update({
     "io_block_size": _parse_io_block,
     "io_queue_depth": _parse_int,
     "io_threads": _parse_int,
+    "io_nice": _parse_int,
     "fsync": _parse_bool,
     "verify_reads": _parse_verify,
     "lookahead": _parse_int,

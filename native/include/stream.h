@@ -79,6 +79,8 @@ class Stream {
     void close();  // drain, join
     bool closed() const;
     const std::string &name() const { return name_; }
+    // The worker's kernel thread id (gettid), so its priority can be set (setpriority).
+    long native_id() const;
 
   private:
     void loop();
@@ -88,6 +90,8 @@ class Stream {
     std::deque<Op> q_;
     size_t pending_ = 0;
     bool closing_ = false, joined_ = false;
+    long tid_ = 0;  // set by the worker before the constructor returns
+    std::condition_variable started_cv_;
     std::thread worker_;
 };
 

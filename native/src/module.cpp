@@ -619,6 +619,7 @@ PYBIND11_MODULE(_native, m) {
         })
         .def_property_readonly("pending", &Stream::pending)
         .def_property_readonly("name", &Stream::name)
+        .def_property_readonly("native_id", &Stream::native_id)
         .def_property_readonly("closed", &Stream::closed)
         .def("close", [](Stream &s) {
             {

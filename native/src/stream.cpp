@@ -2,6 +2,9 @@
 // are released by keep-alive deleters that hand them back to the GIL side.
 #include "stream.h"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <chrono>
 
 #include "common.h"
@@ -79,7 +82,23 @@ size_t CompletionQueue::pending() const {
 
 // ---------------------------------------------------------------- Stream
 
-Stream::Stream(std::string name) : name_(std::move(name)) { worker_ = std::thread([this] { loop(); }); }
+Stream::Stream(std::string name) : name_(std::move(name)) {
+    worker_ = std::thread([this] {
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            tid_ = long(syscall(SYS_gettid));
+        }
+        started_cv_.notify_all();
+        loop();
+    });
+    std::unique_lock<std::mutex> g(mu_);
+    started_cv_.wait(g, [&] { return tid_ != 0; });
+}
+
+long Stream::native_id() const {
+    std::lock_guard<std::mutex> g(mu_);
+    return tid_;
+}
 
 Stream::~Stream() { close(); }
 

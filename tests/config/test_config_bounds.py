@@ -18,6 +18,8 @@ TOO_FAR = [
     ("io_queue_depth", 10 ** 9, "at least 1 and at most 1024"),
     ("io_threads", 5000, "at least 1 and at most 256"),
     ("copy_streams", 1000, "at least 1 and at most 64"),
+    ("io_nice", 20, "at least -20 and at most 19"),
+    ("io_nice", -21, "at least -20 and at most 19"),
     ("high_watermark", 1, "at least 4096"),
     ("lookahead", 10 ** 9, "at least 0 and at most 1024"),
     ("shutdown_timeout", 1e300, "at least 0 and at most 86400"),
