@@ -15,7 +15,7 @@ import time
 from concurrent.futures import Future
 
 from ..errors import NotResidentError
-from . import traces
+from . import lending, traces
 from .records import State
 from .requests import Kind, Request
 
@@ -104,6 +104,23 @@ class ComputeSession:
 
     def prefetch(self, records, priority=0):
         return self._daemon.prefetch(records, priority=priority)
+
+    def moves_bytes(self, units):
+        """Per collection of records: whether bringing it to the device moves bytes (a disk
+        read, a copy, or such a load already under way), rather than nothing (resident) or
+        a page move (a host replica the backend lends, pages or a mapping parked under the
+        home: core/lending.py). What the hooks' prefetch window counts (hooks/passes.py)."""
+        with self._core.lock:
+            return [any(self._moves(rec) for rec in records) for records in units]
+
+    def _moves(self, rec):
+        if rec.state in (State.RESIDENT, State.STORING):
+            return False
+        if rec.state is State.LOADING:
+            return True
+        if rec.host_parked or rec.mapping_parked:
+            return False
+        return not (rec.host_valid and lending.can_lend(self._core.backend, rec))
 
     # ------------------------------------------------------------------ the trace
     def set_trace(self, steps):

@@ -22,6 +22,10 @@ from .trace_cursor import ROOT
 
 log = logging.getLogger("prefetchd.hooks")
 
+# How far past the lookahead the prefetch window looks for byte-moving loads (units of the
+# trace): past it a disk read waits for the window to come closer.
+WINDOW_SCAN = 32
+
 
 class RecordingPass:
     recording = True
@@ -119,17 +123,21 @@ class StreamingPass:
         self.prefetch_from(1, root.nbytes)
 
     def prefetch_from(self, start, pinned_bytes):
-        """Prefetch the next `lookahead` units of the trace from `start` that fit beside the pinned ones."""
+        """Prefetch ahead of compute, within the room beside the pinned units: the next unit,
+        then the next `lookahead` units whose loads move bytes (disk reads, copies), looking
+        past units that load by a page move, then the page-move units among the next
+        `lookahead`. A page move needs no lead time and a disk read does: where the host
+        cache keeps every other unit (core/spread.py), giving the reads the room first
+        queues the next one while the current one runs, so the disk does not wait for
+        compute to reach it."""
+        lookahead = self._lookahead_of()
+        if lookahead == 0:
+            return
+        first, near = self._window(start, lookahead)
         # Never ask for more than fits beside what computes now: a prefetch that
         # evicts the next unit to make room for the one after is thrash.
-        lookahead = self._lookahead_of()
         room = self._high_of() - pinned_bytes
-        ahead = 0
-        for index in self._cursor.upcoming(start):
-            if ahead >= lookahead:
-                break
-            unit = self._pins.units[index]
-            ahead += 1
+        for ahead, unit in first + near:
             if unit.held:
                 continue
             room -= unit.nbytes
@@ -140,3 +148,19 @@ class StreamingPass:
             # A refused prefetch (e.g. no free range large enough) shows up as a miss later.
             future.add_done_callback(lambda f, name=unit.name: f.exception() is not None and log.debug(
                 "prefetch of %s failed: %s", name, f.exception()))
+
+    def _window(self, start, lookahead):
+        """([(distance, unit)] to place first: the next unit and the byte-moving ones, in
+        trace order; [(distance, unit)] of the page-move units within `lookahead` after it)."""
+        units = [self._pins.units[index] for index, _ in zip(self._cursor.upcoming(start), range(WINDOW_SCAN))]
+        first, near, moving = [], [], 0
+        for ahead, (unit, moves) in enumerate(zip(units, self._session.moves_bytes(
+                [u.records for u in units])), 1):
+            moving += moves
+            if ahead == 1 or moves:
+                first.append((ahead, unit))
+            elif ahead <= lookahead:
+                near.append((ahead, unit))
+            if moving >= lookahead and ahead >= lookahead:
+                break
+        return first, near
