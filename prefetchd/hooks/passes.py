@@ -22,9 +22,10 @@ from .trace_cursor import ROOT
 
 log = logging.getLogger("prefetchd.hooks")
 
-# How far past the lookahead the prefetch window looks for byte-moving loads (units of the
-# trace): past it a disk read waits for the window to come closer.
-WINDOW_SCAN = 32
+# How far past the lookahead the prefetch window looks for byte-moving loads, in units of
+# the trace: past it a disk read waits for the window to come closer. Every unit scanned is
+# a check of its records on the compute thread, twice per unit run (~1 us a record).
+WINDOW_SCAN_PAST = 4
 
 
 class RecordingPass:
@@ -152,7 +153,8 @@ class StreamingPass:
     def _window(self, start, lookahead):
         """([(distance, unit)] to place first: the next unit and the byte-moving ones, in
         trace order; [(distance, unit)] of the page-move units within `lookahead` after it)."""
-        units = [self._pins.units[index] for index, _ in zip(self._cursor.upcoming(start), range(WINDOW_SCAN))]
+        scan = 2 * lookahead + WINDOW_SCAN_PAST
+        units = [self._pins.units[index] for index, _ in zip(self._cursor.upcoming(start), range(scan))]
         first, near, moving = [], [], 0
         for ahead, (unit, moves) in enumerate(zip(units, self._session.moves_bytes(
                 [u.records for u in units])), 1):

@@ -7,7 +7,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from prefetchd.hooks.passes import WINDOW_SCAN, StreamingPass
+from prefetchd.hooks.passes import WINDOW_SCAN_PAST, StreamingPass
 from prefetchd.hooks.trace_cursor import ROOT, TraceCursor
 
 UNIT = 100
@@ -87,9 +87,10 @@ def test_priorities_fall_with_distance():
 
 def test_the_window_wraps_into_the_next_pass_and_stops_at_the_scan_bound():
     assert prefetched(8, {0, 1}, lookahead=2, slots=8, start=7) == [6, 0, 1, 7]
-    n = WINDOW_SCAN + 8
-    far = prefetched(n, {n - 1}, lookahead=1, slots=n, start=1)
-    assert far == [0]           # the read past the scan bound waits for the window to come closer
+    scan = 2 * 1 + WINDOW_SCAN_PAST                   # lookahead 1
+    assert prefetched(16, {scan - 1}, lookahead=1, slots=16, start=1) == [0, scan - 1]
+    # a read past the scan bound waits for the window to come closer
+    assert prefetched(16, {scan}, lookahead=1, slots=16, start=1) == [0]
 
 
 @pytest.mark.parametrize("lookahead", [0])
