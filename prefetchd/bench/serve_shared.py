@@ -31,7 +31,9 @@ each. Per front the section reports:
   bytes in use; shared, the owner's.
 
 Ratios are shared / private: disk bytes (the front's workers plus, for shared,
-the owner's fills), host RAM, requests/s. The target `shared_rps_not_worse` asks
+the owner's fills), host RAM, requests/s; and `rps_shared_over_private_paired`,
+requests/s round by round (median, range, and from 6 rounds on the 95% interval of
+the median). The target `shared_rps_not_worse` asks
 shared requests/s >= RPS_TARGET x private: 0.9, not 1.0, because two fronts on
 this shared 2-core machine differ by more than that from round to round (a noise
 allowance, not a slowdown allowed). `ok` only if every request of every phase
@@ -41,12 +43,14 @@ no worker was replaced during the run.
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 
 import numpy as np
 
+from .model_report import median_interval
 from .serve_phases import close_all, progress, ratio, start_all, summarize
 from .serve_load import run_load
 
@@ -191,6 +195,18 @@ def _describe(front, runs, before, pids):
                    if owner else None)}
 
 
+def _paired_rps(shared_runs, private_runs):
+    """Round by round, shared requests/s over private's in the same round (the two fronts'
+    phases alternate within a round): median, range, rounds, and the order-statistics 95%
+    interval of the median (from 6 rounds on), a ratio less exposed to the machine's drift
+    than one of two medians."""
+    ratios = [s["rps"] / p["rps"] for s, p in zip(shared_runs, private_runs) if p["rps"]]
+    if not ratios:
+        return None
+    return {"median": statistics.median(ratios), "range": [min(ratios), max(ratios)],
+            "interval_95": median_interval(ratios), "rounds": len(ratios)}
+
+
 def bench_shared_host(args, quick, repeats, lookahead):
     """The section (see the module docstring), as a dict."""
     size = QUICK if quick else FULL
@@ -218,6 +234,7 @@ def bench_shared_host(args, quick, repeats, lookahead):
               "host_ram_shared_over_private": ratio(shared["host_ram"]["bytes"],
                                                      private["host_ram"]["bytes"]),
               "rps_shared_over_private": ratio(shared["rps"], private["rps"])}
+    paired = _paired_rps(shared["runs"], private["runs"])
     complete = all(f["completed"] == f["requests"] and f["errors"] == 0 and not f["workers_replaced"]
                    for f in described.values())
     return {"workers": size["workers"], "concurrency": 2 * size["workers"],
@@ -225,7 +242,8 @@ def bench_shared_host(args, quick, repeats, lookahead):
             "model": {"hidden": size["hidden"], "layers": size["layers"], "seq": size["seq"],
                       "bytes": model_bytes},
             "device_budget_bytes": device_budget, "host_budget_bytes": int(model_bytes * HOST_FRACTION),
-            "fronts": described, "ratios": ratios, "same_reply": same,
+            "fronts": described, "ratios": ratios, "rps_shared_over_private_paired": paired,
+            "same_reply": same,
             "targets": {"shared_rps_not_worse": {
                 "at_least": RPS_TARGET, "met": (ratios["rps_shared_over_private"] or 0) >= RPS_TARGET}},
             "ok": complete and same}

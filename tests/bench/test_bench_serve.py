@@ -5,8 +5,11 @@ shared_host section, what a shared host tier must do even at the quick size: its
 workers read nothing from the store while measured, and the front reads less in
 total than the private host tiers of the same run (the owner reads each tensor once)."""
 import json
+import statistics
 import subprocess
 import sys
+
+import pytest
 
 from prefetchd.bench.serve import GENERATE_MODES, INFER_MODES, QUICK_CONCURRENCY
 
@@ -93,4 +96,10 @@ def _check_shared_host(section):
                            "rps_shared_over_private"}
     assert all(v is not None and v > 0 for v in ratios.values()), ratios
     assert ratios["disk_bytes_shared_over_private"] < 1
+    paired = section["rps_shared_over_private_paired"]
+    assert paired["rounds"] == section["repeats"]
+    assert paired["range"][0] <= paired["median"] <= paired["range"][1]
+    runs = [f["runs"] for f in (shared, private)]
+    assert paired["median"] == pytest.approx(statistics.median(
+        s["rps"] / p["rps"] for s, p in zip(*runs)))
     assert set(section["targets"]) == {"shared_rps_not_worse"}
