@@ -41,12 +41,17 @@ def median_interval(values, confidence=0.95):
     return [xs[k - 1], xs[n - k]] if k >= 1 else None
 
 
+def ratio_summary(ratios):
+    """Per-round ratios as the reports give them: median, range, the 95% interval of the
+    median (median_interval) and the number of rounds."""
+    return {"median": statistics.median(ratios), "range": [min(ratios), max(ratios)],
+            "interval_95": median_interval(ratios), "rounds": len(ratios)}
+
+
 def _paired(streamed, *baselines):
     """Round by round (passes 1..N), the streamed pass over the slowest baseline pass of the
     same round: a ratio less exposed to the machine's drift than one of two medians."""
-    ratios = [s / max(b) for s, *b in zip(streamed[1:], *(base[1:] for base in baselines))]
-    return {"median": statistics.median(ratios), "range": [min(ratios), max(ratios)],
-            "interval_95": median_interval(ratios), "rounds": len(ratios)}
+    return ratio_summary([s / max(b) for s, *b in zip(streamed[1:], *(base[1:] for base in baselines))])
 
 
 def _method_info(records, method):

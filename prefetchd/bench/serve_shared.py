@@ -43,14 +43,13 @@ no worker was replaced during the run.
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 
 import numpy as np
 
-from .model_report import median_interval
+from .model_report import ratio_summary
 from .serve_phases import close_all, progress, ratio, start_all, summarize
 from .serve_load import run_load
 
@@ -201,10 +200,7 @@ def _paired_rps(shared_runs, private_runs):
     interval of the median (from 6 rounds on), a ratio less exposed to the machine's drift
     than one of two medians."""
     ratios = [s["rps"] / p["rps"] for s, p in zip(shared_runs, private_runs) if p["rps"]]
-    if not ratios:
-        return None
-    return {"median": statistics.median(ratios), "range": [min(ratios), max(ratios)],
-            "interval_95": median_interval(ratios), "rounds": len(ratios)}
+    return ratio_summary(ratios) if ratios else None
 
 
 def bench_shared_host(args, quick, repeats, lookahead):
