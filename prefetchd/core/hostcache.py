@@ -40,10 +40,10 @@ class HostCache:
         if not self.enabled or rec.nbytes == 0:
             return False
         reuse = self.policy.reuse_distance(rec.name)
-        spread = self.spread()
-        if spread is None or rec.name not in spread[0]:
+        chosen = self.spread()
+        if chosen is None or rec.name not in chosen[0]:
             return self._make_room(rec.nbytes, reuse)
-        kept = spread[1]
+        kept = chosen[1]
         return rec.name in kept and self._make_room(rec.nbytes, reuse, kept)
 
     def spread(self):
