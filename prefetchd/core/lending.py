@@ -58,6 +58,16 @@ def can_lend(backend, rec):
     return rec.home is not None and callable(lends) and lends(rec.host_block)
 
 
+def page_move_load(backend, rec):
+    """Whether rec's next load puts its bytes under its home by a page move or a permission
+    change alone, moving no byte: a shared-tier mapping or host pages parked there, or a
+    host replica the backend lends. Loads.start takes that path exactly then; the hooks'
+    prefetch window counts the other loads (disk reads, copies) as the ones that take time."""
+    if rec.mapping_parked or rec.host_parked:
+        return True
+    return rec.host_valid and can_lend(backend, rec)
+
+
 def lend(backend, stats, rec):
     """Put rec's host replica's pages under its home, attached to rec.block (no copy):
     made readable where they are parked there, else moved from the host block."""

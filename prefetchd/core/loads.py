@@ -188,8 +188,9 @@ class Loads:
     def _fill_from_host(self, rec):
         """The device replica from the host replica: its pages moved straight under the
         home where the tiers share RAM (cpu; done here, the host block lent until the
-        drop: core/lending.py), else a copy into the block whose completion comes later."""
-        if lending.can_lend(self._backend, rec):
+        drop: core/lending.py), else a copy into the block whose completion comes later.
+        lending.page_move_load decides, as it does for the hooks' prefetch window."""
+        if lending.page_move_load(self._backend, rec):
             self._at_home(rec, TransferKind.H2D, lending.lend)
             return
         rec.reading_host = True

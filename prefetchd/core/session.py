@@ -118,9 +118,7 @@ class ComputeSession:
             return False
         if rec.state is State.LOADING:
             return True
-        if rec.host_parked or rec.mapping_parked:
-            return False
-        return not (rec.host_valid and lending.can_lend(self._core.backend, rec))
+        return not lending.page_move_load(self._core.backend, rec)
 
     # ------------------------------------------------------------------ the trace
     def set_trace(self, steps):

@@ -25,11 +25,21 @@ with the copy.
 import logging
 import queue
 import threading
+from typing import NamedTuple
 
 from . import wire
 from .client import Refused, SharedHostClient
 
 log = logging.getLogger("prefetchd.sharedhost")
+
+
+class _Load(NamedTuple):
+    """A load waiting on SharedLoads' queue: the remote->block load start_load was given."""
+    key: str
+    block: object
+    nbytes: int
+    tag: int
+    verify: bool
 
 
 class _Trace:
@@ -66,7 +76,7 @@ class SharedLoads:
         """Queue a remote->block load through the shared tier; False if it is not attached."""
         if self.client.closed:
             return False
-        self._jobs.put((key, block, nbytes, tag, verify))
+        self._jobs.put(_Load(key, block, nbytes, tag, verify))
         return True
 
     def set_trace(self, steps):
@@ -156,7 +166,7 @@ class SharedLoads:
         for job in batch:
             if isinstance(job, _Trace):
                 self._send_trace(job.names)
-        loads = [job for job in batch if isinstance(job, tuple)]
+        loads = [job for job in batch if isinstance(job, _Load)]
         if loads:
             self._load_many(loads)
 
@@ -169,17 +179,17 @@ class SharedLoads:
             log.warning("shared host tier: sending the trace (%d names) failed: %s", len(names), e)
 
     def _load_many(self, loads):
-        """Ask the owner for the blocks of `loads` [(key, block, nbytes, tag, verify)] in
-        one request; each load completes from its grant or from this daemon's store."""
+        """Ask the owner for the blocks of `loads` [_Load] in one request; each load
+        completes from its grant or from this daemon's store."""
         asked, wants = [], []
         for load in loads:
             try:
-                info = self.backend.store.info(load[0])
+                info = self.backend.store.info(load.key)
             except Exception:            # not in this store, or it failed: its own read reports why
                 self._safely(self._own_read, load)
                 continue
             asked.append(load)
-            wants.append((load[0], info["version"], info["nbytes"], info["crc"]))
+            wants.append((load.key, info["version"], info["nbytes"], info["crc"]))
         if not asked:
             return
         try:
@@ -197,7 +207,7 @@ class SharedLoads:
         try:
             step(*load, *args)
         except Exception:            # e.g. the stream closed under a closing daemon
-            log.exception("shared host tier: load of %r failed", load[0])
+            log.exception("shared host tier: load of %r failed", load.key)
 
     def _finish(self, key, block, nbytes, tag, verify, grant):
         """Complete one load from its grant (a Refused: from this daemon's store)."""

@@ -72,6 +72,7 @@ def test_ratios():
     assert r["accelerate_over_torch_resident"] == pytest.approx(4.0)
     assert r["prefetchd_over_ms_resident"] == pytest.approx(2.0)
     assert r["torch_resident_over_ms_resident"] == pytest.approx(1.5)
+    assert r["accelerate_over_ms_resident"] == pytest.approx(6.0)     # the ceiling of the first
     assert r["accelerate_overhead_seconds"] == pytest.approx(4.5)
     assert r["prefetchd_overhead_seconds"] == pytest.approx(1.0)
 
@@ -79,6 +80,7 @@ def test_ratios():
 def test_ratios_with_a_missing_method_are_none():
     r = ba.ratios({"prefetchd": 2.0, "ms_resident": 1.0})
     assert r["accelerate_over_prefetchd"] is None and r["accelerate_overhead_seconds"] is None
+    assert r["accelerate_over_ms_resident"] is None
     assert r["prefetchd_over_ms_resident"] == pytest.approx(2.0)
 
 
@@ -145,4 +147,5 @@ def test_bench_at_a_tiny_size(tmp_path):
     r = report["ratios"]
     assert r["accelerate_over_prefetchd"] == pytest.approx(
         report["seconds"]["accelerate"] / report["seconds"]["prefetchd"])
+    assert report["target_reachable"] is (r["accelerate_over_ms_resident"] >= ba.TARGET_SPEEDUP)
     assert report["prefetchd_misses"] == 0
