@@ -23,6 +23,10 @@ each. Per front the section reports:
   imports included, the same for both fronts); the shared tier's own reads are
   the owner's `fill_bytes` counter (the owner runs in this process, whose /proc io
   is not counted: it runs other things too);
+- the workers' CPU seconds per request (user + system over the phase, all their
+  threads; the median over rounds), and round by round shared over private
+  (`workers_cpu_per_request_shared_over_private_paired`): what the tier costs the
+  workers, less exposed than requests/s to how the machine schedules 8 processes;
 - host RAM in use: the sum of the workers' PSS (/proc/<pid>/smaps_rollup) without
   their share of the shared segments' pages (`workers_shared_pss_bytes`, from
   /proc/<pid>/smaps: resident weights map them), plus, for shared, the bytes of the
@@ -43,12 +47,14 @@ no worker was replaced during the run.
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 
 import numpy as np
 
+from ..sharedhost.blocks import shmem_huge_mode
 from .model_report import ratio_summary
 from .serve_phases import close_all, progress, ratio, start_all, summarize
 from .serve_load import run_load
@@ -90,6 +96,13 @@ def _stage_main(store, hidden, layers, seq):
 def _proc_read_bytes(pid):
     with open(f"/proc/{pid}/io") as f:
         return int(next(line.split()[1] for line in f if line.startswith("read_bytes:")))
+
+
+def _proc_cpu_seconds(pid):
+    """User + system CPU seconds of the process so far, all its threads."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _proc_pss(pid):
@@ -159,9 +172,17 @@ def _measure(fronts, size, repeats, inputs):
     runs = {role: [] for role in ROLES}
     for r in range(repeats):
         for role in (ROLES if r % 2 == 0 else ROLES[::-1]):
-            runs[role].append(progress(f"shared_host {role} c={c}", run_load(
+            cpu = sum(_proc_cpu_seconds(p) for p in pids[role])
+            run = progress(f"shared_host {role} c={c}", run_load(
                 fronts[role].endpoint, ["m0"], max(size["requests"], 2 * c), c, False, inputs,
-                seed=r)))
+                seed=r))
+            # The workers' CPU per request: what the tier costs them, less exposed to
+            # the machine's scheduling than requests/s (the owner's is not in it: it runs
+            # in this process beside the load generator).
+            run["workers_cpu_seconds"] = sum(_proc_cpu_seconds(p) for p in pids[role]) - cpu
+            run["workers_cpu_seconds_per_request"] = (run["workers_cpu_seconds"] / run["completed"]
+                                                      if run["completed"] else None)
+            runs[role].append(run)
     return runs, before, pids
 
 
@@ -173,8 +194,11 @@ def _describe(front, runs, before, pids):
     pss = [_proc_pss(p) for p in pids]
     segment_bytes = owner["bytes"] if owner else 0
     daemons = [w["daemon"] for w in status["workers"]]
+    per_request = [r["workers_cpu_seconds_per_request"] for r in runs
+                   if r["workers_cpu_seconds_per_request"] is not None]
     return {
         **summarize(runs),
+        "workers_cpu_seconds_per_request": statistics.median(per_request) if per_request else None,
         "worker_pids": pids, "workers_replaced": _pids(front) != pids,
         "disk": {"workers_read_bytes_measured": [t - b for t, b in zip(total, before)],
                  "workers_read_bytes_total": total,
@@ -200,6 +224,14 @@ def _paired_rps(shared_runs, private_runs):
     interval of the median (from 6 rounds on), a ratio less exposed to the machine's drift
     than one of two medians."""
     ratios = [s["rps"] / p["rps"] for s, p in zip(shared_runs, private_runs) if p["rps"]]
+    return ratio_summary(ratios) if ratios else None
+
+
+def _paired_cpu(shared_runs, private_runs):
+    """Round by round, the workers' CPU seconds per request, shared over private (as _paired_rps)."""
+    ratios = [s["workers_cpu_seconds_per_request"] / p["workers_cpu_seconds_per_request"]
+              for s, p in zip(shared_runs, private_runs)
+              if s["workers_cpu_seconds_per_request"] and p["workers_cpu_seconds_per_request"]]
     return ratio_summary(ratios) if ratios else None
 
 
@@ -231,6 +263,7 @@ def bench_shared_host(args, quick, repeats, lookahead):
                                                      private["host_ram"]["bytes"]),
               "rps_shared_over_private": ratio(shared["rps"], private["rps"])}
     paired = _paired_rps(shared["runs"], private["runs"])
+    paired_cpu = _paired_cpu(shared["runs"], private["runs"])
     complete = all(f["completed"] == f["requests"] and f["errors"] == 0 and not f["workers_replaced"]
                    for f in described.values())
     return {"workers": size["workers"], "concurrency": 2 * size["workers"],
@@ -239,6 +272,8 @@ def bench_shared_host(args, quick, repeats, lookahead):
                       "bytes": model_bytes},
             "device_budget_bytes": device_budget, "host_budget_bytes": int(model_bytes * HOST_FRACTION),
             "fronts": described, "ratios": ratios, "rps_shared_over_private_paired": paired,
+            "workers_cpu_per_request_shared_over_private_paired": paired_cpu,
+            "shmem_huge_pages": shmem_huge_mode(),
             "same_reply": same,
             "targets": {"shared_rps_not_worse": {
                 "at_least": RPS_TARGET, "met": (ratios["rps_shared_over_private"] or 0) >= RPS_TARGET}},

@@ -74,6 +74,10 @@ def _check_shared_host(section):
         assert len(front["worker_pids"]) == QUICK["workers"], role
         assert len(front["disk"]["workers_read_bytes_total"]) == QUICK["workers"], role
         assert all(p > 0 for p in front["host_ram"]["workers_pss_bytes"]), role
+        # Workers compute every request: some CPU in every phase, per request the median.
+        assert all(r["workers_cpu_seconds"] > 0 for r in front["runs"]), role
+        assert front["workers_cpu_seconds_per_request"] == pytest.approx(statistics.median(
+            r["workers_cpu_seconds"] / r["completed"] for r in front["runs"])), role
     shared, private = fronts["shared"], fronts["private"]
     model = section["model"]["bytes"]
     # The shared front's workers never read the store while measured; its owner read each
@@ -102,4 +106,7 @@ def _check_shared_host(section):
     runs = [f["runs"] for f in (shared, private)]
     assert paired["median"] == pytest.approx(statistics.median(
         s["rps"] / p["rps"] for s, p in zip(*runs)))
+    cpu = section["workers_cpu_per_request_shared_over_private_paired"]
+    assert cpu["rounds"] == section["repeats"] and cpu["range"][0] <= cpu["median"] <= cpu["range"][1]
+    assert section["shmem_huge_pages"] in (None, "never", "advise", "always", "within_size", "deny", "force")
     assert set(section["targets"]) == {"shared_rps_not_worse"}
