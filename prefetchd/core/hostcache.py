@@ -50,8 +50,7 @@ class HostCache:
         """(traced names, names kept) when the cache spreads its replicas over single-use
         traces it cannot hold whole (core/spread.py), else None."""
         capacity = self.backend.host_capacity() - sum(
-            self.backend.block_bytes(r.nbytes) for r in self.registry
-            if r.host_block is not None and not r.remote_valid)     # host-only data stays
+            self.backend.block_bytes(r.nbytes) for r in self.registry.host_only)   # host-only data stays
         key = (self.policy.traces_set, capacity)
         if key != self._spread_for:
             self._spread_for, self._spread = key, self._spread_over(capacity)

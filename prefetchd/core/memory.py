@@ -43,7 +43,7 @@ class DeviceMemory:
 
     def pinned_bytes(self):
         be = self.backend
-        return sum(be.block_bytes(r.nbytes) for r in self.registry if r.pins and r.block)
+        return sum(be.block_bytes(r.nbytes) for r in self.registry.pinned if r.block)
 
     def check_fits(self, nbytes, name=None):
         """BudgetError if nbytes could never be reserved, even with everything else evicted."""

@@ -38,7 +38,7 @@ class ManagedTensor:
     host_valid: bool = False
     remote_valid: bool = False
     dirty: bool = False      # device replica newer than every lower replica
-    pins: int = 0
+    pins: int = 0            # compute or requests hold it: never evicted or moved while > 0
     last_use: int = 0
     bound_address: int = 0   # block address the framework tensor currently views (0: none)
     exposed: bool = False    # compute may have read the device block since it was bound
@@ -60,6 +60,7 @@ class ManagedTensor:
     evict_after_store: str | None = None  # eviction reason waiting for the write-back
     evict_after_load: bool = False
     compute_epoch: int | None = None  # compute-fence epoch covering every read of the block (None: unknown)
+    index: object = field(default=None, repr=False)   # the registry's RecordIndex, once registered
 
     @property
     def tiers(self):
@@ -101,3 +102,53 @@ class ManagedTensor:
             "dtype": str(self.dtype), "state": self.state.value, "tiers": self.tiers,
             "dirty": self.dirty, "pins": self.pins, "substate": self.substate,
         }
+
+
+class RecordIndex:
+    """The records in two states the scheduler asks about on every load, kept up to date
+    as the records change (the fields in INDEXED assign through it), so that asking
+    costs O(records in that state), not O(tensors): with thousands of tensors a scan
+    per load made a pass quadratic.
+
+        pinned      pins > 0: the device memory's pinned bytes (every reservation)
+        host_only   a host replica and no remote one: room the host cache cannot use
+                    (every admission)
+    """
+
+    def __init__(self):
+        self.pinned = set()
+        self.host_only = set()
+
+    def update(self, rec):
+        _place(self.pinned, rec, rec.pins > 0)
+        _place(self.host_only, rec, rec.host_block is not None and not rec.remote_valid)
+
+    def discard(self, rec):
+        self.pinned.discard(rec)
+        self.host_only.discard(rec)
+
+
+def _place(members, rec, member):
+    if member:
+        members.add(rec)
+    else:
+        members.discard(rec)
+
+
+def _indexed(name):
+    """A ManagedTensor field that keeps its record's RecordIndex current on assignment."""
+    def get(self):
+        return self.__dict__[name]
+
+    def put(self, value):
+        self.__dict__[name] = value
+        index = self.__dict__.get("index")
+        if index is not None:
+            index.update(self)
+
+    return property(get, put, doc=f"{name} (assigning it updates the registry's RecordIndex)")
+
+
+INDEXED = ("pins", "host_block", "remote_valid")
+for _name in INDEXED:
+    setattr(ManagedTensor, _name, _indexed(_name))

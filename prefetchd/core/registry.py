@@ -5,7 +5,7 @@ registering thread and removed only when a registration fails.
 """
 from .. import _native
 from ..errors import DoubleRegisterError, UnknownTensorError
-from .records import ManagedTensor
+from .records import ManagedTensor, RecordIndex
 
 # The longest tensor name the remote tier can store (its key limit).
 MAX_NAME_BYTES = _native.MAX_KEY_BYTES
@@ -36,6 +36,7 @@ class Registry:
         self._daemon_name = daemon_name
         self.records = {}          # name -> ManagedTensor
         self._targets = {}         # id(framework tensor) -> name
+        self.index = RecordIndex()   # pinned and host-only records, kept by the records
 
     def add(self, rec):
         if rec.name in self.records:
@@ -49,11 +50,25 @@ class Registry:
         self.records[rec.name] = rec
         if rec.target is not None:
             self._targets[id(rec.target)] = rec.name
+        rec.index = self.index
+        self.index.update(rec)
 
     def forget(self, rec):
+        self.index.discard(rec)
+        rec.index = None
         self.records.pop(rec.name, None)
         if rec.target is not None:
             self._targets.pop(id(rec.target), None)
+
+    @property
+    def pinned(self):
+        """The registered records with pins > 0."""
+        return self.index.pinned
+
+    @property
+    def host_only(self):
+        """The registered records with a host replica and no remote one."""
+        return self.index.host_only
 
     def name_of(self, tensor):
         """The name a framework tensor is registered under, or None."""

@@ -80,6 +80,10 @@ class Core:
         for rec in self.registry:
             if rec.pins:
                 assert rec.state in (State.RESIDENT, State.STORING), rec
+        # The index the memory and host cache count from is exactly the records in each state.
+        assert self.registry.pinned == {r for r in self.registry if r.pins}
+        assert self.registry.host_only == {r for r in self.registry
+                                           if r.host_block is not None and not r.remote_valid}
 
 
 def test_prefetch_loads_and_pin_holds_until_unpinned():
@@ -340,3 +344,28 @@ def test_an_evict_that_meets_a_pin_on_arrival_drops_the_tensor_once_not_on_its_n
     again = c.submit(Kind.PREFETCH, [a])        # an unrelated later load stays resident
     c.drain()
     assert again.result(0) is None and a.state is State.RESIDENT
+
+
+def test_the_registry_indexes_pinned_and_host_only_records_through_every_change():
+    c = Core(host=64 * KiB)
+    a, b = c.tensor("a"), c.tensor("b")
+    a.pins += 1
+    a.pins += 1
+    assert c.registry.pinned == {a}
+    a.pins -= 1
+    assert c.registry.pinned == {a}
+    a.pins -= 1
+    assert c.registry.pinned == set()
+    b.host_block = object()                       # a cached host replica: remote_valid still
+    assert c.registry.host_only == set()
+    b.remote_valid = False                        # its remote copy is gone: host-only now
+    assert c.registry.host_only == {b}
+    b.host_block = None
+    assert c.registry.host_only == set()
+    loose = ManagedTensor(name="c", shape=(4,), dtype="uint8", nbytes=4, pins=1, host_block=object())
+    c.registry.add(loose)                         # registered in those states: indexed at once
+    assert c.registry.pinned == {loose} and c.registry.host_only == {loose}
+    c.registry.forget(loose)
+    assert c.registry.pinned == set() and c.registry.host_only == set()
+    loose.pins = 0                                # forgotten: no longer indexed anywhere
+    assert c.registry.pinned == set() and b.pins == 0
