@@ -77,13 +77,15 @@ class HostCache:
         free = self.backend.host_capacity() - self.backend.host_used()
         if need <= free:
             return True
-        victims = self._victims(incoming_reuse, kept)
-        if sum(self.backend.block_bytes(v.nbytes) for v in victims) + free < need:
-            return False          # not worth (or not possible): bypass the cache
-        for victim in victims:
+        chosen = []               # the best victims, just enough of them
+        for victim in self._victims(incoming_reuse, kept):
             if free >= need:
                 break
             free += self.backend.block_bytes(victim.nbytes)
+            chosen.append(victim)
+        if free < need:
+            return False          # not worth (or not possible): bypass the cache
+        for victim in chosen:
             self.drop(victim)
         return True
 
@@ -91,7 +93,9 @@ class HostCache:
         """Droppable replicas, best victim first; with a trace, only those used again
         later than the incoming tensor would be. With a spread (`kept`), every replica
         outside it goes first, whenever it is used."""
-        candidates = [r for r in self.registry if self.droppable(r)]
+        # (droppable, inlined: this scan runs on every admission that needs room)
+        candidates = [r for r in self.registry if r.host_block is not None and r.host_valid
+                      and r.remote_valid and not r.reading_host]
         outside = []
         if kept is not None:
             outside = self.policy.rank([r for r in candidates if r.name not in kept])

@@ -135,20 +135,24 @@ def _place(members, rec, member):
         members.discard(rec)
 
 
-def _indexed(name):
-    """A ManagedTensor field that keeps its record's RecordIndex current on assignment."""
-    def get(self):
-        return self.__dict__[name]
+class _Indexed:
+    """A ManagedTensor field that keeps its record's RecordIndex current on assignment.
+    It has no __get__: a read finds the value in the instance's __dict__, as for any
+    other field, so only writes pay for the index (the scheduler reads these fields in
+    its scans far more often than it writes them)."""
 
-    def put(self, value):
-        self.__dict__[name] = value
-        index = self.__dict__.get("index")
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __set__(self, rec, value):
+        rec.__dict__[self.name] = value
+        index = rec.__dict__.get("index")
         if index is not None:
-            index.update(self)
-
-    return property(get, put, doc=f"{name} (assigning it updates the registry's RecordIndex)")
+            index.update(rec)
 
 
 INDEXED = ("pins", "host_block", "remote_valid")
 for _name in INDEXED:
-    setattr(ManagedTensor, _name, _indexed(_name))
+    _field = _Indexed()
+    _field.__set_name__(ManagedTensor, _name)
+    setattr(ManagedTensor, _name, _field)

@@ -136,6 +136,15 @@ def _has(*keys):
     return check
 
 
+def _check_sched(out, paths):
+    doc = _json(out)
+    assert {"resident_hits", "queued_pin_unpin", "streaming_64MiB", "many_tensors", "targets"} <= set(doc)
+    many = doc["many_tensors"]
+    assert sorted(int(k) for k in many["by_size"]) == many["sizes"] and many["size_ratio"] == 8
+    assert all(v["us_per_load"] > 0 for v in many["by_size"].values())
+    assert "load_cost_within_1.5x_at_8x_tensors" in doc["targets"]
+
+
 def _check_soak(out, paths):
     doc = _json(out)
     assert doc["ok"] and doc["data_mismatches"] == 0 and doc["checksum_failures"] == 0, doc
@@ -200,7 +209,7 @@ CASES = [
     Case("demo-plot", ["demo", *SMALL_DEMO, "--plot", "{tmp}/demo.png", "--json"], _check_plot, code=None),
     Case("bench-io", ["bench", "io", *BENCH, "--size", "1MiB", "--no-drop-caches"], _check_io),
     Case("bench-io-sweep", ["bench", "io", *BENCH, "--size", "1MiB", "--no-drop-caches", "--sweep"], _check_sweep),
-    Case("bench-sched", ["bench", "sched", *BENCH, "--requests", "2000"], _has("benchmark", "targets")),
+    Case("bench-sched", ["bench", "sched", *BENCH, "--requests", "2000"], _check_sched),
     Case("bench-model", ["bench", "model", *BENCH, "--size", "1MiB", "--hidden", "128", "--batch", "1",
                          "--steady"], _has("device_budget", "model_bytes")),
     Case("bench-serve", ["bench", "serve", "--quick", "--json", "--dir", "{tmp}"], _check_bench_serve,
