@@ -11,3 +11,11 @@ def run_from_python(run, directory, defaults, options):
         raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(defaults)}")
     os.makedirs(directory, exist_ok=True)
     return run(directory, argparse.Namespace(**{**defaults, **options}))
+
+
+def cpu_seconds(stat_path):
+    """User + system CPU seconds from a /proc stat file: /proc/<pid>/stat (the process,
+    all its threads) or /proc/self/task/<tid>/stat (one thread)."""
+    with open(stat_path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -22,6 +22,8 @@ import time
 
 import numpy as np
 
+from .common import cpu_seconds
+
 MiB = 1 << 20
 
 
@@ -92,18 +94,11 @@ def bench_streaming(ms, Daemon, directory, count=16, nbytes=64 * MiB, repeats=3,
             for name in names:
                 store.read_sync(name, dst, True)
             direct.append(count * nbytes / (time.perf_counter() - t) / 1e6)
-            # (b) through the scheduler, as the layer hooks drive it: use each
-            # tensor in turn with `lookahead` prefetches ahead, evicting as it goes
+            # (b) through the scheduler, as the layer hooks drive it
             d.evict(names).result()
             _drop_caches()
             t = time.perf_counter()
-            for i in range(lookahead):
-                d.prefetch(names[i])
-            for i, name in enumerate(names):
-                if i + lookahead < count:
-                    d.prefetch(names[i + lookahead])
-                with d.use(name):
-                    pass
+            _use_in_turn(d, names, lookahead)
             sched.append(count * nbytes / (time.perf_counter() - t) / 1e6)
             d.evict(names).result()
     shutil.rmtree(store_dir, ignore_errors=True)
@@ -119,13 +114,13 @@ def _thread_cpu_seconds(prefix):
     import threading
     for t in threading.enumerate():
         if t.name.startswith(prefix) and t.native_id is not None:
-            with open(f"/proc/self/task/{t.native_id}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            return cpu_seconds(f"/proc/self/task/{t.native_id}/stat")
     return 0.0
 
 
-def _many_tensors_pass(d, names, lookahead):
+def _use_in_turn(d, names, lookahead):
+    """Use each tensor in turn with `lookahead` prefetches ahead, as the layer hooks drive
+    the scheduler (evicting as it goes)."""
     for i in range(lookahead):
         d.prefetch(names[i])
     for i, name in enumerate(names):
@@ -149,11 +144,11 @@ def bench_many_tensors(ms, Daemon, directory, sizes=(512, 4096), nbytes=16 << 10
             for i in range(count):
                 d.register(_tensor(ms, nbytes, i), tier="remote")
             names = d.names()
-            _many_tensors_pass(d, names, lookahead)
+            _use_in_turn(d, names, lookahead)
             wall, cpu = [], []
             for _ in range(passes):
                 c, t = _thread_cpu_seconds("prefetchd-scheduler"), time.perf_counter()
-                _many_tensors_pass(d, names, lookahead)
+                _use_in_turn(d, names, lookahead)
                 wall.append((time.perf_counter() - t) / count * 1e6)
                 cpu.append((_thread_cpu_seconds("prefetchd-scheduler") - c) / count * 1e6)
         shutil.rmtree(store_dir, ignore_errors=True)

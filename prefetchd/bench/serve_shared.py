@@ -55,6 +55,7 @@ import tempfile
 import numpy as np
 
 from ..sharedhost.blocks import shmem_huge_mode
+from .common import cpu_seconds
 from .model_report import ratio_summary
 from .serve_phases import close_all, progress, ratio, start_all, summarize
 from .serve_load import run_load
@@ -96,13 +97,6 @@ def _stage_main(store, hidden, layers, seq):
 def _proc_read_bytes(pid):
     with open(f"/proc/{pid}/io") as f:
         return int(next(line.split()[1] for line in f if line.startswith("read_bytes:")))
-
-
-def _proc_cpu_seconds(pid):
-    """User + system CPU seconds of the process so far, all its threads."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _proc_pss(pid):
@@ -172,14 +166,14 @@ def _measure(fronts, size, repeats, inputs):
     runs = {role: [] for role in ROLES}
     for r in range(repeats):
         for role in (ROLES if r % 2 == 0 else ROLES[::-1]):
-            cpu = sum(_proc_cpu_seconds(p) for p in pids[role])
+            cpu = sum(cpu_seconds(f"/proc/{p}/stat") for p in pids[role])
             run = progress(f"shared_host {role} c={c}", run_load(
                 fronts[role].endpoint, ["m0"], max(size["requests"], 2 * c), c, False, inputs,
                 seed=r))
             # The workers' CPU per request: what the tier costs them, less exposed to
             # the machine's scheduling than requests/s (the owner's is not in it: it runs
             # in this process beside the load generator).
-            run["workers_cpu_seconds"] = sum(_proc_cpu_seconds(p) for p in pids[role]) - cpu
+            run["workers_cpu_seconds"] = sum(cpu_seconds(f"/proc/{p}/stat") for p in pids[role]) - cpu
             run["workers_cpu_seconds_per_request"] = (run["workers_cpu_seconds"] / run["completed"]
                                                       if run["completed"] else None)
             runs[role].append(run)

@@ -29,11 +29,6 @@ class HostCache:
         self._spread_for = None   # (policy.traces_set, capacity) the spread below was made for
         self._spread = None       # (traced names, kept names), or None: Belady/LRU alone
 
-    @staticmethod
-    def droppable(rec):
-        """A host replica that is only a cache (the remote copy is the truth) and idle."""
-        return rec.host_cached and rec.host_block is not None and not rec.reading_host
-
     def admit(self, rec):
         """Make room for a host replica of rec if the policy says it is worth it: True if
         rec should be filled into the host tier on its way to the device."""
@@ -93,9 +88,7 @@ class HostCache:
         """Droppable replicas, best victim first; with a trace, only those used again
         later than the incoming tensor would be. With a spread (`kept`), every replica
         outside it goes first, whenever it is used."""
-        # (droppable, inlined: this scan runs on every admission that needs room)
-        candidates = [r for r in self.registry if r.host_block is not None and r.host_valid
-                      and r.remote_valid and not r.reading_host]
+        candidates = [r for r in self.registry if _droppable(r)]
         outside = []
         if kept is not None:
             outside = self.policy.rank([r for r in candidates if r.name not in kept])
@@ -114,3 +107,10 @@ class HostCache:
         rec.host_valid = False
         rec.host_lent = False
         self.stats.host_drops += 1
+
+
+def _droppable(rec):
+    """A host replica that is only a cache (the remote copy is the truth) and idle. (Plain
+    fields, not rec.host_cached: _victims asks it of every tensor on each admission that
+    needs room.)"""
+    return rec.host_block is not None and rec.host_valid and rec.remote_valid and not rec.reading_host
