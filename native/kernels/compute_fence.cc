@@ -5,11 +5,12 @@
 // forward: it depends on the unit's output, so MindSpore executes it after
 // every kernel of that unit; it then counts itself in a word that prefetchd
 // owns (the second input views prefetchd memory without a copy) and wakes any
-// waiter. MindSpore executes PyNative ops in the order they were queued (one
-// queue), and prefetchd queues a marker's fences under one lock, numbering them
-// 1, 2, ...: so the word is the number of the last fence executed, the unit's
-// epoch. A device block last read at epoch e is free to reuse once the word
-// reaches e, without draining the rest of the queue.
+// waiter. prefetchd queues a marker's fences under one lock and numbers them
+// 1, 2, ...; PyNative launches ops from one queue, so fences run in that order
+// (each unit's input is the one before's output) and the word is the epoch of
+// the last one run. A device block last read at epoch e is free to reuse once
+// the word reaches e, without draining the rest of the queue. Were fences ever
+// run out of order, the count would still never exceed the highest epoch run.
 //
 // The epoch is counted here rather than passed in: a fresh epoch tensor per
 // fence cost MindSpore ~75 us of a ~120 us dispatch (a new input to place);

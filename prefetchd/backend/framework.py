@@ -118,9 +118,10 @@ class ComputeMarker:
     until it gets there (futex, GIL released). This replaces a whole-queue
     `hal.synchronize()` when only an earlier unit's memory is to be reused.
 
-    The kernel counts its runs in the word: MindSpore executes PyNative ops in
-    queue order, and marks are queued under one lock, numbered as they go, so
-    the n-th fence to run is epoch n. Each dispatch passes the same two tensors
+    The kernel counts its runs in the word: marks are queued under one lock,
+    numbered as they go, and PyNative launches them from its one op queue in that
+    order, so the n-th fence to run is epoch n (a count never exceeds the highest
+    epoch run, whatever the order). Each dispatch passes the same two tensors
     and the op's shape is fixed: no Python infer callback and no new input per
     mark (a fresh epoch tensor was most of a ~120 us dispatch; this is ~30 us).
     """
