@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -39,15 +38,11 @@ def test_a_fence_is_reached_only_after_the_compute_queued_before_it(ms):
     assert quick == 2 and second.mark(x) == 2           # numbered per marker
     assert first.wait(quick, 30.0) >= quick
     y = x
-    started = time.monotonic()
     for _ in range(40):
         y = ms.ops.matmul(y, x) * 1e-3
     slow = first.mark(y)
-    dispatched = time.monotonic() - started
     assert slow == 3
     assert not first.reached(slow), "the fence ran before the matmuls queued ahead of it"
     assert first.wait(slow, 60.0) == slow
-    ran = time.monotonic() - started
     assert np.isfinite(y.asnumpy()).all()
-    assert ran > dispatched
     assert int(first.word[0]) == slow and int(second.word[0]) == 2   # one count per fence run
