@@ -40,16 +40,32 @@ class EventState {
     Completion c_;
 };
 
+class Block;
+
+// Completions from the streams, notify() from other threads, and the compute fence
+// its waiter asked for (watch_fence) all wake one wait(): it sleeps on the doorbell
+// of its fence block (fence_block.h), which push/notify and the fence kernel ring.
 class CompletionQueue {
   public:
+    CompletionQueue();
     void push(Completion c);
     void notify();
-    std::vector<Completion> wait(double timeout_s, size_t max_items);  // timeout < 0: forever
+    // Returns what is queued (at most max_items) once something is, a notify() came,
+    // or the watched fence was reached; empty on timeout (< 0: forever).
+    std::vector<Completion> wait(double timeout_s, size_t max_items);
     size_t pending() const;
+    // Wake wait() once the block's fence count reaches epoch; true if that raised the
+    // epoch watched (one epoch at a time, the highest asked for; it fires once).
+    bool watch_fence(int64_t epoch);
+    const std::shared_ptr<Block> &fence_block() const { return block_; }
 
   private:
+    void ring();
+    bool fence_reached();
+
+    std::shared_ptr<Block> block_;
+    void *words_;
     mutable std::mutex mu_;
-    std::condition_variable cv_;
     std::deque<Completion> q_;
     long notifies_ = 0;
 };

@@ -477,6 +477,11 @@ PYBIND11_MODULE(_native, m) {
             return out;
         }, py::arg("timeout") = py::none(), py::arg("max_items") = 4096)
         .def("notify", &CompletionQueue::notify)
+        .def("watch_fence", &CompletionQueue::watch_fence, py::arg("epoch"),
+             "wake wait() once the fence block's count reaches epoch (native/include/fence_block.h); "
+             "True if that raised the epoch watched")
+        .def_property_readonly("fence_block", &CompletionQueue::fence_block,
+                               "the 64-byte fence block: a ComputeMarker built on it wakes this queue's wait()")
         .def_property_readonly("pending", &CompletionQueue::pending);
 
     // ------------------------------------------------------------ events & streams

@@ -80,6 +80,8 @@ class Backend(Protocol):
     def compute_fence(self) -> None: ...              # all dispatched compute has finished
     def compute_marker(self): ...                     # per-unit fences (mark/reached/wait) or None
     marker: object                                    # the marker once created, else None
+    def wake_at_fence(self, epoch) -> bool: ...       # with a marker: wait_completions returns once
+                                                      # it reaches epoch (True: a new target)
 
     # transfers (asynchronous; completions carry `tag`)
     # shape/dtype describe the tensor the bytes belong to (a device copy needs them on Ascend)

@@ -222,7 +222,9 @@ class CpuBackend(HostAndStoreTiers):
         if self._marker is None:
             from . import framework
             try:
-                self._marker = framework.ComputeMarker()
+                # Counting in the completion queue's fence block: a fence the scheduler
+                # waits for (wake_at_fence) wakes the queue's wait directly.
+                self._marker = framework.ComputeMarker(self.cq.fence_block)
             except Exception as e:   # fall back to whole-queue fences, and say so once
                 import logging
                 logging.getLogger("prefetchd").warning(
@@ -272,6 +274,11 @@ class CpuBackend(HostAndStoreTiers):
 
     def notify(self):
         self.cq.notify()
+
+    def wake_at_fence(self, epoch):
+        """Make wait_completions return once the compute marker's count reaches `epoch`
+        (the fence kernel rings the queue's doorbell); True if that is a new target."""
+        return self.cq.watch_fence(epoch)
 
     def close(self):
         if getattr(self, "shared", None) is not None:

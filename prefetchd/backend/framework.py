@@ -126,7 +126,10 @@ class ComputeMarker:
     mark (a fresh epoch tensor was most of a ~120 us dispatch; this is ~30 us).
     """
 
-    def __init__(self):
+    def __init__(self, block=None):
+        """`block`: the 64-byte fence block to count in (native/include/fence_block.h); a
+        completion queue's `fence_block` lets `CompletionQueue.watch_fence` wake its wait()
+        when a fence runs. A fresh one by default (wait() and reached() only)."""
         import os
         from .. import _native
         ms = mindspore()
@@ -142,10 +145,14 @@ class ComputeMarker:
                     f"MS_CUSTOM_AOT_WHITE_LIST={allowed!r} does not contain prefetchd's compute-fence "
                     f"kernel {lib}; set it to a directory holding both it and your own kernels")
         self._native = _native
-        self._word_block = _native.aligned_buffer(64)
-        self.word = np.frombuffer(self._word_block, np.int64, 1)
-        self.word[0] = 0
-        self._word_tensor = ms.Tensor.from_numpy(self.word)
+        self._word_block = _native.aligned_buffer(64) if block is None else block
+        # The kernel is handed the whole block (int64[8]): it counts in word 0 and reads
+        # word 1 (the epoch a waiter asked to be woken at); the tensor views it, no copy.
+        words = np.frombuffer(self._word_block, np.int64, 8)
+        if words[0]:
+            raise ValueError("ComputeMarker: the fence block has counted fences already (one marker per block)")
+        self.word = words[:1]
+        self._word_tensor = ms.Tensor.from_numpy(words)
         with _CUSTOM_OP_LOCK:
             self._op = ms.ops.Custom(f"{lib}:ComputeFence", out_shape=(1,), out_dtype=ms.int64,
                                      func_type="aot")

@@ -11,19 +11,17 @@ while it waits for a whole-queue fence).
 from .. import _native
 from ..errors import BudgetError
 from . import lending
-from .fences import FenceWatcher
 from .records import State
 
 
 class DeviceMemory:
-    def __init__(self, config, backend, registry, policy, stats, lock, daemon_name):
+    def __init__(self, config, backend, registry, policy, stats, lock):
         self.config = config
         self.backend = backend
         self.registry = registry
         self.policy = policy
         self.stats = stats
         self._lock = lock
-        self._name = daemon_name
         self.high = config.high_watermark
         self.low = config.low_watermark
         self.peak = 0
@@ -31,7 +29,6 @@ class DeviceMemory:
         self.reserve_checks = []   # test hooks: fn(used_after, high) on every reservation
         self.evict = None          # fn(record, reason): the write-back path's (see connect)
         self.written_late = None   # fn(record, block): compute wrote a dropped replica before its fence
-        self._watcher = None
 
     def connect(self, *, evict, written_late):
         """The write-back path's moves, which need this memory themselves (so they come after)."""
@@ -158,8 +155,8 @@ class DeviceMemory:
         reader was a hooked unit carries that unit's compute-fence epoch: it is
         free as soon as the fence word reaches it. If memory is needed
         (`condition()`) and the epoch is not there yet, the scheduler does not
-        block: the fence watcher wakes it when it is, and the reservation waits
-        meanwhile. Blocks with no epoch need a whole-queue fence, taken with
+        block: the fence kernel wakes its wait for completions when it is
+        (backend.wake_at_fence), and the reservation waits meanwhile. Blocks with no epoch need a whole-queue fence, taken with
         the lock released so the compute thread keeps submitting (only the
         scheduler thread changes residency, so the blocks taken are exactly
         the ones the fence covers).
@@ -180,7 +177,7 @@ class DeviceMemory:
             return
         epochs = [entry[1] for entry in self.unfenced]
         if marker is not None and None not in epochs:
-            if self._fence_watcher(marker).want(max(epochs)):
+            if self.backend.wake_at_fence(max(epochs)):
                 self.stats.fences += 1   # memory reuse now waits on compute (without blocking)
             return
         entries, self.unfenced = self.unfenced, []
@@ -200,12 +197,5 @@ class DeviceMemory:
         for block, _epoch, rec in entries:
             self._free(block, rec)
 
-    def _fence_watcher(self, marker):
-        if self._watcher is None:
-            self._watcher = FenceWatcher(marker, self.backend.notify, self._name)
-        return self._watcher
-
     def close(self):
         self.unfenced.clear()
-        if self._watcher is not None:
-            self._watcher.stop()

@@ -52,7 +52,7 @@ class Scheduler:
         self.inbox = Inbox(lock, backend)   # the one entry for other threads: submit, refuse_new, shut_down
         self.outcomes = Outcomes(stats)
         self.transfers = Transfers()
-        self.memory = DeviceMemory(config, backend, registry, policy, stats, lock, name)
+        self.memory = DeviceMemory(config, backend, registry, policy, stats, lock)
         # With a shared host tier, clean replicas live there (one copy per machine):
         # the private budget keeps only what must be private (host-tier tensors).
         self.hostcache = HostCache(backend, registry, policy, stats,

@@ -46,3 +46,61 @@ def test_a_fence_is_reached_only_after_the_compute_queued_before_it(ms):
     assert first.wait(slow, 60.0) == slow
     assert np.isfinite(y.asnumpy()).all()
     assert int(first.word[0]) == slow and int(second.word[0]) == 2   # one count per fence run
+
+
+def test_a_watched_fence_wakes_the_completion_queue_once_and_only_when_it_runs(ms):
+    """The scheduler sleeps on its completion queue alone: a marker counting in the queue's
+    fence block rings the queue when the fence it watches runs (not before, not by the
+    timeout), a fence already run wakes it at once, and a wake fires once."""
+    import threading
+    import time
+
+    from prefetchd import _native
+    from prefetchd.backend.framework import ComputeMarker
+    cq = _native.CompletionQueue()
+    marker = ComputeMarker(cq.fence_block)                 # proved itself: count 1
+    assert cq.wait(0.05) == []                             # nothing watched: the timeout
+    t0 = time.monotonic()
+    assert cq.watch_fence(1) and cq.wait(5.0) == []        # already reached: returns at once
+    assert time.monotonic() - t0 < 2.0, "a fence already run did not wake the queue"
+    t0 = time.monotonic()
+    assert cq.wait(0.2) == [] and time.monotonic() - t0 >= 0.15, "the reached fence woke the queue twice"
+
+    x = ms.Tensor(np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32))
+    y = x
+    for _ in range(40):
+        y = ms.ops.matmul(y, x) * 1e-3
+    epoch = marker.mark(y)
+    assert cq.watch_fence(epoch) and not cq.watch_fence(epoch)   # a new target once
+    woke = []
+    waiter = threading.Thread(target=lambda: woke.append((cq.wait(30.0), marker.reached(epoch),
+                                                          time.monotonic())))
+    t0 = time.monotonic()
+    waiter.start()
+    waiter.join(60.0)
+    assert woke, "the queue's wait never returned"
+    completions, reached, at = woke[0]
+    assert completions == [] and reached, "the queue woke before the watched fence ran"
+    assert at - t0 < 25.0, "woken by the timeout, not by the fence"
+    assert np.isfinite(y.asnumpy()).all()
+
+
+def test_a_completion_queue_with_no_fence_watched_wakes_for_notify_and_pushes():
+    import threading
+    import time
+
+    from prefetchd import _native
+    cq = _native.CompletionQueue()
+    threading.Timer(0.1, cq.notify).start()
+    t0 = time.monotonic()
+    assert cq.wait(10.0) == [] and 0.05 < time.monotonic() - t0 < 5.0
+    stream = _native.Stream("t")
+    try:
+        src, dst = _native.aligned_buffer(4096), _native.aligned_buffer(4096)
+        stream.copy(dst, src, 4096, tag=7, cq=cq)
+        got = cq.wait(10.0)
+        while not got:
+            got = cq.wait(10.0)
+        assert [c.tag for c in got] == [7] and got[0].status == 0
+    finally:
+        stream.close()
