@@ -88,7 +88,7 @@ class HostCache:
         """Droppable replicas, best victim first; with a trace, only those used again
         later than the incoming tensor would be. With a spread (`kept`), every replica
         outside it goes first, whenever it is used."""
-        candidates = [r for r in self.registry if _droppable(r)]
+        candidates = list(self.registry.droppable_host)
         outside = []
         if kept is not None:
             outside = self.policy.rank([r for r in candidates if r.name not in kept])
@@ -108,9 +108,3 @@ class HostCache:
         rec.host_lent = False
         self.stats.host_drops += 1
 
-
-def _droppable(rec):
-    """A host replica that is only a cache (the remote copy is the truth) and idle. (Plain
-    fields, not rec.host_cached: _victims asks it of every tensor on each admission that
-    needs room.)"""
-    return rec.host_block is not None and rec.host_valid and rec.remote_valid and not rec.reading_host

@@ -4,8 +4,11 @@ Adding a policy is one class here (or in a file of its own) decorated with
 `@register("name")`; `Config.policy` picks it by name.
 """
 import bisect
+import operator
 
 POLICIES = {}
+
+_last_use = operator.attrgetter("last_use")   # a C key: the host cache sorts every cached replica
 
 
 def register(name):
@@ -67,7 +70,7 @@ class LruPolicy(Policy):
     """Least recently used first (records carry `last_use`, a monotonic tick)."""
 
     def rank(self, candidates):
-        return sorted(candidates, key=lambda r: r.last_use)
+        return sorted(candidates, key=_last_use)
 
 
 @register("belady")
@@ -144,7 +147,7 @@ class BeladyPolicy(Policy):
 
     def rank(self, candidates):
         if not self._traces:
-            return sorted(candidates, key=lambda r: r.last_use)
+            return sorted(candidates, key=_last_use)
         return sorted(candidates, key=lambda r: (-self.distance(r.name), r.last_use))
 
     def rank_beyond(self, candidates, limit):

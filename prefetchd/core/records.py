@@ -105,7 +105,7 @@ class ManagedTensor:
 
 
 class RecordIndex:
-    """The records in two states the scheduler asks about on every load, kept up to date
+    """The records in the states the scheduler asks about on every load, kept up to date
     as the records change (the fields in INDEXED assign through it), so that asking
     costs O(records in that state), not O(tensors): with thousands of tensors a scan
     per load made a pass quadratic.
@@ -113,19 +113,29 @@ class RecordIndex:
         pinned      pins > 0: the device memory's pinned bytes (every reservation)
         host_only   a host replica and no remote one: room the host cache cannot use
                     (every admission)
+        droppable_host  a valid host replica of a tensor whose remote copy is valid too,
+                    no load reading it: what the host cache may drop now (every admission
+                    that needs room). A dict in the order they became droppable, so that
+                    victims the policy ranks equal come out in the same order every run.
     """
 
     def __init__(self):
         self.pinned = set()
         self.host_only = set()
+        self.droppable_host = {}
 
     def update(self, rec):
         _place(self.pinned, rec, rec.pins > 0)
         _place(self.host_only, rec, rec.host_block is not None and not rec.remote_valid)
+        if rec.host_block is not None and rec.host_valid and rec.remote_valid and not rec.reading_host:
+            self.droppable_host.setdefault(rec)
+        else:
+            self.droppable_host.pop(rec, None)
 
     def discard(self, rec):
         self.pinned.discard(rec)
         self.host_only.discard(rec)
+        self.droppable_host.pop(rec, None)
 
 
 def _place(members, rec, member):
@@ -151,7 +161,7 @@ class _Indexed:
             index.update(rec)
 
 
-INDEXED = ("pins", "host_block", "remote_valid")
+INDEXED = ("pins", "host_block", "host_valid", "remote_valid", "reading_host")
 for _name in INDEXED:
     _field = _Indexed()
     _field.__set_name__(ManagedTensor, _name)

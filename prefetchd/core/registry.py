@@ -36,7 +36,7 @@ class Registry:
         self._daemon_name = daemon_name
         self.records = {}          # name -> ManagedTensor
         self._targets = {}         # id(framework tensor) -> name
-        self.index = RecordIndex()   # pinned and host-only records, kept by the records
+        self.index = RecordIndex()   # pinned, host-only and droppable host records, kept by the records
 
     def add(self, rec):
         if rec.name in self.records:
@@ -69,6 +69,11 @@ class Registry:
     def host_only(self):
         """The registered records with a host replica and no remote one."""
         return self.index.host_only
+
+    @property
+    def droppable_host(self):
+        """The registered records whose host replica the host cache may drop now (RecordIndex)."""
+        return self.index.droppable_host
 
     def name_of(self, tensor):
         """The name a framework tensor is registered under, or None."""

@@ -84,6 +84,9 @@ class Core:
         assert self.registry.pinned == {r for r in self.registry if r.pins}
         assert self.registry.host_only == {r for r in self.registry
                                            if r.host_block is not None and not r.remote_valid}
+        assert set(self.registry.droppable_host) == {r for r in self.registry if r.host_block is not None
+                                                     and r.host_valid and r.remote_valid
+                                                     and not r.reading_host}
 
 
 def test_prefetch_loads_and_pin_holds_until_unpinned():
@@ -346,7 +349,7 @@ def test_an_evict_that_meets_a_pin_on_arrival_drops_the_tensor_once_not_on_its_n
     assert again.result(0) is None and a.state is State.RESIDENT
 
 
-def test_the_registry_indexes_pinned_and_host_only_records_through_every_change():
+def test_the_registry_indexes_pinned_host_only_and_droppable_host_records_through_every_change():
     c = Core(host=64 * KiB)
     a, b = c.tensor("a"), c.tensor("b")
     a.pins += 1
@@ -356,10 +359,16 @@ def test_the_registry_indexes_pinned_and_host_only_records_through_every_change(
     assert c.registry.pinned == {a}
     a.pins -= 1
     assert c.registry.pinned == set()
-    b.host_block = object()                       # a cached host replica: remote_valid still
-    assert c.registry.host_only == set()
+    b.host_block = object()                       # a host block, not filled yet: remote_valid still
+    assert c.registry.host_only == set() and not c.registry.droppable_host
+    b.host_valid = True                           # filled: a droppable cache of the remote copy
+    assert list(c.registry.droppable_host) == [b]
+    b.reading_host = True                         # a load reads it: not droppable meanwhile
+    assert not c.registry.droppable_host
+    b.reading_host = False
+    assert list(c.registry.droppable_host) == [b]
     b.remote_valid = False                        # its remote copy is gone: host-only now
-    assert c.registry.host_only == {b}
+    assert c.registry.host_only == {b} and not c.registry.droppable_host
     b.host_block = None
     assert c.registry.host_only == set()
     loose = ManagedTensor(name="c", shape=(4,), dtype="uint8", nbytes=4, pins=1, host_block=object())
@@ -367,5 +376,11 @@ def test_the_registry_indexes_pinned_and_host_only_records_through_every_change(
     assert c.registry.pinned == {loose} and c.registry.host_only == {loose}
     c.registry.forget(loose)
     assert c.registry.pinned == set() and c.registry.host_only == set()
+    cached = ManagedTensor(name="d", shape=(4,), dtype="uint8", nbytes=4, host_block=object(),
+                           host_valid=True, remote_valid=True)
+    c.registry.add(cached)
+    assert list(c.registry.droppable_host) == [cached]
+    c.registry.forget(cached)
+    assert not c.registry.droppable_host
     loose.pins = 0                                # forgotten: no longer indexed anywhere
     assert c.registry.pinned == set() and b.pins == 0
