@@ -88,6 +88,9 @@ class HostCache:
         """Droppable replicas, best victim first; with a trace, only those used again
         later than the incoming tensor would be. With a spread (`kept`), every replica
         outside it goes first, whenever it is used."""
+        if kept is None and self.policy.ranks_by_last_use():
+            # LRU: the index keeps that order (a rank would sort every replica per admission)
+            return self.registry.index.by_last_use()
         candidates = list(self.registry.droppable_host)
         outside = []
         if kept is not None:

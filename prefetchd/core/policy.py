@@ -47,6 +47,11 @@ class Policy:
     def rank(self, candidates):
         raise NotImplementedError
 
+    def ranks_by_last_use(self):
+        """True while `rank` is least recently used first and nothing else (then a caller
+        may walk an index kept in that order instead of ranking every candidate)."""
+        return False
+
     def rank_beyond(self, candidates, limit):
         """`rank`, keeping only the candidates next used more than `limit` steps from now."""
         return [r for r in self.rank(candidates) if self.distance(r.name) > limit]
@@ -71,6 +76,9 @@ class LruPolicy(Policy):
 
     def rank(self, candidates):
         return sorted(candidates, key=_last_use)
+
+    def ranks_by_last_use(self):
+        return True
 
 
 @register("belady")
@@ -144,6 +152,9 @@ class BeladyPolicy(Policy):
         i = bisect.bisect_left(positions, position)
         k = i + 1
         return positions[k % n] + (k // n) * length - position
+
+    def ranks_by_last_use(self):
+        return not self._traces
 
     def rank(self, candidates):
         if not self._traces:

@@ -14,6 +14,8 @@ combinations that matter have names (`describe()["substate"]`):
     STORING  + evict_after_store    a write-back on the way to an eviction
 """
 import enum
+import heapq
+import itertools
 from dataclasses import dataclass, field
 
 
@@ -116,26 +118,62 @@ class RecordIndex:
         droppable_host  a valid host replica of a tensor whose remote copy is valid too,
                     no load reading it: what the host cache may drop now (every admission
                     that needs room). A dict in the order they became droppable, so that
-                    victims the policy ranks equal come out in the same order every run.
+                    victims the policy ranks equal come out in the same order every run;
+                    by_last_use() walks them least recently used first.
     """
 
     def __init__(self):
         self.pinned = set()
         self.host_only = set()
-        self.droppable_host = {}
+        self.droppable_host = {}   # rec -> (seq, last_use) of its entry in _by_use
+        self._by_use = []          # heap of (last_use, seq, rec); an entry is live while it
+        self._seq = itertools.count()   # is the one droppable_host names (else stale, skipped)
 
     def update(self, rec):
         _place(self.pinned, rec, rec.pins > 0)
         _place(self.host_only, rec, rec.host_block is not None and not rec.remote_valid)
         if rec.host_block is not None and rec.host_valid and rec.remote_valid and not rec.reading_host:
-            self.droppable_host.setdefault(rec)
+            entry = self.droppable_host.get(rec)
+            if entry is None or entry[1] != rec.last_use:
+                self._push(rec)
         else:
             self.droppable_host.pop(rec, None)
+
+    def used(self, rec):
+        """rec.last_use moved (every prefetch hit): only its place in by_last_use can change."""
+        entry = self.droppable_host.get(rec)
+        if entry is not None and entry[1] != rec.last_use:
+            self._push(rec)
 
     def discard(self, rec):
         self.pinned.discard(rec)
         self.host_only.discard(rec)
         self.droppable_host.pop(rec, None)
+
+    def by_last_use(self):
+        """The droppable host replicas, least recently used first (ties: the order they were
+        indexed), lazily: O(log n) each, not a sort of all of them. The caller may drop the
+        ones it takes meanwhile; the rest stay indexed as they were."""
+        taken = []
+        try:
+            while self._by_use:
+                entry = heapq.heappop(self._by_use)
+                last_use, seq, rec = entry
+                if self.droppable_host.get(rec, (None,))[0] != seq:
+                    continue                      # stale: dropped, used again, or re-indexed
+                taken.append(entry)
+                yield rec
+        finally:
+            for entry in taken:                   # a dropped one's entry is stale from now on
+                heapq.heappush(self._by_use, entry)
+
+    def _push(self, rec):
+        seq = next(self._seq)
+        self.droppable_host[rec] = (seq, rec.last_use)   # its older entry is stale now
+        heapq.heappush(self._by_use, (rec.last_use, seq, rec))
+        if len(self._by_use) > 2 * len(self.droppable_host) + 64:    # mostly stale: rebuild
+            self._by_use = [(last_use, seq, r) for r, (seq, last_use) in self.droppable_host.items()]
+            heapq.heapify(self._by_use)
 
 
 def _place(members, rec, member):
@@ -151,6 +189,9 @@ class _Indexed:
     other field, so only writes pay for the index (the scheduler reads these fields in
     its scans far more often than it writes them)."""
 
+    def __init__(self, on_change="update"):
+        self.on_change = on_change   # the RecordIndex method told of a new value
+
     def __set_name__(self, owner, name):
         self.name = name
 
@@ -158,11 +199,12 @@ class _Indexed:
         rec.__dict__[self.name] = value
         index = rec.__dict__.get("index")
         if index is not None:
-            index.update(rec)
+            getattr(index, self.on_change)(rec)
 
 
-INDEXED = ("pins", "host_block", "host_valid", "remote_valid", "reading_host")
-for _name in INDEXED:
-    _field = _Indexed()
+INDEXED = {"pins": "update", "host_block": "update", "host_valid": "update", "remote_valid": "update",
+           "reading_host": "update", "last_use": "used"}
+for _name, _on_change in INDEXED.items():
+    _field = _Indexed(_on_change)
     _field.__set_name__(ManagedTensor, _name)
     setattr(ManagedTensor, _name, _field)

@@ -87,6 +87,9 @@ class Core:
         assert set(self.registry.droppable_host) == {r for r in self.registry if r.host_block is not None
                                                      and r.host_valid and r.remote_valid
                                                      and not r.reading_host}
+        lru = list(self.registry.index.by_last_use())
+        assert set(lru) == set(self.registry.droppable_host) and len(lru) == len(set(lru))
+        assert [r.last_use for r in lru] == sorted(r.last_use for r in lru)
 
 
 def test_prefetch_loads_and_pin_holds_until_unpinned():
@@ -384,3 +387,26 @@ def test_the_registry_indexes_pinned_host_only_and_droppable_host_records_throug
     assert not c.registry.droppable_host
     loose.pins = 0                                # forgotten: no longer indexed anywhere
     assert c.registry.pinned == set() and b.pins == 0
+
+
+def test_the_droppable_host_replicas_come_least_recently_used_first_without_a_sort():
+    c = Core(host=64 * KiB)
+    recs = [c.tensor(f"t{i}") for i in range(6)]
+    for i, r in enumerate(recs):
+        r.last_use = 10 + i
+        r.host_block, r.host_valid = object(), True
+    index = c.registry.index
+    assert list(index.by_last_use()) == recs
+    recs[0].last_use = 99                  # used again: now the most recent
+    recs[3].reading_host = True            # being read: not droppable meanwhile
+    walk = index.by_last_use()
+    assert [next(walk), next(walk)] == [recs[1], recs[2]]
+    recs[1].host_block = None              # dropped while the walk is under way
+    walk.close()                           # what was taken and not dropped stays indexed
+    assert list(index.by_last_use()) == [recs[2], recs[4], recs[5], recs[0]]
+    recs[3].reading_host = False
+    assert list(index.by_last_use()) == [recs[2], recs[3], recs[4], recs[5], recs[0]]
+    for _ in range(200):                   # many uses leave stale entries; the heap stays bounded
+        recs[5].last_use += 1
+    assert len(index._by_use) <= 2 * len(index.droppable_host) + 64
+    assert list(index.by_last_use())[-1] is recs[5]
