@@ -8,7 +8,7 @@ import operator
 
 POLICIES = {}
 
-_last_use = operator.attrgetter("last_use")   # a C key: the host cache sorts every cached replica
+_last_use = operator.attrgetter("last_use")   # a C key for the LRU sorts
 
 
 def register(name):

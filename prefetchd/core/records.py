@@ -154,14 +154,15 @@ class RecordIndex:
         """The droppable host replicas, least recently used first (ties: the order they were
         indexed), lazily: O(log n) each, not a sort of all of them. The caller may drop the
         ones it takes meanwhile; the rest stay indexed as they were."""
-        taken = []
+        taken, seen = [], set()
         try:
             while self._by_use:
                 entry = heapq.heappop(self._by_use)
                 last_use, seq, rec = entry
-                if self.droppable_host.get(rec, (None,))[0] != seq:
-                    continue                      # stale: dropped, used again, or re-indexed
+                if self.droppable_host.get(rec, (None,))[0] != seq or rec in seen:
+                    continue   # stale (dropped, used again, re-indexed), or a rebuild's copy
                 taken.append(entry)
+                seen.add(rec)
                 yield rec
         finally:
             for entry in taken:                   # a dropped one's entry is stale from now on

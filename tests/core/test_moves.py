@@ -410,3 +410,10 @@ def test_the_droppable_host_replicas_come_least_recently_used_first_without_a_so
         recs[5].last_use += 1
     assert len(index._by_use) <= 2 * len(index.droppable_host) + 64
     assert list(index.by_last_use())[-1] is recs[5]
+    walk = index.by_last_use()
+    first = next(walk)                     # taken out of the heap while the walk is suspended
+    for _ in range(200):                   # ... and a rebuild meanwhile indexes it again
+        recs[4].last_use += 1
+    walk.close()
+    again = list(index.by_last_use())
+    assert again[0] is first and len(again) == len(set(again)) == 5
