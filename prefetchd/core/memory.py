@@ -156,7 +156,8 @@ class DeviceMemory:
         free as soon as the fence word reaches it. If memory is needed
         (`condition()`) and the epoch is not there yet, the scheduler does not
         block: the fence kernel wakes its wait for completions when it is
-        (backend.wake_at_fence), and the reservation waits meanwhile. Blocks with no epoch need a whole-queue fence, taken with
+        (backend.wake_at_fence), and the reservation waits meanwhile. Blocks
+        with no epoch need a whole-queue fence, taken with
         the lock released so the compute thread keeps submitting (only the
         scheduler thread changes residency, so the blocks taken are exactly
         the ones the fence covers).

@@ -133,8 +133,9 @@ class RecordIndex:
         _place(self.pinned, rec, rec.pins > 0)
         _place(self.host_only, rec, rec.host_block is not None and not rec.remote_valid)
         if rec.host_block is not None and rec.host_valid and rec.remote_valid and not rec.reading_host:
-            entry = self.droppable_host.get(rec)
-            if entry is None or entry[1] != rec.last_use:
+            if rec in self.droppable_host:
+                self.used(rec)           # already indexed: at most its last use moved
+            else:
                 self._push(rec)
         else:
             self.droppable_host.pop(rec, None)
@@ -190,8 +191,8 @@ class _Indexed:
     other field, so only writes pay for the index (the scheduler reads these fields in
     its scans far more often than it writes them)."""
 
-    def __init__(self, on_change="update"):
-        self.on_change = on_change   # the RecordIndex method told of a new value
+    def __init__(self, on_change):
+        self.on_change = on_change   # the RecordIndex method told of a new value: fn(index, rec)
 
     def __set_name__(self, owner, name):
         self.name = name
@@ -200,11 +201,12 @@ class _Indexed:
         rec.__dict__[self.name] = value
         index = rec.__dict__.get("index")
         if index is not None:
-            getattr(index, self.on_change)(rec)
+            self.on_change(index, rec)
 
 
-INDEXED = {"pins": "update", "host_block": "update", "host_valid": "update", "remote_valid": "update",
-           "reading_host": "update", "last_use": "used"}
+INDEXED = {"pins": RecordIndex.update, "host_block": RecordIndex.update, "host_valid": RecordIndex.update,
+           "remote_valid": RecordIndex.update, "reading_host": RecordIndex.update,
+           "last_use": RecordIndex.used}   # every prefetch hit moves last_use: the narrow method
 for _name, _on_change in INDEXED.items():
     _field = _Indexed(_on_change)
     _field.__set_name__(ManagedTensor, _name)
