@@ -106,7 +106,33 @@ def _peer_of(fd):
         sock.detach()             # the descriptor stays libzmq's
 
 
-def _shut_down(fd):
+def _connection_id(fd):
+    """The inode of the connected socket `fd` is now, None if it is no such socket.
+
+    The guard learns descriptor numbers from monitor events, which may be stale: the
+    connection may be closed already and its number reused, by another connection or
+    by a listener that a resume bound again. shutdown(2) of a listening socket made
+    libzmq's next accept fail with EINVAL, which it asserts on (`Invalid argument
+    (src/tcp_listener.cpp:196)`, SIGABRT: the daemon gone). An inode names one socket
+    for as long as it is open, so the guard shuts down only the one it saw accepted."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return None
+        return os.fstat(fd).st_ino
+    except OSError:
+        return None
+    finally:
+        sock.detach()             # the descriptor stays libzmq's
+
+
+def _shut_down(fd, connection_id):
+    """Shut down `fd` if it is still the connection `connection_id` names (else leave it)."""
+    if connection_id is None or _connection_id(fd) != connection_id:
+        return False
     try:
         sock = socket.socket(fileno=fd)
     except OSError:
@@ -140,6 +166,7 @@ class ConnectionGuard:
         self._handshakes = Handshakes(max(4, min(DEFAULT_HANDSHAKE_BUDGET, self.admit_line // 4)))
         self._doomed = set()             # fds shut down, their DISCONNECTED not seen yet
         self._accepted = []              # (fd, handshake threshold) accepted since the last settle()
+        self._ids = {}                   # fd -> its connection's id when accepted (_connection_id)
         self.dropped = 0
         self.dropped_in_handshake = 0    # of those: pushed out before their handshake was through
         self.paused = False
@@ -178,6 +205,7 @@ class ConnectionGuard:
         event, fd = struct.unpack("=hi", frames[0])
         if event == zmq.EVENT_ACCEPTED:
             self._gone(fd)               # the number is reused: its last connection is closed
+            self._ids[fd] = _connection_id(fd)
             self._accepted.append((fd, through))
         elif event == zmq.EVENT_DISCONNECTED:
             self._gone(fd)
@@ -186,6 +214,7 @@ class ConnectionGuard:
         self._accepted = [item for item in self._accepted if item[0] != fd]
         self._handshakes.discard(fd)
         self._doomed.discard(fd)
+        self._ids.pop(fd, None)
         key = self._live.pop(fd, None)
         if key is not None:
             self._per_peer[key] -= 1
@@ -229,7 +258,7 @@ class ConnectionGuard:
         self._per_peer[key] += 1
 
     def _drop(self, fd):
-        if _shut_down(fd):
+        if _shut_down(fd, self._ids.get(fd)):
             self._doomed.add(fd)
             self.dropped += 1
             return 1

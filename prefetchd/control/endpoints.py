@@ -10,12 +10,17 @@ The runtime dir is $XDG_RUNTIME_DIR/prefetchd, else /tmp/prefetchd-<uid>, 0700.
 """
 import ipaddress
 import os
+import random
 import socket
 import stat
+
+import zmq
 
 from ..errors import ConfigError
 
 IPC_PATH_MAX = 107          # sun_path is 108 bytes with the terminating NUL
+PICKED_PORT_TRIES = 64      # random ports outside the ephemeral range tried before the kernel picks
+LOWEST_PICKED_PORT = 10000
 
 
 def ensure_private_dir(path):
@@ -139,7 +144,7 @@ def bind(sock, address):
     under umask 0177 (no chmod race), and a path a live server listens on is refused.
     """
     if not address.startswith("ipc://"):
-        sock.bind(address)
+        _bind_tcp(sock, address)
         return None
     path = address[len("ipc://"):]
     parent = os.path.dirname(os.path.abspath(path))
@@ -165,6 +170,42 @@ def bind(sock, address):
     finally:
         os.umask(old)
     return path, os.stat(path).st_ino
+
+
+def _bind_tcp(sock, address):
+    """Bind a tcp endpoint; a port left to us (`:0` or `:*`) is picked outside the
+    kernel's ephemeral range.
+
+    The connection guard stops listening while descriptors are short and binds the
+    same port again later (prefetchd.control.listening). A port from the ephemeral
+    range can meanwhile become the source port of any outgoing connection on the
+    machine, a connect to the unbound port itself included (TCP connects a socket to
+    itself when source and destination match): the port then stays taken for as
+    long as that connection lives, and the server cannot listen again. Source ports
+    are only ever picked from the ephemeral range, so a port outside it comes back."""
+    host, _, port = address.rpartition(":")
+    if port not in ("0", "*"):
+        sock.bind(address)
+        return
+    for port in _ports_outside_ephemeral(PICKED_PORT_TRIES):
+        try:
+            sock.bind(f"{host}:{port}")
+            return
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE:
+                raise
+    sock.bind(address)          # every try taken (or no such range): the kernel's pick
+
+
+def _ports_outside_ephemeral(n):
+    """Up to `n` random ports >= LOWEST_PICKED_PORT outside ip_local_port_range."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+    except (OSError, ValueError):
+        return []
+    ports = [p for p in range(LOWEST_PICKED_PORT, 65536) if not low <= p <= high]
+    return random.sample(ports, min(n, len(ports)))
 
 
 def unlink_ipc_files(files):

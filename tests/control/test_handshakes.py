@@ -1,0 +1,150 @@
+"""The handshake pool (prefetchd/control/handshakes.py) on real loopback TCP connections:
+who is pushed out when a new connection arrives at a full pool.
+
+The server side here never answers (like libzmq's I/O thread busy with a flood), so
+only what the peers sent tells the silent ones from the ones that spoke."""
+import socket
+import time
+
+import pytest
+
+from prefetchd.control.handshakes import GREETING, STALLED, Handshakes, silent, tcp_counts
+
+
+@pytest.fixture
+def pairs():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    made = []
+
+    def connect(send=b""):
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+        made.extend((client, server))
+        if send:
+            client.sendall(send)
+            deadline = time.monotonic() + 5
+            while tcp_counts(server.fileno())[1] < len(send) and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return server.fileno()
+    yield connect
+    for s in made:
+        s.close()
+    listener.close()
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_kernel_counts_what_the_peer_sent(pairs):
+    quiet, spoke = pairs(), pairs(b"g" * GREETING)
+    assert tcp_counts(quiet) == (0, 0) and silent(quiet)
+    assert tcp_counts(spoke) == (0, GREETING) and not silent(spoke)
+
+
+def test_a_new_connection_pushes_out_a_silent_one_not_an_older_one_that_spoke(pairs):
+    pool = Handshakes(2, clock=Clock())
+    client = pairs(b"g" * GREETING)            # its greeting is in, not answered yet
+    flood = pairs()
+    assert pool.add(client, "addr", 999) == []
+    assert pool.add(flood, "addr", 999) == []
+    newer = pairs()
+    assert pool.add(newer, "addr", 999) == [flood]
+    assert client in pool and newer in pool and flood not in pool
+
+
+def test_a_full_pool_of_peers_mid_handshake_refuses_the_new_one_until_one_stalls(pairs):
+    clock = Clock()
+    pool = Handshakes(2, clock=clock)
+    first, second = pairs(b"g"), pairs(b"g")
+    pool.add(first, "addr", 999)
+    clock.now = 0.5
+    pool.add(second, "addr", 999)
+    late = pairs()
+    assert pool.add(late, "addr", 999) == [late]          # nobody silent, nobody stalled
+    clock.now = STALLED                                   # the first has stalled
+    assert pool.add(late, "addr", 999) == [first]
+    assert list(pool._fds) == [second, late]
+
+
+def test_through_takes_the_ones_the_server_answered_past_their_threshold(pairs):
+    pool = Handshakes(4, clock=Clock())
+    waiting = pairs(b"g" * GREETING)
+    answered = pairs(b"g" * GREETING)
+    pool.add(waiting, "a", GREETING + 1)
+    pool.add(answered, "b", GREETING + 1)
+    peer = socket.socket(fileno=answered)
+    try:
+        peer.sendall(b"r" * (GREETING + 1))               # the server's side answers
+    finally:
+        peer.detach()
+    deadline = time.monotonic() + 5
+    while tcp_counts(answered)[0] < GREETING + 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert pool.through() == [(answered, "b")]
+    assert waiting in pool and answered not in pool
+
+
+# ---------------------------------------------------------------- stale descriptor numbers
+def _accepted_event(fd):
+    import struct
+    import zmq
+    return [struct.pack("=hi", zmq.EVENT_ACCEPTED, fd), b"tcp://127.0.0.1:0"]
+
+
+def test_the_guard_never_shuts_down_a_listener_that_reuses_a_dropped_connections_number(pairs):
+    """The number of a connection the guard saw accepted, closed before the guard dropped
+    it and taken by a listener (a resume binds again): shutting that down made libzmq's
+    next accept fail with EINVAL and abort the daemon."""
+    import os
+    from prefetchd.control.connections import ConnectionGuard
+    guard = ConnectionGuard(raise_limit=False)
+    number = pairs()
+    guard.on_monitor(_accepted_event(number))
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    os.dup2(listener.fileno(), number)           # the connection closed, the number reused
+    listener.close()
+    assert guard._drop(number) == 0
+    reused = socket.socket(fileno=os.dup(number))
+    try:
+        reused.settimeout(5)
+        with socket.create_connection(reused.getsockname()):
+            conn, _ = reused.accept()            # still listening
+            conn.close()
+    finally:
+        reused.close()
+
+
+def test_the_guard_shuts_down_only_the_connection_it_saw_accepted(pairs):
+    import os
+    from prefetchd.control.connections import ConnectionGuard
+    guard = ConnectionGuard(raise_limit=False)
+    seen, other = pairs(b"x"), pairs(b"y")
+    guard.on_monitor(_accepted_event(seen))
+    keep = os.dup(seen)
+    os.dup2(other, seen)                         # `seen` closed, its number now another connection
+    try:
+        assert guard._drop(seen) == 0
+        peer = socket.socket(fileno=os.dup(seen))
+        try:
+            peer.sendall(b"still open")          # not shut down
+        finally:
+            peer.close()
+        os.dup2(keep, seen)                      # the connection the guard saw, back at its number
+        assert guard._drop(seen) == 1
+        peer = socket.socket(fileno=os.dup(seen))
+        try:
+            with pytest.raises(OSError):
+                peer.sendall(b"shut down")
+        finally:
+            peer.close()
+    finally:
+        os.close(keep)
