@@ -18,8 +18,10 @@ libzmq then closes it and frees the descriptor) every accepted connection beyond
 
 When the descriptors in use come within `fd_reserve` of the soft limit anyway (a
 burst accepted faster than the guard drops it), the guard stops the listeners
-(unbinds them; connected peers stay) until the descriptors in use are back at
-the admit line. A burst of more than `fd_reserve` connections accepted before
+until the descriptors in use are back at the admit line: a tcp listener by a gate
+that drops new connections' SYNs (prefetchd.control.syn_gate; connected peers are
+served on), an ipc one by an unbind (which discards its connected peers' pipes:
+their requests go unanswered and their clients time out). A burst of more than `fd_reserve` connections accepted before
 the guard runs could still reach the limit, which is why a server also raises
 the soft RLIMIT_NOFILE to the hard one (`raise_fd_limit`). At the default reserve
 of 64 and a limit of 1024: admitted up to 896 descriptors, listeners stopped above 960.
@@ -28,9 +30,11 @@ libzmq itself after `handshake_ivl` (socket options in `configure`); before that
 tcp connection counts against no peer's budget: it waits among at most
 `handshake_budget` others still in their handshake, the oldest pushed out by a new
 one (prefetchd.control.handshakes), so peers without an authorized CURVE key cannot
-crowd out the authorized clients from the same address.
+crowd out the authorized clients from the same address. A connection through its
+handshake goes before the ones still in theirs: they give their descriptors up for it.
 """
 import collections
+import errno
 import itertools
 import logging
 import os
@@ -40,6 +44,7 @@ import struct
 
 import zmq
 
+from . import syn_gate
 from .handshakes import THROUGH_CURVE, THROUGH_NULL, Handshakes
 
 log = logging.getLogger("prefetchd.control.connections")
@@ -58,10 +63,14 @@ _MONITORS = itertools.count()
 
 
 def open_descriptors():
-    """Descriptors open in this process now."""
+    """Descriptors open in this process now: the soft limit when the table is too full
+    to list it (listing takes a descriptor; it said 0 there, and the guard let a full
+    table go on accepting), 0 without /proc."""
     try:
         return len(os.listdir("/proc/self/fd"))
-    except OSError:
+    except OSError as e:
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         return 0
 
 
@@ -146,6 +155,26 @@ def _shut_down(fd, connection_id):
         sock.detach()
 
 
+class Gates:
+    """The guard's pause for tcp endpoints (prefetchd.control.syn_gate), by endpoint: the
+    listeners it saw bound (monitor LISTENING events carry the listener's descriptor)."""
+
+    def __init__(self):
+        self._listeners = {}             # endpoint -> (fd, its listener id when seen)
+
+    def saw(self, endpoint, fd):
+        self._listeners[endpoint] = (fd, syn_gate.listener_id(fd))
+
+    def close(self, endpoint):
+        fd, ident = self._listeners.get(endpoint, (None, None))
+        return fd is not None and syn_gate.close(fd, ident)
+
+    def open(self, endpoint):
+        fd, ident = self._listeners.get(endpoint, (None, None))
+        if fd is None or not syn_gate.open_(fd, ident):
+            log.warning("prefetchd server: the gate of %s was gone when it was to open", endpoint)
+
+
 class ConnectionGuard:
     """Watches a server's sockets; runs on its I/O thread (see the module docstring)."""
 
@@ -170,6 +199,7 @@ class ConnectionGuard:
         self.dropped = 0
         self.dropped_in_handshake = 0    # of those: pushed out before their handshake was through
         self.paused = False
+        self.gates = Gates()
 
     @property
     def held(self):
@@ -187,7 +217,7 @@ class ConnectionGuard:
         # drops monitor events beyond it. Under a flood a lost DISCONNECTED left a dropped
         # connection "doomed" for good, and the listeners paused for good with it.
         address = f"inproc://prefetchd-monitor-{next(_MONITORS)}"
-        sock.monitor(address, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        sock.monitor(address, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_LISTENING)
         mon = sock.context.socket(zmq.PAIR)
         mon.rcvhwm = 0                   # no limit: the I/O loop drains it at every poll
         mon.linger = 0
@@ -209,6 +239,8 @@ class ConnectionGuard:
             self._accepted.append((fd, through))
         elif event == zmq.EVENT_DISCONNECTED:
             self._gone(fd)
+        elif event == zmq.EVENT_LISTENING:
+            self.gates.saw(frames[1].decode(errors="replace"), fd)
 
     def _gone(self, fd):
         self._accepted = [item for item in self._accepted if item[0] != fd]
@@ -228,8 +260,6 @@ class ConnectionGuard:
         through = self._handshakes.through()
         if self._accepted or through:
             in_use = open_descriptors()
-            for fd, key in through:
-                self._admit(fd, key, in_use)
             accepted, self._accepted = self._accepted, []
             for fd, threshold in accepted:
                 key = _peer_of(fd)
@@ -240,18 +270,30 @@ class ConnectionGuard:
                         self.dropped_in_handshake += self._drop(old)
                     continue
                 self._admit(fd, key, in_use)
+            for fd, key in through:
+                self._admit(fd, key, in_use, through_handshake=True)
             in_use = open_descriptors()
             if not self.paused and in_use > self.pause_line:
                 self._set_paused(True, in_use)
         if self.paused and open_descriptors() <= self.admit_line:     # (the descriptors themselves)
             self._set_paused(False, None)
 
-    def _admit(self, fd, key, in_use):
+    def _admit(self, fd, key, in_use, through_handshake=False):
         """Let `fd` in, or drop it if it is beyond a budget (see the module docstring)."""
+        if len(self._live) >= self.max_connections or self._per_peer[key] >= self.per_peer_budget:
+            self._drop(fd)
+            return
         # Descriptors already shut down leave as soon as libzmq sees it: a flood's churn
-        # of them must not turn away a client whose handshake is through.
-        if (len(self._live) >= self.max_connections or in_use - len(self._doomed) > self.admit_line
-                or self._per_peer[key] >= self.per_peer_budget):
+        # of them must not turn away a client whose handshake is through. Nor may the
+        # connections still in their handshake: a client through it (for CURVE, its key
+        # passed ZAP) goes first, and they give their descriptors up for it. Dropped
+        # instead, it had sent its first request already, which was lost with it.
+        while through_handshake and in_use - len(self._doomed) > self.admit_line:
+            victim = self._handshakes.pop_victim()
+            if victim is None:
+                break
+            self.dropped_in_handshake += self._drop(victim)
+        if in_use - len(self._doomed) > self.admit_line:
             self._drop(fd)
             return
         self._live[fd] = key

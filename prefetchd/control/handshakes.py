@@ -126,6 +126,16 @@ class Handshakes:
                 stalled = fd
         return stalled
 
+    def pop_victim(self):
+        """The connection `add` would push out first, else the oldest, no longer held; None
+        when none is held. For a client through its handshake that needs a descriptor."""
+        victim = self._victim()
+        if victim is None and self._fds:
+            victim = next(iter(self._fds))
+        if victim is not None:
+            del self._fds[victim]
+        return victim
+
     def discard(self, fd):
         self._fds.pop(fd, None)
 

@@ -1,5 +1,10 @@
 """A server's pause and resume of its listening endpoints, for the connection guard.
 
+A tcp endpoint whose listener the guard knows is paused by a gate on the listening
+socket (prefetchd.control.syn_gate): no new connection completes, and the connected
+peers are served on. Unbinding would discard their pipes (their requests read and
+dropped, unanswered), so only an endpoint the gate cannot cover (ipc) is unbound.
+
 While an endpoint is unbound, any outgoing connection on this machine may be given
 its port as a source port (an auto-picked port is in the ephemeral range); binding
 it again then fails with EADDRINUSE until that connection closes. So a resume
@@ -17,12 +22,14 @@ RELISTEN_INTERVAL = 0.1       # seconds between binds of an endpoint whose port 
 
 
 class Listening:
-    """`endpoints()` -> [(socket, endpoint)]; `bind(socket, endpoint)` binds one.
-    Owned by the server's I/O thread."""
+    """`endpoints()` -> [(socket, endpoint)]; `bind(socket, endpoint)` binds one;
+    `gates` (optional): `close(endpoint)` -> True if it stopped new connections there
+    without an unbind, `open(endpoint)` undoes that. Owned by the server's I/O thread."""
 
-    def __init__(self, bind, endpoints):
-        self._bind, self._endpoints = bind, endpoints
+    def __init__(self, bind, endpoints, gates=None):
+        self._bind, self._endpoints, self._gates = bind, endpoints, gates
         self._unbound = []          # (socket, endpoint) a resume could not bind yet
+        self._gated = []            # endpoints paused by their gate
         self.retry_at = None        # monotonic time of the next bind attempt, or None
 
     def stop(self):
@@ -30,7 +37,10 @@ class Listening:
         waiting = {id(sock) for sock, _ in self._unbound}
         self._unbound, self.retry_at = [], None     # the resume binds every endpoint again
         for sock, endpoint in self._endpoints():
-            if id(sock) in waiting:
+            if id(sock) in waiting or endpoint in self._gated:
+                continue
+            if self._gates is not None and self._gates.close(endpoint):
+                self._gated.append(endpoint)
                 continue
             try:
                 sock.unbind(endpoint)
@@ -38,7 +48,12 @@ class Listening:
                 log.warning("prefetchd server: could not stop listening on %s: %s", endpoint, e)
 
     def resume(self):
-        self._unbound = list(self._endpoints())
+        gated, self._gated = self._gated, []
+        for endpoint in gated:
+            self._gates.open(endpoint)
+        if gated:
+            log.info("prefetchd server: accepting connections again on %s", ", ".join(gated))
+        self._unbound = [(sock, endpoint) for sock, endpoint in self._endpoints() if endpoint not in gated]
         self._bind_unbound()
 
     def tick(self):
@@ -57,5 +72,5 @@ class Listening:
                 failed.append((sock, endpoint))
         self._unbound = failed
         self.retry_at = time.monotonic() + RELISTEN_INTERVAL if failed else None
-        if not failed:
+        if not failed and endpoints:
             log.info("prefetchd server: accepting connections again on %s", ", ".join(endpoints))

@@ -94,10 +94,12 @@ class Server(RouterEndpoint):
         self.max_wait = max_wait
         self.default_lease = default_lease
         self.max_lease = max_lease
-        self.listening = Listening(self._bind, lambda: [(self._router, self.endpoint),
-                                                        (self._pub, self.events_endpoint)])
         self.connections = ConnectionGuard(max_connections, max_connections_per_peer, fd_reserve,
-                                           on_pause=self.listening.stop, on_resume=self.listening.resume)
+                                           on_pause=lambda: self.listening.stop(),
+                                           on_resume=lambda: self.listening.resume())
+        self.listening = Listening(self._bind, lambda: [(self._router, self.endpoint),
+                                                        (self._pub, self.events_endpoint)],
+                                   gates=self.connections.gates)
         self.leases = LeaseTable(daemon.unpin, self.counters)
         self._loop = IOLoop(self, f"prefetchd-server-{self.name}")
         self._auth = None

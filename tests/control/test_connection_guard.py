@@ -1,0 +1,173 @@
+"""The connection guard (prefetchd/control/connections.py) on real sockets: it shuts down
+only the connections it saw accepted, counts a full descriptor table as full, lets a
+client through its handshake go before connections still in theirs, and pauses a tcp
+endpoint without cutting off the clients connected to it."""
+import os
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import zmq
+
+from prefetchd.control.connections import ConnectionGuard
+from prefetchd.control.listening import Listening
+
+
+@pytest.fixture
+def pairs():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    made = []
+
+    def connect(send=b""):
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+        made.extend((client, server))
+        if send:
+            client.sendall(send)
+        return server.fileno()
+    yield connect
+    for s in made:
+        s.close()
+    listener.close()
+
+
+def _event(kind, fd, endpoint=b"tcp://127.0.0.1:0"):
+    return [struct.pack("=hi", kind, fd), endpoint]
+
+
+def _is_open(fd):
+    peer = socket.socket(fileno=os.dup(fd))
+    try:
+        peer.sendall(b"?")
+        return True
+    except OSError:
+        return False
+    finally:
+        peer.close()
+
+
+def test_a_listener_that_reuses_a_dropped_connections_number_is_not_shut_down(pairs):
+    """A connection seen accepted, closed before the guard dropped it, its number taken by
+    a listener (a resume binds again): shutting that down made libzmq's next accept
+    fail with EINVAL and abort the daemon (`Invalid argument (src/tcp_listener.cpp:196)`)."""
+    guard = ConnectionGuard(raise_limit=False)
+    number = pairs()
+    guard.on_monitor(_event(zmq.EVENT_ACCEPTED, number))
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    os.dup2(listener.fileno(), number)           # the connection closed, the number reused
+    listener.close()
+    assert guard._drop(number) == 0
+    reused = socket.socket(fileno=os.dup(number))
+    try:
+        reused.settimeout(5)
+        with socket.create_connection(reused.getsockname()):
+            conn, _ = reused.accept()            # still listening
+            conn.close()
+    finally:
+        reused.close()
+
+
+def test_only_the_connection_seen_accepted_is_shut_down(pairs):
+    guard = ConnectionGuard(raise_limit=False)
+    seen, other = pairs(b"x"), pairs(b"y")
+    guard.on_monitor(_event(zmq.EVENT_ACCEPTED, seen))
+    keep = os.dup(seen)
+    os.dup2(other, seen)                         # `seen` closed, its number now another connection
+    try:
+        assert guard._drop(seen) == 0
+        assert _is_open(seen)
+        os.dup2(keep, seen)                      # the connection the guard saw, back at its number
+        assert guard._drop(seen) == 1
+        assert not _is_open(seen)
+    finally:
+        os.close(keep)
+
+
+FULL_TABLE = textwrap.dedent("""
+    import os, resource
+    from prefetchd.control.connections import open_descriptors
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    held = []
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    print(open_descriptors(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+""")
+
+
+def test_a_full_descriptor_table_counts_as_full():
+    """Listing /proc/self/fd takes a descriptor: with none left it said 0 in use."""
+    out = subprocess.run([sys.executable, "-c", FULL_TABLE], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(
+                             os.path.abspath(__file__))))))
+    assert out.returncode == 0, out.stderr
+    in_use, limit = map(int, out.stdout.split())
+    assert in_use == limit == 64
+
+
+def test_a_client_through_its_handshake_takes_descriptors_from_those_still_in_theirs(pairs):
+    guard = ConnectionGuard(raise_limit=False)
+    waiting = [pairs() for _ in range(3)]        # silent peers in the handshake pool
+    for fd in waiting:
+        guard.on_monitor(_event(zmq.EVENT_ACCEPTED, fd))
+        assert guard._handshakes.add(fd, ("addr", "127.0.0.1"), 999) == []
+    client = pairs(b"hello")
+    guard.on_monitor(_event(zmq.EVENT_ACCEPTED, client))
+    guard._admit(client, ("addr", "127.0.0.1"), guard.admit_line + 2, through_handshake=True)
+    assert client in guard._live
+    assert sum(not _is_open(fd) for fd in waiting) == 2 and len(guard._handshakes) == 1
+    other = pairs(b"ipc-like")                   # not through a handshake: no one gives way
+    guard.on_monitor(_event(zmq.EVENT_ACCEPTED, other))
+    guard._admit(other, ("addr", "127.0.0.2"), guard.admit_line + 10)
+    assert other not in guard._live and not _is_open(other) and len(guard._handshakes) == 1
+
+
+def test_a_paused_tcp_endpoint_serves_its_clients_and_takes_no_new_ones():
+    """Unbinding (the pause before) discarded the connected clients' pipes: their requests
+    were read and dropped. The gate keeps them, and a new client gets in on resume."""
+    ctx = zmq.Context()
+    guard = ConnectionGuard(raise_limit=False)
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    mon = guard.watch(router)
+    router.bind("tcp://127.0.0.1:0")
+    endpoint = router.last_endpoint.decode()
+    listening = Listening(lambda s, e: s.bind(e), lambda: [(router, endpoint)], gates=guard.gates)
+    old, new = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for s in (old, new):
+            s.linger = 0
+        old.connect(endpoint)
+        old.send(b"before")
+        assert router.poll(5000) and router.recv_multipart()[1] == b"before"
+        time.sleep(0.1)
+        guard.settle()                           # the LISTENING event: the gate knows the listener
+        listening.stop()
+        assert listening._gated == [endpoint]
+        old.send(b"during")
+        assert router.poll(5000), "a client connected before the pause was cut off"
+        ident, body = router.recv_multipart()
+        assert body == b"during"
+        router.send_multipart([ident, b"reply"])
+        assert old.poll(5000) and old.recv() == b"reply"
+        new.connect(endpoint)
+        new.send(b"new")
+        assert not router.poll(1500), "a new connection got in while paused"
+        listening.resume()
+        assert router.poll(10000), "the new client did not get in after the resume"
+        assert router.recv_multipart()[1] == b"new"
+    finally:
+        for s in (old, new, router, mon):
+            s.close(linger=0)
+        guard.close()
+        ctx.term()
