@@ -21,8 +21,9 @@ burst accepted faster than the guard drops it), the guard stops the listeners
 until the descriptors in use are back at the admit line: a tcp listener by a gate
 that drops new connections' SYNs (prefetchd.control.syn_gate; connected peers are
 served on), an ipc one by an unbind (which discards its connected peers' pipes:
-their requests go unanswered and their clients time out). A burst of more than `fd_reserve` connections accepted before
-the guard runs could still reach the limit, which is why a server also raises
+their requests go unanswered and their clients time out). A burst of more than
+`fd_reserve` connections accepted before the guard runs could still reach the
+limit, which is why a server also raises
 the soft RLIMIT_NOFILE to the hard one (`raise_fd_limit`). At the default reserve
 of 64 and a limit of 1024: admitted up to 896 descriptors, listeners stopped above 960.
 Peers that connect and never finish a ZMTP/CURVE handshake are dropped by

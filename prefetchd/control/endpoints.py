@@ -176,8 +176,9 @@ def _bind_tcp(sock, address):
     """Bind a tcp endpoint; a port left to us (`:0` or `:*`) is picked outside the
     kernel's ephemeral range.
 
-    The connection guard stops listening while descriptors are short and binds the
-    same port again later (prefetchd.control.listening). A port from the ephemeral
+    The connection guard may unbind an endpoint while descriptors are short (where
+    the gate of prefetchd.control.syn_gate cannot close) and bind the same port
+    again later (prefetchd.control.listening). A port from the ephemeral
     range can meanwhile become the source port of any outgoing connection on the
     machine, a connect to the unbound port itself included (TCP connects a socket to
     itself when source and destination match): the port then stays taken for as
