@@ -34,6 +34,7 @@ import zmq
 
 from ..control import protocol as P
 from ..control.codes import BadArguments
+from ..control.connections import DEFAULT_MAX_CONNECTIONS
 from ..control.ioloop import IOLoop
 from ..control.ops import Op, flag, integer
 from .admission import MAX_NEW_TOKENS, ModelInfo, admit
@@ -79,9 +80,10 @@ class Front(FrontSockets):
                  start_timeout=180.0, respawn=True, max_queue=1024, max_inflight_per_worker=2,
                  max_message_size=P.DEFAULT_MAX_MESSAGE_SIZE, name="serve", metrics_port=None,
                  metrics_addr="127.0.0.1", max_batch_size=8, max_queue_delay_ms=2.0,
-                 heartbeat_interval=1.0, heartbeat_timeout=15.0):
+                 heartbeat_interval=1.0, heartbeat_timeout=15.0,
+                 max_connections=DEFAULT_MAX_CONNECTIONS):
         super().__init__(endpoint, name, (spec or ServeSpec()).with_configured_store(),
-                         metrics_port, metrics_addr, start_timeout, max_message_size)
+                         metrics_port, metrics_addr, start_timeout, max_message_size, max_connections)
         self.n_workers = workers
         self.hints = hints
         self.request_timeout = request_timeout
@@ -135,9 +137,11 @@ class Front(FrontSockets):
                 items.append((s.ctl, lambda frames, s=s: self._on_control_reply(s, frames)))
             if s.process is not None:
                 items.append((s.process.sentinel, lambda s=s: self._on_death(s)))
-        return items
+        return items + self.connections.poll_items()
 
     def tick(self):
+        self.connections.settle()
+        self.listening.tick()
         self._dispatch()
         self._run_timers()
 
@@ -147,7 +151,7 @@ class Front(FrontSockets):
         # would poll with timeout 0, spinning a core the workers need, until then.
         batch_due = self._batcher.next_wakeup() if self._pool.has_room() else None
         nearest = min((t for t in (self._deadlines.nearest(), self._status.nearest_deadline(),
-                                   batch_due, self._heartbeats.next_due())
+                                   batch_due, self._heartbeats.next_due(), self.listening.retry_at)
                        if t is not None), default=None)
         return None if nearest is None else nearest - time.monotonic()
 
@@ -331,7 +335,10 @@ class Front(FrontSockets):
                                 "queued": len(self._batcher), "models": self.spec.model_names(),
                                 "max_batch_size": self._batcher.max_batch_size,
                                 "counters": dict(self.counters), "errors": dict(self.counters.errors),
-                                "shared_host": self.shared_status()},
+                                "shared_host": self.shared_status(),
+                                "connections": self.connections.held,
+                                "connections_dropped": self.connections.dropped,
+                                "connections_handshaking": self.connections.handshaking},
                                self._pool.slots, results)
 
     def _on_control_reply(self, s, frames):

@@ -15,7 +15,9 @@ import time
 import zmq
 
 from ..control import protocol as P
+from ..control.connections import DEFAULT_MAX_CONNECTIONS, ConnectionGuard
 from ..control.endpoints import ensure_private_dir, resolve_endpoint, runtime_dir
+from ..control.listening import Listening
 from ..control.router import RouterEndpoint
 from .spec import check_checkpoint_store
 from .worker import STOP
@@ -27,7 +29,7 @@ class FrontSockets(RouterEndpoint):
     send_copy = False             # replies carry output tensors: hand zmq the frames, no copy
 
     def __init__(self, endpoint, name, spec, metrics_port, metrics_addr, start_timeout,
-                 max_message_size):
+                 max_message_size, max_connections=DEFAULT_MAX_CONNECTIONS):
         super().__init__(max_message_size)
         self.spec = spec
         self.name = name
@@ -48,6 +50,15 @@ class FrontSockets(RouterEndpoint):
         self._closed = False
         self._shared = None           # (owner, its store) of the shared host tier, with --shared-host
         self._tag = f"{name}-{tag}"
+        # The clients' socket takes connections from anyone who can reach it: bounded
+        # like the daemon's server (prefetchd.control.connections), so a flood of them
+        # cannot run the front out of descriptors (libzmq aborts there). No budget per
+        # peer below the total: one gateway process may hold a client per thread.
+        self.connections = ConnectionGuard(max_connections, max_connections,
+                                           on_pause=lambda: self.listening.stop(),
+                                           on_resume=lambda: self.listening.resume())
+        self.listening = Listening(self._bind, lambda: [(self._router, self.endpoint)],
+                                   gates=self.connections.gates)
 
     # -- lifecycle
 
@@ -144,6 +155,7 @@ class FrontSockets(RouterEndpoint):
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Per frame: a body within max_message_size, a tensor within max_tensor_bytes.
         self._router.maxmsgsize = max(4 * self.max_message_size, self.spec.max_tensor_bytes) + 64
+        self.connections.watch(self._router)          # before bind: no connection goes unseen
         self._bind(self._router, self.endpoint)
         self.endpoint = self._router.last_endpoint.decode()
         self._work = self._make_socket(ctx, zmq.ROUTER)
@@ -160,6 +172,7 @@ class FrontSockets(RouterEndpoint):
                     self._work.send_multipart([s.identity, STOP], zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
+        self.connections.close()
         self._close_sockets(self._router, self._work)
         self._router = self._work = None
         self._pool.close_sockets()
