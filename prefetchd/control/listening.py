@@ -6,8 +6,9 @@ peers are served on. Unbinding would discard their pipes (their requests read an
 dropped, unanswered), so only an endpoint the gate cannot cover (ipc) is unbound.
 
 While an endpoint is unbound, any outgoing connection on this machine may be given
-its port as a source port (an auto-picked port is in the ephemeral range); binding
-it again then fails with EADDRINUSE until that connection closes. So a resume
+its port as a source port if it is in the ephemeral range (prefetchd.control.endpoints
+picks `:0` ports outside it where it can); binding it again then fails with
+EADDRINUSE until that connection closes. So a resume
 retries every RELISTEN_INTERVAL until every endpoint is bound, never gives up.
 """
 import logging
