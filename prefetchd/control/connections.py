@@ -42,6 +42,7 @@ import os
 import resource
 import socket
 import struct
+import time
 
 import zmq
 
@@ -58,6 +59,7 @@ HANDSHAKE_IVL_MS = 5000          # a peer has this long to finish its handshake 
 HEARTBEAT_IVL_MS = 10000         # ZMTP pings find peers that vanished without a FIN
 HEARTBEAT_TIMEOUT_MS = 30000
 MAX_RAISED_FD_LIMIT = 1 << 16
+RECHECK_INTERVAL = 2.0           # seconds between looks for connections closed without a DISCONNECTED
 
 _PEERCRED = struct.Struct("3i")
 _MONITORS = itertools.count()
@@ -201,6 +203,7 @@ class ConnectionGuard:
         self.dropped_in_handshake = 0    # of those: pushed out before their handshake was through
         self.paused = False
         self.gates = Gates()
+        self._recheck_at = 0.0
 
     @property
     def held(self):
@@ -258,6 +261,7 @@ class ConnectionGuard:
         """Admit or drop what was accepted since the last call, and the tcp connections
         whose handshake is through since (after every poll)."""
         self._drain()            # every queued event first: a descriptor seen gone is not shut down
+        self._forget_closed()
         through = self._handshakes.through()
         if self._accepted or through:
             in_use = open_descriptors()
@@ -278,6 +282,19 @@ class ConnectionGuard:
                 self._set_paused(True, in_use)
         if self.paused and open_descriptors() <= self.admit_line:     # (the descriptors themselves)
             self._set_paused(False, None)
+
+    def _forget_closed(self):
+        """Now and then, forget the connections that are gone though no DISCONNECTED said
+        so: an unbind (an ipc endpoint's pause) closes the connections it accepted without
+        one, and the guard went on counting them against their peer's budget."""
+        now = time.monotonic()
+        if now < self._recheck_at:
+            return
+        self._recheck_at = now + RECHECK_INTERVAL
+        for fd in list(self._live) + list(self._doomed):
+            ident = self._ids.get(fd)
+            if ident is None or _connection_id(fd) != ident:
+                self._gone(fd)
 
     def _admit(self, fd, key, in_use, through_handshake=False):
         """Let `fd` in, or drop it if it is beyond a budget (see the module docstring)."""

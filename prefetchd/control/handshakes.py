@@ -10,12 +10,15 @@ out (shut down). A peer that holds a connection silent loses it to the next
 connect; an authorized client, whose handshake takes milliseconds, is through
 before a flood can push it out, and only then counts against its peer's budget.
 
-Which connection is silent is read off the kernel too: the bytes received from the
-peer (TCP_INFO's tcpi_bytes_received). A ZMTP peer sends its greeting as soon as its
-connect completes, so the kernel has it at once; what the server answered lags
-behind whenever libzmq's I/O thread is busy accepting and closing a flood, and
-judged by that, a client accepted in the same burst as the flood looked as silent
-as the flood and was pushed out with it.
+Who goes first is read off the kernel (TCP_INFO): a peer that has sent nothing
+(tcpi_bytes_received), then one that sent less than a greeting for GREETING_GRACE
+or has had no answer for ANSWER_GRACE (the server sent no more than its greeting,
+tcpi_bytes_acked), then one stalled mid-handshake. A ZMTP peer sends its greeting as soon as its connect completes, so
+the kernel has it at once, while the server's answer lags whenever libzmq's I/O
+thread is busy accepting and closing a flood: judged by the answer alone, a client
+accepted in the same burst as the flood looked as silent as the flood and was
+pushed out with it; judged by its first bytes alone, a flood that sends a few bytes
+of greeting and stalls kept every slot and locked new clients out.
 
 libzmq's monitor says that a handshake succeeded but not for which descriptor, so
 this reads it off the connection: the bytes the server sent and the peer
@@ -36,6 +39,8 @@ GREETING = 64
 THROUGH_NULL = GREETING + 27                 # a NULL READY sent: the peer spoke ZMTP
 THROUGH_CURVE = GREETING + 170 + 51          # a CURVE READY sent: the peer's key passed ZAP
 STALLED = 1.0                                # seconds mid-handshake after which a connection may be pushed out
+GREETING_GRACE = 0.1                         # seconds a peer may take to send its whole greeting
+ANSWER_GRACE = 0.25                          # seconds a connection that spoke may wait for the server's answer
 # struct tcp_info (Linux >= 4.1): tcpi_bytes_acked at 120, tcpi_bytes_received after it
 _COUNTS = struct.Struct("=QQ")
 _COUNTS_AT = 120
@@ -70,21 +75,26 @@ def bytes_acked(fd):
     return counts if counts is GONE else counts[0]
 
 
-def silent(fd):
-    """True if the peer on `fd` has sent nothing (or `fd` is gone); where the kernel does
-    not count received bytes, if the server has sent no more than its greeting."""
+SILENT, PARTIAL, SPOKE, ANSWERED = 0, 1, 2, 3    # how far a handshake got (only ever grows)
+
+
+def progress(fd):
+    """SILENT: the peer on `fd` has sent nothing (or `fd` is gone); PARTIAL: less than a
+    greeting; ANSWERED: the server sent more than its greeting (the peer's greeting
+    came, and for CURVE its HELLO), or TCP_INFO says nothing (as `through` counts it);
+    else SPOKE."""
     counts = tcp_counts(fd)
     if counts is GONE:
-        return True
+        return SILENT
     acked, received = counts
-    if received is not None:
-        return received == 0
-    return acked is None or acked <= GREETING
+    if acked is None or acked > GREETING:
+        return ANSWERED
+    return SPOKE if received >= GREETING else PARTIAL if received else SILENT
 
 
 class Handshakes:
     """Handshaking connections, oldest first: fd -> [peer key, bytes that mean "through",
-    whether the peer was seen to speak, when it came]."""
+    its progress when last looked at, when it came]."""
 
     def __init__(self, budget, clock=time.monotonic):
         self.budget = budget
@@ -99,9 +109,13 @@ class Handshakes:
 
     def add(self, fd, key, through):
         """Hold `fd`; returns the fds to shut down to stay within the budget: the oldest
-        connection whose peer has sent nothing, else the oldest stalled mid-handshake for
-        STALLED seconds, else `fd` itself (every one held is mid-handshake: they finish,
-        or are refused by ZAP and closed, within milliseconds)."""
+        connection whose peer has sent nothing; else the oldest with less than a greeting
+        after GREETING_GRACE seconds or no answer after ANSWER_GRACE (a peer that stalls
+        after a few bytes: a client sends its whole greeting at once and the server answers
+        it at once, unless its I/O thread is buried in a flood, which the graces cover);
+        else the oldest stalled mid-handshake for STALLED seconds;
+        else `fd` itself (every one held is young or mid-handshake: they finish, or are
+        refused by ZAP and closed, within milliseconds)."""
         out = []
         if len(self._fds) >= self.budget:
             victim = self._victim()
@@ -109,21 +123,25 @@ class Handshakes:
                 return [fd]
             del self._fds[victim]
             out.append(victim)
-        self._fds[fd] = [key, through, False, self._clock()]
+        self._fds[fd] = [key, through, SILENT, self._clock()]
         return out
 
     def _victim(self):
-        now, stalled = self._clock(), None
+        now, unanswered, stalled = self._clock(), None, None
         for fd, held in self._fds.items():                    # oldest first
-            if not held[2]:
-                # Looked at again now: a peer's greeting may have come since (a connection
-                # added in this very batch has not been looked at yet).
-                if silent(fd):
+            if held[2] != ANSWERED:
+                # Looked at again now: the peer may have spoken since, or been answered
+                # (a connection added in this very batch has not been looked at yet).
+                held[2] = max(held[2], progress(fd))
+                if held[2] == SILENT:
                     return fd
-                held[2] = True
-            if stalled is None and now - held[3] >= STALLED:
+            age = now - held[3]
+            if unanswered is None and (held[2] == PARTIAL and age >= GREETING_GRACE
+                                       or held[2] == SPOKE and age >= ANSWER_GRACE):
+                unanswered = fd
+            if stalled is None and age >= STALLED:
                 stalled = fd
-        return stalled
+        return unanswered if unanswered is not None else stalled
 
     def pop_victim(self):
         """The connection `add` would push out first, else the oldest, no longer held; None

@@ -171,3 +171,20 @@ def test_a_paused_tcp_endpoint_serves_its_clients_and_takes_no_new_ones():
             s.close(linger=0)
         guard.close()
         ctx.term()
+
+
+def test_connections_closed_without_a_disconnected_event_are_forgotten(pairs):
+    """An unbind (an ipc endpoint's pause) closes the connections it accepted without a
+    DISCONNECTED event: the guard counted them on, against their peer's budget."""
+    guard = ConnectionGuard(raise_limit=False)
+    kept, lost = pairs(b"x"), pairs(b"y")
+    for fd in (kept, lost):
+        guard.on_monitor(_event(zmq.EVENT_ACCEPTED, fd))
+        guard._admit(fd, ("pid", 1, 0), 0)
+    guard._accepted.clear()                      # admitted here, as settle() would have
+    assert guard.held == 2 and guard._per_peer[("pid", 1, 0)] == 2
+    other = pairs(b"z")                          # a new connection ...
+    os.dup2(other, lost)                         # ... now at the lost one's number
+    guard._recheck_at = 0.0
+    guard.settle()
+    assert guard.held == 1 and kept in guard._live and guard._per_peer[("pid", 1, 0)] == 1

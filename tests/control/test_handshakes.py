@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from prefetchd.control.handshakes import GREETING, STALLED, Handshakes, silent, tcp_counts
+from prefetchd.control.handshakes import (ANSWER_GRACE, ANSWERED, GREETING, GREETING_GRACE, PARTIAL, SILENT,
+                                          SPOKE, STALLED, Handshakes, progress, tcp_counts)
 
 
 @pytest.fixture
@@ -34,6 +35,19 @@ def pairs():
     listener.close()
 
 
+def _answer(fd, nbytes=GREETING + 1):
+    """The server's side sends `nbytes` on `fd` and waits until the peer acknowledged them."""
+    peer = socket.socket(fileno=fd)
+    try:
+        peer.sendall(b"a" * nbytes)
+    finally:
+        peer.detach()
+    deadline = time.monotonic() + 5
+    while tcp_counts(fd)[0] < nbytes and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert progress(fd) == ANSWERED
+
+
 class Clock:
     def __init__(self):
         self.now = 0.0
@@ -43,9 +57,10 @@ class Clock:
 
 
 def test_the_kernel_counts_what_the_peer_sent(pairs):
-    quiet, spoke = pairs(), pairs(b"g" * GREETING)
-    assert tcp_counts(quiet) == (0, 0) and silent(quiet)
-    assert tcp_counts(spoke) == (0, GREETING) and not silent(spoke)
+    quiet, partial, spoke = pairs(), pairs(b"g" * 10), pairs(b"g" * GREETING)
+    assert tcp_counts(quiet) == (0, 0) and progress(quiet) == SILENT
+    assert tcp_counts(partial) == (0, 10) and progress(partial) == PARTIAL
+    assert tcp_counts(spoke) == (0, GREETING) and progress(spoke) == SPOKE
 
 
 def test_a_new_connection_pushes_out_a_silent_one_not_an_older_one_that_spoke(pairs):
@@ -63,6 +78,7 @@ def test_a_full_pool_of_peers_mid_handshake_refuses_the_new_one_until_one_stalls
     clock = Clock()
     pool = Handshakes(2, clock=clock)
     first, second = pairs(b"g"), pairs(b"g")
+    _answer(first), _answer(second)                       # both mid-handshake
     pool.add(first, "addr", 999)
     clock.now = 0.5
     pool.add(second, "addr", 999)
@@ -71,6 +87,26 @@ def test_a_full_pool_of_peers_mid_handshake_refuses_the_new_one_until_one_stalls
     clock.now = STALLED                                   # the first has stalled
     assert pool.add(late, "addr", 999) == [first]
     assert list(pool._fds) == [second, late]
+
+
+def test_a_peer_that_spoke_but_stalls_unanswered_goes_after_a_grace(pairs):
+    """A flood sending a few bytes of greeting and stalling kept every slot (it had spoken)
+    and locked new clients out; a client in a burst the server has not answered yet
+    keeps its slot for ANSWER_GRACE."""
+    clock = Clock()
+    pool = Handshakes(3, clock=clock)
+    partial, unanswered, client = pairs(b"g" * 10), pairs(b"g" * GREETING), pairs(b"g" * GREETING)
+    for fd in (partial, unanswered, client):
+        pool.add(fd, "addr", 999)
+    new = pairs(b"g")
+    assert pool.add(new, "addr", 999) == [new]            # all young: the new one goes
+    clock.now = GREETING_GRACE
+    assert pool.add(new, "addr", 999) == [partial]        # less than a greeting, for too long
+    clock.now = ANSWER_GRACE
+    _answer(client)                                       # the server got to the client
+    newer = pairs(b"g")
+    assert pool.add(newer, "addr", 999) == [unanswered]   # spoke, never answered
+    assert client in pool and new in pool and newer in pool
 
 
 def test_through_takes_the_ones_the_server_answered_past_their_threshold(pairs):
