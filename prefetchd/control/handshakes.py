@@ -13,12 +13,13 @@ before a flood can push it out, and only then counts against its peer's budget.
 Who goes first is read off the kernel (TCP_INFO): a peer that has sent nothing
 (tcpi_bytes_received), then one that sent less than a greeting for GREETING_GRACE
 or has had no answer for ANSWER_GRACE (the server sent no more than its greeting,
-tcpi_bytes_acked), then one stalled mid-handshake. A ZMTP peer sends its greeting as soon as its connect completes, so
-the kernel has it at once, while the server's answer lags whenever libzmq's I/O
-thread is busy accepting and closing a flood: judged by the answer alone, a client
-accepted in the same burst as the flood looked as silent as the flood and was
-pushed out with it; judged by its first bytes alone, a flood that sends a few bytes
-of greeting and stalls kept every slot and locked new clients out.
+tcpi_bytes_acked), then one stalled mid-handshake. A ZMTP peer sends its greeting
+as soon as its connect completes, so the kernel has it at once, while the server's
+answer lags whenever libzmq's I/O thread is busy accepting and closing a flood:
+judged by the answer alone, a client accepted in the same burst as the flood looked
+as silent as the flood and was pushed out with it; judged by its first bytes alone,
+a flood that sends a few bytes of greeting and stalls kept every slot and locked new
+clients out.
 
 libzmq's monitor says that a handshake succeeded but not for which descriptor, so
 this reads it off the connection: the bytes the server sent and the peer
