@@ -10,31 +10,10 @@ import sys
 import textwrap
 import time
 
-import pytest
 import zmq
 
 from prefetchd.control.connections import ConnectionGuard
 from prefetchd.control.listening import Listening
-
-
-@pytest.fixture
-def pairs():
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    made = []
-
-    def connect(send=b""):
-        client = socket.create_connection(listener.getsockname())
-        server, _ = listener.accept()
-        made.extend((client, server))
-        if send:
-            client.sendall(send)
-        return server.fileno()
-    yield connect
-    for s in made:
-        s.close()
-    listener.close()
 
 
 def _event(kind, fd, endpoint=b"tcp://127.0.0.1:0"):

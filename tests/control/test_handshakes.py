@@ -6,33 +6,8 @@ only what the peers sent tells the silent ones from the ones that spoke."""
 import socket
 import time
 
-import pytest
-
 from prefetchd.control.handshakes import (ANSWER_GRACE, ANSWERED, GREETING, GREETING_GRACE, PARTIAL, SILENT,
                                           SPOKE, STALLED, Handshakes, progress, tcp_counts)
-
-
-@pytest.fixture
-def pairs():
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    made = []
-
-    def connect(send=b""):
-        client = socket.create_connection(listener.getsockname())
-        server, _ = listener.accept()
-        made.extend((client, server))
-        if send:
-            client.sendall(send)
-            deadline = time.monotonic() + 5
-            while tcp_counts(server.fileno())[1] < len(send) and time.monotonic() < deadline:
-                time.sleep(0.001)
-        return server.fileno()
-    yield connect
-    for s in made:
-        s.close()
-    listener.close()
 
 
 def _answer(fd, nbytes=GREETING + 1):
