@@ -15,35 +15,8 @@ import textwrap
 import time
 
 from prefetchd.control import Client, create_keys
+from _floods import RAW_KEEPER
 from test_connection_limits import ROOT, child  # noqa: F401  (the fixture)
-
-RAW_KEEPER = textwrap.dedent("""
-    import selectors, socket, sys, time
-    host, port, n, hold = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-    sel = selectors.DefaultSelector()
-    def open_one():
-        s = socket.socket()
-        try:
-            s.connect((host, port))
-        except OSError:
-            s.close()
-            return False
-        sel.register(s, selectors.EVENT_READ)
-        return True
-    opened = sum(open_one() for _ in range(n))
-    print("flooded", opened, flush=True)
-    end = time.monotonic() + hold
-    while time.monotonic() < end:            # reopen every connection the server drops, at once
-        for key, _ in sel.select(0.05):
-            try:
-                data = key.fileobj.recv(4096)
-            except OSError:
-                data = b""
-            if not data:
-                sel.unregister(key.fileobj)
-                key.fileobj.close()
-                open_one()
-""")
 
 BAD_KEYS = textwrap.dedent("""
     import sys, time, zmq

@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 
+from _floods import RAW_KEEPER
 from prefetchd.control import Client
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,34 +30,6 @@ FRONT = textwrap.dedent("""
     front.close(10)
     print("closed", flush=True)
 """)
-
-RAW_KEEPER = textwrap.dedent("""
-    import selectors, socket, sys, time
-    host, port, n, hold = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-    sel = selectors.DefaultSelector()
-    def open_one():
-        s = socket.socket()
-        try:
-            s.connect((host, port))
-        except OSError:
-            s.close()
-            return False
-        sel.register(s, selectors.EVENT_READ)
-        return True
-    print("flooded", sum(open_one() for _ in range(n)), flush=True)
-    end = time.monotonic() + hold
-    while time.monotonic() < end:            # reopen every connection the front drops, at once
-        for key, _ in sel.select(0.05):
-            try:
-                data = key.fileobj.recv(4096)
-            except OSError:
-                data = b""
-            if not data:
-                sel.unregister(key.fileobj)
-                key.fileobj.close()
-                open_one()
-""")
-
 
 def _line(proc, timeout):
     with selectors.DefaultSelector() as sel:
