@@ -47,6 +47,7 @@ import time
 import zmq
 
 from . import syn_gate
+from .borrowed import borrowed, socket_id
 from .handshakes import THROUGH_CURVE, THROUGH_NULL, Handshakes
 
 log = logging.getLogger("prefetchd.control.connections")
@@ -102,20 +103,17 @@ def configure(sock):
 
 def _peer_of(fd):
     """(peer key, socket) of an accepted descriptor; None if it is no longer a socket."""
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError:
-        return None
-    try:
-        if sock.family == socket.AF_UNIX:
-            pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                           _PEERCRED.size))
-            return ("pid", pid, uid)
-        return ("addr", sock.getpeername()[0])
-    except OSError:
-        return None
-    finally:
-        sock.detach()             # the descriptor stays libzmq's
+    with borrowed(fd) as sock:
+        if sock is None:
+            return None
+        try:
+            if sock.family == socket.AF_UNIX:
+                pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                               _PEERCRED.size))
+                return ("pid", pid, uid)
+            return ("addr", sock.getpeername()[0])
+        except OSError:
+            return None
 
 
 def _connection_id(fd):
@@ -127,35 +125,20 @@ def _connection_id(fd):
     libzmq's next accept fail with EINVAL, which it asserts on (`Invalid argument
     (src/tcp_listener.cpp:196)`, SIGABRT: the daemon gone). An inode names one socket
     for as long as it is open, so the guard shuts down only the one it saw accepted."""
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError:
-        return None
-    try:
-        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-            return None
-        return os.fstat(fd).st_ino
-    except OSError:
-        return None
-    finally:
-        sock.detach()             # the descriptor stays libzmq's
+    with borrowed(fd) as sock:
+        return None if sock is None else socket_id(sock, listening=False)
 
 
 def _shut_down(fd, connection_id):
     """Shut down `fd` if it is still the connection `connection_id` names (else leave it)."""
-    if connection_id is None or _connection_id(fd) != connection_id:
-        return False
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError:
-        return False
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-        return True
-    except OSError:
-        return False
-    finally:
-        sock.detach()
+    with borrowed(fd) as sock:
+        if sock is None or connection_id is None or socket_id(sock, listening=False) != connection_id:
+            return False
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            return True
+        except OSError:
+            return False
 
 
 class Gates:

@@ -36,6 +36,8 @@ import socket
 import struct
 import time
 
+from .borrowed import borrowed
+
 GREETING = 64
 THROUGH_NULL = GREETING + 27                 # a NULL READY sent: the peer spoke ZMTP
 THROUGH_CURVE = GREETING + 170 + 51          # a CURVE READY sent: the peer's key passed ZAP
@@ -55,16 +57,13 @@ def tcp_counts(fd):
     """(bytes the server sent on `fd` that the peer acknowledged, bytes received from the
     peer); UNKNOWN where TCP_INFO has no such fields (an older kernel, or not a TCP
     socket); GONE if `fd` is no socket now."""
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError:
-        return GONE
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
-    except OSError as e:
-        return GONE if e.errno in (errno.EBADF, errno.ENOTSOCK) else UNKNOWN
-    finally:
-        sock.detach()               # the descriptor stays libzmq's
+    with borrowed(fd) as sock:
+        if sock is None:
+            return GONE
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        except OSError as e:
+            return GONE if e.errno in (errno.EBADF, errno.ENOTSOCK) else UNKNOWN
     if len(info) < _COUNTS_AT + _COUNTS.size:
         return UNKNOWN
     return _COUNTS.unpack_from(info, _COUNTS_AT)

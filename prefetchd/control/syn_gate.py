@@ -18,8 +18,9 @@ caller unbinds instead (ipc endpoints, which this does not cover).
 """
 import ctypes
 import ctypes.util
-import os
 import socket
+
+from .borrowed import borrowed, socket_id
 
 SO_ATTACH_FILTER = 26
 SO_DETACH_FILTER = 27
@@ -42,20 +43,11 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 
 def listener_id(fd):
     """The inode of `fd` if it is a listening TCP socket now, else None."""
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError:
-        return None
-    try:
-        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+    with borrowed(fd) as sock:
+        if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6) \
+                or sock.type != socket.SOCK_STREAM:
             return None
-        if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-            return None
-        return os.fstat(fd).st_ino
-    except OSError:
-        return None
-    finally:
-        sock.detach()             # the descriptor stays libzmq's
+        return socket_id(sock, listening=True)
 
 
 def close(fd, ident):
