@@ -197,6 +197,11 @@ class ConnectionGuard:
     def handshaking(self):
         return len(self._handshakes)
 
+    def counts(self):
+        """What a server's status reports of its connections."""
+        return {"connections": self.held, "connections_dropped": self.dropped,
+                "connections_handshaking": self.handshaking}
+
     def watch(self, sock, curve=False):
         """Monitor `sock` (a CURVE server if `curve`); returns the monitor socket the I/O loop polls."""
         configure(sock)

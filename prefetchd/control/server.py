@@ -227,9 +227,7 @@ class Server(RouterEndpoint):
                 "replies_unroutable": c.replies_unroutable, "replies_dropped": c.replies_dropped,
                 "events_published": c.events_published, "events_dropped": c.events_dropped,
                 "leases_granted": c.leases_granted, "leases_expired": c.leases_expired,
-                "leases_released": c.leases_released,
-                "connections": self.connections.held, "connections_dropped": self.connections.dropped,
-                "connections_handshaking": self.connections.handshaking,
+                "leases_released": c.leases_released, **self.connections.counts(),
                 "requests": dict(c.requests), "errors": dict(c.errors)}
 
     # -- requests

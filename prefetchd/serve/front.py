@@ -335,10 +335,7 @@ class Front(FrontSockets):
                                 "queued": len(self._batcher), "models": self.spec.model_names(),
                                 "max_batch_size": self._batcher.max_batch_size,
                                 "counters": dict(self.counters), "errors": dict(self.counters.errors),
-                                "shared_host": self.shared_status(),
-                                "connections": self.connections.held,
-                                "connections_dropped": self.connections.dropped,
-                                "connections_handshaking": self.connections.handshaking},
+                                "shared_host": self.shared_status(), **self.connections.counts()},
                                self._pool.slots, results)
 
     def _on_control_reply(self, s, frames):
