@@ -24,11 +24,11 @@ import zmq
 from ..errors import ShutdownError
 from . import keys, protocol as P, server_options
 from .codes import BadArguments, error_code
-from .connections import DEFAULT_FD_RESERVE, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_PEER, ConnectionGuard
+from .connections import DEFAULT_FD_RESERVE, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_PEER
 from .event_feed import EventFeed
 from .ioloop import IOLoop
 from .leases import LeaseTable
-from .listening import Listening
+from .guarded import GuardedListening
 from .ops import OPS, Deferred
 from .router import RouterEndpoint
 
@@ -94,12 +94,9 @@ class Server(RouterEndpoint):
         self.max_wait = max_wait
         self.default_lease = default_lease
         self.max_lease = max_lease
-        self.connections = ConnectionGuard(max_connections, max_connections_per_peer, fd_reserve,
-                                           on_pause=lambda: self.listening.stop(),
-                                           on_resume=lambda: self.listening.resume())
-        self.listening = Listening(self._bind, lambda: [(self._router, self.endpoint),
-                                                        (self._pub, self.events_endpoint)],
-                                   gates=self.connections.gates)
+        self.connections = GuardedListening(self._bind, lambda: [(self._router, self.endpoint),
+                                                                 (self._pub, self.events_endpoint)],
+                                            max_connections, max_connections_per_peer, fd_reserve)
         self.leases = LeaseTable(daemon.unpin, self.counters)
         self._loop = IOLoop(self, f"prefetchd-server-{self.name}")
         self._auth = None
@@ -181,17 +178,16 @@ class Server(RouterEndpoint):
         return [(self._router, self._handle)] + self.connections.poll_items()
 
     def tick(self):
-        self.connections.settle()
+        self.connections.tick()
         self._drain_completions()
         self._events.publish(self._pub)
         self._run_timers()
-        self.listening.tick()
 
     def poll_timeout(self):
         if self._completions or self._events:
             return 0.0
         nearest = min([t[0] for t in self._timers[:1]]
-                      + [t for t in [self.leases.next_expiry(), self.listening.retry_at] if t is not None],
+                      + [t for t in [self.leases.next_expiry(), self.connections.wake_at] if t is not None],
                       default=None)
         return None if nearest is None else nearest - time.monotonic()
 

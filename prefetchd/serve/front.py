@@ -140,8 +140,7 @@ class Front(FrontSockets):
         return items + self.connections.poll_items()
 
     def tick(self):
-        self.connections.settle()
-        self.listening.tick()
+        self.connections.tick()
         self._dispatch()
         self._run_timers()
 
@@ -151,7 +150,7 @@ class Front(FrontSockets):
         # would poll with timeout 0, spinning a core the workers need, until then.
         batch_due = self._batcher.next_wakeup() if self._pool.has_room() else None
         nearest = min((t for t in (self._deadlines.nearest(), self._status.nearest_deadline(),
-                                   batch_due, self._heartbeats.next_due(), self.listening.retry_at)
+                                   batch_due, self._heartbeats.next_due(), self.connections.wake_at)
                        if t is not None), default=None)
         return None if nearest is None else nearest - time.monotonic()
 

@@ -15,9 +15,9 @@ import time
 import zmq
 
 from ..control import protocol as P
-from ..control.connections import DEFAULT_MAX_CONNECTIONS, ConnectionGuard
+from ..control.connections import DEFAULT_MAX_CONNECTIONS
 from ..control.endpoints import ensure_private_dir, resolve_endpoint, runtime_dir
-from ..control.listening import Listening
+from ..control.guarded import GuardedListening
 from ..control.router import RouterEndpoint
 from .spec import check_checkpoint_store
 from .worker import STOP
@@ -54,11 +54,8 @@ class FrontSockets(RouterEndpoint):
         # like the daemon's server (prefetchd.control.connections), so a flood of them
         # cannot run the front out of descriptors (libzmq aborts there). No budget per
         # peer below the total: one gateway process may hold a client per thread.
-        self.connections = ConnectionGuard(max_connections, max_connections,
-                                           on_pause=lambda: self.listening.stop(),
-                                           on_resume=lambda: self.listening.resume())
-        self.listening = Listening(self._bind, lambda: [(self._router, self.endpoint)],
-                                   gates=self.connections.gates)
+        self.connections = GuardedListening(self._bind, lambda: [(self._router, self.endpoint)],
+                                            max_connections, max_connections)
 
     # -- lifecycle
 

@@ -1,0 +1,55 @@
+"""A server's listening sockets under the connection guard: the one piece its I/O loop drives.
+
+The daemon's control server (prefetchd.control.server) and the serve front
+(prefetchd.serve.front) each bind sockets anyone who can reach them may connect to, and
+wire the same parts the same way: the guard (prefetchd.control.connections) watches each
+socket before it binds, its monitors are polled with the server's sockets, it settles
+what was accepted after every poll, and it pauses and resumes the endpoints
+(prefetchd.control.listening) when descriptors run short; an endpoint a resume could not
+bind again is retried on the loop's clock (`wake_at`).
+"""
+from .connections import DEFAULT_FD_RESERVE, ConnectionGuard
+from .listening import Listening
+
+
+class GuardedListening:
+    """`bind(socket, endpoint)` binds one endpoint; `endpoints()` -> [(socket, endpoint)]
+    the server listens on. Owned by the server's I/O thread, like its parts."""
+
+    def __init__(self, bind, endpoints, max_connections, max_per_peer, fd_reserve=DEFAULT_FD_RESERVE):
+        self.guard = ConnectionGuard(max_connections, max_per_peer, fd_reserve,
+                                     on_pause=self._pause, on_resume=self._resume)
+        self.listening = Listening(bind, endpoints, gates=self.guard.gates)
+
+    def _pause(self):
+        self.listening.stop()
+
+    def _resume(self):
+        self.listening.resume()
+
+    def watch(self, sock, curve=False):
+        """Call before `sock` binds, so that no connection to it goes unseen (`curve`: it is
+        a CURVE server, whose handshake is longer)."""
+        self.guard.watch(sock, curve)
+
+    def poll_items(self):
+        """The guard's monitor sockets, for the I/O loop's poll."""
+        return self.guard.poll_items()
+
+    def tick(self):
+        """After every poll: admit or drop what was accepted, bind again what is due."""
+        self.guard.settle()
+        self.listening.tick()
+
+    @property
+    def wake_at(self):
+        """Monotonic time the loop must tick by (an endpoint to bind again), or None."""
+        return self.listening.retry_at
+
+    def counts(self):
+        """The connection counts a server's status reports."""
+        return self.guard.counts()
+
+    def close(self):
+        """At teardown, before the sockets close."""
+        self.guard.close()
