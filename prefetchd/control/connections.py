@@ -18,10 +18,11 @@ libzmq then closes it and frees the descriptor) every accepted connection beyond
 
 When the descriptors in use come within `fd_reserve` of the soft limit anyway (a
 burst accepted faster than the guard drops it), the guard stops the listeners
-until the descriptors in use are back at the admit line: a tcp listener by a gate
-that drops new connections' SYNs (prefetchd.control.syn_gate; connected peers are
-served on), an ipc one by an unbind (which discards its connected peers' pipes:
-their requests go unanswered and their clients time out). A burst of more than
+until the descriptors in use are back at the admit line, by a gate that leaves the
+connected peers served on (prefetchd.control.gates): a tcp listener drops new
+connections' SYNs, an ipc one's socket file is moved aside. Only an endpoint no gate
+covers (an abstract ipc name) is unbound, which discards its connected peers' pipes:
+their requests go unanswered and their clients time out. A burst of more than
 `fd_reserve` connections accepted before the guard runs could still reach the
 limit, which is why a server also raises
 the soft RLIMIT_NOFILE to the hard one (`raise_fd_limit`). At the default reserve
@@ -46,8 +47,8 @@ import time
 
 import zmq
 
-from . import syn_gate
 from .borrowed import borrowed, socket_id
+from .gates import Gates
 from .handshakes import THROUGH_CURVE, THROUGH_NULL, Handshakes
 
 log = logging.getLogger("prefetchd.control.connections")
@@ -139,26 +140,6 @@ def _shut_down(fd, connection_id):
             return True
         except OSError:
             return False
-
-
-class Gates:
-    """The guard's pause for tcp endpoints (prefetchd.control.syn_gate), by endpoint: the
-    listeners it saw bound (monitor LISTENING events carry the listener's descriptor)."""
-
-    def __init__(self):
-        self._listeners = {}             # endpoint -> (fd, its listener id when seen)
-
-    def saw(self, endpoint, fd):
-        self._listeners[endpoint] = (fd, syn_gate.listener_id(fd))
-
-    def close(self, endpoint):
-        fd, ident = self._listeners.get(endpoint, (None, None))
-        return fd is not None and syn_gate.close(fd, ident)
-
-    def open(self, endpoint):
-        fd, ident = self._listeners.get(endpoint, (None, None))
-        if fd is None or not syn_gate.open_(fd, ident):
-            log.warning("prefetchd server: the gate of %s was gone when it was to open", endpoint)
 
 
 class ConnectionGuard:
@@ -273,8 +254,9 @@ class ConnectionGuard:
 
     def _forget_closed(self):
         """Now and then, forget the connections that are gone though no DISCONNECTED said
-        so: an unbind (an ipc endpoint's pause) closes the connections it accepted without
-        one, and the guard went on counting them against their peer's budget."""
+        so: an unbind (the pause of an endpoint no gate covers) closes the connections it
+        accepted without one, and the guard went on counting them against their peer's
+        budget."""
         now = time.monotonic()
         if now < self._recheck_at:
             return
@@ -346,6 +328,7 @@ class ConnectionGuard:
                 self.on_monitor(frames, through)
 
     def close(self):
+        self.gates.open_all()
         for sock, mon, _ in self._monitors:
             try:
                 sock.disable_monitor()

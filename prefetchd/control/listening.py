@@ -1,9 +1,10 @@
 """A server's pause and resume of its listening endpoints, for the connection guard.
 
-A tcp endpoint whose listener the guard knows is paused by a gate on the listening
-socket (prefetchd.control.syn_gate): no new connection completes, and the connected
-peers are served on. Unbinding would discard their pipes (their requests read and
-dropped, unanswered), so only an endpoint the gate cannot cover (ipc) is unbound.
+An endpoint whose listener the guard saw bound is paused by its gate
+(prefetchd.control.gates: a SYN filter for tcp, the socket file moved aside for ipc):
+no new connection completes, and the connected peers are served on. Unbinding would
+discard their pipes (their requests read and dropped, unanswered), so only an
+endpoint no gate covers (an abstract ipc name) is unbound.
 
 While an endpoint is unbound, any outgoing connection on this machine may be given
 its port as a source port if it is in the ephemeral range (prefetchd.control.endpoints

@@ -14,7 +14,7 @@ it, so no new connection completes, while the connections already accepted are
 sockets of their own and go on. A client's SYN dropped meanwhile is sent again
 (after 1 s, then 3 s, ... by the kernel), and gets through once the gate opens
 (SO_DETACH_FILTER). Linux only; `close` says False where it cannot attach, and the
-caller unbinds instead (ipc endpoints, which this does not cover).
+caller unbinds instead (ipc endpoints have a gate of their own: prefetchd.control.path_gate).
 """
 import ctypes
 import ctypes.util

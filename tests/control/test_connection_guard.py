@@ -1,15 +1,17 @@
 """The connection guard (prefetchd/control/connections.py) on real sockets: it shuts down
 only the connections it saw accepted, counts a full descriptor table as full, lets a
-client through its handshake go before connections still in theirs, and pauses a tcp
-endpoint without cutting off the clients connected to it."""
+client through its handshake go before connections still in theirs, and pauses a tcp or
+ipc endpoint without cutting off the clients connected to it."""
 import os
 import socket
+import stat
 import struct
 import subprocess
 import sys
 import textwrap
 import time
 
+import pytest
 import zmq
 
 from prefetchd.control.connections import ConnectionGuard
@@ -111,7 +113,8 @@ def test_a_client_through_its_handshake_takes_descriptors_from_those_still_in_th
     assert other not in guard._live and not _is_open(other) and len(guard._handshakes) == 1
 
 
-def test_a_paused_tcp_endpoint_serves_its_clients_and_takes_no_new_ones():
+@pytest.mark.parametrize("kind", ["tcp", "ipc"])
+def test_a_paused_endpoint_serves_its_clients_and_takes_no_new_ones(kind, tmp_path):
     """Unbinding (the pause before) discarded the connected clients' pipes: their requests
     were read and dropped. The gate keeps them, and a new client gets in on resume."""
     ctx = zmq.Context()
@@ -119,7 +122,7 @@ def test_a_paused_tcp_endpoint_serves_its_clients_and_takes_no_new_ones():
     router = ctx.socket(zmq.ROUTER)
     router.linger = 0
     mon = guard.watch(router)
-    router.bind("tcp://127.0.0.1:0")
+    router.bind("tcp://127.0.0.1:0" if kind == "tcp" else f"ipc://{tmp_path}/s.sock")
     endpoint = router.last_endpoint.decode()
     listening = Listening(lambda s, e: s.bind(e), lambda: [(router, endpoint)], gates=guard.gates)
     old, new = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
@@ -150,6 +153,52 @@ def test_a_paused_tcp_endpoint_serves_its_clients_and_takes_no_new_ones():
             s.close(linger=0)
         guard.close()
         ctx.term()
+
+
+def test_an_ipc_endpoint_paused_at_close_gets_its_socket_file_back(tmp_path):
+    """The pause moves the socket file aside; the guard's close moves it back, where the
+    server removes it (libzmq leaves it: prefetchd.control.router._close_sockets)."""
+    ctx = zmq.Context()
+    guard = ConnectionGuard(raise_limit=False)
+    router = ctx.socket(zmq.ROUTER)
+    mon = guard.watch(router)
+    router.bind(f"ipc://{tmp_path}/s.sock")
+    listening = Listening(lambda s, e: s.bind(e), lambda: [(router, router.last_endpoint.decode())],
+                          gates=guard.gates)
+    time.sleep(0.1)
+    guard.settle()
+    listening.stop()
+    assert os.listdir(tmp_path) == [f".s.sock.paused-{os.getpid()}"]
+    guard.close()
+    for s in (router, mon):
+        s.close(linger=0)
+    ctx.term()
+    assert os.listdir(tmp_path) == ["s.sock"]
+
+
+def test_the_ipc_gate_moves_only_the_file_it_saw_bound(tmp_path):
+    """A socket file that took the path's place since the bind is not moved (the caller
+    unbinds instead), nor is anything at the path replaced when the gate opens."""
+    from prefetchd.control import path_gate
+    path = str(tmp_path / "s.sock")
+    first = socket.socket(socket.AF_UNIX)
+    first.bind(path)
+    ident = path_gate.file_id(path)
+    os.unlink(path)
+    second = socket.socket(socket.AF_UNIX)
+    second.bind(path)                            # another socket at the same path
+    try:
+        assert not path_gate.close(path, ident) and os.path.exists(path)
+        ident = path_gate.file_id(path)
+        assert path_gate.close(path, ident) and not os.path.exists(path)
+        with open(path, "w"):                    # something took the path meanwhile
+            pass
+        assert not path_gate.open_(path, ident)
+        assert not stat.S_ISSOCK(os.lstat(path).st_mode)
+        assert path_gate.path_of("ipc://@abstract") is None and path_gate.path_of("tcp://a:1") is None
+    finally:
+        first.close()
+        second.close()
 
 
 def test_connections_closed_without_a_disconnected_event_are_forgotten(pairs):
