@@ -166,6 +166,7 @@ class ConnectionGuard:
         self.dropped = 0
         self.dropped_in_handshake = 0    # of those: pushed out before their handshake was through
         self.paused = False
+        self.pauses = 0                  # times the listeners stopped
         self.gates = Gates()
         self._recheck_at = 0.0
 
@@ -311,6 +312,7 @@ class ConnectionGuard:
 
     def _set_paused(self, paused, in_use):
         self.paused = paused
+        self.pauses += paused
         if paused:
             log.warning("prefetchd server: %d of %d descriptors in use; not accepting connections "
                         "until some close (%d dropped so far)", in_use, self.fd_limit, self.dropped)

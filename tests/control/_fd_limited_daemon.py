@@ -7,6 +7,10 @@ commands from stdin, one per line:
   check   registers, prefetches, evicts and flushes a new tensor (store reads and
           writes at the fd limit); prints "ok <n>" or "error <message>"
   fds     prints "fds <open descriptors> <connections held> <soft limit now>"
+  pauses  prints "pauses <times the server stopped listening>"
+  hog N   opens /dev/null until N descriptors are open (as an application sharing the
+          process may); prints "hogging <open descriptors>"
+  unhog   closes them; prints "unhogged <open descriptors>"
   quit    closes the daemon and exits 0
 """
 import os
@@ -28,6 +32,7 @@ daemon = prefetchd.Daemon(store_dir=store_dir, device_budget="16MiB", name="fdli
 server = daemon.serve(endpoint, curve_keys_dir=curve_keys_dir)
 print("ready", server.endpoint, flush=True)
 checks = 0
+hogged = []
 for line in sys.stdin:
     cmd = line.strip()
     if cmd == "check":
@@ -44,8 +49,18 @@ for line in sys.stdin:
         except Exception as e:   # noqa: BLE001 - reported to the test
             print("error", repr(e).replace("\n", " "), flush=True)
     elif cmd == "fds":
-        print("fds", len(os.listdir("/proc/self/fd")), getattr(getattr(server, "connections", None), "held", -1),
+        print("fds", len(os.listdir("/proc/self/fd")), server.connections.counts()["connections"],
               resource.getrlimit(resource.RLIMIT_NOFILE)[0], flush=True)
+    elif cmd == "pauses":
+        print("pauses", server.connections.guard.pauses, flush=True)
+    elif cmd.startswith("hog "):
+        while len(os.listdir("/proc/self/fd")) < int(cmd.split()[1]):
+            hogged.append(os.open(os.devnull, os.O_RDONLY))
+        print("hogging", len(os.listdir("/proc/self/fd")), flush=True)
+    elif cmd == "unhog":
+        while hogged:
+            os.close(hogged.pop())
+        print("unhogged", len(os.listdir("/proc/self/fd")), flush=True)
     elif cmd == "quit":
         break
 daemon.close(10)

@@ -190,3 +190,36 @@ def test_unpaced_parallel_floods_at_a_low_soft_limit(child):
             f.kill()
             f.wait(10)
     assert d.close() == 0
+
+
+def test_a_client_connected_before_a_pause_is_answered_through_it(child):
+    """With descriptors short (here taken by something else in the daemon's process), the
+    server stops listening: an ipc endpoint used to be unbound, which discarded the pipes of
+    the clients connected to it (their requests read and dropped, each waiting out its
+    timeout). Now its socket file is moved aside: a connected client is answered throughout,
+    a new one gets in once descriptors are back."""
+    d = child(256, 256)
+    with Client(d.endpoint, timeout=10) as c:
+        c.ping()
+        assert d.ask("hog 250").startswith("hogging")
+        # A new connection is accepted, seen over the line, dropped, and the server pauses.
+        newcomer = subprocess.Popen([sys.executable, "-c", RAW_FLOOD, d.endpoint, "1", "0", "0"],
+                                    stdout=subprocess.PIPE, text=True)
+        assert newcomer.stdout.readline().startswith("flooded")
+        newcomer.wait(10)
+        deadline = time.monotonic() + 10
+        while d.ask("pauses") == "pauses 0":
+            assert time.monotonic() < deadline, "the server never paused"
+            time.sleep(0.05)
+        for _ in range(20):                    # each fails with a timeout if the pipe was discarded
+            assert c.status()["server"]["connections"] >= 1
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with pytest.raises(FileNotFoundError):
+            probe.connect(d.endpoint[len("ipc://"):])       # a new client finds nothing
+        probe.close()
+        assert d.ask("unhog").startswith("unhogged")
+        pong, err = ping_from_another_process(d.endpoint)
+        assert pong == "True", err
+        assert c.ping()["pong"]
+    assert d.alive()
+    assert d.close() == 0
