@@ -14,33 +14,25 @@ from . import path_gate, syn_gate
 log = logging.getLogger("prefetchd.control.server")
 
 
-class _SynGate:
-    def __init__(self, fd):
-        self.fd, self.ident = fd, syn_gate.listener_id(fd)
+class _Gate:
+    """One listener's gate: `kind` is the module that works it (syn_gate or path_gate),
+    `where` the listener's descriptor or socket file, `ident` what it was when bound."""
+
+    def __init__(self, kind, where, ident):
+        self.kind, self.where, self.ident = kind, where, ident
 
     def close(self):
-        return syn_gate.close(self.fd, self.ident)
+        return self.kind.close(self.where, self.ident)
 
     def open(self):
-        return syn_gate.open_(self.fd, self.ident)
-
-
-class _PathGate:
-    def __init__(self, path):
-        self.path, self.ident = path, path_gate.file_id(path)
-
-    def close(self):
-        return path_gate.close(self.path, self.ident)
-
-    def open(self):
-        return path_gate.open_(self.path, self.ident)
+        return self.kind.open_(self.where, self.ident)
 
 
 def _gate_for(endpoint, fd):
     if endpoint.startswith("tcp://"):
-        return _SynGate(fd)
+        return _Gate(syn_gate, fd, syn_gate.listener_id(fd))
     path = path_gate.path_of(endpoint)
-    return _PathGate(path) if path is not None else None
+    return None if path is None else _Gate(path_gate, path, path_gate.file_id(path))
 
 
 class Gates:
