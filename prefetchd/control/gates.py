@@ -62,6 +62,6 @@ class Gates:
 
     def open_all(self):
         """Open every closed gate (at teardown: an ipc listener's file goes back to its
-        path, where libzmq removes it as the socket closes)."""
+        path, where the server's close removes it; libzmq leaves socket files behind)."""
         for endpoint in list(self._closed):
             self.open(endpoint)

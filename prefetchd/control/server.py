@@ -26,9 +26,9 @@ from . import keys, protocol as P, server_options
 from .codes import BadArguments, error_code
 from .connections import DEFAULT_FD_RESERVE, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_PEER
 from .event_feed import EventFeed
+from .guarded import GuardedListening
 from .ioloop import IOLoop
 from .leases import LeaseTable
-from .guarded import GuardedListening
 from .ops import OPS, Deferred
 from .router import RouterEndpoint
 
