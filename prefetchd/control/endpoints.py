@@ -4,6 +4,7 @@ loopback checks, and binding without exposing a socket to other users.
     ipc://            <runtime dir>/<name>.sock
     ipc://x.sock      <runtime dir>/x.sock
     ipc:///abs/x.sock that path; its directory must be ours and not group/world-writable
+    ipc://@x          refused: the abstract namespace has no permissions to keep others out
     tcp://host:port   loopback only unless allow_remote (see prefetchd.control.server)
 
 The runtime dir is $XDG_RUNTIME_DIR/prefetchd, else /tmp/prefetchd-<uid>, 0700.
@@ -115,6 +116,11 @@ def resolve_endpoint(endpoint, name="default", *, bind=False, allow_remote=False
     if endpoint in (None, "", "ipc", "default"):
         endpoint = "ipc://"
     if endpoint.startswith("ipc://"):
+        if endpoint[len("ipc://"):].startswith("@"):
+            # libzmq reads ipc://@x as Linux's abstract namespace: no file, so no permission
+            # keeps any process on the host out (ipc files live in a 0700 directory here).
+            raise ConfigError(f"endpoint {endpoint!r}: abstract-namespace ipc endpoints are not "
+                              f"supported (any local process could connect); use a path")
         path = ipc_path(endpoint, name)
         if len(path.encode()) > IPC_PATH_MAX:
             raise ConfigError(f"endpoint {endpoint!r}: ipc path {path} is longer than "

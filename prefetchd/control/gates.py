@@ -3,36 +3,43 @@
 A tcp listener is gated by a filter that drops new connections' SYNs
 (prefetchd.control.syn_gate), an ipc one by moving its socket file aside
 (prefetchd.control.path_gate). Either way the clients connected already are served
-on; an unbind would discard their pipes. An endpoint neither covers (an abstract
-ipc name, a listener the guard never saw bound) is unbound by the caller
-(prefetchd.control.listening).
-"""
-import logging
+on; an unbind would discard their pipes. An endpoint neither covers (a listener the
+guard never saw bound) is unbound by the caller (prefetchd.control.listening).
 
+Each gate: `close()` -> True if new connections stop; `open()` -> True if they are let
+in again; `stuck` (optional) True while an open that failed may succeed later (an ipc
+path another server holds for now); `discard()` (optional) at teardown, for a gate
+that could not open.
+"""
 from . import path_gate, syn_gate
 
-log = logging.getLogger("prefetchd.control.server")
 
+class SynGate:
+    """A tcp listener's descriptor `fd`, as seen bound."""
 
-class _Gate:
-    """One listener's gate: `kind` is the module that works it (syn_gate or path_gate),
-    `where` the listener's descriptor or socket file, `ident` what it was when bound."""
+    stuck = False
 
-    def __init__(self, kind, where, ident):
-        self.kind, self.where, self.ident = kind, where, ident
+    def __init__(self, fd):
+        self.fd, self.ident = fd, syn_gate.listener_id(fd)
 
     def close(self):
-        return self.kind.close(self.where, self.ident)
+        return syn_gate.close(self.fd, self.ident)
 
     def open(self):
-        return self.kind.open_(self.where, self.ident)
+        return syn_gate.open_(self.fd, self.ident)
+
+    def discard(self):
+        pass
 
 
 def _gate_for(endpoint, fd):
     if endpoint.startswith("tcp://"):
-        return _Gate(syn_gate, fd, syn_gate.listener_id(fd))
+        return SynGate(fd)
     path = path_gate.path_of(endpoint)
-    return None if path is None else _Gate(path_gate, path, path_gate.file_id(path))
+    if path is None:
+        return None
+    path_gate.remove_stale_aside(path)
+    return path_gate.PathGate(path, path_gate.file_id(path))
 
 
 class Gates:
@@ -55,13 +62,25 @@ class Gates:
         return True
 
     def open(self, endpoint):
-        self._closed.discard(endpoint)
+        """True if new connections to `endpoint` are let in again. False: `stuck(endpoint)`
+        says whether to try again later, else the gate is gone (unbind and bind again)."""
         gate = self._gates.get(endpoint)
-        if gate is None or not gate.open():
-            log.warning("prefetchd server: the gate of %s was gone when it was to open", endpoint)
+        if gate is not None and gate.open():
+            self._closed.discard(endpoint)
+            return True
+        if not self.stuck(endpoint):
+            self._closed.discard(endpoint)
+        return False
+
+    def stuck(self, endpoint):
+        gate = self._gates.get(endpoint)
+        return gate is not None and endpoint in self._closed and getattr(gate, "stuck", False)
 
     def open_all(self):
-        """Open every closed gate (at teardown: an ipc listener's file goes back to its
-        path, where the server's close removes it; libzmq leaves socket files behind)."""
+        """At teardown: open every closed gate (an ipc listener's file goes back to its path,
+        where the server's close removes it; libzmq leaves socket files behind), or, where
+        one cannot open, remove its file from the hidden name."""
         for endpoint in list(self._closed):
-            self.open(endpoint)
+            if not self.open(endpoint):
+                self._gates[endpoint].discard()
+                self._closed.discard(endpoint)

@@ -4,22 +4,29 @@ The connection guard (prefetchd.control.connections) stops listening while the
 descriptors run short. Unbinding a libzmq endpoint discards the pipes of the clients
 connected to it (zmq_unbind(3); prefetchd.control.syn_gate has the measurement), and a
 unix socket has no SYN for a filter to drop. But a unix client finds the listener by
-its path: with the socket file moved aside (a hidden name in the same directory), a
-new client's connect fails (ENOENT; libzmq tries again every reconnect interval),
-while the listening socket and every connection it accepted go on untouched.
-Moving the file back lets new clients in again. Measured: a DEALER connected before
-the move got its request through during it, one connecting during it got in only
-after the move back.
+its path: with the socket file moved aside (a hidden name in the same directory,
+`.NAME.paused-RANDOM`, mode 0 meanwhile so that a process of the owner's finding it
+there is refused too, root excepted), a new client's connect fails (ENOENT; libzmq
+tries again every reconnect interval), while the listening socket and every
+connection it accepted go on untouched. Moving the file back lets new clients in
+again. Measured: a DEALER connected before the move got its request through during
+it, one connecting during it got in only after the move back. What the listener had
+queued already (its backlog) is still accepted: the guard keeps the backlog below its
+descriptor reserve (prefetchd.control.connections.configure).
 
-The file is moved only while it is the one seen when the listener was bound (same
-device and inode), and by link-then-unlink, so neither move replaces a file that
-took its place meanwhile. An abstract-namespace endpoint (`ipc://@name`) has no
-file: `close` says False and the caller unbinds instead.
+The file is moved aside only while it is the one seen when the listener was bound
+(same device and inode). Moving it back replaces a stale file at the path, as a bind
+does (prefetchd.control.endpoints.bind), but never a live server's socket: then the
+gate stays closed and the caller tries again later.
 """
+import errno
 import os
+import secrets
+import socket
 import stat
 
 PREFIX = "ipc://"
+HIDDEN = ".{name}.paused-"
 
 
 def path_of(endpoint):
@@ -27,11 +34,6 @@ def path_of(endpoint):
     if not endpoint.startswith(PREFIX) or endpoint[len(PREFIX):].startswith("@"):
         return None
     return endpoint[len(PREFIX):] or None
-
-
-def _aside(path):
-    head, tail = os.path.split(path)
-    return os.path.join(head, f".{tail}.paused-{os.getpid()}")
 
 
 def file_id(path):
@@ -43,23 +45,105 @@ def file_id(path):
     return (st.st_dev, st.st_ino) if stat.S_ISSOCK(st.st_mode) else None
 
 
-def _move(src, dst, ident):
-    """Move the socket file `ident` from src to dst, replacing nothing. True if moved."""
-    if ident is None or file_id(src) != ident:
-        return False
+def stale(path):
+    """True if nothing listens at `path` (no file, not a socket, or a socket nobody
+    accepts on); False if something may (it accepted, or refused us the check)."""
     try:
-        os.link(src, dst)            # EEXIST rather than replace what is at dst
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return True
+    except FileNotFoundError:
+        return True
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(0.5)
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return True
     except OSError:
         return False
-    os.unlink(src)
-    return True
+    finally:
+        probe.close()
+    return False
 
 
-def close(path, ident):
-    """Move the listener's file aside: new clients cannot find it. True if moved."""
-    return _move(path, _aside(path), ident)
+def remove_stale_aside(path):
+    """Remove the hidden names a process killed while paused left beside `path`."""
+    head, tail = os.path.split(path)
+    prefix = HIDDEN.format(name=tail)
+    try:
+        names = [n for n in os.listdir(head or ".") if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        aside = os.path.join(head, name)
+        if stale(aside):
+            try:
+                os.unlink(aside)
+            except OSError:
+                pass
 
 
-def open_(path, ident):
-    """Move the listener's file back. True if it was aside and is back."""
-    return _move(_aside(path), path, ident)
+class PathGate:
+    """The gate of one listener's socket file `path`, bound as the file `ident`."""
+
+    def __init__(self, path, ident):
+        self.path, self.ident = path, ident
+        self.aside = None            # the hidden name while closed
+        self._mode = None
+
+    @property
+    def stuck(self):
+        """Closed, and the file is still at its hidden name: an open may succeed later."""
+        return self.aside is not None and file_id(self.aside) == self.ident
+
+    def close(self):
+        """Move the file aside: new clients cannot find it. True if moved."""
+        if self.ident is None or file_id(self.path) != self.ident:
+            return False
+        head, tail = os.path.split(self.path)
+        aside = os.path.join(head, HIDDEN.format(name=tail) + secrets.token_hex(4))
+        mode = stat.S_IMODE(os.lstat(self.path).st_mode)
+        try:
+            os.chmod(self.path, 0)
+            os.link(self.path, aside)           # EEXIST rather than replace anything
+        except OSError:
+            _chmod(self.path, mode)
+            return False
+        os.unlink(self.path)
+        self.aside, self._mode = aside, mode
+        return True
+
+    def open(self):
+        """Move the file back. True if it is back; False if the path holds a live server's
+        socket now (the gate stays closed: try again later) or the file is gone."""
+        if self.aside is None or file_id(self.aside) != self.ident:
+            self.aside = None
+            return False
+        try:
+            os.link(self.aside, self.path)
+        except FileExistsError:
+            if not stale(self.path):
+                return False
+            os.rename(self.aside, self.path)    # over the stale file, as a bind would
+        else:
+            os.unlink(self.aside)
+        _chmod(self.path, self._mode)
+        self.aside = None
+        return True
+
+    def discard(self):
+        """At close, when the file could not go back: remove it from its hidden name."""
+        if self.aside is not None and file_id(self.aside) == self.ident:
+            try:
+                os.unlink(self.aside)
+            except OSError:
+                pass
+        self.aside = None
+
+
+def _chmod(path, mode):
+    try:
+        os.chmod(path, mode)
+    except OSError as e:
+        if e.errno != errno.ENOENT:
+            raise

@@ -168,7 +168,8 @@ def test_an_ipc_endpoint_paused_at_close_gets_its_socket_file_back(tmp_path):
     time.sleep(0.1)
     guard.settle()
     listening.stop()
-    assert os.listdir(tmp_path) == [f".s.sock.paused-{os.getpid()}"]
+    (aside,) = os.listdir(tmp_path)
+    assert aside.startswith(".s.sock.paused-")
     guard.close()
     for s in (router, mon):
         s.close(linger=0)
@@ -176,29 +177,115 @@ def test_an_ipc_endpoint_paused_at_close_gets_its_socket_file_back(tmp_path):
     assert os.listdir(tmp_path) == ["s.sock"]
 
 
+def _unix_listener(path):
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(path)
+    sock.listen(16)
+    return sock
+
+
 def test_the_ipc_gate_moves_only_the_file_it_saw_bound(tmp_path):
     """A socket file that took the path's place since the bind is not moved (the caller
-    unbinds instead), nor is anything at the path replaced when the gate opens."""
+    unbinds instead); while aside the file refuses connects (mode 0), and a stale file at
+    the path is replaced when the gate opens, as a bind replaces one."""
     from prefetchd.control import path_gate
     path = str(tmp_path / "s.sock")
-    first = socket.socket(socket.AF_UNIX)
-    first.bind(path)
-    ident = path_gate.file_id(path)
+    first = _unix_listener(path)
+    gate = path_gate.PathGate(path, path_gate.file_id(path))
     os.unlink(path)
-    second = socket.socket(socket.AF_UNIX)
-    second.bind(path)                            # another socket at the same path
+    second = _unix_listener(path)                # another socket at the same path
     try:
-        assert not path_gate.close(path, ident) and os.path.exists(path)
-        ident = path_gate.file_id(path)
-        assert path_gate.close(path, ident) and not os.path.exists(path)
-        with open(path, "w"):                    # something took the path meanwhile
+        assert not gate.close() and os.path.exists(path)
+        gate = path_gate.PathGate(path, path_gate.file_id(path))
+        assert gate.close() and not os.path.exists(path)
+        (aside,) = [n for n in os.listdir(tmp_path) if n.startswith(".s.sock.paused-")]
+        assert stat.S_IMODE(os.lstat(tmp_path / aside).st_mode) == 0
+        with open(path, "w"):                    # something stale took the path meanwhile
             pass
-        assert not path_gate.open_(path, ident)
-        assert not stat.S_ISSOCK(os.lstat(path).st_mode)
+        assert gate.open() and path_gate.file_id(path) == gate.ident
+        assert stat.S_IMODE(os.lstat(path).st_mode) != 0 and os.listdir(tmp_path) == ["s.sock"]
         assert path_gate.path_of("ipc://@abstract") is None and path_gate.path_of("tcp://a:1") is None
     finally:
         first.close()
         second.close()
+
+
+def test_a_live_server_at_the_path_keeps_the_gate_closed_until_it_goes(tmp_path):
+    """A second server that bound the path while the first was paused keeps it: the first
+    does not take it over, tries again, and gets its path back once the second is gone.
+    Closed meanwhile, the first removes its file from the hidden name."""
+    ctx = zmq.Context()
+    guard = ConnectionGuard(raise_limit=False)
+    router = ctx.socket(zmq.ROUTER)
+    mon = guard.watch(router)
+    path = str(tmp_path / "s.sock")
+    router.bind(f"ipc://{path}")
+    endpoint = router.last_endpoint.decode()
+    listening = Listening(lambda s, e: s.bind(e), lambda: [(router, endpoint)], gates=guard.gates)
+    try:
+        time.sleep(0.1)
+        guard.settle()
+        listening.stop()
+        other = _unix_listener(path)             # the second server
+        listening.resume()
+        assert listening.retry_at is not None and guard.gates.stuck(endpoint)
+        other.close()
+        os.unlink(path)                          # the second server's close removes its file
+        time.sleep(0.15)
+        listening.tick()
+        assert listening.retry_at is None and not guard.gates.stuck(endpoint)
+        client = ctx.socket(zmq.DEALER)
+        client.linger = 0
+        client.connect(endpoint)
+        client.send(b"back")
+        assert router.poll(5000) and router.recv_multipart()[1] == b"back"
+        client.close()
+        listening.stop()                         # paused again, and again a server takes the path
+        other = _unix_listener(path)
+        listening.resume()
+        guard.close()                            # closing while stuck: our hidden file goes
+        assert os.listdir(tmp_path) == ["s.sock"]
+        probe = socket.socket(socket.AF_UNIX)
+        probe.connect(path)                      # the second server's socket is still there
+        probe.close()
+        other.close()
+    finally:
+        for s in (router, mon):
+            s.close(linger=0)
+        ctx.term()
+
+
+def test_stale_hidden_names_are_removed_when_the_gate_is_made(tmp_path):
+    """A process killed while paused leaves its file under the hidden name: removed when
+    the next listener's gate is made there (a live one is left alone)."""
+    from prefetchd.control import gates, path_gate
+    path = str(tmp_path / "s.sock")
+    dead = _unix_listener(str(tmp_path / ".s.sock.paused-dead"))
+    dead.close()                                 # the file stays, nobody listens
+    live = _unix_listener(str(tmp_path / ".s.sock.paused-live"))
+    listener = _unix_listener(path)
+    try:
+        assert isinstance(gates._gate_for(f"ipc://{path}", -1), path_gate.PathGate)
+        assert sorted(os.listdir(tmp_path)) == [".s.sock.paused-live", "s.sock"]
+    finally:
+        live.close()
+        listener.close()
+
+
+def test_the_listen_backlog_is_below_the_descriptor_reserve():
+    """What a paused listener had queued is still accepted: at libzmq's default backlog
+    (100) a burst behind a pause could take more than the reserve (64) and abort it."""
+    ctx = zmq.Context()
+    guard = ConnectionGuard(fd_reserve=64, raise_limit=False)
+    router = ctx.socket(zmq.ROUTER)
+    mon = guard.watch(router)
+    try:
+        assert router.getsockopt(zmq.BACKLOG) == 32
+    finally:
+        for s in (router, mon):
+            s.close(linger=0)
+        guard.close()
+        ctx.term()
 
 
 def test_connections_closed_without_a_disconnected_event_are_forgotten(pairs):

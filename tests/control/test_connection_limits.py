@@ -203,10 +203,10 @@ def test_a_client_connected_before_a_pause_is_answered_through_it(child):
         c.ping()
         assert d.ask("hog 250").startswith("hogging")
         # A new connection is accepted, seen over the line, dropped, and the server pauses.
-        newcomer = subprocess.Popen([sys.executable, "-c", RAW_FLOOD, d.endpoint, "1", "0", "0"],
+        # (It is held open: one closed before the guard looked would not count.)
+        newcomer = subprocess.Popen([sys.executable, "-c", RAW_FLOOD, d.endpoint, "1", "5", "0"],
                                     stdout=subprocess.PIPE, text=True)
         assert newcomer.stdout.readline().startswith("flooded")
-        newcomer.wait(10)
         deadline = time.monotonic() + 10
         while d.ask("pauses") == "pauses 0":
             assert time.monotonic() < deadline, "the server never paused"
@@ -221,5 +221,7 @@ def test_a_client_connected_before_a_pause_is_answered_through_it(child):
         pong, err = ping_from_another_process(d.endpoint)
         assert pong == "True", err
         assert c.ping()["pong"]
+        newcomer.kill()
+        newcomer.wait(10)
     assert d.alive()
     assert d.close() == 0

@@ -344,6 +344,11 @@ def test_endpoint_resolution(tmp_path, monkeypatch):
         resolve_endpoint("ipc:///" + "x" * 200)
     with pytest.raises(ConfigError):
         resolve_endpoint("inproc://x")
+    # libzmq's abstract namespace has no file, so no permission keeps other users out. It
+    # became a file named "@x" (ipc://@x), or bound abstract and then failed (ipc://@/x).
+    for abstract in ("ipc://@x", "ipc://@/x"):
+        with pytest.raises(ConfigError, match="abstract-namespace"):
+            resolve_endpoint(abstract, bind=True)
     assert runtime_dir() == f"{tmp_path}/prefetchd"
 
 
