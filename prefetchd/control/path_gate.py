@@ -19,7 +19,6 @@ The file is moved aside only while it is the one seen when the listener was boun
 does (prefetchd.control.endpoints.bind), but never a live server's socket: then the
 gate stays closed and the caller tries again later.
 """
-import errno
 import os
 import secrets
 import socket
@@ -77,10 +76,7 @@ def remove_stale_aside(path):
     for name in names:
         aside = os.path.join(head, name)
         if stale(aside):
-            try:
-                os.unlink(aside)
-            except OSError:
-                pass
+            _unlink(aside)
 
 
 class PathGate:
@@ -102,14 +98,19 @@ class PathGate:
             return False
         head, tail = os.path.split(self.path)
         aside = os.path.join(head, HIDDEN.format(name=tail) + secrets.token_hex(4))
-        mode = stat.S_IMODE(os.lstat(self.path).st_mode)
+        try:
+            mode = stat.S_IMODE(os.lstat(self.path).st_mode)
+        except OSError:
+            return False
         try:
             os.chmod(self.path, 0)
             os.link(self.path, aside)           # EEXIST rather than replace anything
+            os.unlink(self.path)
         except OSError:
+            if file_id(aside) == self.ident:    # linked, not unlinked: undo the link
+                _unlink(aside)
             _chmod(self.path, mode)
             return False
-        os.unlink(self.path)
         self.aside, self._mode = aside, mode
         return True
 
@@ -124,9 +125,14 @@ class PathGate:
         except FileExistsError:
             if not stale(self.path):
                 return False
-            os.rename(self.aside, self.path)    # over the stale file, as a bind would
+            try:
+                os.rename(self.aside, self.path)    # over the stale file, as a bind would
+            except OSError:
+                return False                        # (a directory there): stays stuck
+        except OSError:
+            return False
         else:
-            os.unlink(self.aside)
+            _unlink(self.aside)
         _chmod(self.path, self._mode)
         self.aside = None
         return True
@@ -134,16 +140,19 @@ class PathGate:
     def discard(self):
         """At close, when the file could not go back: remove it from its hidden name."""
         if self.aside is not None and file_id(self.aside) == self.ident:
-            try:
-                os.unlink(self.aside)
-            except OSError:
-                pass
+            _unlink(self.aside)
         self.aside = None
 
 
 def _chmod(path, mode):
     try:
         os.chmod(path, mode)
-    except OSError as e:
-        if e.errno != errno.ENOENT:
-            raise
+    except OSError:
+        pass                 # gone meanwhile: nothing left to give the mode back to
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

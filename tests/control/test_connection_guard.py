@@ -210,6 +210,25 @@ def test_the_ipc_gate_moves_only_the_file_it_saw_bound(tmp_path):
         second.close()
 
 
+def test_a_directory_at_the_path_keeps_the_gate_closed_without_an_error(tmp_path):
+    """Not a file a rename can replace: the gate stays closed (tried again later), and
+    nothing raises on the server's I/O thread."""
+    from prefetchd.control import path_gate
+    path = str(tmp_path / "s.sock")
+    listener = _unix_listener(path)
+    try:
+        gate = path_gate.PathGate(path, path_gate.file_id(path))
+        assert gate.close()
+        os.mkdir(path)
+        (tmp_path / "s.sock" / "x").write_text("")
+        assert not gate.open() and gate.stuck
+        os.unlink(tmp_path / "s.sock" / "x")
+        os.rmdir(path)
+        assert gate.open() and not gate.stuck and path_gate.file_id(path) == gate.ident
+    finally:
+        listener.close()
+
+
 def test_a_live_server_at_the_path_keeps_the_gate_closed_until_it_goes(tmp_path):
     """A second server that bound the path while the first was paused keeps it: the first
     does not take it over, tries again, and gets its path back once the second is gone.
