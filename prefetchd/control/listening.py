@@ -76,7 +76,9 @@ class Listening:
             elif self._gates.stuck(endpoint):
                 if first:
                     log.error("prefetchd server: could not take new connections on %s again "
-                              "(retrying): another server's socket holds its path", endpoint)
+                              "(retrying): its socket file cannot go back to its path (another "
+                              "server's socket there, a directory, or the directory's permissions)",
+                              endpoint)
                 self._stuck.append(endpoint)
             else:
                 # The gate is gone (its file removed meanwhile): listen afresh.

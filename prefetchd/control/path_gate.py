@@ -75,8 +75,27 @@ def remove_stale_aside(path):
         return
     for name in names:
         aside = os.path.join(head, name)
-        if stale(aside):
+        if _stale_aside(aside):
             _unlink(aside)
+
+
+def _stale_aside(aside):
+    """stale() for a hidden file: mode 0 refuses the check's connect to its owner too
+    (root excepted), so an own file is opened to the owner for the moment of the check."""
+    try:
+        st = os.lstat(aside)
+    except OSError:
+        return False
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode):
+        return stale(aside)
+    try:
+        os.chmod(aside, 0o600)
+    except OSError:
+        return False
+    try:
+        return stale(aside)
+    finally:
+        _chmod(aside, 0)
 
 
 class PathGate:

@@ -3,11 +3,13 @@ only the connections it saw accepted, counts a full descriptor table as full, le
 client through its handshake go before connections still in theirs, and pauses a tcp or
 ipc endpoint without cutting off the clients connected to it."""
 import os
+import shutil
 import socket
 import stat
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -289,6 +291,46 @@ def test_stale_hidden_names_are_removed_when_the_gate_is_made(tmp_path):
     finally:
         live.close()
         listener.close()
+
+
+STALE_AS_NOBODY = textwrap.dedent("""
+    import os, socket, sys
+    from prefetchd.control import path_gate
+    os.setgid(65534)
+    os.setuid(65534)                             # root reads a mode-0 file's socket anyway
+    path = os.path.join(sys.argv[1], "s.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(4)
+    gate = path_gate.PathGate(path, path_gate.file_id(path))
+    assert gate.close()
+    live = socket.socket(socket.AF_UNIX)         # another server, paused too, alive
+    live.bind(os.path.join(sys.argv[1], "t.sock"))
+    live.listen(4)
+    live_gate = path_gate.PathGate(live.getsockname(), path_gate.file_id(live.getsockname()))
+    assert live_gate.close()
+    listener.close()                             # killed while paused: its hidden file stays
+    os.unlink(path) if os.path.exists(path) else None
+    path_gate.remove_stale_aside(path)
+    path_gate.remove_stale_aside(live.getsockname())
+    print(sorted(n.split(".paused-")[0] for n in os.listdir(sys.argv[1])))
+""")
+
+
+def test_stale_hidden_names_are_removed_by_a_server_not_running_as_root():
+    """Mode 0 refuses the staleness check's connect to the owner too: as non-root the
+    hidden files of killed servers were never removed (an outside probe)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to become another user for the check")
+    where = tempfile.mkdtemp(dir="/tmp")         # pytest's tmp_path is root's alone
+    try:
+        os.chown(where, 65534, 65534)
+        out = subprocess.run([sys.executable, "-c", STALE_AS_NOBODY, where], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split("\n")[0] == "['.t.sock']", out.stdout     # the live one's is kept
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def test_the_listen_backlog_is_below_the_descriptor_reserve():
