@@ -7,9 +7,9 @@ on; an unbind would discard their pipes. An endpoint neither covers (a listener 
 guard never saw bound) is unbound by the caller (prefetchd.control.listening).
 
 Each gate: `close()` -> True if new connections stop; `open()` -> True if they are let
-in again; `stuck` (optional) True while an open that failed may succeed later (an ipc
-path another server holds for now); `discard()` (optional) at teardown, for a gate
-that could not open.
+in again; `stuck`, True while an open that failed may succeed later (an ipc path that
+another server holds for now; never for tcp); `discard()`, at teardown, for a gate that
+could not open.
 """
 from . import path_gate, syn_gate
 
@@ -74,7 +74,7 @@ class Gates:
 
     def stuck(self, endpoint):
         gate = self._gates.get(endpoint)
-        return gate is not None and endpoint in self._closed and getattr(gate, "stuck", False)
+        return gate is not None and endpoint in self._closed and gate.stuck
 
     def open_all(self):
         """At teardown: open every closed gate (an ipc listener's file goes back to its path,
