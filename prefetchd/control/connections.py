@@ -62,6 +62,7 @@ HEARTBEAT_IVL_MS = 10000         # ZMTP pings find peers that vanished without a
 HEARTBEAT_TIMEOUT_MS = 30000
 MAX_RAISED_FD_LIMIT = 1 << 16
 RECHECK_INTERVAL = 2.0           # seconds between looks for connections closed without a DISCONNECTED
+FD_CHECK_INTERVAL = 0.5          # seconds between looks at the descriptors in use, accepts or not
 
 _PEERCRED = struct.Struct("3i")
 _MONITORS = itertools.count()
@@ -173,6 +174,7 @@ class ConnectionGuard:
         self.pauses = 0                  # times the listeners stopped
         self.gates = Gates()
         self._recheck_at = 0.0
+        self._check_at = 0.0             # monotonic time of the next look at the descriptors
 
     @property
     def held(self):
@@ -255,6 +257,22 @@ class ConnectionGuard:
             if not self.paused and in_use > self.pause_line:
                 self._set_paused(True, in_use)
         if self.paused and open_descriptors() <= self.admit_line:     # (the descriptors themselves)
+            self._set_paused(False, None)
+        self._check_descriptors()
+
+    def _check_descriptors(self):
+        """At most every FD_CHECK_INTERVAL, accepts or not (the server's I/O loop ticks at
+        least once a second): descriptors taken by anything else in the process (its
+        application, the store) count too, so the listeners stop before a burst arrives
+        rather than once libzmq accepted it into the last descriptors."""
+        now = time.monotonic()
+        if now < self._check_at:
+            return
+        self._check_at = now + FD_CHECK_INTERVAL
+        in_use = open_descriptors()
+        if not self.paused and in_use > self.pause_line:
+            self._set_paused(True, in_use)
+        elif self.paused and in_use <= self.admit_line:
             self._set_paused(False, None)
 
     def _forget_closed(self):

@@ -225,3 +225,25 @@ def test_a_client_connected_before_a_pause_is_answered_through_it(child):
         newcomer.wait(10)
     assert d.alive()
     assert d.close() == 0
+
+
+def test_descriptors_taken_by_the_application_stop_the_listeners_before_anyone_connects(child):
+    """The guard looked at the descriptors only when it accepted a connection, so a burst
+    arriving after the application had taken them was accepted into the last ones first
+    (libzmq aborts at the limit). Now it looks at least once a second, connects or not."""
+    d = child(256, 256)
+    path = d.endpoint[len("ipc://"):]
+    assert d.ask("hog 250").startswith("hogging")
+    deadline = time.monotonic() + 5
+    while d.ask("pauses") == "pauses 0":
+        assert time.monotonic() < deadline, "the server did not pause with no connection"
+        time.sleep(0.05)
+    assert not os.path.exists(path)
+    assert d.ask("unhog").startswith("unhogged")
+    deadline = time.monotonic() + 5
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, "the server did not resume"
+        time.sleep(0.05)
+    pong, err = ping_from_another_process(d.endpoint)
+    assert pong == "True", err
+    assert d.close() == 0
