@@ -17,12 +17,13 @@ libzmq then closes it and frees the descriptor) every accepted connection beyond
     guard runs).
 
 When the descriptors in use come within `fd_reserve` of the soft limit anyway (a
-burst accepted faster than the guard drops it), the guard stops the listeners
-until the descriptors in use are back at the admit line, by a gate that leaves the
-connected peers served on (prefetchd.control.gates): a tcp listener drops new
-connections' SYNs, an ipc one's socket file is moved aside. Only an endpoint no gate
-covers (an abstract ipc name) is unbound, which discards its connected peers' pipes:
-their requests go unanswered and their clients time out. A burst of more than
+burst accepted faster than the guard drops it, or descriptors the rest of the
+process took: looked at on every accept and at least once a second), the guard
+stops the listeners until the descriptors in use are back at the admit line, by a
+gate that leaves the connected peers served on (prefetchd.control.gates): a tcp
+listener drops new connections' SYNs, an ipc one's socket file is moved aside. Only
+an endpoint whose gate is gone is unbound, which discards its connected peers'
+pipes: their requests go unanswered and their clients time out. A burst of more than
 `fd_reserve` connections accepted before the guard runs could still reach the
 limit, which is why a server also raises
 the soft RLIMIT_NOFILE to the hard one (`raise_fd_limit`). At the default reserve
