@@ -310,7 +310,6 @@ STALE_AS_NOBODY = textwrap.dedent("""
     live_gate = path_gate.PathGate(live.getsockname(), path_gate.file_id(live.getsockname()))
     assert live_gate.close()
     listener.close()                             # killed while paused: its hidden file stays
-    os.unlink(path) if os.path.exists(path) else None
     path_gate.remove_stale_aside(path)
     path_gate.remove_stale_aside(live.getsockname())
     print(sorted(n.split(".paused-")[0] for n in os.listdir(sys.argv[1])))
