@@ -189,7 +189,8 @@ class ConnectionGuard:
     def counts(self):
         """What a server's status reports of its connections."""
         return {"connections": self.held, "connections_dropped": self.dropped,
-                "connections_handshaking": self.handshaking}
+                "connections_handshaking": self.handshaking,
+                "listening_paused": self.paused, "listening_pauses": self.pauses}
 
     def watch(self, sock, curve=False):
         """Monitor `sock` (a CURVE server if `curve`); returns the monitor socket the I/O loop polls."""

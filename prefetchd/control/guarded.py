@@ -47,8 +47,9 @@ class GuardedListening:
         return self.listening.retry_at
 
     def counts(self):
-        """The connection counts a server's status reports."""
-        return self.guard.counts()
+        """What a server's status reports of its connections and listening: the guard's
+        counts, and the endpoints a resume could not open or bind yet."""
+        return {**self.guard.counts(), "listening_stuck": self.listening.waiting()}
 
     def close(self):
         """At teardown, before the sockets close."""

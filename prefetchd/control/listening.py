@@ -39,6 +39,10 @@ class Listening:
         self._stuck = []            # endpoints whose gate a resume could not open yet
         self.retry_at = None        # monotonic time of the next attempt, or None
 
+    def waiting(self):
+        """The endpoints a resume could not open or bind yet (retried every RELISTEN_INTERVAL)."""
+        return list(self._stuck) + [endpoint for _, endpoint in self._unbound]
+
     def stop(self):
         """The guard's pause: no new connections while descriptors are short."""
         waiting = {id(sock) for sock, _ in self._unbound}

@@ -250,6 +250,7 @@ def test_a_live_server_at_the_path_keeps_the_gate_closed_until_it_goes(tmp_path)
         other = _unix_listener(path)             # the second server
         listening.resume()
         assert listening.retry_at is not None and guard.gates.stuck(endpoint)
+        assert listening.waiting() == [endpoint]
         other.close()
         os.unlink(path)                          # the second server's close removes its file
         time.sleep(0.15)

@@ -212,7 +212,9 @@ def test_a_client_connected_before_a_pause_is_answered_through_it(child):
             assert time.monotonic() < deadline, "the server never paused"
             time.sleep(0.05)
         for _ in range(20):                    # each fails with a timeout if the pipe was discarded
-            assert c.status()["server"]["connections"] >= 1
+            server = c.status()["server"]
+            assert server["connections"] >= 1 and server["listening_paused"], server
+        assert server["listening_pauses"] >= 1 and server["listening_stuck"] == []
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         with pytest.raises(FileNotFoundError):
             probe.connect(d.endpoint[len("ipc://"):])       # a new client finds nothing
@@ -220,7 +222,7 @@ def test_a_client_connected_before_a_pause_is_answered_through_it(child):
         assert d.ask("unhog").startswith("unhogged")
         pong, err = ping_from_another_process(d.endpoint)
         assert pong == "True", err
-        assert c.ping()["pong"]
+        assert c.ping()["pong"] and not c.status()["server"]["listening_paused"]
         newcomer.kill()
         newcomer.wait(10)
     assert d.alive()
