@@ -6,7 +6,7 @@ wire the same parts the same way: the guard (prefetchd.control.connections) watc
 socket before it binds, its monitors are polled with the server's sockets, it settles
 what was accepted after every poll, and it pauses and resumes the endpoints
 (prefetchd.control.listening) when descriptors run short; an endpoint a resume could not
-bind again is retried on the loop's clock (`wake_at`).
+open or bind again is retried on the loop's clock (`wake_at`).
 """
 from .connections import DEFAULT_FD_RESERVE, ConnectionGuard
 from .listening import Listening
@@ -43,7 +43,7 @@ class GuardedListening:
 
     @property
     def wake_at(self):
-        """Monotonic time the loop must tick by (an endpoint to bind again), or None."""
+        """Monotonic time the loop must tick by (an endpoint to open or bind again), or None."""
         return self.listening.retry_at
 
     def counts(self):
