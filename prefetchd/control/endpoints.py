@@ -159,23 +159,30 @@ def bind(sock, address):
         ensure_private_dir(parent)
     else:
         check_private_dir(parent)
-    if os.path.exists(path):
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.settimeout(0.5)
-            probe.connect(path)
-        except OSError:
-            pass            # stale file of a dead server; libzmq replaces it
-        else:
-            raise ConfigError(f"endpoint {address}: another server is listening there")
-        finally:
-            probe.close()
+    if os.path.exists(path) and listener_at(path):      # else a dead server's file: libzmq replaces it
+        raise ConfigError(f"endpoint {address}: another server is listening there")
     old = os.umask(0o177)
     try:
         sock.bind(address)
     finally:
         os.umask(old)
     return path, os.stat(path).st_ino
+
+
+def listener_at(path):
+    """True if a unix socket at `path` accepted a connect, False if it refused it (nobody
+    listens), None if the connect said neither (no such file, no permission, a timeout)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(0.5)
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return True
 
 
 def _bind_tcp(sock, address):

@@ -21,8 +21,9 @@ gate stays closed and the caller tries again later.
 """
 import os
 import secrets
-import socket
 import stat
+
+from .endpoints import listener_at
 
 PREFIX = "ipc://"
 HIDDEN = ".{name}.paused-"
@@ -52,17 +53,7 @@ def stale(path):
             return True
     except FileNotFoundError:
         return True
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(0.5)
-        probe.connect(path)
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-    return False
+    return listener_at(path) is False
 
 
 def remove_stale_aside(path):
