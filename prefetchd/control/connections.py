@@ -258,17 +258,17 @@ class ConnectionGuard:
             in_use = open_descriptors()
             if not self.paused and in_use > self.pause_line:
                 self._set_paused(True, in_use)
-        if self.paused and open_descriptors() <= self.admit_line:     # (the descriptors themselves)
-            self._set_paused(False, None)
         self._check_descriptors()
 
     def _check_descriptors(self):
-        """At most every FD_CHECK_INTERVAL, accepts or not (the server's I/O loop ticks at
-        least once a second): descriptors taken by anything else in the process (its
-        application, the store) count too, so the listeners stop before a burst arrives
-        rather than once libzmq accepted it into the last descriptors."""
+        """While paused, after every poll: resume once the descriptors in use (those that
+        closed, and those of the connections dropped) are back at the admit line. Else at
+        most every FD_CHECK_INTERVAL, accepts or not (the server's I/O loop ticks at least
+        once a second): descriptors taken by anything else in the process (its application,
+        the store) count too, so the listeners stop before a burst arrives rather than once
+        libzmq accepted it into the last descriptors."""
         now = time.monotonic()
-        if now < self._check_at:
+        if now < self._check_at and not self.paused:
             return
         self._check_at = now + FD_CHECK_INTERVAL
         in_use = open_descriptors()
