@@ -2,10 +2,12 @@
 
 A dtype travels through prefetchd as its numpy name ("float32", "bfloat16"):
 that is what the store's tensor metadata and the index record. numpy has no
-bfloat16 of its own; MindSpore registers one (`mindspore.dtype_to_nptype(
-mindspore.bfloat16)`, 2 bytes, `np.dtype("bfloat16")` works once mindspore is
-imported). Importing MindSpore takes seconds, so it happens only when a
-bfloat16 is actually turned into a numpy dtype; sizes and names never need it.
+bfloat16 of its own; MindSpore registers one when imported (2 bytes;
+`np.dtype("bfloat16")` works from then on). Importing MindSpore takes seconds,
+so it happens only when a bfloat16 is actually turned into a numpy dtype; sizes
+and names never need it. A MindSpore dtype is read by its name (`str(mindspore.
+float32)` is "Float32"): `mindspore.dtype_to_nptype` is deprecated and logs a
+warning on every call.
 """
 import numpy as np
 
@@ -54,8 +56,11 @@ def name_of(dtype):
         return numpy_dtype(dtype).name
     if isinstance(dtype, (np.dtype, type)):
         return np.dtype(dtype).name
-    # a MindSpore dtype (mindspore.float32, mindspore.bfloat16): its numpy twin names it
-    return np.dtype(_mindspore().dtype_to_nptype(dtype)).name
+    # a MindSpore dtype (mindspore.float32, mindspore.bfloat16)
+    name = MINDSPORE_CKPT.get(str(dtype))
+    if name is None:
+        raise TypeError(f"dtype {dtype} has no numpy equivalent")
+    return name
 
 
 def numpy_dtype(name):
@@ -70,7 +75,8 @@ def numpy_dtype(name):
     except TypeError:
         if name != "bfloat16":
             raise TypeError(f"dtype {name!r} has no numpy equivalent") from None
-    return np.dtype(_mindspore().dtype_to_nptype(_mindspore().bfloat16))
+    _mindspore()          # registers numpy's bfloat16
+    return np.dtype("bfloat16")
 
 
 def mindspore_dtype(name):

@@ -4,12 +4,13 @@
 - `Parameter.set_data(t, slice_shape=True)` rebinds storage; it blocks until
   MindSpore's op queue drains if the old storage was used by an op, so callers
   bind on the compute thread, never on the scheduler.
-- `hal.synchronize()` is the only fence that works on CPU; it drains every queue.
+- `runtime.synchronize()` is the only fence that works on CPU; it drains every queue.
 """
 import threading
 
 import numpy as np
 
+from .. import dtypes
 from ..guard import base_class
 
 _ms = None
@@ -38,10 +39,9 @@ def is_tensor(x):
 
 
 def to_numpy_dtype(ms_dtype):
-    ms = mindspore()
     try:
-        return np.dtype(ms.dtype_to_nptype(ms_dtype))
-    except Exception:
+        return dtypes.numpy_dtype(dtypes.name_of(ms_dtype))
+    except TypeError:
         raise TypeError(f"dtype {ms_dtype} has no numpy equivalent; prefetchd cannot manage it") from None
 
 
@@ -106,7 +106,7 @@ def _pass_gradient(grad):
 
 
 def synchronize():
-    mindspore().hal.synchronize()
+    mindspore().runtime.synchronize()   # (hal.synchronize is deprecated: it warns)
 
 
 class ComputeMarker:
@@ -116,7 +116,7 @@ class ComputeMarker:
     an epoch; once MindSpore has executed every op up to it, the shared word
     reaches that epoch. `reached(e)` reads the word; `wait(e, timeout)` sleeps
     until it gets there (futex, GIL released). This replaces a whole-queue
-    `hal.synchronize()` when only an earlier unit's memory is to be reused.
+    `runtime.synchronize()` when only an earlier unit's memory is to be reused.
 
     The kernel counts its runs in the word: marks are queued under one lock,
     numbered as they go, and PyNative launches them from its one op queue in that

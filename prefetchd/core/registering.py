@@ -40,7 +40,8 @@ class Registrar:
     def register(self, tensor, name, tier):
         """The record of `tensor` under `name`, placed on `tier` (see the module docstring);
         name and tier as checked_name returned and checked them."""
-        array = np.ascontiguousarray(framework.host_copy(tensor))
+        # np.require, not np.ascontiguousarray: that makes a 0-d tensor 1-d
+        array = np.require(framework.host_copy(tensor), requirements="C")
         rec = ManagedTensor(name=name, shape=tuple(array.shape), dtype=array.dtype,
                             nbytes=array.nbytes, target=tensor)
         self._add(rec)

@@ -54,7 +54,8 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
         for param, value in todo:
             array = _array(value)
             with handle.daemon.use([param]):
-                param.set_data(ms.Tensor(np.ascontiguousarray(array)))
+                # np.require keeps a 0-d value 0-d (np.ascontiguousarray makes it 1-d)
+                param.set_data(ms.Tensor(np.require(array, requirements="C")))
     return not_loaded, unused
 
 

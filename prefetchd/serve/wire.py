@@ -33,7 +33,7 @@ def encode_arrays(arrays):
     be sent with copy=False. ValueError for a dtype the wire does not carry."""
     headers, buffers = [], []
     for i, a in enumerate(arrays):
-        a = np.ascontiguousarray(a)
+        a = np.require(a, requirements="C")     # (np.ascontiguousarray makes a 0-d array 1-d)
         if a.dtype.name not in DTYPES or a.dtype.byteorder == ">":
             raise ValueError(f"tensor {i}: dtype {a.dtype} is not carried on the wire; "
                              f"use one of {', '.join(DTYPES)}")
