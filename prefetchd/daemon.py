@@ -211,6 +211,17 @@ class Daemon:
         self.check_open()
         return TensorHandle(self._registrar.register(tensor, name, tier))
 
+    def register_all(self, tensors, *, tier="remote"):
+        """Manage every tensor of `tensors` (each under its own name) on tier "host" or
+        "remote", or none: each keeps its own memory until all are placed, so when one
+        placement fails (e.g. the store's disk is full) the ones placed are dropped again
+        (host blocks freed, store files removed), every tensor is as it was, and the
+        error is raised. Returns their handles, in order."""
+        tensors = list(tensors)
+        items = [(t, checked_name(t, None, tier)) for t in tensors]
+        self.check_open()
+        return [TensorHandle(rec) for rec in self._registrar.register_all(items, tier)]
+
     def register_remote(self, name, shape, dtype, *, target=None):
         """Manage a tensor whose data is already in the store under `name`."""
         check_name(name)

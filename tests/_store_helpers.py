@@ -60,6 +60,12 @@ def tiny_fs(tmp_path):
 
 
 @pytest.fixture
+def small_fs(tmp_path):
+    """A 2 MiB tmpfs: room for a few hundred KiB of tensors, not for a model of megabytes."""
+    yield from _mounted(str(tmp_path / "small"), "tmpfs", "size=2m")
+
+
+@pytest.fixture
 def ramfs(tmp_path):
     """A filesystem without O_DIRECT. (tmpfs has O_DIRECT since Linux 6.6; ramfs never had it.)"""
     yield from _mounted(str(tmp_path / "ramfs"), "ramfs")

@@ -104,6 +104,7 @@ class Backend(Protocol):
     def store_contains(self, key: str) -> bool: ...
     def store_info(self, key: str) -> dict: ...
     def store_bytes(self) -> int: ...
+    def store_remove(self, key: str) -> None: ...      # its file (every version) is deleted
     def write_sync(self, key: str, data, meta: bytes = b"") -> None: ...
     def read_sync(self, key: str, dst) -> None: ...
 
@@ -235,6 +236,9 @@ class HostAndStoreTiers:
 
     def store_bytes(self):
         return self.store.bytes_stored()
+
+    def store_remove(self, key):
+        self.store.remove(key)
 
     def write_sync(self, key, data, meta=b""):
         self.store.write_sync(key, data, -1, meta)

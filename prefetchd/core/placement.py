@@ -4,17 +4,25 @@ The values go to a host block (one copy) or to the store (a write, then a read-b
 that proves it durable and intact), and the register request resolves when they are
 there; no device replica is made. A register(tier="device") is a load instead
 (core/loads.py). These transfers carry their register request: the scheduler routes
-their completions here, never to the write-back path of resident tensors.
+their completions here, never to the write-back path of resident tensors. A FORGET
+request undoes placements whose registration is abandoned (an offload() that failed
+part-way): their host blocks and store files go, and so do their records.
 Scheduler thread only, under the daemon's lock.
 """
+import logging
+
 from ..backend.base import TransferKind
-from ..errors import StorageError
+from ..errors import PrefetchdError, StorageError
+from .records import State
 from .transfers import transfer_error
+
+log = logging.getLogger("prefetchd")
 
 
 class Placements:
-    def __init__(self, backend, transfers, outcomes, host_replicas, stats):
+    def __init__(self, backend, registry, transfers, outcomes, host_replicas, stats):
         self._backend = backend
+        self._registry = registry
         self._transfers = transfers
         self._outcomes = outcomes
         self._host = host_replicas
@@ -72,4 +80,25 @@ class Placements:
             return
         rec.host_valid = True
         self._stats.record_transfer("d2h", rec.nbytes, seconds)
+        self._outcomes.resolve(req)
+
+    # ------------------------------------------------------------------ abandoned
+    def forget(self, req):
+        """Undo the placements of req.recs, registered and placed but never used: free
+        their host blocks, remove their store files, forget their records. Refused, with
+        nothing changed, for a record that is on the device, moving or held."""
+        busy = next((r for r in req.recs if r.state is not State.ABSENT or r.pins or r.waiters), None)
+        if busy is not None:
+            self._outcomes.fail(req, PrefetchdError(
+                f"cannot forget {busy.name!r}: it is {busy.state.value} with {busy.pins} pin(s)"))
+            return
+        for rec in req.recs:
+            self._host.free(rec)
+            if rec.remote_valid:
+                rec.remote_valid = False
+                try:
+                    self._backend.store_remove(rec.name)
+                except Exception as e:     # the file stays; the record goes all the same
+                    log.warning("prefetchd: could not remove the store file of %r: %s", rec.name, e)
+            self._registry.forget(rec)
         self._outcomes.resolve(req)

@@ -5,9 +5,12 @@ home where the backend has stable addresses, and hands the values to the schedul
 (a REGISTER request: a device replica, a host block, or a verified write to the
 store); once placed, the framework tensor is bound to its replica or made a
 placeholder. A failed placement forgets the record: nothing half-registered stays.
+`register_all` places many tensors before any is taken over: all, or none (the
+placed ones are forgotten again when one fails).
 `register_remote` manages a tensor whose bytes are already in the store.
 Any thread; the registry changes under the daemon's lock.
 """
+import logging
 from concurrent.futures import Future
 
 import numpy as np
@@ -19,6 +22,8 @@ from .registry import check_name
 from .requests import Kind, Request
 
 TIERS = ("device", "host", "remote")
+
+log = logging.getLogger("prefetchd")
 
 
 def checked_name(tensor, name, tier):
@@ -40,6 +45,35 @@ class Registrar:
     def register(self, tensor, name, tier):
         """The record of `tensor` under `name`, placed on `tier` (see the module docstring);
         name and tier as checked_name returned and checked them."""
+        rec = self._place(tensor, name, tier)
+        self._take_over(rec, tier)
+        return rec
+
+    def register_all(self, items, tier):
+        """Records of every (tensor, name) in `items`, placed on tier "host" or "remote";
+        or none. Every tensor keeps its own memory until all are placed, so when one
+        placement fails (a full disk) the placed ones are forgotten (host blocks freed,
+        store files removed) and every tensor is as it was; the error is re-raised."""
+        if tier not in ("host", "remote"):
+            raise ValueError(f"register_all places on the 'host' or 'remote' tier, not {tier!r}")
+        recs = []
+        try:
+            for tensor, name in items:
+                recs.append(self._place(tensor, name, tier))
+        except BaseException:
+            if recs:
+                try:
+                    self._core.submit(Request(Kind.FORGET, tuple(recs), Future())).result()
+                except Exception as e:     # the daemon closing: the first error is the one to see
+                    log.warning("prefetchd: %d placed tensors not forgotten after a failed "
+                                "registration: %s", len(recs), e)
+            raise
+        for rec in recs:
+            self._take_over(rec, tier)
+        return recs
+
+    def _place(self, tensor, name, tier):
+        """A new record holding a copy of `tensor`'s values on `tier`; `tensor` unchanged."""
         # np.require, not np.ascontiguousarray: that makes a 0-d tensor 1-d
         array = np.require(framework.host_copy(tensor), requirements="C")
         rec = ManagedTensor(name=name, shape=tuple(array.shape), dtype=array.dtype,
@@ -51,6 +85,11 @@ class Registrar:
             with self._core.lock:
                 self._registry.forget(rec)
             raise
+        return rec
+
+    def _take_over(self, rec, tier):
+        """Point the framework tensor at what the daemon manages: its device replica, or
+        its home (a placeholder that faults until loaded); its own memory is let go."""
         if tier == "device":
             if rec.home is not None:
                 self._binding.bind_home(rec)
@@ -58,7 +97,6 @@ class Registrar:
             self._binding.track(rec)
         else:
             self._binding.placeholder(rec)
-        return rec
 
     def register_remote(self, name, shape, dtype, target):
         """The record of the stored tensor `name` (a checked name), checked against shape and dtype."""

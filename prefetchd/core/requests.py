@@ -27,6 +27,7 @@ class Kind(str, enum.Enum):
     FLUSH = "flush"
     STAGE = "stage"
     WATERMARKS = "watermarks"
+    FORGET = "forget"      # placed tensors a failed offload() gives up (core/placement.py)
     SHUTDOWN = "shutdown"
 
 

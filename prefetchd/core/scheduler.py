@@ -64,7 +64,8 @@ class Scheduler:
         self.loads = Loads(config, backend, self.memory, self.transfers, self.outcomes, self.hostcache,
                            self.host_replicas, stats, tick=self.tick, emit=emit,
                            evict=self.writebacks.evict)
-        self.placements = Placements(backend, self.transfers, self.outcomes, self.host_replicas, stats)
+        self.placements = Placements(backend, registry, self.transfers, self.outcomes, self.host_replicas,
+                                     stats)
         self.memory.connect(evict=self.writebacks.evict, written_late=self.writebacks.written_late)
         self.waiting = []              # evict/flush requests waiting on transfers: (request, recs)
         self._tick = itertools.count(1)
@@ -79,6 +80,7 @@ class Scheduler:
             Kind.FLUSH: self._flush_request,
             Kind.STAGE: self.host_replicas.stage,
             Kind.WATERMARKS: self._watermarks,
+            Kind.FORGET: self.placements.forget,
         }
         # Completions by transfer kind: fn(rec, request or None, completion, seconds).
         self._completions = {

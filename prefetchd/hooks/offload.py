@@ -78,6 +78,9 @@ class Offloaded:
             raise PrefetchdError("prefetchd.offload needs PyNative mode: in graph mode MindSpore skips "
                                  "forward hooks and a compiled graph keeps the storage it saw at compile "
                                  "time (call mindspore.set_context(mode=mindspore.PYNATIVE_MODE))")
+        if tier not in ("remote", "host"):
+            raise ValueError(f"prefetchd.offload: tier must be 'remote' (files) or 'host' (RAM), "
+                             f"not {tier!r}")
         daemon.check_open()           # a Daemon never started (or closed) is refused by name
         refusals.refuse_managed(model)
         config = daemon.config

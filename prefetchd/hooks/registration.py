@@ -7,7 +7,9 @@ before any hook is installed:
     records = register(daemon, model, params, tier, checkpoint)   # id(param) -> daemon record
 
 A name clash, or host-tier weights the host budget cannot hold, is refused
-before any parameter is registered, so a refusal leaves the model as it was.
+before any parameter is registered, and a placement that fails part-way (the
+store's disk full) undoes the others (Daemon.register_all), so a refusal or a
+failure leaves the model as it was.
 With checkpoint=..., `register_checkpoint` registers every parameter from the store.
 """
 import numpy as np
@@ -39,7 +41,8 @@ def register(daemon, model, params, tier, checkpoint):
         _refuse_taken_names(daemon, params.values())
         if tier == "host":
             _refuse_beyond_the_host_budget(daemon, params.values())
-        handles = {key: daemon.register(p, p.name, tier=tier) for key, p in params.items()}
+        # All or none: a placement that fails (a full disk) leaves every parameter as it was.
+        handles = dict(zip(params, daemon.register_all(params.values(), tier=tier)))
     return {key: daemon.record(handle) for key, handle in handles.items()}
 
 

@@ -63,6 +63,17 @@ def test_a_model_on_a_closed_daemon_says_the_daemon_is_closed(ms, tmp_path, x):
         model(x)
 
 
+@pytest.mark.parametrize("tier", ["device", "Remote", None])
+def test_a_tier_other_than_remote_or_host_is_refused_before_anything_is_registered(ms, tmp_path, x, tier):
+    model = stack(ms)
+    want = model(x).asnumpy()
+    with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "s")) as daemon:
+        with pytest.raises(ValueError, match=r"tier must be 'remote' \(files\) or 'host' \(RAM\)"):
+            prefetchd.offload(model, daemon, lookahead=1, tier=tier)
+        assert daemon.names() == []
+    np.testing.assert_array_equal(model(x).asnumpy(), want)
+
+
 def test_a_store_dir_that_is_a_file_is_refused_as_such(tmp_path):
     path = tmp_path / "a-file"
     path.write_text("not a directory")
