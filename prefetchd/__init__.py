@@ -21,7 +21,7 @@ _LAZY = {
 }
 _ERRORS = (
     "PrefetchdError", "NotResidentError", "UnknownTensorError", "DoubleRegisterError",
-    "BudgetError", "PinnedError", "ShutdownError", "UseAfterFreeError", "IntegrityError",
+    "BudgetError", "PinnedError", "ShutdownError", "UseAfterFreeError", "DaemonClosedError", "IntegrityError",
     "StorageError", "FlushError", "StagingError", "ConfigError",
 )
 

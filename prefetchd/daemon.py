@@ -161,6 +161,8 @@ class Daemon:
             first = self._state != "closing"
             started = self._core is not None
             self._state = "closing"
+            if self._binding is not None:     # guarded tensors say the daemon is gone
+                self._binding.closed_as = f"prefetchd daemon {self.config.name!r}, which is closed"
             if started:
                 self._core.inbox.refuse_new(self._closed_message())
         if first:

@@ -74,5 +74,9 @@ class NotResidentError(PrefetchdError):
             f"(valid replicas: {tier or 'none'}; state: {state})"))
 
 
+class DaemonClosedError(NotResidentError):
+    """A managed tensor used after the daemon managing it closed: its values are gone from it."""
+
+
 class UseAfterFreeError(NotResidentError):
     """A tensor used after prefetchd.ops.free() or detach() released its device memory."""

@@ -20,7 +20,7 @@ outside a forward") lists what is covered and what is not.
 """
 import numpy as np
 
-from .errors import NotResidentError, UseAfterFreeError
+from .errors import DaemonClosedError, NotResidentError, UseAfterFreeError
 _tracked = {}   # base class -> tracking subclass
 _guarded = {}   # base class -> guarding subclass
 
@@ -101,8 +101,8 @@ def refusal(target, what):
     if not isinstance(error, NotResidentError):
         return error
     message = f"refused {what}: {error}"
-    if isinstance(error, UseAfterFreeError):
-        pass                                  # no daemon involved: ops.free() released it
+    if isinstance(error, (UseAfterFreeError, DaemonClosedError)):
+        pass                                  # no daemon to ask: freed by ops.free(), or closed
     elif "daemon.use" in message:
         message += f"; {_LOAD_HINT}"
     else:

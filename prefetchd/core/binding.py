@@ -8,11 +8,17 @@ through the Python API mark the tensor dirty so the write-back keeps them.
 """
 from .. import guard as guards
 from ..backend import framework
-from ..errors import NotResidentError, PrefetchdError
+from ..errors import DaemonClosedError, NotResidentError, PrefetchdError
 from .records import State
 
 
-def _not_in_use(rec):
+def _not_in_use(rec, closed_as):
+    if closed_as is not None:
+        # daemon.use cannot help any more: say what can
+        return DaemonClosedError(rec.name, ",".join(rec.tiers), rec.state.value, (
+            f"tensor {rec.name!r} was managed by {closed_as}; its values are not reachable through "
+            f"it any more: build the model again (from its checkpoint, or with prefetchd.offload(model, "
+            f"Daemon(store_dir=...), checkpoint=True) on the store its weights were written to)"))
     if rec.state is State.RESIDENT:   # resident by chance (a prefetch), but nobody holds it
         return NotResidentError(rec.name, ",".join(rec.tiers), rec.state.value, (
             f"tensor {rec.name!r} is managed by prefetchd and not in use: it may move at any "
@@ -26,6 +32,7 @@ class Binding:
         self._lock = lock
         self._backend = backend
         self._stats = stats
+        self.closed_as = None      # the daemon's closed message, once it closes
 
     def bind_home(self, rec):
         """Point the framework tensor at its home, once for its life (no copy)."""
@@ -69,7 +76,7 @@ class Binding:
     def guard(self, rec):
         """Python-level use of rec's tensor raises NotResidentError until it is bound again."""
         if rec.target is not None:
-            guards.guard(rec.target, lambda rec=rec: _not_in_use(rec))
+            guards.guard(rec.target, lambda rec=rec: _not_in_use(rec, self.closed_as))
 
     def placeholder(self, rec):
         """A registered tensor whose data lives elsewhere: bound to its home (which

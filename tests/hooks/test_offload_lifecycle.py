@@ -63,6 +63,22 @@ def test_a_model_on_a_closed_daemon_says_the_daemon_is_closed(ms, tmp_path, x):
         model(x)
 
 
+def test_a_weight_read_after_its_daemon_closed_says_so_not_to_use_daemon_use(ms, tmp_path, x):
+    model = stack(ms)
+    with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "s"), name="gone") as daemon:
+        prefetchd.offload(model, daemon, lookahead=1).close()   # (no prefetch brings it back)
+        weight = model[0][0].weight
+        daemon.evict([weight]).result(10)
+        assert "device" not in prefetchd.tier(weight)
+        with pytest.raises(NotResidentError, match=r"daemon\.use"):     # open: daemon.use is the way
+            weight.asnumpy()
+    with pytest.raises(prefetchd.DaemonClosedError) as closed:
+        weight.asnumpy()
+    message = str(closed.value)
+    assert "prefetchd daemon 'gone', which is closed" in message and "build the model again" in message
+    assert "daemon.use" not in message
+
+
 @pytest.mark.parametrize("tier", ["device", "Remote", None])
 def test_a_tier_other_than_remote_or_host_is_refused_before_anything_is_registered(ms, tmp_path, x, tier):
     model = stack(ms)
