@@ -219,7 +219,8 @@ class Daemon:
         placement fails (e.g. the store's disk is full) the ones placed are dropped again
         (host blocks freed, store files removed), every tensor is as it was, and the
         error is raised. Returns their handles, in order."""
-        tensors = list(tensors)
+        if framework.is_tensor(tensors):      # (iterating a tensor gives its rows)
+            raise TypeError("register_all takes an iterable of tensors; register() takes one")
         items = [(t, checked_name(t, None, tier)) for t in tensors]
         self.check_open()
         return [TensorHandle(rec) for rec in self._registrar.register_all(items, tier)]

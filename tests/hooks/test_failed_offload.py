@@ -74,3 +74,11 @@ def test_register_all_places_all_or_none(ms, make_daemon, tmp_path, tier):
     assert [h.name for h in handles] == ["a", "b"] and sorted(daemon.names()) == ["a", "b"]
     with daemon.use([first, second]):
         assert first.asnumpy()[299, 69] == 1.0 and second.asnumpy()[0, 0] == 2.0
+
+
+def test_register_all_refuses_a_single_tensor(ms, make_daemon):
+    weight = ms.Parameter(ms.Tensor(np.ones((4, 4), np.float32)), name="w")
+    daemon = make_daemon()
+    with pytest.raises(TypeError, match="register_all takes an iterable of tensors"):
+        daemon.register_all(weight)
+    assert daemon.names() == []
