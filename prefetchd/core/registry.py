@@ -75,6 +75,15 @@ class Registry:
         """The registered records whose host replica the host cache may drop now (RecordIndex)."""
         return self.index.droppable_host
 
+    def _own(self, rec):
+        """rec if this registry holds it: a handle of another daemon's tensor (another copy of
+        the same model, names alike) would move that daemon's memory through this one's store."""
+        if rec.index is not self.index:
+            raise UnknownTensorError(
+                f"tensor {rec.name!r} is not registered with daemon {self._daemon_name!r}: its handle "
+                f"belongs to another daemon, or the tensor was dropped")
+        return rec
+
     def name_of(self, tensor):
         """The name a framework tensor is registered under, or None."""
         return self._targets.get(id(tensor))
@@ -83,9 +92,9 @@ class Registry:
         """The record for a handle, record, name or registered framework tensor."""
         rec = getattr(item, "_rec", None)
         if isinstance(rec, ManagedTensor):
-            return rec
+            return self._own(rec)
         if isinstance(item, ManagedTensor):
-            return item
+            return self._own(item)
         if isinstance(item, str):
             rec = self.records.get(item)
             if rec is None:
@@ -102,7 +111,7 @@ class Registry:
         """Records for one tensor-like item or an iterable of them, without duplicates."""
         rec = getattr(tensors, "_rec", None)       # a TensorHandle: the hot path of prefetch hits
         if rec is not None:
-            return (rec,)
+            return (self._own(rec),)
         if isinstance(tensors, (str, ManagedTensor)) or is_tensor(tensors):
             tensors = (tensors,)
         try:

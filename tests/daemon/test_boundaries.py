@@ -135,3 +135,23 @@ def test_a_float_size_has_the_same_limit_as_an_int(key, value):
 def test_a_budget_beyond_the_machine_is_refused_at_start_with_the_numbers(store_dir):
     with pytest.raises(ConfigError, match="exceeds the .* that"):
         Daemon(store_dir=store_dir, device_budget="100TiB").start()
+
+
+@pytest.mark.parametrize("request_of", ["prefetch", "evict", "flush", "pin", "use"])
+def test_a_handle_of_another_daemons_tensor_is_refused(make_daemon, make_param, tmp_path, request_of):
+    """Two copies of a model, one per daemon: the same names, different values. A handle of
+    one daemon's tensor given to the other loaded the other's values into it, wrote its own
+    over the other's store, or broke both daemons' books."""
+    one, two = (make_daemon(name=n, store_dir=str(tmp_path / n)) for n in ("one", "two"))
+    mine, theirs = make_param(np.full(1024, 1.0, np.float32), "w"), make_param(np.full(1024, 2.0, np.float32), "w")
+    handle = one.register(mine, tier="remote")
+    two.register(theirs, tier="remote")
+    call = {"prefetch": lambda: two.prefetch(handle), "evict": lambda: two.evict(handle),
+            "flush": lambda: two.flush([handle]), "pin": lambda: two.pin(handle),
+            "use": lambda: two.use([handle]).__enter__()}[request_of]
+    with pytest.raises(UnknownTensorError, match="'w' is not registered with daemon 'two': its handle belongs"):
+        call()
+    with one.use([handle]):
+        assert (mine.asnumpy() == 1.0).all()
+    with two.use([theirs]):
+        assert (theirs.asnumpy() == 2.0).all()
