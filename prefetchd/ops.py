@@ -21,8 +21,10 @@ asynchronous path is the Daemon's prefetch queue.
 
 A tensor whose device memory was released (free/detach) raises
 UseAfterFreeError / NotResidentError when used through its Python API, and is
-bound to a 0-element buffer so kernels fail with a shape error rather than read
-memory that belongs to someone else.
+bound to a 0-element buffer so kernels never read memory that belongs to someone
+else: a kernel that checks shapes fails, one that takes the tensor inside a
+sequence (`ops.stack((y, y))`, `ops.addn`) sees it empty and returns an empty
+result. Tensors that share storage (set_data) keep it until the last lets go.
 """
 import threading
 import uuid
@@ -163,21 +165,38 @@ def _release_local(x, e):
     framework.synchronize()
     framework.bind_placeholder(x, e.dtype)
     block, e.block, e.tier = e.block, None, None
-    if block is not None:
+    _let_go(block)
+
+
+def _let_go(block):
+    """Give `block` back unless another tensor still uses it (set_data shares blocks): the
+    last one to let go releases it. The caller fenced compute and took its entry off it."""
+    if block is None:
+        return
+    rt = runtime()
+    with rt.lock:
+        shared = any(other.block is block for other in rt.entries.values())
+    if not shared:
         block.release()
 
 
 def set_data(x, value):
-    """From now on x shares value's storage: writes through either are seen by both."""
+    """From now on x shares value's storage: writes through either are seen by both.
+    Releasing it through one of them (free, detach, update_to_device) lets go of it for
+    that one only; the storage goes when the last tensor sharing it lets go."""
     ev = _entry(value)
     _check_usable(value, ev, "set_data")
     ex = _entry(x)
     if guard.is_guarded(x):
         guard.release(x)
     framework.share(x, value)
+    old = ex.block
     ex.tier, ex.block, ex.freed = ev.tier, ev.block, False
     ex.shape, ex.dtype = ev.shape, ev.dtype
     ex.remote_key = ex.remote_crc = None
+    if old is not None and old is not ev.block:
+        framework.synchronize()      # compute dispatched on x may still read its old block
+        _let_go(old)
     return x
 
 
@@ -239,7 +258,7 @@ def update_to_device(x, sync=False):
     e.tier, e.block = "device", block
     if old is not None:
         framework.synchronize()
-        old.release()
+        _let_go(old)
     return x
 
 

@@ -135,6 +135,32 @@ def test_set_data_inplace_change_to_a_is_seen_through_x(ms):
     assert prefetchd.tier(x) == ("device",)
 
 
+@pytest.mark.parametrize("let_go", ["free x", "free value", "detach x", "update_to_device x"])
+def test_storage_shared_by_set_data_lives_until_the_last_tensor_lets_go(ms, let_go):
+    """free/detach/update_to_device through one of two tensors sharing a block released it
+    under the other: it read the next tensor's values, and its writes landed there."""
+    rt = ops.runtime()
+    value = ops.copy_to_device(tensor(ms, np.arange(1024, dtype=np.float32)))
+    x = tensor(ms, np.zeros(1024, np.float32))
+    ops.set_data(x, value)
+    who, survivor = (value, x) if let_go == "free value" else (x, value)
+    if let_go.startswith("free"):
+        ops.free(who)
+    else:
+        ops.update_to_remote(who)
+        ops.detach(who) if let_go == "detach x" else ops.update_to_device(who)
+    used = rt.device.used
+    other = ops.copy_to_device(tensor(ms, np.full(1024, -1, np.float32)))
+    with_other = rt.device.used
+    assert with_other > used                             # a block of its own, not the shared one
+    np.testing.assert_array_equal(survivor.asnumpy(), np.arange(1024, dtype=np.float32))
+    survivor[0] = 555
+    np.testing.assert_array_equal(other.asnumpy(), np.full(1024, -1, np.float32))
+    assert prefetchd.tier(survivor)[0] == "device"
+    ops.free(survivor)                                   # the last one: the block goes now
+    assert rt.device.used == with_other - 4096
+
+
 def test_set_data_changes_through_both_are_seen_by_both(ms):
     a = tensor(ms, np.zeros(4, np.float32))
     x = tensor(ms, np.ones(4, np.float32))
