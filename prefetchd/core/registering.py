@@ -15,6 +15,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from .. import dtypes
 from ..backend import framework
 from ..errors import UnknownTensorError
 from .records import ManagedTensor
@@ -33,6 +34,28 @@ def checked_name(tensor, name, tier):
     if not framework.is_tensor(tensor):
         raise TypeError(f"register() takes a mindspore Tensor or Parameter, not {type(tensor).__name__}")
     return check_name(name if name is not None else getattr(tensor, "name", None))
+
+
+def _checked_layout(name, shape, dtype):
+    """(shape tuple, np.dtype) of register_remote's arguments, or a TypeError/ValueError
+    naming the tensor: a shape of non-negative integers, a dtype prefetchd stores."""
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        dims = None
+    if dims is None or isinstance(shape, (str, bytes)) or not all(
+            isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_)) and d >= 0 for d in dims):
+        raise ValueError(f"register_remote({name!r}): shape must be a sequence of non-negative "
+                         f"integers, not {shape!r}")
+    try:
+        dtype_name = dtypes.name_of(dtype)
+        known = dtype_name in dtypes.ITEMSIZE
+    except TypeError:
+        known = False
+    if not known:
+        raise TypeError(f"register_remote({name!r}): dtype {dtype!r} is not one prefetchd stores "
+                        f"({', '.join(dtypes.ITEMSIZE)})")
+    return tuple(int(d) for d in dims), dtypes.numpy_dtype(dtype_name)
 
 
 class Registrar:
@@ -99,21 +122,30 @@ class Registrar:
             self._binding.placeholder(rec)
 
     def register_remote(self, name, shape, dtype, target):
-        """The record of the stored tensor `name` (a checked name), checked against shape and dtype."""
+        """The record of the stored tensor `name` (a checked name), checked against shape and
+        dtype; every argument is checked before anything is registered."""
+        shape, dtype = _checked_layout(name, shape, dtype)
+        if target is not None and not framework.is_tensor(target):
+            raise TypeError(f"register_remote({name!r}): target must be a mindspore Tensor or "
+                            f"Parameter, not {type(target).__name__}")
         backend = self._core.backend
         if not backend.store_contains(name):
             raise UnknownTensorError(f"the store has no tensor named {name!r}")
         info = backend.store_info(name)
-        dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape)) * dtype.itemsize if len(shape) else dtype.itemsize
+        nbytes = dtypes.nbytes(shape, dtype.name)
         if info["nbytes"] != nbytes:
             raise ValueError(f"{name!r}: the store holds {info['nbytes']} bytes, "
-                             f"but shape {tuple(shape)} of {dtype} needs {nbytes}")
-        rec = ManagedTensor(name=name, shape=tuple(shape), dtype=dtype, nbytes=nbytes,
+                             f"but shape {shape} of {dtype} needs {nbytes}")
+        rec = ManagedTensor(name=name, shape=shape, dtype=dtype, nbytes=nbytes,
                             target=target, remote_valid=True)
         self._add(rec)
         if target is not None:
-            self._binding.placeholder(rec)
+            try:
+                self._binding.placeholder(rec)
+            except BaseException:
+                with self._core.lock:
+                    self._registry.forget(rec)
+                raise
         return rec
 
     def _add(self, rec):

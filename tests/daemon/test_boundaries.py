@@ -155,3 +155,31 @@ def test_a_handle_of_another_daemons_tensor_is_refused(make_daemon, make_param, 
         assert (mine.asnumpy() == 1.0).all()
     with two.use([theirs]):
         assert (theirs.asnumpy() == 2.0).all()
+
+
+@pytest.mark.parametrize("shape, dtype, target, error, says", [
+    ((1024,), "float32", "numpy", TypeError, "target must be a mindspore Tensor"),
+    ((-2, -512), "float32", None, ValueError, "shape must be a sequence of non-negative integers"),
+    ((2.0, 512), "float32", None, ValueError, "shape must be a sequence of non-negative integers"),
+    ("abc", "float32", None, ValueError, "shape must be a sequence of non-negative integers"),
+    ((1024,), object, None, TypeError, "is not one prefetchd stores"),
+    ((256,), "U4", None, TypeError, "is not one prefetchd stores"),
+])
+def test_register_remote_checks_every_argument_before_registering(make_daemon, make_param, store_dir,
+                                                                   ms, shape, dtype, target, error, says):
+    """Each was refused with a raw numpy error, or accepted, after the name was registered:
+    a retry was refused as a double registration, and a numpy target killed close()."""
+    with make_daemon() as first:
+        first.register(make_param(np.arange(1024, dtype=np.float32), "w"), tier="remote")
+    daemon = make_daemon()
+    if target == "numpy":
+        target = np.zeros(1024, np.float32)
+    with pytest.raises(error, match=says):
+        daemon.register_remote("w", shape, dtype, target=target)
+    assert daemon.names() == []
+    into = ms.Tensor(np.zeros(1024, np.float32))
+    daemon.register_remote("w", (1024,), "float32", target=into)
+    with daemon.use(["w"]):
+        np.testing.assert_array_equal(into.asnumpy(), np.arange(1024, dtype=np.float32))
+    daemon.close()
+    assert daemon.closed
