@@ -41,7 +41,7 @@ class AscendApi:
     Stream: object           # mindspore.hal.Stream
     Event: object            # mindspore.hal.Event
     StreamCtx: object        # mindspore.hal.StreamCtx
-    synchronize: object      # mindspore.runtime.synchronize (hal.synchronize is deprecated)
+    synchronize: object      # mindspore.hal.synchronize
     from_dlpack: object = None   # mindspore.utils.dlpack.from_dlpack: a tensor over device memory
 
     @classmethod
@@ -50,7 +50,7 @@ class AscendApi:
         from mindspore.ops import auto_generate as ag
         from mindspore.utils.dlpack import from_dlpack
         return cls(ms.Tensor, ag.CopyToDevice, ag.CopyToHost, ag.Free, ag.SetData,
-                   ms.hal.Stream, ms.hal.Event, ms.hal.StreamCtx, ms.runtime.synchronize, from_dlpack)
+                   ms.hal.Stream, ms.hal.Event, ms.hal.StreamCtx, ms.hal.synchronize, from_dlpack)
 
 
 class DeviceBlock:

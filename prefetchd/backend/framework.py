@@ -4,7 +4,8 @@
 - `Parameter.set_data(t, slice_shape=True)` rebinds storage; it blocks until
   MindSpore's op queue drains if the old storage was used by an op, so callers
   bind on the compute thread, never on the scheduler.
-- `runtime.synchronize()` is the only fence that works on CPU; it drains every queue.
+- `hal.synchronize()` is the only fence that works on CPU; it drains every queue
+  (`runtime.synchronize()`, its replacement, skips the first call on CPU).
 """
 import threading
 
@@ -106,7 +107,10 @@ def _pass_gradient(grad):
 
 
 def synchronize():
-    mindspore().runtime.synchronize()   # (hal.synchronize is deprecated: it warns)
+    # hal.synchronize, though deprecated (one WARN_DEPRECATED line per process): on CPU,
+    # MindSpore 2.10's runtime.synchronize logs "CPU device is not supported" and returns
+    # WITHOUT synchronizing the first time it is called, a fence that does not fence.
+    mindspore().hal.synchronize()
 
 
 class ComputeMarker:
@@ -116,7 +120,7 @@ class ComputeMarker:
     an epoch; once MindSpore has executed every op up to it, the shared word
     reaches that epoch. `reached(e)` reads the word; `wait(e, timeout)` sleeps
     until it gets there (futex, GIL released). This replaces a whole-queue
-    `runtime.synchronize()` when only an earlier unit's memory is to be reused.
+    `hal.synchronize()` when only an earlier unit's memory is to be reused.
 
     The kernel counts its runs in the word: marks are queued under one lock,
     numbered as they go, and PyNative launches them from its one op queue in that

@@ -38,6 +38,11 @@ class DeviceMemory:
     def used(self):
         return self.backend.device_used()
 
+    def above_high(self):
+        """More in use than the high watermark: only after set_watermarks lowered it (no
+        reservation goes past it), until the evictions it started have given blocks back."""
+        return self.backend.device_used() > self.high
+
     def pinned_bytes(self):
         be = self.backend
         return sum(be.block_bytes(r.nbytes) for r in self.registry.pinned if r.block)

@@ -153,7 +153,10 @@ class Scheduler:
                 self._guarded(self._shutdown)
                 break
             self._guarded(self._handle, req)
-        self._guarded(self.memory.fence_if, lambda: False)   # free what finished compute since last time
+        # Free what finished compute since last time; above the high watermark (it was just
+        # lowered), also blocks that wait for a whole-queue fence: else they stay until
+        # some reservation needs room, and the device holds more than its watermark.
+        self._guarded(self.memory.fence_if, self.memory.above_high)
         if self.shutdown_deadline is None:
             self._guarded(self.loads.pump)
         self._guarded(self._settle_waiting)

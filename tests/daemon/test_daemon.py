@@ -194,6 +194,25 @@ def test_set_watermarks_evicts_down_to_the_new_low(daemon, make_param):
         daemon.set_watermarks(MiB, 2 * MiB)
 
 
+def test_a_lowered_watermark_holds_once_dirty_tensors_are_written_back(make_daemon, make_param):
+    """Dirty tensors evicted by set_watermarks are written back first; their blocks then
+    waited for a whole-queue fence that only a later reservation took, so the device held
+    more than its new high watermark for as long as nothing else was asked."""
+    daemon = make_daemon(device_budget="64MiB", host_budget="0")
+    for i in range(14):
+        daemon.register(make_param(np.full(1 << 20, i, np.float32), f"d{i}"), tier="device")  # dirty
+    daemon.set_watermarks(0.25).result(10)
+    deadline = time.monotonic() + 10
+    while daemon.status()["states"]["storing"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)                  # a few scheduler turns after the last write-back landed
+    device = daemon.status()["device"]
+    assert device["used"] <= device["high_watermark"] == 16 * MiB
+    for i in (0, 13):
+        with daemon.use([f"d{i}"]):
+            assert (daemon.record(f"d{i}").target.asnumpy() == i).all()
+
+
 def test_auto_fetch_false_raises_not_resident_on_unrequested_tensor(daemon, make_param):
     h = daemon.register(make_param(values(1), "w"), tier="remote")
     with pytest.raises(NotResidentError, match="'w'"):
