@@ -357,6 +357,8 @@ class Daemon:
             return tuple(self._registry.records[name].tiers) if name is not None else None
 
     def add_listener(self, fn):
+        if not callable(fn):
+            raise TypeError(f"a listener is called with each event dict; {type(fn).__name__} is not callable")
         self._events.add(fn)
 
     def remove_listener(self, fn):

@@ -9,8 +9,11 @@ and settles them after releasing it.
 import enum
 import logging
 import math
+import numbers
 import time
 from concurrent.futures import Future, InvalidStateError
+
+import numpy as np
 
 log = logging.getLogger("prefetchd")
 
@@ -108,13 +111,26 @@ def settle(req, error, unpin):
             unpin(req.pinned)
 
 
+def _finite_number(x):
+    """A real number (numpy's included), not a bool, finite as a float (10**400 is not)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
+def _shown(x):
+    return f"{type(x).__name__} {x!r}"[:80]
+
+
 def check_priority(priority):
-    if isinstance(priority, bool) or not isinstance(priority, (int, float)) or not math.isfinite(priority):
-        raise TypeError(f"priority must be a finite number, not {priority!r}")
+    if not _finite_number(priority):
+        raise TypeError(f"priority must be a finite number, not {_shown(priority)}")
 
 
 def check_deadline(deadline):
-    if deadline is None:
-        return
-    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or math.isnan(deadline):
-        raise TypeError(f"deadline must be a time.monotonic() value in seconds or None, not {deadline!r}")
+    if deadline is not None and not _finite_number(deadline):
+        raise TypeError(f"deadline must be a time.monotonic() value in seconds or None, "
+                        f"not {_shown(deadline)}")

@@ -4,6 +4,7 @@ import gc
 import logging
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -53,7 +54,7 @@ def test_register_of_a_non_tensor_is_refused(daemon, make_param, thing):
     still_usable(daemon, make_param)
 
 
-@pytest.mark.parametrize("priority", ["x", None, math.nan, math.inf, True])
+@pytest.mark.parametrize("priority", ["x", None, math.nan, math.inf, True, np.bool_(True), 10 ** 400])
 def test_a_bad_priority_is_refused_on_the_callers_thread(daemon, make_param, priority):
     h = daemon.register(make_param(values(1), "w"), tier="remote")
     with pytest.raises(TypeError, match="priority"):
@@ -63,11 +64,23 @@ def test_a_bad_priority_is_refused_on_the_callers_thread(daemon, make_param, pri
     still_usable(daemon, make_param)
 
 
-@pytest.mark.parametrize("deadline", ["soon", math.nan])
+@pytest.mark.parametrize("deadline", ["soon", math.nan, math.inf, -math.inf, 10 ** 400])
 def test_a_bad_deadline_is_refused(daemon, make_param, deadline):
     h = daemon.register(make_param(values(1), "w"), tier="remote")
     with pytest.raises(TypeError, match="deadline"):
         daemon.prefetch(h, deadline=deadline)
+
+
+def test_numpy_numbers_are_priorities_and_deadlines(daemon, make_param):
+    h = daemon.register(make_param(values(1), "w"), tier="remote")
+    daemon.prefetch(h, priority=np.int64(3), deadline=np.float64(time.monotonic() + 60)).result(10)
+    daemon.pin(h, priority=np.float32(1.5)).result(10)
+    daemon.unpin(h)
+
+
+def test_a_listener_that_is_not_callable_is_refused(daemon):
+    with pytest.raises(TypeError, match="int is not callable"):
+        daemon.add_listener(5)
 
 
 def test_watermarks_below_the_pinned_bytes_are_refused(make_daemon, make_param):
