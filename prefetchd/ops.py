@@ -34,7 +34,7 @@ import numpy as np
 
 from . import _native, guard
 from .backend import framework
-from .errors import NotResidentError, StorageError, UseAfterFreeError
+from .errors import BudgetError, NotResidentError, StorageError, UseAfterFreeError
 
 __all__ = ["copy_to_device", "copy_to_host", "free", "set_data", "update_to_device",
            "update_to_remote", "detach", "tier", "CopyToDevice", "CopyToHost", "Free", "SetData",
@@ -90,6 +90,8 @@ def runtime():
 
 
 def _entry(x, create=True):
+    if not framework.is_tensor(x):
+        raise TypeError(f"prefetchd.ops takes a mindspore Tensor or Parameter, not {type(x).__name__}")
     rt = runtime()
     with rt.lock:
         e = rt.entries.get(id(x))
@@ -119,10 +121,19 @@ def _values(x, e, op):
 def _place(pool, array):
     """A new block of `pool` holding array's bytes (copied on the ops stream)."""
     rt = runtime()
-    block = pool.alloc(array.nbytes)
+    block = _alloc(pool, array.nbytes)
     if array.nbytes:
         rt.stream.copy(block, np.ascontiguousarray(array), array.nbytes).synchronize()
     return block
+
+
+def _alloc(pool, nbytes):
+    try:
+        return pool.alloc(nbytes)
+    except _native.OutOfSpace as e:
+        tier = "device" if pool is runtime().device else "host"
+        raise BudgetError(f"prefetchd.ops: no room for {nbytes} bytes in the {tier} tier ({e}); "
+                          f"free tensors, or raise PREFETCHD_{tier.upper()}_BUDGET") from None
 
 
 def _new_tensor(array, tier_name):
@@ -244,7 +255,7 @@ def update_to_device(x, sync=False):
                                f"update_to_device({e.label!r}): it has no remote replica to load from")
     rt = runtime()
     count = int(np.prod(e.shape)) if e.shape else 1
-    block = rt.device.alloc(count * e.dtype.itemsize)
+    block = _alloc(rt.device, count * e.dtype.itemsize)
     try:
         rt.store.read_sync(e.remote_key, block, True)
     except _native.NativeError as err:
@@ -275,15 +286,19 @@ def tier(x):
     Tensors a Daemon manages report the daemon's view; an ordinary MindSpore
     CPU tensor is ("host",).
     """
+    if not framework.is_tensor(x):
+        raise TypeError(f"tier() takes a mindspore Tensor or Parameter, not {type(x).__name__}")
     from .daemon import live_daemons
     for daemon in list(live_daemons):
         tiers = daemon.tiers_of(x)
         if tiers is not None:
             return tiers
     e = _entry(x, create=False)
-    if e is None:
-        return ("host",)
-    return _tiers(e)
+    if e is not None:
+        return _tiers(e)
+    if guard.is_managed(x):
+        return ()                # its daemon closed: no replica is reachable through it
+    return ("host",)
 
 
 class _Primitive:

@@ -269,3 +269,22 @@ def test_failed_write_leaves_device_replica_intact_and_reports(ms):
     np.testing.assert_array_equal(x.asnumpy(), np.arange(50_000))
     with pytest.raises(StorageError, match="no remote replica"):
         ops.detach(x)
+
+
+def test_what_is_not_a_tensor_is_refused_by_name(ms):
+    for call in (lambda: ops.free(None), lambda: ops.copy_to_device(np.zeros(3)),
+                 lambda: ops.set_data(tensor(ms, np.zeros(3, np.float32)), np.zeros(3, np.float32)),
+                 lambda: prefetchd.tier(None), lambda: prefetchd.tier(np.zeros(3))):
+        with pytest.raises(TypeError, match="mindspore Tensor or Parameter, not (NoneType|ndarray)"):
+            call()
+
+
+def test_a_full_device_tier_is_a_budget_error_not_a_native_one(ms):
+    rt = ops.runtime()
+    big = np.zeros(rt.device.capacity // 4 + 1, np.float32)
+    kept = []
+    with pytest.raises(prefetchd.BudgetError, match="no room for .* bytes in the device tier"):
+        for _ in range(8):
+            kept.append(ops.copy_to_device(tensor(ms, big)))
+    for t in kept:
+        ops.free(t)

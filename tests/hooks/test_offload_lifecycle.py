@@ -77,6 +77,7 @@ def test_a_weight_read_after_its_daemon_closed_says_so_not_to_use_daemon_use(ms,
     message = str(closed.value)
     assert "prefetchd daemon 'gone', which is closed" in message and "build the model again" in message
     assert "daemon.use" not in message
+    assert prefetchd.tier(weight) == ()          # not ("host",): no replica is reachable through it
 
 
 @pytest.mark.parametrize("tier", ["device", "Remote", None])
