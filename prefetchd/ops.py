@@ -295,6 +295,9 @@ def tier(x):
             return tiers
     e = _entry(x, create=False)
     if e is not None:
+        if e.tier is not None and e.remote_key is not None and not e.freed and \
+                _native.crc32c(np.ascontiguousarray(framework.host_copy(x))) != e.remote_crc:
+            return (e.tier,)     # written since update_to_remote: the remote replica is stale
         return _tiers(e)
     if guard.is_managed(x):
         return ()                # its daemon closed: no replica is reachable through it

@@ -288,3 +288,13 @@ def test_a_full_device_tier_is_a_budget_error_not_a_native_one(ms):
             kept.append(ops.copy_to_device(tensor(ms, big)))
     for t in kept:
         ops.free(t)
+
+
+def test_tier_drops_a_remote_replica_the_tensor_has_changed_since(ms):
+    y = ops.copy_to_device(tensor(ms, np.arange(16, dtype=np.float32)))
+    ops.update_to_remote(y)
+    assert prefetchd.tier(y) == ("device", "remote")
+    y[3] = 99
+    assert prefetchd.tier(y) == ("device",)
+    ops.update_to_remote(y)
+    assert prefetchd.tier(y) == ("device", "remote")
