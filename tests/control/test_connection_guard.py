@@ -12,6 +12,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from contextlib import contextmanager
 
 import pytest
 import zmq
@@ -22,6 +23,41 @@ from prefetchd.control.listening import Listening
 
 def _event(kind, fd, endpoint=b"tcp://127.0.0.1:0"):
     return [struct.pack("=hi", kind, fd), endpoint]
+
+
+class _Watched:
+    """A ROUTER the guard watches, bound to `endpoint`, with a Listening that pauses it."""
+
+    def __init__(self, ctx, guard, endpoint):
+        self.ctx, self.guard = ctx, guard
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.linger = 0
+        self.monitor = guard.watch(self.router)
+        self.router.bind(endpoint)
+        self.endpoint = self.router.last_endpoint.decode()
+        self.listening = Listening(lambda s, e: s.bind(e), lambda: [(self.router, self.endpoint)],
+                                   gates=guard.gates)
+
+    def pause(self):
+        time.sleep(0.1)
+        self.guard.settle()                      # the LISTENING event: the gate knows the listener
+        self.listening.stop()
+
+
+@contextmanager
+def _watched_router(endpoint, **guard_options):
+    """Yields a _Watched; at exit closes its sockets, the guard (which reopens a paused
+    endpoint) and the context, in that order."""
+    ctx = zmq.Context()
+    guard = ConnectionGuard(raise_limit=False, **guard_options)
+    watched = _Watched(ctx, guard, endpoint)
+    try:
+        yield watched
+    finally:
+        for s in (watched.router, watched.monitor):
+            s.close(linger=0)
+        guard.close()
+        ctx.term()
 
 
 def _is_open(fd):
@@ -119,64 +155,42 @@ def test_a_client_through_its_handshake_takes_descriptors_from_those_still_in_th
 def test_a_paused_endpoint_serves_its_clients_and_takes_no_new_ones(kind, tmp_path):
     """Unbinding (the pause before) discarded the connected clients' pipes: their requests
     were read and dropped. The gate keeps them, and a new client gets in on resume."""
-    ctx = zmq.Context()
-    guard = ConnectionGuard(raise_limit=False)
-    router = ctx.socket(zmq.ROUTER)
-    router.linger = 0
-    mon = guard.watch(router)
-    router.bind("tcp://127.0.0.1:0" if kind == "tcp" else f"ipc://{tmp_path}/s.sock")
-    endpoint = router.last_endpoint.decode()
-    listening = Listening(lambda s, e: s.bind(e), lambda: [(router, endpoint)], gates=guard.gates)
-    old, new = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
-    try:
-        for s in (old, new):
-            s.linger = 0
-        old.connect(endpoint)
-        old.send(b"before")
-        assert router.poll(5000) and router.recv_multipart()[1] == b"before"
-        time.sleep(0.1)
-        guard.settle()                           # the LISTENING event: the gate knows the listener
-        listening.stop()
-        assert listening._gated == [endpoint]
-        old.send(b"during")
-        assert router.poll(5000), "a client connected before the pause was cut off"
-        ident, body = router.recv_multipart()
-        assert body == b"during"
-        router.send_multipart([ident, b"reply"])
-        assert old.poll(5000) and old.recv() == b"reply"
-        new.connect(endpoint)
-        new.send(b"new")
-        assert not router.poll(1500), "a new connection got in while paused"
-        listening.resume()
-        assert router.poll(10000), "the new client did not get in after the resume"
-        assert router.recv_multipart()[1] == b"new"
-    finally:
-        for s in (old, new, router, mon):
-            s.close(linger=0)
-        guard.close()
-        ctx.term()
+    with _watched_router("tcp://127.0.0.1:0" if kind == "tcp" else f"ipc://{tmp_path}/s.sock") as w:
+        router, endpoint = w.router, w.endpoint
+        old, new = w.ctx.socket(zmq.DEALER), w.ctx.socket(zmq.DEALER)
+        try:
+            for s in (old, new):
+                s.linger = 0
+            old.connect(endpoint)
+            old.send(b"before")
+            assert router.poll(5000) and router.recv_multipart()[1] == b"before"
+            w.pause()
+            assert w.listening._gated == [endpoint]
+            old.send(b"during")
+            assert router.poll(5000), "a client connected before the pause was cut off"
+            ident, body = router.recv_multipart()
+            assert body == b"during"
+            router.send_multipart([ident, b"reply"])
+            assert old.poll(5000) and old.recv() == b"reply"
+            new.connect(endpoint)
+            new.send(b"new")
+            assert not router.poll(1500), "a new connection got in while paused"
+            w.listening.resume()
+            assert router.poll(10000), "the new client did not get in after the resume"
+            assert router.recv_multipart()[1] == b"new"
+        finally:
+            for s in (old, new):
+                s.close(linger=0)
 
 
 def test_an_ipc_endpoint_paused_at_close_gets_its_socket_file_back(tmp_path):
     """The pause moves the socket file aside; the guard's close moves it back, where the
     server removes it (libzmq leaves it: prefetchd.control.router._close_sockets)."""
-    ctx = zmq.Context()
-    guard = ConnectionGuard(raise_limit=False)
-    router = ctx.socket(zmq.ROUTER)
-    mon = guard.watch(router)
-    router.bind(f"ipc://{tmp_path}/s.sock")
-    listening = Listening(lambda s, e: s.bind(e), lambda: [(router, router.last_endpoint.decode())],
-                          gates=guard.gates)
-    time.sleep(0.1)
-    guard.settle()
-    listening.stop()
-    (aside,) = os.listdir(tmp_path)
-    assert aside.startswith(".s.sock.paused-")
-    guard.close()
-    for s in (router, mon):
-        s.close(linger=0)
-    ctx.term()
-    assert os.listdir(tmp_path) == ["s.sock"]
+    with _watched_router(f"ipc://{tmp_path}/s.sock") as w:
+        w.pause()
+        (aside,) = os.listdir(tmp_path)
+        assert aside.startswith(".s.sock.paused-")
+    assert os.listdir(tmp_path) == ["s.sock"]    # (libzmq left it; the guard moved it back)
 
 
 def _unix_listener(path):
@@ -235,18 +249,10 @@ def test_a_live_server_at_the_path_keeps_the_gate_closed_until_it_goes(tmp_path)
     """A second server that bound the path while the first was paused keeps it: the first
     does not take it over, tries again, and gets its path back once the second is gone.
     Closed meanwhile, the first removes its file from the hidden name."""
-    ctx = zmq.Context()
-    guard = ConnectionGuard(raise_limit=False)
-    router = ctx.socket(zmq.ROUTER)
-    mon = guard.watch(router)
     path = str(tmp_path / "s.sock")
-    router.bind(f"ipc://{path}")
-    endpoint = router.last_endpoint.decode()
-    listening = Listening(lambda s, e: s.bind(e), lambda: [(router, endpoint)], gates=guard.gates)
-    try:
-        time.sleep(0.1)
-        guard.settle()
-        listening.stop()
+    with _watched_router(f"ipc://{path}") as w:
+        guard, router, endpoint, listening = w.guard, w.router, w.endpoint, w.listening
+        w.pause()
         other = _unix_listener(path)             # the second server
         listening.resume()
         assert listening.retry_at is not None and guard.gates.stuck(endpoint)
@@ -256,7 +262,7 @@ def test_a_live_server_at_the_path_keeps_the_gate_closed_until_it_goes(tmp_path)
         time.sleep(0.15)
         listening.tick()
         assert listening.retry_at is None and not guard.gates.stuck(endpoint)
-        client = ctx.socket(zmq.DEALER)
+        client = w.ctx.socket(zmq.DEALER)
         client.linger = 0
         client.connect(endpoint)
         client.send(b"back")
@@ -271,10 +277,6 @@ def test_a_live_server_at_the_path_keeps_the_gate_closed_until_it_goes(tmp_path)
         probe.connect(path)                      # the second server's socket is still there
         probe.close()
         other.close()
-    finally:
-        for s in (router, mon):
-            s.close(linger=0)
-        ctx.term()
 
 
 def test_stale_hidden_names_are_removed_when_the_gate_is_made(tmp_path):
@@ -336,17 +338,8 @@ def test_stale_hidden_names_are_removed_by_a_server_not_running_as_root():
 def test_the_listen_backlog_is_below_the_descriptor_reserve():
     """What a paused listener had queued is still accepted: at libzmq's default backlog
     (100) a burst behind a pause could take more than the reserve (64) and abort it."""
-    ctx = zmq.Context()
-    guard = ConnectionGuard(fd_reserve=64, raise_limit=False)
-    router = ctx.socket(zmq.ROUTER)
-    mon = guard.watch(router)
-    try:
-        assert router.getsockopt(zmq.BACKLOG) == 32
-    finally:
-        for s in (router, mon):
-            s.close(linger=0)
-        guard.close()
-        ctx.term()
+    with _watched_router("tcp://127.0.0.1:0", fd_reserve=64) as w:
+        assert w.router.getsockopt(zmq.BACKLOG) == 32
 
 
 def test_connections_closed_without_a_disconnected_event_are_forgotten(pairs):
