@@ -56,29 +56,54 @@ def register_checkpoint(daemon, model, *, checkpoint=None):
     """
     daemon.check_open()
     backend = daemon.backend
+    params = list(model.get_parameters())
+    # Nothing reaches the live store before the file is known to fit the model: a name
+    # another model of this daemon streams would be overwritten under it, and a file
+    # that does not fit would replace good tensors and then be refused.
+    _refuse_taken_names(daemon, params)
     if checkpoint is not None:
-        # The file's checksum (if it has one) is checked before anything reaches
-        # the live store: a corrupt checkpoint must not half-replace good tensors.
-        staging.verify_checkpoint(checkpoint)
+        _check_file(params, checkpoint)
         staging.stage_tensors(backend.store, staging.iter_checkpoint(checkpoint))
     # Every parameter is checked before any is bound: binding one to its home drops
     # its own values, so a bad entry found half-way would leave the model unusable.
     entries = []
-    for p in model.get_parameters():
+    for p in params:
         if not backend.store_contains(p.name):
             raise UnknownTensorError(f"the store has no tensor for parameter {p.name!r}")
         shape, dtype = staging.read_meta(backend.store_info(p.name))
-        if tuple(shape) != tuple(p.shape):
-            raise ValueError(f"{p.name!r}: the store holds shape {tuple(shape)}, "
-                             f"the model expects {tuple(p.shape)}")
-        # By name (str(mindspore.float32) is "Float32"): mindspore.dtype_to_nptype is
-        # deprecated and warns on every call.
-        want, held = dtypes.MINDSPORE_CKPT.get(str(p.dtype)), np.dtype(dtype).name
-        if want != held:
-            raise ValueError(f"{p.name!r}: the store holds {held}, the model expects {want or p.dtype} "
-                             f"(convert the checkpoint, or build the model in that dtype)")
+        _check_layout(p, shape, np.dtype(dtype).name, "the store")
         entries.append((p, shape, dtype))
     return [daemon.register_remote(p.name, shape, dtype, target=p) for p, shape, dtype in entries]
+
+
+def _check_file(params, checkpoint):
+    """The file holds every parameter in the model's shape and dtype (a file missing one
+    would leave an older stage's tensor in use), and its checksum, if it has one, matches:
+    read once, writing nothing (a mapped file: the data pages are touched only to check
+    a checksum)."""
+    reader = staging.iter_checkpoint(checkpoint)
+    try:
+        held = {name: (tuple(shape), dtypes.name_of(dtype)) for name, shape, dtype, _ in reader}
+    finally:
+        reader.close()
+    missing = [p.name for p in params if p.name not in held]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise UnknownTensorError(f"prefetchd.offload: {checkpoint} has no tensor for {len(missing)} "
+                                 f"parameter(s) of the model ({shown}); nothing was staged")
+    for p in params:
+        _check_layout(p, *held[p.name], str(checkpoint))
+
+
+def _check_layout(p, shape, dtype_name, where):
+    if tuple(shape) != tuple(p.shape):
+        raise ValueError(f"{p.name!r}: {where} holds shape {tuple(shape)}, the model expects {tuple(p.shape)}")
+    # By name (str(mindspore.float32) is "Float32"): mindspore.dtype_to_nptype is
+    # deprecated and warns on every call.
+    want = dtypes.MINDSPORE_CKPT.get(str(p.dtype))
+    if want != dtype_name:
+        raise ValueError(f"{p.name!r}: {where} holds {dtype_name}, the model expects {want or p.dtype} "
+                         f"(convert the checkpoint, or build the model in that dtype)")
 
 
 def _refuse_taken_names(daemon, params):

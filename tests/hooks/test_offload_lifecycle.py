@@ -129,6 +129,59 @@ def test_a_checkpoint_that_does_not_match_the_model_registers_nothing(ms, tmp_pa
             np.testing.assert_array_equal(model(x).asnumpy(), want)
 
 
+@pytest.mark.parametrize("flaw", ["shape", "dtype", "missing"])
+def test_a_checkpoint_file_that_does_not_fit_leaves_a_staged_store_as_it_was(ms, tmp_path, x, flaw):
+    """The file was staged into the live store before it was checked: a refused offload left
+    the bad shape or dtype in the store for good, and a file lacking a parameter was
+    accepted with the older stage's tensor in its place."""
+    want, good = checkpointed(ms, tmp_path, x)
+    store = str(tmp_path / "s")
+    with prefetchd.Daemon(device_budget="1MiB", store_dir=store) as daemon:      # the store holds `good`
+        prefetchd.offload(stack(ms), daemon, lookahead=1, checkpoint=good)
+    ms.set_seed(5)
+    other = {p.name: ms.Parameter(p.data.copy(), name=p.name)
+             for p in nn_stack_with_other_values(ms).get_parameters()}
+    name = "3.0.weight"
+    if flaw == "missing":
+        del other[name]
+    else:
+        values = other[name].asnumpy()
+        other[name] = ms.Parameter(ms.Tensor(values.reshape(-1) if flaw == "shape" else values.astype(np.float16)),
+                                   name=name)
+    bad = str(tmp_path / "bad.ckpt")
+    ms.save_checkpoint([{"name": k, "data": v} for k, v in other.items()], bad)
+    model = stack(ms)
+    with prefetchd.Daemon(device_budget=budget(model), store_dir=store) as daemon:
+        with pytest.raises(PrefetchdError if flaw == "missing" else ValueError, match=name.replace(".", r"\.")):
+            prefetchd.offload(model, daemon, lookahead=1, checkpoint=bad)
+        assert daemon.names() == []
+        prefetchd.offload(model, daemon, lookahead=1, checkpoint=True)            # the store as staged
+        for _ in range(2):
+            np.testing.assert_array_equal(model(x).asnumpy(), want)
+
+
+def nn_stack_with_other_values(ms):
+    ms.set_seed(5)
+    return ms.nn.SequentialCell([ms.nn.SequentialCell([ms.nn.Dense(64, 64), ms.nn.ReLU()]) for _ in range(6)])
+
+
+def test_a_second_model_with_the_same_names_does_not_restage_the_first_ones_weights(ms, tmp_path, x):
+    """A second offload(checkpoint=file) into the same daemon staged its file over the
+    tensors the first model streams, and was then refused as a double registration: the
+    first model computed with a mix of both, and the store kept the second's values."""
+    want, good = checkpointed(ms, tmp_path, x)
+    other = str(tmp_path / "other.ckpt")
+    ms.save_checkpoint(nn_stack_with_other_values(ms), other)
+    first = stack(ms)
+    with prefetchd.Daemon(device_budget=budget(first), host_budget="0", store_dir=str(tmp_path / "s")) as daemon:
+        prefetchd.offload(first, daemon, lookahead=1, checkpoint=good)
+        np.testing.assert_array_equal(first(x).asnumpy(), want)
+        with pytest.raises(prefetchd.DoubleRegisterError, match="already registered"):
+            prefetchd.offload(stack(ms), daemon, lookahead=1, checkpoint=other)
+        for _ in range(3):                       # units reload from the store (no host cache)
+            np.testing.assert_array_equal(first(x).asnumpy(), want)
+
+
 def test_copying_weights_that_are_not_in_use_is_refused_not_a_crash(ms, tmp_path, x):
     """An optimizer's constructor clones every parameter; a clone reads every byte."""
     import copy
