@@ -69,10 +69,12 @@ class SafetensorsCheckpoint(MappedCheckpoint):
         self._refuse_overlaps(entries, base)
         crc = meta.get("crc_num")
         if crc is not None:
-            try:
+            # MindSpore writes it as a decimal string (metadata values are strings); a
+            # JSON integer is taken too. Not a bool, a float, Infinity or out of range.
+            if isinstance(crc, str) and crc.isascii() and crc.isdigit():
                 crc = int(crc)
-            except (TypeError, ValueError):
-                self._fail(f"__metadata__.crc_num {shown(crc)} is not an integer")
+            if not _int(crc) or not 0 <= crc < 1 << 32:
+                self._fail(f"__metadata__.crc_num {shown(crc)} is not a CRC-32 (an integer in [0, 2**32))")
             entries.sort(key=lambda e: e[0])    # the order the CRC was chained in
         else:
             entries.sort(key=lambda e: e[3])    # file order: sequential reads

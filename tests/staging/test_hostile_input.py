@@ -86,8 +86,15 @@ def test_a_ckpt_with_a_hundred_thousand_dims_is_refused_in_linear_time(tmp_path,
     ({"__metadata__": [1], "w": entry()}, "__metadata__ is a JSON list, not an object"),
     (b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
      b'"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', "header names 'w' twice"),
+    (b'{"__metadata__": {"crc_num": Infinity}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}',
+     "__metadata__.crc_num inf is not a CRC-32"),
+    ({"__metadata__": {"crc_num": 1e400}, "w": entry()}, "__metadata__.crc_num inf is not a CRC-32"),
+    ({"__metadata__": {"crc_num": True}, "w": entry()}, "__metadata__.crc_num True is not a CRC-32"),
+    ({"__metadata__": {"crc_num": 1.5}, "w": entry()}, "__metadata__.crc_num 1.5 is not a CRC-32"),
+    ({"__metadata__": {"crc_num": str(2 ** 32)}, "w": entry()}, "crc_num 4294967296 is not a CRC-32"),
 ], ids=["deep-list", "deep-entry", "non-utf8", "surrogate", "empty-name", "long-name", "dtype-list",
-        "dtype-unknown", "product-overflow", "overflow-with-zero", "rank", "metadata-list", "duplicate"])
+        "dtype-unknown", "product-overflow", "overflow-with-zero", "rank", "metadata-list", "duplicate",
+        "crc-infinity", "crc-1e400", "crc-bool", "crc-float", "crc-out-of-range"])
 def test_hostile_safetensors_headers_are_one_line_naming_the_file(tmp_path, header, field):
     path = safetensors(tmp_path / "bad.safetensors", header, bytes(4))
     refused(path, str(tmp_path / "store"), field)
