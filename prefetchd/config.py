@@ -104,6 +104,8 @@ def _parse_bool(value, key):
 
 def _parse_int(value, key, minimum=None):
     try:
+        if isinstance(value, bool):          # TOML `lookahead = true` is not 1
+            raise ValueError
         n = int(value)
         if isinstance(value, float) and not value.is_integer():
             raise ValueError

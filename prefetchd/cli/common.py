@@ -119,13 +119,16 @@ def positive_int(text):
     return n
 
 
+MAX_SECONDS = 1e6      # ~11.6 days: a poll's milliseconds fit a C int
+
+
 def seconds(text):
     try:
         s = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < s < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be > 0")
+    if not 0 < s <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be > 0 and at most {MAX_SECONDS:g}")
     return s
 
 

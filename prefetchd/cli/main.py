@@ -29,10 +29,11 @@ def add_shared_options(parser, root=False):
     unset = {} if root else {"default": argparse.SUPPRESS}
     parser.add_argument("--version", action="version", version=f"prefetchd {__version__}",
                         help="print the version and exit")
+    # (no default from $PREFETCHD_LOG_LEVEL here: argparse would blame --log-level for a
+    # bad value of it; main() reads it when the flag is not given)
     parser.add_argument("--log-level", type=log_level,
                         help="DEBUG, INFO, WARNING (default; or $PREFETCHD_LOG_LEVEL), ERROR",
-                        **(unset or {"default": os.environ.get("PREFETCHD_LOG_LEVEL",
-                                                               "WARNING").upper()}))
+                        **(unset or {"default": None}))
     parser.add_argument("--debug", action="store_true",
                         help="print the traceback of an error (and log at DEBUG)",
                         **(unset or {"default": False}))
@@ -57,7 +58,11 @@ def build_parser():
 def main(argv=None):
     """Run one verb; returns the exit code (argparse exits with 2 on a bad command line)."""
     args = build_parser().parse_args(argv)
-    setup_logging("DEBUG" if args.debug else args.log_level)
+    try:
+        level = args.log_level or _env_log_level()
+    except UsageError as e:
+        return _fail(args, e, 2)
+    setup_logging("DEBUG" if args.debug else level)
     try:
         return args.func(args) or 0
     except KeyboardInterrupt:
@@ -66,6 +71,14 @@ def main(argv=None):
         return _fail(args, e, 2)
     except Exception as e:  # noqa: BLE001 - every verb's failure is one line
         return _fail(args, e, 1)
+
+
+def _env_log_level():
+    text = os.environ.get("PREFETCHD_LOG_LEVEL", "WARNING")
+    try:
+        return log_level(text)
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(f"$PREFETCHD_LOG_LEVEL: {e}") from None
 
 
 def _fail(args, exc, code):

@@ -33,10 +33,19 @@ def test_usage_errors_are_one_line_and_exit_2():
                         (["bench", "model", "--host-budget", "nan"], "--host-budget"),
                         (["bench", "model", "--host-budget", "-1"], "--host-budget"),
                         (["serve", "--model", "no_such_module_x:build"], "no_such_module_x"),
+                        (["status", "--timeout", "1e9"], "at most 1e+06"),
                         (["frobnicate"], "frobnicate")):
         out = run(*args)
         assert out.returncode == 2, (args, out.stderr)
         assert named in one_error_line(out)
+
+
+def test_a_bad_log_level_in_the_environment_is_named_as_such():
+    out = run("config", "show", env={"PREFETCHD_LOG_LEVEL": "junk"})
+    assert out.returncode == 2
+    line = one_error_line(out)
+    assert "$PREFETCHD_LOG_LEVEL: log level 'junk'" in line and "--log-level" not in line
+    assert run("config", "show", env={"PREFETCHD_LOG_LEVEL": "info"}).returncode == 0
 
 
 def test_failures_are_one_line_exit_1_and_traceback_only_with_debug(tmp_path):

@@ -196,3 +196,11 @@ def test_register_remote_checks_every_argument_before_registering(make_daemon, m
         np.testing.assert_array_equal(into.asnumpy(), np.arange(1024, dtype=np.float32))
     daemon.close()
     assert daemon.closed
+
+
+@pytest.mark.parametrize("key", ["lookahead", "io_threads", "metrics_port"])
+def test_a_toml_bool_is_not_an_integer(tmp_path, key):
+    path = tmp_path / "c.toml"
+    path.write_text(f"[prefetchd]\n{key} = true\n")
+    with pytest.raises(ConfigError, match=f"{key}: expected an integer, got True"):
+        Config.load(path=str(path), env={})
