@@ -88,6 +88,23 @@ def port(text):
     return n
 
 
+def path_given(text):
+    """A path that is not empty ('' would be the current directory: a stage into it swaps
+    the shell's own directory out)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (give the directory, e.g. ./store)")
+    return text
+
+
+def daemon_name(text):
+    """A daemon name as the config takes it: it names a socket file (no '/' or '..')."""
+    from ..config import ConfigError, _parse_name
+    try:
+        return _parse_name(text, "--name")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def writable_file(text):
     """A file this process can create or replace: its directory exists and is writable."""
     path = os.path.abspath(os.path.expanduser(text))

@@ -13,7 +13,7 @@ then uses DIR/server.key and DIR/client.key_secret.
 import json
 import os
 
-from .common import UsageError, seconds
+from .common import UsageError, daemon_name, seconds
 
 
 def register(sub):
@@ -47,7 +47,7 @@ def register(sub):
 def _client_args(p):
     p.add_argument("--endpoint", help="control endpoint (default: configured endpoint, else the "
                                       "default ipc socket of --name)")
-    p.add_argument("--name", default=None, help="daemon name for the default ipc endpoint")
+    p.add_argument("--name", default=None, type=daemon_name, help="daemon name for the default ipc endpoint")
     p.add_argument("--config", help="TOML file (default: $PREFETCHD_CONFIG)")
     p.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for a reply (5)")
     p.add_argument("--curve-dir", help="directory made by `prefetchd keys` (server.key, client.key_secret)")
@@ -56,6 +56,7 @@ def _client_args(p):
 def _client(args):
     from ..config import Config
     from ..control import Client
+    from ..control.endpoints import resolve_endpoint
 
     endpoint, name = args.endpoint, args.name
     if endpoint is None or name is None:
@@ -66,7 +67,31 @@ def _client(args):
     if args.curve_dir:
         kwargs = {"server_public_key": _curve_file(args.curve_dir, "server.key"),
                   "client_keys": _curve_file(args.curve_dir, "client.key_secret")}
+    _refuse_missing_socket(resolve_endpoint(endpoint, name))
     return Client(endpoint, timeout=args.timeout, name=name, **kwargs)
+
+
+def _refuse_missing_socket(endpoint):
+    """An ipc endpoint with no socket file has no daemon: say so now, not after --timeout.
+    (A daemon pausing new connections moved its file aside, prefetchd/control/path_gate.py:
+    then the client waits, and gets in when the file is back.)"""
+    from ..control.path_gate import HIDDEN
+    from ..errors import ConfigError
+    if not endpoint.startswith("ipc://"):
+        return
+    path = endpoint[len("ipc://"):]
+    directory, name = os.path.split(path)
+    if os.path.exists(path) or any(f.startswith(HIDDEN.format(name=name)) for f in _listing(directory)):
+        return
+    raise ConfigError(f"no daemon at {endpoint}: the socket file does not exist (is the daemon "
+                      f"running, under this --name or --endpoint?)")
+
+
+def _listing(directory):
+    try:
+        return os.listdir(directory or ".")
+    except OSError:
+        return []
 
 
 def _curve_file(directory, name):

@@ -3,7 +3,7 @@ import argparse
 import os
 
 from .common import (DEMO_BUDGET_HELP, UsageError, budget, budget_fraction, demo_budget,
-                     emit, port, positive_int, size, writable_file)
+                     emit, path_given, port, positive_int, size, writable_file)
 
 
 def register(sub):
@@ -42,7 +42,7 @@ def register(sub):
 
     p = sub.add_parser("stage", help="import a .ckpt or .safetensors file into a store (remote tier)")
     p.add_argument("checkpoint", help="the .ckpt or .safetensors file")
-    p.add_argument("--store", required=True, help="store directory to write")
+    p.add_argument("--store", required=True, type=path_given, help="store directory to write")
     p.add_argument("--shard", metavar="SPEC",
                    help="stage a sharded model into DIR/rank_<N>/, all ranks or none: 'per-rank' "
                         "(CHECKPOINT is a directory of rank_<N>/ files, MindSpore's distributed layout), "

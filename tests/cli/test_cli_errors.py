@@ -4,6 +4,7 @@ failure, tracebacks only with --debug, and help text for every flag."""
 import os
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -81,3 +82,17 @@ def test_every_flag_has_help_and_budget_means_the_same_everywhere():
     for verb in ("demo", "bench", "serve"):
         out = run(verb, "--help")
         assert out.returncode == 0 and "25%" in out.stdout and "2GiB" in out.stdout, verb
+
+
+def test_status_of_a_daemon_with_no_socket_file_says_so_at_once(tmp_path):
+    started = time.monotonic()
+    out = run("status", "--endpoint", f"ipc://{tmp_path / 'nobody.sock'}", "--timeout", "30")
+    assert out.returncode == 1 and time.monotonic() - started < 20      # not the 30 s timeout
+    assert "the socket file does not exist" in one_error_line(out)
+
+
+def test_a_name_or_store_path_that_could_escape_is_a_usage_error(tmp_path):
+    out = run("status", "--name", "../../x", "--timeout", "0.5")
+    assert out.returncode == 2 and "--name" in one_error_line(out)
+    out = run("stage", str(tmp_path / "x.ckpt"), "--store", "")
+    assert out.returncode == 2 and "an empty path" in one_error_line(out)
