@@ -214,7 +214,7 @@ def hold_store_lock(store_dir):
     """Take the store's own FileStore lock (None if it has none yet): refuse if a daemon has it open,
     and keep any from opening the generation being replaced until the swap is done."""
     try:
-        fd = os.open(os.path.join(store_dir, _STORE_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(os.path.join(store_dir, _STORE_LOCK), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
         return None                   # no store yet, or not a directory (link_current says so)
     except OSError as e:
@@ -226,6 +226,9 @@ def hold_store_lock(store_dir):
         os.close(fd)
         raise StagingError(f"{store_dir}: in use by pid {holder} (a daemon has this store open); "
                            f"close it before staging into it") from None
+    # Ours now: a daemon refused meanwhile names this process, not the lock's last holder.
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
 
 

@@ -13,6 +13,7 @@ import pytest
 from prefetchd import _native
 from prefetchd.staging import INDEX_FILE, StagingError, read_index, read_meta, stage_checkpoint
 from ckpt_files import write_safetensors
+from helpers import ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -80,6 +81,24 @@ def test_a_second_stager_of_the_same_store_is_refused(tmp_path):
         with pytest.raises(StagingError, match="another `prefetchd stage` is writing this store"):
             stage_checkpoint(str(tmp_path / "a.safetensors"), store)
     assert stage_checkpoint(str(tmp_path / "a.safetensors"), store)["tensors"] == 1
+
+
+def test_a_daemon_refused_during_a_stage_names_the_stage_not_the_locks_last_holder(tmp_path):
+    """The stage took the store's lock without writing its pid: a daemon refused meanwhile
+    named whichever process had last written it (long gone)."""
+    from prefetchd.staging.generations import hold_store_lock
+    store = str(tmp_path / "store")
+    write_safetensors(str(tmp_path / "a.safetensors"), {"x": np.ones(4, np.float32)})
+    stage_checkpoint(str(tmp_path / "a.safetensors"), store)
+    earlier = subprocess.run([sys.executable, "-c", "import sys; from prefetchd import _native; "
+                              "_native.FileStore(sys.argv[1]).close()", store], env=ENV, timeout=120)
+    assert earlier.returncode == 0                       # its pid stays in the lock file
+    fd = hold_store_lock(store)                          # what a stage holds while it swaps
+    try:
+        with pytest.raises(_native.StoreInUse, match=f"in use by pid {os.getpid()} "):
+            _native.FileStore(store)
+    finally:
+        os.close(fd)
 
 
 def test_a_store_open_in_a_daemon_is_refused_and_its_quarantine_is_kept(tmp_path):
