@@ -204,3 +204,13 @@ def test_a_toml_bool_is_not_an_integer(tmp_path, key):
     path.write_text(f"[prefetchd]\n{key} = true\n")
     with pytest.raises(ConfigError, match=f"{key}: expected an integer, got True"):
         Config.load(path=str(path), env={})
+
+
+def test_a_misspelled_setting_in_the_environment_is_warned_about_once(caplog):
+    env = {"PREFETCHD_LOOKAHAED": "3", "PREFETCHD_LOG_LEVEL": "INFO", "PREFETCHD_LOOKAHEAD": "1"}
+    with caplog.at_level(logging.WARNING, logger="prefetchd.config"):
+        assert Config.load(env=env).lookahead == 1
+        Config.load(env=env)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["PREFETCHD_LOOKAHAED is not a prefetchd setting and is ignored "
+                    "(did you mean PREFETCHD_LOOKAHEAD?)"]
