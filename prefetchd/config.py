@@ -5,9 +5,7 @@ Sizes accept integers (bytes) or strings with IEC or SI units ("2GiB", "512MiB",
 value raises ConfigError naming the key and where the value came from.
 """
 import dataclasses
-import difflib
 import ipaddress
-import logging
 import math
 import os
 import re
@@ -15,17 +13,9 @@ import stat
 import tomllib
 from dataclasses import dataclass, fields
 
+from .config_env import ENV_PREFIX, warn_unknown_env
 from .errors import ConfigError
 
-ENV_PREFIX = "PREFETCHD_"
-# PREFETCHD_* variables read elsewhere, not settings: the config file, the CLI's log level,
-# bench accelerate's interpreter, the native engine's fault injection and a property
-# test's size (tests), CI's venv.
-OTHER_ENV = frozenset(ENV_PREFIX + n for n in ("CONFIG", "LOG_LEVEL", "TORCH_PYTHON", "FAULTS", "VENV",
-                                               "HYPOTHESIS_EXAMPLES"))
-
-log = logging.getLogger("prefetchd.config")
-_warned_env = set()
 MAX_CONFIG_BYTES = 1 << 20  # a config file larger than this is not one
 
 _UNITS = {"": 1, "b": 1,
@@ -161,19 +151,6 @@ def _parse_verify(value, key):
     return True
 
 
-def _warn_unknown_env(env, keys):
-    """A misspelled setting (PREFETCHD_LOOKAHAED) would be ignored without a word: say so,
-    once per name, with the setting it is closest to."""
-    settings = {ENV_PREFIX + k.upper() for k in keys}
-    for name in env:
-        if not name.startswith(ENV_PREFIX) or name in settings or name in OTHER_ENV or name in _warned_env:
-            continue
-        _warned_env.add(name)
-        close = difflib.get_close_matches(name, sorted(settings), n=1)
-        log.warning("%s is not a prefetchd setting and is ignored%s", name,
-                    f" (did you mean {close[0]}?)" if close else "")
-
-
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -304,7 +281,7 @@ class Config:
             name = ENV_PREFIX + key.upper()
             if name in env:
                 raw[key], origin[key] = env[name], f"env {name}"
-        _warn_unknown_env(env, cls.keys())
+        warn_unknown_env(env, cls.keys())
         for key, value in overrides.items():
             if value is not None:
                 raw[key], origin[key] = value, "argument"

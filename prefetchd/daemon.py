@@ -106,13 +106,7 @@ class Daemon:
         self._finalizer = weakref.finalize(self, _reclaim, self.name, core, self._thread,
                                            self.config.shutdown_timeout)
         self._finalizer.atexit = False    # at exit, _close_live_daemons closes it properly
-        log.info("prefetchd %s: started (backend %s, device budget %d B, watermarks %d/%d B, host budget "
-                 "%d B, store %s); set: %s", self.name, self.config.backend, self.config.device_budget,
-                 self.config.high_watermark, self.config.low_watermark, self.config.host_budget,
-                 self.config.store_dir or "a private temporary directory",
-                 ", ".join(f"{k} from {v}" for k, v in sorted(self.config.sources().items())) or "defaults")
-        log.info("prefetchd %s: I/O engine %s (%s)", self.name, self.backend.io_engine,
-                 getattr(getattr(self.backend, "store", None), "probe_report", "no probe report"))
+        _log_started(self.name, self.config, self.backend)
         try:
             self._attach()
         except BaseException:
@@ -161,9 +155,8 @@ class Daemon:
             first = self._state != "closing"
             started = self._core is not None
             self._state = "closing"
-            if self._binding is not None:     # guarded tensors say the daemon is gone
+            if started:       # (and guarded tensors say the daemon is gone)
                 self._binding.closed_as = f"prefetchd daemon {self.config.name!r}, which is closed"
-            if started:
                 self._core.inbox.refuse_new(self._closed_message())
         if first:
             self._attachments.close(deadline, self.name)
@@ -215,10 +208,8 @@ class Daemon:
 
     def register_all(self, tensors, *, tier="remote"):
         """Manage every tensor of `tensors` (each under its own name) on tier "host" or
-        "remote", or none: each keeps its own memory until all are placed, so when one
-        placement fails (e.g. the store's disk is full) the ones placed are dropped again
-        (host blocks freed, store files removed), every tensor is as it was, and the
-        error is raised. Returns their handles, in order."""
+        "remote", or none: if one placement fails (a full disk), every tensor is as it was
+        and the error is raised (core/registering.py). Their handles, in order."""
         if framework.is_tensor(tensors):      # (iterating a tensor gives its rows)
             raise TypeError("register_all takes an iterable of tensors; register() takes one")
         items = [(t, checked_name(t, None, tier)) for t in tensors]
@@ -280,13 +271,7 @@ class Daemon:
         return self._submit(Request(Kind.STAGE, self._records_of(tensors), Future()))
 
     def set_watermarks(self, high, low=None):
-        budget = self.config.device_budget
-        high_b = parse_fraction_or_size(high, budget, "high_watermark")
-        low_b = parse_fraction_or_size(low, budget, "low_watermark") if low is not None else int(high_b * 0.85)
-        if not PAGE <= high_b <= budget:      # below a page no tensor could ever fit
-            raise ValueError(f"high watermark {high_b} must be in [{PAGE}, device budget {budget}]")
-        if low_b > high_b:
-            raise ValueError(f"low watermark {low_b} is above the high watermark {high_b}")
+        high_b, low_b = _watermark_bytes(high, low, self.config.device_budget)
         return self._submit(Request(Kind.WATERMARKS, (), Future(), args=(high_b, low_b)))
 
     def mark_dirty(self, tensors):
@@ -357,8 +342,6 @@ class Daemon:
             return tuple(self._registry.records[name].tiers) if name is not None else None
 
     def add_listener(self, fn):
-        if not callable(fn):
-            raise TypeError(f"a listener is called with each event dict; {type(fn).__name__} is not callable")
         self._events.add(fn)
 
     def remove_listener(self, fn):
@@ -367,6 +350,28 @@ class Daemon:
     def add_reserve_check(self, fn):
         """Test hook: fn(used_after, high) runs at every device reservation."""
         self._reserve_checks.append(fn)
+
+
+def _log_started(name, config, backend):
+    log.info("prefetchd %s: started (backend %s, device budget %d B, watermarks %d/%d B, host budget "
+             "%d B, store %s); set: %s", name, config.backend, config.device_budget,
+             config.high_watermark, config.low_watermark, config.host_budget,
+             config.store_dir or "a private temporary directory",
+             ", ".join(f"{k} from {v}" for k, v in sorted(config.sources().items())) or "defaults")
+    log.info("prefetchd %s: I/O engine %s (%s)", name, backend.io_engine,
+             getattr(getattr(backend, "store", None), "probe_report", "no probe report"))
+
+
+def _watermark_bytes(high, low, budget):
+    """(high, low) watermarks in bytes of set_watermarks' arguments (fractions of the device
+    budget or sizes; low defaults to 85% of high); ValueError for a pair that cannot hold."""
+    high_b = parse_fraction_or_size(high, budget, "high_watermark")
+    low_b = parse_fraction_or_size(low, budget, "low_watermark") if low is not None else int(high_b * 0.85)
+    if not PAGE <= high_b <= budget:      # below a page no tensor could ever fit
+        raise ValueError(f"high watermark {high_b} must be in [{PAGE}, device budget {budget}]")
+    if low_b > high_b:
+        raise ValueError(f"low watermark {low_b} is above the high watermark {high_b}")
+    return high_b, low_b
 
 
 def _reclaim(name, core, thread, timeout):

@@ -7,6 +7,8 @@ Modules, by role (imports point down this list, never up):
     scheduler  the scheduler thread: request and completion handler tables, shutdown
     loads      residency moves in: ABSENT -> LOADING -> RESIDENT, as start/done halves
     writeback  residency moves out: write-back, verify, drop
+    explicit   evict and flush requests, settled as their write-backs land
+    placement  register(tier="host" | "remote"): new tensors placed off the device, or forgotten
     hostcache  host RAM as a cache of the remote tier
     memory     device memory: watermarks, reservations, victims, compute fences
     fences     the thread that sleeps on the compute-fence word

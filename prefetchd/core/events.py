@@ -21,6 +21,8 @@ class Events:
         self._queued = collections.deque()    # payloads emitted under the lock, not yet delivered
 
     def add(self, fn):
+        if not callable(fn):     # else a traceback logged at every event
+            raise TypeError(f"a listener is called with each event dict; {type(fn).__name__} is not callable")
         self._listeners.append(fn)
 
     def remove(self, fn):

@@ -17,10 +17,11 @@ import logging
 import time
 
 from ..backend.base import TransferKind
-from ..errors import BudgetError, FlushError, PinnedError, PrefetchdError, ShutdownError
+from ..errors import BudgetError, PrefetchdError, ShutdownError
 from ..telemetry.timeline import NullTimeline
 from . import lending
 from .compute_writes import note_writes
+from .explicit import ExplicitRequests
 from .host_replicas import HostReplicas
 from .hostcache import HostCache
 from .inbox import Inbox
@@ -64,10 +65,9 @@ class Scheduler:
         self.loads = Loads(config, backend, self.memory, self.transfers, self.outcomes, self.hostcache,
                            self.host_replicas, stats, tick=self.tick, emit=emit,
                            evict=self.writebacks.evict)
-        self.placements = Placements(backend, registry, self.transfers, self.outcomes, self.host_replicas,
-                                     stats)
+        self.placements = Placements(backend, registry, self.transfers, self.outcomes, self.host_replicas, stats)
         self.memory.connect(evict=self.writebacks.evict, written_late=self.writebacks.written_late)
-        self.waiting = []              # evict/flush requests waiting on transfers: (request, recs)
+        self.explicit = ExplicitRequests(registry, self.memory, self.writebacks, self.outcomes, self.note_writes)
         self._tick = itertools.count(1)
         self.shutdown_deadline = None
         self.timeline = NullTimeline()   # the daemon sets its own when tracing is on
@@ -76,8 +76,8 @@ class Scheduler:
             Kind.PIN: self.loads.want_resident,
             Kind.UNPIN: self._unpin,
             Kind.REGISTER: self._register,
-            Kind.EVICT: self._evict_request,
-            Kind.FLUSH: self._flush_request,
+            Kind.EVICT: self.explicit.evict,
+            Kind.FLUSH: self.explicit.flush,
             Kind.STAGE: self.host_replicas.stage,
             Kind.WATERMARKS: self._watermarks,
             Kind.FORGET: self.placements.forget,
@@ -153,13 +153,11 @@ class Scheduler:
                 self._guarded(self._shutdown)
                 break
             self._guarded(self._handle, req)
-        # Free what finished compute since last time; above the high watermark (it was just
-        # lowered), also blocks that wait for a whole-queue fence: else they stay until
-        # some reservation needs room, and the device holds more than its watermark.
+        # Free what finished compute since; above the high watermark (just lowered), all of it
         self._guarded(self.memory.fence_if, self.memory.above_high)
         if self.shutdown_deadline is None:
             self._guarded(self.loads.pump)
-        self._guarded(self._settle_waiting)
+        self._guarded(self.explicit.settle)
         stop = self.shutdown_deadline is not None and (
             not self.transfers or time.monotonic() >= self.shutdown_deadline)
         if stop:
@@ -245,68 +243,6 @@ class Scheduler:
         self.memory.make_room(0, demand=True)
         self.outcomes.resolve(req)
 
-    def _evict_request(self, req):
-        for rec in req.recs:
-            if rec.pins:
-                self.outcomes.fail(req, PinnedError(
-                    f"cannot evict {rec.name!r}: it is pinned ({rec.pins} pin(s)) by compute"))
-                return
-        pending = []
-        for rec in req.recs:
-            if rec.state is State.RESIDENT:
-                self.writebacks.evict(rec, "explicit")
-            if rec.state is not State.ABSENT:
-                if rec.state is State.LOADING:
-                    rec.evict_after_load = True
-                pending.append(rec)
-        if pending:
-            self.waiting.append((req, pending))
-        else:
-            self.memory.fence_if(lambda: True)   # an explicit evict gives the memory back now
-            self.outcomes.resolve(req)
-
-    def _flush_request(self, req):
-        recs = req.recs if req.recs is not None else tuple(self.registry)
-        pending = []
-        for rec in recs:
-            self.note_writes(rec)
-            if rec.state is State.RESIDENT and (rec.dirty or not (rec.remote_valid or rec.host_valid)):
-                rec.writeback_failed = False
-                self.writebacks.start(rec)
-            if rec.state is State.STORING:
-                pending.append(rec)
-        # Those that failed already (at start, or before and not retried) are reported with
-        # the pending ones once every one of those has settled.
-        req.args = [r for r in recs if _failed(r)]
-        if pending:
-            self.waiting.append((req, pending))
-            return
-        self.outcomes.resolve(req, _flush_error(req.args))
-
-    def _settle_waiting(self):
-        still = []
-        for req, recs in self.waiting:
-            if req.kind is Kind.FLUSH:
-                if any(r.state is State.STORING for r in recs):
-                    still.append((req, recs))
-                else:
-                    self.outcomes.resolve(req, _flush_error([*req.args, *filter(_failed, recs)]))
-                continue
-            failed = next((r for r in recs if _failed(r)), None)
-            if failed is not None:
-                self.outcomes.resolve(req, failed.error)
-                continue
-            for r in recs:                          # an evict request
-                if r.state is State.RESIDENT and not r.pins:
-                    self.writebacks.evict(r, "explicit")
-            done = all(r.state is State.ABSENT for r in recs)
-            if done:
-                self.memory.fence_if(lambda: True)
-                self.outcomes.resolve(req)
-            else:
-                still.append((req, recs))
-        self.waiting = still
-
     # ------------------------------------------------------------------ shutdown
     def _shutdown(self):
         """Cancel what has not started; write back dirty replicas while time allows."""
@@ -332,25 +268,12 @@ class Scheduler:
         if lost:
             log.error("prefetchd %s closed with %d dirty tensor(s) not written back: %s",
                       self.name, len(lost), ", ".join(map(str, lost[:10])))
-        for req, _ in self.waiting:
-            self.outcomes.resolve(req, ShutdownError("daemon closed before the request completed"))
-        self.waiting.clear()
+        self.explicit.cancel_all(ShutdownError("daemon closed before the request completed"))
         for rec in self.registry:
             lending.drop_parked(self.backend, self.stats, rec, mappings=True)   # they go with the daemon
             rec.block = None
             rec.host_block = None
         self.memory.close()
-
-
-def _failed(rec):
-    """Its last write-back failed: the replica stays, dirty (writeback.py's _held)."""
-    return rec.writeback_failed and rec.state is State.RESIDENT
-
-
-def _flush_error(failed):
-    """A flush's outcome: None, or a FlushError naming every tensor whose write-back failed."""
-    failures = {r.name: r.error for r in failed}
-    return FlushError(failures) if failures else None
 
 
 def run(daemon_ref, scheduler, release_targets, deliver_events=lambda: None):
