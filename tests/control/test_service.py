@@ -460,6 +460,8 @@ def test_cli_status_ctl_keys(served, tmp_path, capsys):
     assert main(["ctl", *ep, "list", "layer.1*"]) == 0
     capsys.readouterr()
     assert main(["ctl", "--endpoint", unique_endpoint("nobody"), "--timeout", "0.2", "ping"]) == 1
+    assert "the socket file does not exist" in capsys.readouterr().err     # said at once
+    assert main(["ctl", "--endpoint", "tcp://127.0.0.1:1", "--timeout", "0.2", "ping"]) == 1
     assert "no reply" in capsys.readouterr().err
     keys = tmp_path / "keys"
     assert main(["keys", str(keys), "--client", "alice"]) == 0
