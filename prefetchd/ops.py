@@ -237,12 +237,17 @@ def detach(x, sync=False):
     if e.remote_key is None:
         raise StorageError(f"detach({e.label!r}) refused: it has no remote replica "
                            f"(call update_to_remote first); nothing was dropped")
-    if _native.crc32c(np.ascontiguousarray(array)) != e.remote_crc:
+    if _remote_stale(array, e):
         raise StorageError(f"detach({e.label!r}) refused: the tensor changed since update_to_remote, "
                            f"so the remote replica is stale; nothing was dropped")
     _release_local(x, e)
     guard.guard(x, lambda: NotResidentError(e.label, "remote", "detached"))
     return x
+
+
+def _remote_stale(array, e):
+    """x's values (`array`) differ from what update_to_remote wrote (by checksum)."""
+    return _native.crc32c(np.ascontiguousarray(array)) != e.remote_crc
 
 
 def update_to_device(x, sync=False):
@@ -296,7 +301,7 @@ def tier(x):
     e = _entry(x, create=False)
     if e is not None:
         if e.tier is not None and e.remote_key is not None and not e.freed and \
-                _native.crc32c(np.ascontiguousarray(framework.host_copy(x))) != e.remote_crc:
+                _remote_stale(framework.host_copy(x), e):
             return (e.tier,)     # written since update_to_remote: the remote replica is stale
         return _tiers(e)
     if guard.is_managed(x):

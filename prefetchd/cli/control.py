@@ -75,23 +75,15 @@ def _refuse_missing_socket(endpoint):
     """An ipc endpoint with no socket file has no daemon: say so now, not after --timeout.
     (A daemon pausing new connections moved its file aside, prefetchd/control/path_gate.py:
     then the client waits, and gets in when the file is back.)"""
-    from ..control.path_gate import HIDDEN
+    from ..control.path_gate import asides
     from ..errors import ConfigError
     if not endpoint.startswith("ipc://"):
         return
     path = endpoint[len("ipc://"):]
-    directory, name = os.path.split(path)
-    if os.path.exists(path) or any(f.startswith(HIDDEN.format(name=name)) for f in _listing(directory)):
+    if os.path.exists(path) or asides(path):
         return
     raise ConfigError(f"no daemon at {endpoint}: the socket file does not exist (is the daemon "
                       f"running, under this --name or --endpoint?)")
-
-
-def _listing(directory):
-    try:
-        return os.listdir(directory or ".")
-    except OSError:
-        return []
 
 
 def _curve_file(directory, name):

@@ -56,16 +56,20 @@ def stale(path):
     return listener_at(path) is False
 
 
-def remove_stale_aside(path):
-    """Remove the hidden names a process killed while paused left beside `path`."""
+def asides(path):
+    """The hidden names beside `path` its listeners' pauses moved it to ([] if none, or if
+    the directory cannot be listed)."""
     head, tail = os.path.split(path)
     prefix = HIDDEN.format(name=tail)
     try:
-        names = [n for n in os.listdir(head or ".") if n.startswith(prefix)]
+        return [os.path.join(head, n) for n in os.listdir(head or ".") if n.startswith(prefix)]
     except OSError:
-        return
-    for name in names:
-        aside = os.path.join(head, name)
+        return []
+
+
+def remove_stale_aside(path):
+    """Remove the hidden names a process killed while paused left beside `path`."""
+    for aside in asides(path):
         if _stale_aside(aside):
             _unlink(aside)
 
