@@ -154,7 +154,9 @@ def _parse_verify(value, key):
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
-def _parse_name(value, key):
+def parse_name(value, key):
+    """A daemon name (unset or empty: "default"); it names a socket file and metrics labels,
+    so no '/' or '..'. Public: the CLI's --name checks its argument the same way."""
     name = _optional_str(value, key) or "default"
     if not _NAME_RE.match(name):
         raise ConfigError(f"{key}: {name!r} must be 1-64 characters of letters, digits, '_', '.', '-' "
@@ -435,7 +437,7 @@ _PARSERS.update({
     "shared_host_map": _parse_bool,
     "trace": _optional_str,
     "max_message_size": parse_size,
-    "name": _parse_name,
+    "name": parse_name,
     "shutdown_timeout": lambda v, k: _parse_seconds(v, k),
     "rank": lambda v, k: None if v in (None, "") else _parse_int(v, k, minimum=0),
     "world_size": lambda v, k: None if v in (None, "") else _parse_int(v, k, minimum=1),

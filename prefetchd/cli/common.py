@@ -98,9 +98,9 @@ def path_given(text):
 
 def daemon_name(text):
     """A daemon name as the config takes it: it names a socket file (no '/' or '..')."""
-    from ..config import ConfigError, _parse_name
+    from ..config import ConfigError, parse_name
     try:
-        return _parse_name(text, "--name")
+        return parse_name(text, "--name")
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
