@@ -139,8 +139,13 @@ def rank_config(config=None, info=None, **overrides):
             return config                # already a rank's config: its paths carry the rank
         if info is None:                 # rank/world_size given as settings (file, PREFETCHD_RANK)
             found = detect()
-            local = found.local_rank if found is not None and found.rank == config.rank else config.rank
-            info = RankInfo(config.rank, config.world_size, local, "config")
+            if found is not None and (found.rank, found.world_size) != (config.rank, config.world_size):
+                # A leftover setting would open another rank's shard and ports.
+                raise ConfigError(f"the settings say rank {config.rank} of {config.world_size} (rank, world_size: "
+                                  f"PREFETCHD_RANK/PREFETCHD_WORLD_SIZE or the config file), this process is "
+                                  f"rank {found.rank} of {found.world_size} (from {found.source}); unset one")
+            info = RankInfo(config.rank, config.world_size,
+                            config.rank if found is None else found.local_rank, "config")
     info = detect() if info is None else info
     if info is None:
         return config

@@ -155,6 +155,11 @@ def copy_rate():
     return _bytes_per_second(lambda: _native.bulk_copy(dst, src))
 
 
+# What `prefetchd stage --shard` writes at the root of a sharded store (staging/shards.py):
+# the root holds rank_N/ stores, and is not a store itself.
+SHARDS_FILE = "prefetchd-shards.json"
+
+
 def open_store(config):
     """The remote tier of a backend: a native FileStore in config.store_dir (or a private temp dir).
 
@@ -178,6 +183,13 @@ def open_store(config):
         if os.path.exists(directory) and not os.path.isdir(directory):
             raise StorageError(f"store_dir {directory}: is not a directory (give a directory prefetchd may "
                                f"create or own)")
+        if os.path.exists(os.path.join(directory, SHARDS_FILE)):
+            # Opened as a store, it would look empty and take a lock file that the next
+            # `stage --shard` refuses as foreign.
+            raise StorageError(f"store_dir {directory}: is a sharded store ({SHARDS_FILE}); a rank's daemon "
+                               f"opens {os.path.join(directory, 'rank_N')}: build its config with "
+                               f"prefetchd.ranks.rank_config(config) inside the rank's process (msrun), "
+                               f"or give that directory")
         try:
             os.makedirs(directory, mode=0o700, exist_ok=True)
         except OSError as e:

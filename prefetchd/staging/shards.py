@@ -17,6 +17,7 @@ rename swaps the whole sharded directory, so a rank that fails (a damaged file, 
 shape that does not divide) leaves no rank with a new generation. A rank's daemon
 (`prefetchd.ranks.rank_config`) opens only `rank_<N>`: its reads are its shard's bytes.
 """
+import contextlib
 import fnmatch
 import json
 import os
@@ -26,16 +27,17 @@ import time
 
 import numpy as np
 
+from ..backend.base import SHARDS_FILE
 from .errors import StagingError
 from .generations import (hold_store_lock, link_current, remove_leftovers, stage_into, stage_lock,
                           store_place, swap_in, fsync_dir)
 from .readers import iter_checkpoint
 
-SHARDS_FILE = "prefetchd-shards.json"
 SHARDS_FORMAT = 1
 PER_RANK = "per-rank"
 _RANK_DIR = re.compile(r"^rank_(\d+)$")
 _CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors")
+_PLAIN_STAGE_SIBLING = re.compile(r"^\.rank_(\d+)\.(?:stage-lock|staging-.+|retired-.+)$")
 
 
 def read_shards(root):
@@ -70,14 +72,20 @@ def parse_spec(text):
             if not sep or not glob:
                 raise StagingError(f"sharding spec {item!r}: expected GLOB=AXIS (e.g. '*.wq.weight=0')")
             pairs.append((glob, axis))
-    spec = []
+    spec, seen = [], set()
     for glob, axis in pairs:
+        # A JSON axis is a number already: 1.7 or true is a mistake, not axis 1.
+        if isinstance(axis, bool) or not isinstance(axis, (int, str)):
+            raise StagingError(f"sharding spec {glob!r}: axis {axis!r} is not an integer")
         try:
             axis = int(axis)
-        except (TypeError, ValueError):
+        except ValueError:
             raise StagingError(f"sharding spec {glob!r}: axis {axis!r} is not an integer") from None
         if axis < 0:
             raise StagingError(f"sharding spec {glob!r}: axis {axis} must be >= 0")
+        if glob in seen:
+            raise StagingError(f"sharding spec {glob!r} is given twice")
+        seen.add(glob)
         spec.append((glob, axis))
     if not spec:
         raise StagingError(f"sharding spec {text!r}: names no GLOB=AXIS pair")
@@ -86,15 +94,21 @@ def parse_spec(text):
 
 def rank_checkpoints(directory):
     """[path of rank 0's file, rank 1's, ...] of a per-rank checkpoint directory."""
-    ranks = {}
+    ranks, names = {}, {}
     for entry in os.scandir(directory):
         m = _RANK_DIR.match(entry.name)
         if m and entry.is_dir():
+            rank = int(m.group(1))
+            if rank in names:           # rank_2 and rank_0002: which is rank 2 is a guess
+                first, second = sorted((names[rank], entry.name))
+                raise StagingError(f"{directory}: {first}/ and {second}/ both name rank {rank}; "
+                                   f"remove the one that is not")
+            names[rank] = entry.name
             files = sorted(f for f in os.listdir(entry.path) if f.endswith(_CHECKPOINT_SUFFIXES))
             if len(files) != 1:
                 raise StagingError(f"{entry.path}: holds {len(files)} checkpoint files "
                                    f"({', '.join(files) or 'none'}); a rank directory holds exactly one")
-            ranks[int(m.group(1))] = os.path.join(entry.path, files[0])
+            ranks[rank] = os.path.join(entry.path, files[0])
     if not ranks:
         raise StagingError(f"{directory}: no rank_<N>/ subdirectories (MindSpore's distributed checkpoint "
                            f"layout: rank_0/net.ckpt, rank_1/net.ckpt, ...)")
@@ -115,11 +129,18 @@ class RankSlice:
         self.matched = set()                    # globs that matched some tensor
 
     def _axis(self, name):
+        """The axis the spec cuts `name` along (None: replicated). Globs may overlap where
+        they agree; two that cut one tensor along different axes are refused, whichever
+        comes first."""
+        found = None
         for glob, axis in self.spec:
             if fnmatch.fnmatchcase(name, glob):
                 self.matched.add(glob)
-                return axis
-        return None
+                if found is not None and found[1] != axis:
+                    raise StagingError(f"sharding spec: tensor {name!r} matches {found[0]!r} (axis {found[1]}) "
+                                       f"and {glob!r} (axis {axis}); make the globs agree or not overlap")
+                found = found or (glob, axis)
+        return None if found is None else found[1]
 
     def __iter__(self):
         for name, shape, dtype, data in self.reader:
@@ -177,9 +198,17 @@ def stage_sharded(source, store_dir, *, spec=None, world_size=None, progress=Fal
         sources = [lambda r=r: RankSlice(source, spec, r, world_size) for r in range(world_size)]
         files, described = [str(source)] * world_size, {glob: axis for glob, axis in spec}
     root, parent, base, work = store_place(store_dir)
-    with stage_lock(parent, base):
+    with stage_lock(parent, base), contextlib.ExitStack() as rank_stages:
         remove_leftovers(parent, base)
         previous = _check_root(root, world_size)
+        if os.path.isdir(root):
+            # A machine stages its own ranks with the plain verb (--store ROOT/rank_N): refuse
+            # while one runs, and clear what one that died left. Only a lock file such a stage
+            # made is taken (making one would change the root of a stage that then fails).
+            for rank in range(world_size):
+                if os.path.exists(os.path.join(root, f".rank_{rank}.stage-lock")):
+                    rank_stages.enter_context(stage_lock(root, f"rank_{rank}"))
+                remove_leftovers(root, f"rank_{rank}")
         os.mkdir(work)
         locks = []
         try:
@@ -238,10 +267,18 @@ def _check_root(root, world_size):
     if doc["world_size"] != world_size:
         raise StagingError(f"{root}: a sharded store of {doc['world_size']} ranks; staging {world_size} ranks "
                            f"needs a new directory")
-    stray = sorted(entries - {SHARDS_FILE} - {f"rank_{r}" for r in range(world_size)})
+    ours = {SHARDS_FILE} | {f"rank_{r}" for r in range(world_size)}
+    stray = sorted(e for e in entries - ours if not _plain_stage_sibling(e, world_size))
     if stray:
         raise StagingError(f"{root}: holds {stray[0]!r}, which is neither a rank store nor {SHARDS_FILE}")
     return doc
+
+
+def _plain_stage_sibling(entry, world_size):
+    """A plain stage of one rank (--store ROOT/rank_N) keeps its lock beside rank_N, and one
+    that died leaves its work directory there (generations.py names both)."""
+    m = _PLAIN_STAGE_SIBLING.match(entry)
+    return m is not None and int(m.group(1)) < world_size
 
 
 def _write_shards(work, doc):

@@ -95,3 +95,27 @@ def test_status_metrics_and_the_status_verb_carry_the_rank(tmp_path, ms):
     with Daemon(store_dir=str(tmp_path / "plain"), device_budget="4MiB") as plain:   # not a rank: no label
         assert plain.status()["rank"] is None
         assert 'rank="' not in render(plain)
+
+
+def test_a_daemon_given_the_sharded_root_is_refused_and_leaves_no_lock(tmp_path):
+    """Outside msrun rank_config returns the config as it is: a Daemon on the sharded root would
+    start with no tensors and leave a store lock that the next `stage --shard` refuses."""
+    from prefetchd.staging import SHARDS_FILE
+    from prefetchd.errors import StorageError
+    root = tmp_path / "store"
+    root.mkdir()
+    (root / SHARDS_FILE).write_text('{"format": 1, "world_size": 2}')
+    with pytest.raises(StorageError, match=r"is a sharded store .*rank_config"):
+        Daemon(Config.load(env={}, store_dir=str(root), device_budget="4MiB")).start()
+    assert os.listdir(root) == [SHARDS_FILE]
+
+
+def test_rank_settings_that_contradict_the_launcher_are_refused(tmp_path, monkeypatch):
+    """A leftover PREFETCHD_RANK=1 under msrun's RANK_ID=0 would open rank 1's shard and ports."""
+    monkeypatch.setenv("RANK_ID", "0")
+    monkeypatch.setenv("RANK_SIZE", "2")
+    env = {"PREFETCHD_RANK": "1", "PREFETCHD_WORLD_SIZE": "2", "PREFETCHD_STORE_DIR": str(tmp_path / "s")}
+    with pytest.raises(ConfigError, match=r"settings say rank 1 of 2 .* this process is rank 0 of 2"):
+        rank_config(Config.load(env=env))
+    agreeing = {**env, "PREFETCHD_RANK": "0"}
+    assert rank_config(Config.load(env=agreeing)).store_dir == str(tmp_path / "s" / "rank_0")

@@ -169,3 +169,63 @@ def test_refuses_while_a_ranks_daemon_has_its_store_open(tmp_path, ms):
             stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)
     assert _snapshot(tmp_path / "store") == before
     assert stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)["generation"] == 2
+
+
+def test_two_directories_naming_one_rank_are_refused(tmp_path):
+    """rank_2/ and a stale rank_0002/ both parse as rank 2: staging either would be a guess."""
+    for name, value in [("rank_0", 0), ("rank_1", 1), ("rank_2", 2), ("rank_0002", 99)]:
+        (tmp_path / "ckpt" / name).mkdir(parents=True)
+        write_safetensors(tmp_path / "ckpt" / name / "net.safetensors", {"w": np.full((2,), value, np.float32)})
+    with pytest.raises(StagingError, match="rank_0002/ and rank_2/ both name rank 2"):
+        stage_sharded(str(tmp_path / "ckpt"), str(tmp_path / "store"))
+    assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("doc, words", [
+    ({"*.wq.weight": 1.7}, "axis 1.7 is not an integer"),
+    ({"*.wq.weight": True}, "axis True is not an integer"),
+    ({"*.wq.weight": [0]}, r"axis \[0\] is not an integer"),
+])
+def test_a_json_spec_axis_must_be_an_integer(tmp_path, doc, words):
+    src = tmp_path / "whole.safetensors"
+    write_safetensors(src, WHOLE)
+    (tmp_path / "spec.json").write_text(json.dumps(doc))
+    with pytest.raises(StagingError, match=words):
+        stage_sharded(str(src), str(tmp_path / "store"), spec=str(tmp_path / "spec.json"), world_size=2)
+
+
+def test_overlapping_globs_must_agree(tmp_path):
+    src = tmp_path / "whole.safetensors"
+    write_safetensors(src, WHOLE)
+    with pytest.raises(StagingError, match="given twice"):
+        stage_sharded(str(src), str(tmp_path / "store"), spec="*.wq.weight=0,*.wq.weight=1", world_size=2)
+    with pytest.raises(StagingError, match=r"'layers.0.wq.weight' matches '\*.wq.\*' \(axis 0\) and "
+                                           r"'\*.wq.weight' \(axis 1\)"):
+        stage_sharded(str(src), str(tmp_path / "store"), spec="*.wq.*=0,*.wq.weight=1", world_size=2)
+    assert not (tmp_path / "store").exists()
+    # Overlapping and agreeing: both globs matched something, the cut is the same.
+    stage_sharded(str(src), str(tmp_path / "store"), spec="*.wq.*=0,*.wq.weight=0,*.wo.weight=1", world_size=2)
+    held = read_store(str(tmp_path / "store" / "rank_1"))
+    np.testing.assert_array_equal(held["layers.0.wq.weight"], WHOLE["layers.0.wq.weight"][4:])
+
+
+def test_a_plain_stage_of_one_rank_does_not_block_the_next_sharded_stage(tmp_path):
+    """docs/distributed.md: a machine holding some ranks stages them with the plain verb
+    (--store ROOT/rank_N). Its lock file beside rank_N, and the work directory of one that
+    died, are the plain stage's own, not foreign content."""
+    from prefetchd.staging import stage_checkpoint
+    src = tmp_path / "whole.safetensors"
+    write_safetensors(src, WHOLE)
+    stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)
+    one = tmp_path / "one.safetensors"
+    write_safetensors(one, {"extra": np.arange(3, dtype=np.float32)})
+    stage_checkpoint(str(one), str(tmp_path / "store" / "rank_1"))
+    assert (tmp_path / "store" / ".rank_1.stage-lock").exists()
+    (tmp_path / "store" / ".rank_1.staging-99999").mkdir()          # a plain stage that died
+    second = stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)
+    assert second["generation"] == 2
+    assert not (tmp_path / "store" / ".rank_1.staging-99999").exists()
+    # A file nobody staged is still refused.
+    (tmp_path / "store" / "notes.txt").write_text("mine")
+    with pytest.raises(StagingError, match="holds 'notes.txt'"):
+        stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)
