@@ -84,9 +84,12 @@ def _budget_text(need, fraction, resident):
 
 
 def _size_text(nbytes):
-    """'1536MiB (1610612736 bytes)': a size the Config reads, rounded up, and the exact bytes."""
+    """'1536MiB (1610612736 bytes)': a size the Config reads, rounded up, and the exact bytes.
+    The unit is the largest whose rounding adds at most 1% (1.01 MiB is 1035KiB, not 2MiB:
+    a size copied from the hint should not nearly double the budget)."""
     for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
+        rounded = -(-nbytes // scale)
+        if nbytes >= scale and rounded * scale - nbytes <= nbytes // 100:
             gib = f", {-(-nbytes * 100 // (1 << 30)) / 100:.2f} GiB" if nbytes >= 1 << 30 else ""
-            return f"{-(-nbytes // scale)}{unit} ({nbytes} bytes{gib})"
+            return f"{rounded}{unit} ({nbytes} bytes{gib})"
     return f"{nbytes} bytes"

@@ -43,9 +43,9 @@ class CompiledLater:
         """Before a pass: PrefetchdError if a cell holding units was compiled since offload()."""
         for name, holder in self._holders:
             if is_jit(holder.construct):
-                where = f"{name!r}" if name else f"this {type(self._model).__name__}"
+                where = f"the construct of {name!r}" if name else f"this {type(self._model).__name__}'s construct"
                 raise PrefetchdError(
-                    f"prefetchd: {where}'s construct was compiled with mindspore.jit after offload(), and it "
+                    f"prefetchd: {where} was compiled with mindspore.jit after offload(), and it "
                     f"holds units (their hooks would be compiled into its graph, where they cannot run). "
                     f"Compile it before offload(): prefetchd then streams a compiled cell whole (the model "
                     f"itself: as one root unit, which must fit the budget)")

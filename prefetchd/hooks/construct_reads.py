@@ -26,7 +26,8 @@ the chains of steps from `self`), resolved here against the live cells:
 - a sub-cell (or `self`) handed to a plain Python function, a method of a
   plain object or a callable attribute (`_chunked_feed_forward(self.ff, x)`,
   `self.processor(self, x)`) is followed into that callee's source with the
-  argument bound: a callee that only calls the cell is a call (its hooks fire);
+  argument bound: a callee that only calls the cell is a call (its hooks fire), and
+  so is `mindspore.recompute(cell, ...)`;
 - where the analysis cannot see — a callee without source, a MindSpore
   function given a cell, `*args`, deeper than _MAX_INLINE — the cell counts as
   reading all of its parameters (safe: pinned, never read unmapped).
@@ -116,6 +117,8 @@ def _follow_passed(root, function, expr, cell, step, found, depth, seen):
     """`cell` (written `expr`) handed to a callee in `function`: follow the callee's source with
     that argument bound to `cell`, or count all its parameters read where it cannot be followed."""
     _, callee, slot = step
+    if slot == 0 and _calls_its_cell(_callee_object(root, function, callee)):
+        return                                       # the cell's own call: its hooks fire
     target = _callee_function(root, function, callee)
     name = _callee_name(callee)
     arg = None if target is None else _argument(target[0], slot, target[1])
@@ -138,20 +141,33 @@ def _callee_name(callee):
     return "self" + "".join(f".{s}" if isinstance(s, str) else f"[{s}]" for s in ref) + "()"
 
 
-def _callee_function(root, function, callee):
-    """(plain Python function, arguments bound before the first written one) for a callee, or
-    None: a builtin, a MindSpore function or class, anything that is not plain source."""
+def _calls_its_cell(obj):
+    """A MindSpore function that runs the cell it is given as a call of that cell, hooks
+    and all (checked on 2.10: `mindspore.recompute(block, x)`, which HF-style models use
+    in a training-only branch, fires block's forward hooks)."""
+    return obj is not None and obj is getattr(framework.mindspore(), "recompute", None)
+
+
+def _callee_object(root, function, callee):
+    """What a callee names: the object, or None where it cannot be told."""
     ms = framework.mindspore()
     kind, ref = callee
     function = inspect.unwrap(function)
     if kind == "self":
         found = [obj for _, obj, _ in _resolve(root, ref + (CALL,))]
-        obj = found[0] if len(found) == 1 else None
-    else:
-        names = (ref,) if kind == "name" else ref
-        obj = _free_variable(function, names[0])
-        for attr in names[1:]:
-            obj = getattr(obj, attr, None) if obj is not None and not isinstance(obj, ms.nn.Cell) else None
+        return found[0] if len(found) == 1 else None
+    names = (ref,) if kind == "name" else ref
+    obj = _free_variable(function, names[0])
+    for attr in names[1:]:
+        obj = getattr(obj, attr, None) if obj is not None and not isinstance(obj, ms.nn.Cell) else None
+    return obj
+
+
+def _callee_function(root, function, callee):
+    """(plain Python function, arguments bound before the first written one) for a callee, or
+    None: a builtin, a MindSpore function or class, anything that is not plain source."""
+    ms = framework.mindspore()
+    obj = _callee_object(root, function, callee)
     if obj is None or isinstance(obj, (type, ms.nn.Cell)):
         return None
     if inspect.isfunction(obj):

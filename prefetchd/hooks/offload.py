@@ -52,6 +52,7 @@ from ..backend import framework
 from ..daemon import Daemon
 from ..errors import PrefetchdError, ShutdownError
 from ..cost.estimate import PassEstimator
+from .budget_hint import DEFAULT_HIGH_FRACTION
 from .compiled_later import CompiledLater
 from .parts import PartProbes
 from .passes import RecordingPass, StreamingPass
@@ -94,8 +95,11 @@ class Offloaded:
         # Everything that can be refused is refused before anything is registered.
         self._plan = plan_units(model, self._high, self.lookahead, units=units, no_split=no_split,
                                 block_bytes=daemon.backend.block_bytes)
-        # The refusal's suggested device_budget assumes this daemon's high-watermark fraction.
-        self._plan.high_fraction = self._high / config.device_budget
+        # The refusal's suggested device_budget assumes this daemon's high-watermark fraction:
+        # the default's own where it is the default (the ratio of int(budget * 0.95) to the
+        # budget is a hair under 0.95, and named a budget a byte too high).
+        if self._high != int(config.device_budget * DEFAULT_HIGH_FRACTION):
+            self._plan.high_fraction = self._high / config.device_budget
         self._plan.check_fits()
         log.info("prefetchd.offload(%s):\n%s", type(model).__name__, self._plan.format_table())
         self._register(checkpoint)

@@ -302,3 +302,46 @@ def test_a_tied_head_cell_shares_its_table_with_the_embedding_unit(ms, tmp_path)
     assert {"embed", "head"} <= set(units), plan.format_table()
     assert units["embed"].param_names == units["head"].param_names == ["embed.embedding_table"]
     assert not plan.root.params
+
+
+def test_a_training_only_recompute_branch_is_a_call(ms, tmp_path):
+    """mindone's Dinov2Encoder (and HF-style encoders): `ms.recompute(layer, x)` where gradient
+    checkpointing trains, `layer(x)` otherwise. recompute runs the layer's own call (its hooks
+    fire), so the layers stream; each counted as read whole, and the plan needed the whole
+    model's size."""
+    from prefetchd.hooks.construct_reads import direct_reads
+    nn, ops = ms.nn, ms.ops
+
+    class Block(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Dense(D, 2 * D), nn.Dense(2 * D, D)
+
+        def construct(self, x):
+            return x + self.fc2(ops.tanh(self.fc1(x)))
+
+    class Encoder(nn.Cell):
+        def __init__(self, checkpointing):
+            super().__init__()
+            self.layer = nn.CellList([Block() for _ in range(4)])
+            self.gradient_checkpointing = checkpointing
+
+        def construct(self, x):
+            for layer_module in self.layer:
+                if self.gradient_checkpointing and self.training:
+                    x = ms.recompute(layer_module, x)
+                else:
+                    x = layer_module(x)
+            return x
+
+    x = ms.Tensor(np.random.default_rng(10).standard_normal((4, D)).astype(np.float32))
+    ms.set_seed(10)
+    encoder = Encoder(checkpointing=False)
+    assert direct_reads(encoder) == []
+    plan, _ = stream_and_compare(encoder, [(x,)], str(tmp_path / "s"), fraction=0.4, lookahead=1)
+    assert root_share(plan) == 0 and all(u.name.startswith("layer.") for u in plan.units), plan.format_table()
+    # The branch taken, in train mode without gradients: recompute calls the layer, hooks and all.
+    ms.set_seed(10)
+    train = Encoder(checkpointing=True)
+    train.set_train(True)
+    stream_and_compare(train, [(x,)], str(tmp_path / "t"), fraction=0.4, lookahead=1)

@@ -25,9 +25,10 @@ def nbytes(cell):
 
 def suggested(message):
     """(budget at the plan's lookahead, budget at lookahead 0 or None) named by a refusal."""
-    found = re.search(r"device_budget >= \S+ \((\d+) bytes", message)
+    # "2MiB (2097152 bytes" where a unit rounds up by at most 1%, else "43116 bytes"
+    found = re.search(r"device_budget >= (?:\S+ \()?(\d+) bytes", message)
     assert found, message
-    zero = re.search(r"\(lookahead 0: \S+ \((\d+) bytes", message)
+    zero = re.search(r"\(lookahead 0: (?:\S+ \()?(\d+) bytes", message)
     if zero is None and "the same at lookahead 0" in message:
         return int(found.group(1)), int(found.group(1))
     return int(found.group(1)), int(zero.group(1)) if zero else None
@@ -405,7 +406,56 @@ def test_jit_set_after_offload_on_a_cell_holding_units_is_refused_by_name(ms, ma
     assert all(name.startswith("layers.0.") for name, _ in handle.plan().units[0].cells)   # split
     model(x)
     model.layers[0].construct = ms.jit(model.layers[0].construct)
-    with pytest.raises(PrefetchdError, match=r"'layers\.0''s construct was compiled with mindspore\.jit after "
+    with pytest.raises(PrefetchdError, match=r"the construct of 'layers\.0' was compiled with mindspore\.jit after "
                                              r"offload\(\), and it holds units"):
         model(x)
     handle.close()
+
+
+def _tied(ms):
+    nn, ops = ms.nn, ms.ops
+
+    class Block(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Dense(64, 128), nn.Dense(128, 64)
+
+        def construct(self, x):
+            return x + self.fc2(ops.tanh(self.fc1(x)))
+
+    class Tied(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.layers = nn.Embedding(512, 64), nn.CellList([Block() for _ in range(4)])
+
+        def construct(self, ids):
+            x = self.emb(ids)
+            for layer in self.layers:
+                x = layer(x)
+            return ops.matmul(x, self.emb.embedding_table.T)
+    return Tied()
+
+
+def test_a_daemons_refusal_names_the_same_smallest_budget_whatever_budget_was_refused(ms, tmp_path):
+    """With the default high watermark (95%) the hint is the smallest budget that offloads:
+    the same from any refused budget, and a byte less is refused (it named one byte more
+    when the refused budget's own high/budget ratio, a hair under 0.95, was used)."""
+    def offload(budget):
+        with prefetchd.Daemon(device_budget=budget, store_dir=str(tmp_path / f"s{budget}")) as daemon:
+            try:
+                prefetchd.offload(_tied(ms), daemon, lookahead=2).close()
+                return None
+            except BudgetError as e:
+                return suggested(str(e))[0]
+    hints = {offload(budget) for budget in (120_000, 170_001, 215_578)}
+    assert len(hints) == 1 and None not in hints, hints
+    hint = hints.pop()
+    assert offload(hint) is None
+    assert offload(hint - 1) == hint
+
+
+def test_a_hint_in_units_rounds_up_by_at_most_one_percent():
+    from prefetchd.hooks.budget_hint import _size_text
+    assert _size_text(1060864).startswith("1036KiB (1060864 bytes")        # 1.01 MiB, not "2MiB"
+    assert _size_text(3 << 30).startswith("3072MiB")
+    assert _size_text(43116) == "43116 bytes"                             # 42.1 KiB: 43KiB is 2% more
