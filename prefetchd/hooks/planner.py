@@ -306,6 +306,12 @@ def _make_unit(name, cells, facts):
     unit = PlannedUnit(name, list(cells), size=facts.size)
     for _, cell in cells:
         unit.add_params(facts.params(cell))
+    # A construct in the unit that reads a weight of a cell outside it (one kept in a plain
+    # list attribute: `self._refs[0].weight`) runs while the unit is pinned: the weight is
+    # pinned with it (a Parameter may be in several units, as a tied table is).
+    for _, cell in cells:
+        for _, inner in cell.cells_and_names():
+            unit.add_params(p for _, p in facts.direct_reads(inner))
     return unit
 
 

@@ -345,3 +345,37 @@ def test_a_training_only_recompute_branch_is_a_call(ms, tmp_path):
     train = Encoder(checkpointing=True)
     train.set_train(True)
     stream_and_compare(train, [(x,)], str(tmp_path / "t"), fraction=0.4, lookahead=1)
+
+
+def test_a_weight_of_another_unit_read_through_a_list_attribute_is_pinned_with_the_reader(ms, tmp_path):
+    """A block keeps a cell it does not own in a plain list (`self._refs = [head]`, so it is not
+    registered twice) and reads its weight. That weight is pinned with the reading unit; it was
+    accepted at offload() and refused at the first forward as 'not resident'."""
+    nn, ops = ms.nn, ms.ops
+
+    class AliasBlock(nn.Cell):
+        def __init__(self, other):
+            super().__init__()
+            self.fc = nn.Dense(D, D)
+            self._refs = [other]
+
+        def construct(self, x):
+            return self.fc(x) + ops.matmul(x, self._refs[0].weight)
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Dense(D, D)
+            self.layers = nn.CellList([AliasBlock(self.head) for _ in range(4)])
+
+        def construct(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    ms.set_seed(11)
+    model = Net()
+    x = ms.Tensor(np.random.default_rng(11).standard_normal((2, D)).astype(np.float32))
+    plan, _ = stream_and_compare(model, [(x,)], str(tmp_path / "s"), fraction=0.5, lookahead=0)
+    layer0 = [u for u in plan.units if u.name == "layers.0"][0]
+    assert any(p is model.head.weight for p in layer0.params), plan.format_table()
