@@ -75,8 +75,10 @@ void say_if_home(uintptr_t a) {
         static const char kAdvice[] =
             "). Outside an offloaded model's forward, read managed tensors within daemon.use(...). "
             "Inside one, prefetchd did not pin this weight: it was read outside every call of its "
-            "unit's cells, which is a prefetchd bug to report (offload(units=..., no_split=...) can "
-            "work around it). The read was in native code, so the process cannot continue (python -X "
+            "unit's cells, either through a view of it that a cell returned on a pass after the first "
+            "(docs/offload.md: return a copy) or by a prefetchd bug to report (offload(units=..., "
+            "no_split=...) can work around it). The read was in native code, so the process cannot "
+            "continue (python -X "
             "faulthandler shows the Python line that made it; docs/stable-addresses.md).\n";
         char line[192 + sizeof kAdvice];     // the fixed text above kAdvice is 134 bytes with both addresses
         size_t n = put(line, "prefetchd: a managed tensor was read while it was not resident (address ");
