@@ -13,8 +13,10 @@ A `--model module:function` factory returns either
 - a generation-capable cell (HF-style causal LM, e.g. mindone's LlamaForCausalLM):
   adapted by prefetchd.serve.causal_lm.
 
-Outputs are split back along axis 0 (`output_batch_axis` of a servable object
-may say otherwise).
+Outputs are split back along the inputs' batch axis (axis 0 when no input has
+one); a servable object's `output_batch_axis` may say otherwise, and is required
+where the inputs batch along different axes (a guess there could hand a request
+another request's rows).
 """
 from dataclasses import dataclass
 
@@ -28,11 +30,10 @@ from .tensor_spec import as_tensor_spec
 class CellServable:
     """A cell and its signature: forward runs `cell(*inputs)`."""
 
-    output_batch_axis = 0
-
-    def __init__(self, cell, inputs):
+    def __init__(self, cell, inputs, where):
         self.cell = cell
         self.inputs = [as_tensor_spec(e, i) for i, e in enumerate(inputs)]
+        self.output_batch_axis = _inputs_batch_axis(self.inputs, where)
 
     def forward(self, *arrays):
         import mindspore as ms
@@ -42,16 +43,27 @@ class CellServable:
 def as_servable(made, where):
     """The Servable of a factory's result; ConfigError saying what it should be."""
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], (list, tuple)):
-        return CellServable(*made)
+        return CellServable(*made, where)
     if callable(getattr(made, "forward", None)) and hasattr(made, "inputs") \
             and hasattr(made, "cell"):
         made.inputs = [as_tensor_spec(e, i) for i, e in enumerate(made.inputs)]
+        if getattr(made, "output_batch_axis", None) is None:
+            made.output_batch_axis = _inputs_batch_axis(made.inputs, where)
         return made
     if callable(getattr(made, "generate", None)) and callable(made):
         return CausalLMServable(made)
     raise ConfigError(f"--model {where}: the factory must return (cell, signature), a servable "
                       f"(cell, inputs, forward) or a generate-capable model, got "
                       f"{type(made).__name__}")
+
+
+def _inputs_batch_axis(inputs, where):
+    """The axis outputs are split along when nothing says: the one the inputs batch along."""
+    axes = sorted({spec.batch_axis for spec in inputs if spec.batch_axis is not None})
+    if len(axes) > 1:
+        raise ConfigError(f"--model {where}: the inputs batch along axes {axes}; return a servable object "
+                          f"with output_batch_axis to say which axis of the outputs holds the rows")
+    return axes[0] if axes else 0
 
 
 def output_arrays(out):
