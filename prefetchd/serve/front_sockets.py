@@ -4,6 +4,7 @@ timeout, and remove what the front made (ipc files, a temporary store). What
 the front does with its sockets is prefetchd.serve.front.Front, a subclass.
 """
 import dataclasses
+import fcntl
 import logging
 import os
 import secrets
@@ -14,6 +15,8 @@ import time
 
 import zmq
 
+from ..config import ConfigError
+from ..errors import ShutdownError
 from ..control import protocol as P
 from ..control.connections import DEFAULT_MAX_CONNECTIONS
 from ..control.endpoints import ensure_private_dir, resolve_endpoint, runtime_dir
@@ -23,6 +26,27 @@ from .spec import check_checkpoint_store
 from .worker import STOP
 
 log = logging.getLogger("prefetchd.serve.front")
+
+SERVE_LOCK = ".prefetchd-serve.lock"      # in --store, held by the front for its life
+
+
+def hold_store(store_dir):
+    """An exclusive flock on `store_dir`'s serve lock, with this pid in it; ConfigError naming
+    the holder if another front has it. Worker stores are named by index and generation
+    (`worker-0-1`), so a second server on the same --store took the first one's names, and
+    removed a directory the first one's worker was reading."""
+    os.makedirs(store_dir, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(store_dir, SERVE_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(f"--store {store_dir}: in use by another prefetchd serve (pid {holder}); give each "
+                          f"server a --store of its own") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 class FrontSockets(RouterEndpoint):
@@ -49,6 +73,7 @@ class FrontSockets(RouterEndpoint):
         self._start_error = None
         self._closed = False
         self._shared = None           # (owner, its store) of the shared host tier, with --shared-host
+        self._store_lock = None       # hold_store's descriptor while started
         self._tag = f"{name}-{tag}"
         # The clients' socket takes connections from anyone who can reach it: bounded
         # like the daemon's server (prefetchd.control.connections), so a flood of them
@@ -59,13 +84,22 @@ class FrontSockets(RouterEndpoint):
 
     # -- lifecycle
 
-    def start(self, wait_ready=True):
+    def start(self, wait_ready=True, stop=None):
+        """Start the loop and the workers; with wait_ready, return once they are ready.
+        stop: an Event that, set while waiting (a signal), closes everything and raises
+        ShutdownError instead of waiting out start_timeout."""
         if self._loop.running:
             return self
         ensure_private_dir(runtime_dir())
         if self._owns_store:
             self.spec = self.spec.with_temporary_store()
             self._pool.spec = self.spec
+        try:
+            self._store_lock = hold_store(self.spec.store_dir)
+        except BaseException:
+            if self._owns_store:
+                shutil.rmtree(self.spec.store_dir, ignore_errors=True)
+            raise
         try:
             if self.spec.shared_host:
                 from ..sharedhost.serving import start_owner
@@ -75,12 +109,21 @@ class FrontSockets(RouterEndpoint):
             self._loop.start(30)
         except BaseException:
             self._stop_shared()
-            if self._owns_store:
-                shutil.rmtree(self.spec.store_dir, ignore_errors=True)
+            self._release_store()
             raise
-        if wait_ready and not self._ready_event.wait(self.start_timeout):
-            self.close(10)
-            raise TimeoutError(f"prefetchd serve: workers not ready within {self.start_timeout:g}s")
+        if wait_ready:
+            self._await_ready(stop)
+        return self
+
+    def _await_ready(self, stop):
+        deadline = time.monotonic() + self.start_timeout
+        while not self._ready_event.wait(0.25):
+            if stop is not None and stop.is_set():
+                self.close(10)
+                raise ShutdownError("prefetchd serve: stopped while its workers were starting")
+            if time.monotonic() >= deadline:
+                self.close(10)
+                raise TimeoutError(f"prefetchd serve: workers not ready within {self.start_timeout:g}s")
         if self._start_error is not None:
             self.close(10)
             raise self._start_error
@@ -89,7 +132,6 @@ class FrontSockets(RouterEndpoint):
             self._exporter = start_front_exporter(self, self.metrics_addr, self.metrics_port)
             self.metrics_port = self._exporter.port
         log.info("prefetchd serve: %d workers ready; front on %s", self.n_workers, self.endpoint)
-        return self
 
     def close(self, timeout=10.0):
         if self._closed:
@@ -101,8 +143,14 @@ class FrontSockets(RouterEndpoint):
         self._loop.close(max(0.0, deadline - time.monotonic()))
         self._pool.stop(deadline)
         self._stop_shared()
+        self._release_store()
+
+    def _release_store(self):
         if self._owns_store:
             shutil.rmtree(self.spec.store_dir, ignore_errors=True)
+        if self._store_lock is not None:
+            os.close(self._store_lock)
+            self._store_lock = None
 
     def _stop_shared(self):
         if self._shared is not None:
@@ -119,7 +167,11 @@ class FrontSockets(RouterEndpoint):
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        self.start()
+        try:
+            self.start(stop=stop)
+        except ShutdownError:
+            log.info("prefetchd serve: stopped by a signal before its workers were ready")
+            return
         try:
             while not stop.wait(0.5) and self._loop.running:
                 pass

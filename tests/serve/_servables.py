@@ -83,3 +83,9 @@ def hf_style_lm(seed=0):
             return ms.Tensor(ids)
 
     return HFStyleLM(build(seed=seed))
+
+
+def slow_to_build(seed=0):
+    """A factory that takes a minute to build: a server stopped while its workers start."""
+    time.sleep(60)
+    return Sleepy(seed)

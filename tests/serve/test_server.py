@@ -185,6 +185,20 @@ def test_bad_requests_get_errors(client, front):
     assert client.ping()["pong"]
 
 
+def test_a_second_front_on_the_same_store_is_refused_and_the_first_serves_on(front, infer):
+    """Worker stores are named by index and generation: a second server on one --store took the
+    first one's and removed a directory its worker was reading (outside probe)."""
+    from prefetchd.config import ConfigError
+    second = Front(f"ipc://second-{os.getpid()}-{secrets.token_hex(2)}.sock", workers=1, spec=front.spec,
+                   name=f"second{os.getpid()}")
+    with pytest.raises(ConfigError, match=rf"in use by another prefetchd serve \(pid {os.getpid()}\)"):
+        second.start()
+    assert not second.running
+    for model in ("m0", "m1"):
+        (y,), _ = infer(model, _x(1))
+        assert y.shape[0] == 2
+
+
 def test_zz_close_is_bounded_and_leaves_nothing(front):
     pids = [pid for _, pid, _ in front.workers()]
     files = front.socket_files
@@ -235,6 +249,30 @@ def test_cli_serve_and_status(tmp_path):
         assert "serve front" in out.stdout and "worker 0" in out.stdout
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+
+def test_a_signal_while_workers_start_stops_the_server_at_once(tmp_path):
+    """SIGTERM while the workers are still building their models: the server stops within
+    seconds, not after start_timeout (180 s) with 'workers not ready'."""
+    serve_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(serve_dir)), serve_dir] + sys.path))
+    cmd = [sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint", f"ipc://slow-{os.getpid()}.sock",
+           "--workers", "1", "--model", "_servables:slow_to_build", "--model-bytes", "1000000",
+           "--store", str(tmp_path)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(lambda: any(d.startswith("worker-") for d in os.listdir(tmp_path)), 60, 0.1)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        code = proc.wait(30)
+        assert time.monotonic() - started < 15, proc.stderr.read()
+        assert code == 0, proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
