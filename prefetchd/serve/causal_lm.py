@@ -5,11 +5,17 @@ duck-typed:
     model(input_ids)                          -> logits, a tuple whose first item
                                                  is them, or an object with .logits
     model.generate(input_ids, max_new_tokens=N, do_sample=False)
-                                              -> prompt + N new ids (or the new ids)
+                                              -> prompt + N new ids (transformers' contract
+                                                 for decoder-only models)
     model.config.vocab_size, .max_position_embeddings   (optional: bounds checked)
 
 `forward` returns the logits; `generate` the greedy new tokens, (batch, N) int64.
+A model whose generate returns only the new ids is served as a servable object
+(prefetchd.serve.servable) instead: from ids alone, new ones that happen to repeat
+the prompt cannot be told from it (the adapter used to guess, and dropped them).
 """
+import inspect
+
 import numpy as np
 
 from ..control.codes import BadArguments
@@ -25,6 +31,7 @@ class CausalLMServable:
         self.vocab = getattr(config, "vocab_size", None)
         self.max_len = getattr(config, "max_position_embeddings", None)
         self.inputs = [TensorSpec((None, None), id_dtype, 0, "input_ids", self.vocab)]
+        self._takes_min_new_tokens = _takes(model.generate, "min_new_tokens")
 
     def forward(self, input_ids):
         import mindspore as ms
@@ -39,9 +46,25 @@ class CausalLMServable:
         if self.max_len is not None and prompt + max_new_tokens > self.max_len:
             raise BadArguments(f"a prompt of {prompt} tokens plus {max_new_tokens} new ones is "
                                f"over the model's {self.max_len} positions")
+        # The reply is N new ids: a generate that takes min_new_tokens (transformers') is
+        # kept from stopping early at an end-of-sequence id.
+        exact = {"min_new_tokens": max_new_tokens} if self._takes_min_new_tokens else {}
         out = self.cell.generate(ms.Tensor(input_ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False)
+                                 do_sample=False, **exact)
         out = out.asnumpy() if hasattr(out, "asnumpy") else np.asarray(out)
-        if out.shape[1] >= prompt and np.array_equal(out[:, :prompt], input_ids):
-            out = out[:, prompt:]             # HF decoder-only models return prompt + new
-        return out.astype(np.int64)
+        if out.shape != (input_ids.shape[0], prompt + max_new_tokens) \
+                or not np.array_equal(out[:, :prompt], input_ids):
+            raise RuntimeError(f"{type(self.cell).__name__}.generate returned ids of shape {list(out.shape)}, "
+                               f"not the prompt ({prompt} ids) and {max_new_tokens} new ones; a model whose "
+                               f"generate returns only the new ids is served as a servable object "
+                               f"(docs/control-plane.md)")
+        return out[:, prompt:].astype(np.int64)
+
+
+def _takes(function, name):
+    """Whether `function` accepts the keyword `name` (named, or through **kwargs)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)

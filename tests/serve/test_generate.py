@@ -135,3 +135,37 @@ def test_an_hf_style_cell_is_served_through_the_adapter(resident, tmp_path):
             (logits,) = c.infer("m0", ids)
     assert np.array_equal(got, _own_generate(resident, ids, 5))
     np.testing.assert_allclose(logits, resident(ms.Tensor(ids))[0].asnumpy(), rtol=1e-5, atol=1e-5)
+
+
+class _NewOnlyLM(_DuckLM):
+    """A generate that returns only the new ids, which here repeat the prompt's last id."""
+
+    def generate(self, input_ids, max_new_tokens, do_sample):
+        import mindspore as ms
+        ids = input_ids.asnumpy()
+        return ms.Tensor(np.repeat(ids[:, -1:], max_new_tokens, axis=1))
+
+
+def test_a_generate_without_the_prompt_is_refused_not_cut(resident):
+    """New ids [[3, 3, 3, 3]] for the prompt [[3]] start with the prompt: the adapter took
+    them for prompt + new and answered [[3, 3, 3]] (outside probe)."""
+    s = CausalLMServable(_NewOnlyLM(resident))
+    with pytest.raises(RuntimeError, match=r"shape \[1, 4\], not the prompt \(1 ids\) and 4 new ones"):
+        s.generate(np.array([[3]], np.int64), 4)
+    with pytest.raises(RuntimeError, match="servable object"):
+        s.generate(np.array([[3, 7]], np.int64), 4)
+
+
+class _StopsEarlyLM(_DuckLM):
+    """transformers' generate: stops at an end-of-sequence id unless min_new_tokens says not."""
+
+    def generate(self, input_ids, max_new_tokens, do_sample, **kwargs):
+        import mindspore as ms
+        ids = input_ids.asnumpy()
+        n = kwargs.get("min_new_tokens") or 1
+        return ms.Tensor(np.concatenate([ids, np.full((ids.shape[0], n), 2, ids.dtype)], axis=1))
+
+
+def test_a_generate_that_takes_min_new_tokens_answers_n_new_ids(resident):
+    s = CausalLMServable(_StopsEarlyLM(resident))
+    assert s.generate(np.array([[3, 7]], np.int64), 5).tolist() == [[2, 2, 2, 2, 2]]
