@@ -75,6 +75,36 @@ def _size(text):
     return size(text)
 
 
+# A [serve] value from the config file is checked as its flag's text is: the same parser,
+# and one line naming the key and the file (it went unchecked: `workers = "two"` failed in
+# a worker's traceback, and `heartbeat_timeout = 0` killed every worker as hung).
+_FILE_PARSERS = {"workers": positive_int, "models": positive_int, "hidden": positive_int,
+                 "layers": positive_int, "batch": positive_int, "seq": positive_int,
+                 "lookahead": positive_int, "max_batch_size": positive_int, "request_timeout": seconds,
+                 "heartbeat_timeout": seconds, "max_queue_delay_ms": _milliseconds, "metrics_port": port,
+                 "model_bytes": _size, "budget": budget}
+_FILE_SWITCHES = ("hints", "shared_host")     # the rest are text: endpoint, model, store, ...
+
+
+def _from_file(key, value, path):
+    where = f"[serve] {key} (from file {path})"
+    if key in _FILE_SWITCHES:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    parse = _FILE_PARSERS.get(key)
+    if parse is None:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{where}: expected a value like the flag's, got {value!r}")
+    try:
+        return parse(str(value))
+    except argparse.ArgumentTypeError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
 def serve_options(args):
     """Options of `prefetchd serve`: flags > the [serve] table of the config file > defaults."""
     import os
@@ -85,11 +115,7 @@ def serve_options(args):
     if unknown:
         raise ConfigError(f"[serve] {unknown[0]}: unknown setting (from file {path}); known: "
                           f"{', '.join(SERVE_DEFAULTS)}")
-    if isinstance(table.get("budget"), (str, int, float)) and not isinstance(table["budget"], bool):
-        try:
-            table["budget"] = budget(str(table["budget"]))
-        except argparse.ArgumentTypeError as e:
-            raise ConfigError(f"[serve] budget (from file {path}): {e}") from None
+    table = {key: _from_file(key, value, path) for key, value in table.items()}
     options = {}
     for key, default in SERVE_DEFAULTS.items():
         flag = getattr(args, key, None)

@@ -294,3 +294,19 @@ def test_serve_options_flags_over_file_over_defaults(tmp_path, monkeypatch):
     cfg.write_text('[prefetchd]\n[serve]\nwrokers = 3\n')
     with pytest.raises(ConfigError, match="wrokers"):
         serve_options(parser.parse_args(["serve", "--config", str(cfg)]))
+    # Every value is checked as its flag is, naming the key and the file (they went unchecked).
+    for line, words in [('workers = "two"', "workers .*'two' is not an integer"),
+                        ("workers = 1.5", "workers .*'1.5' is not an integer"),
+                        ("workers = 0", "workers .*must be >= 1"),
+                        ("heartbeat_timeout = 0", "heartbeat_timeout .*seconds must be > 0"),
+                        ("request_timeout = -1", "request_timeout .*seconds must be > 0"),
+                        ("max_queue_delay_ms = -5", "max_queue_delay_ms .*milliseconds from 0"),
+                        ('hints = "no"', "hints .*expected true or false"),
+                        ("models = 0", "models .*must be >= 1"),
+                        ("metrics_port = 70000", "metrics_port .*out of range"),
+                        ("endpoint = 5", "endpoint .*expected a string"),
+                        ("workers = true", "workers .*expected a value like the flag's")]:
+        cfg.write_text(f"[serve]\n{line}\n")
+        with pytest.raises(ConfigError, match=rf"\[serve\] {words}") as refused:
+            serve_options(parser.parse_args(["serve", "--config", str(cfg)]))
+        assert str(cfg) in str(refused.value)
