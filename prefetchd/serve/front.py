@@ -47,7 +47,7 @@ from .histograms import BATCH_BUCKETS, QUEUE_BUCKETS, Histogram
 from .pool import WorkerPool
 from .spec import ServeSpec
 from .status import StatusGathers, status_document
-from .worker import READY
+from .worker import FAILED, READY
 
 log = logging.getLogger("prefetchd.serve.front")
 
@@ -266,6 +266,9 @@ class Front(FrontSockets):
         s = self._pool.by_identity(frames[0].bytes)
         if s is None:
             return                          # a previous generation; it is exiting
+        if frames[1].bytes == FAILED:
+            s.start_error = str(P.loads(frames[2].bytes).get("reason", "?"))[:2000]
+            return
         if frames[1].bytes == READY:
             info = P.loads(frames[2].bytes)
             self._pool.on_ready(s, info)
@@ -309,7 +312,9 @@ class Front(FrontSockets):
         self._heartbeats.forget(s)
         self._status.on_death(s)
         if self._pool.none_alive():
-            self._start_error = RuntimeError("prefetchd serve: no worker could be started")
+            why = s.start_error or "see the workers' log above"
+            self._start_error = RuntimeError(f"prefetchd serve: no worker could be started: worker {s.index}: "
+                                             f"{why} (--debug shows its traceback)")
             self._ready_event.set()
 
     def _replace_hung(self, s):

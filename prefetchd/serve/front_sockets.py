@@ -35,8 +35,11 @@ def hold_store(store_dir):
     the holder if another front has it. Worker stores are named by index and generation
     (`worker-0-1`), so a second server on the same --store took the first one's names, and
     removed a directory the first one's worker was reading."""
-    os.makedirs(store_dir, mode=0o700, exist_ok=True)
-    fd = os.open(os.path.join(store_dir, SERVE_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.makedirs(store_dir, mode=0o700, exist_ok=True)
+        fd = os.open(os.path.join(store_dir, SERVE_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise ConfigError(f"--store {store_dir}: cannot use it: {e.strerror}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

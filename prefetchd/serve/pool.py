@@ -34,6 +34,7 @@ class WorkerSlot:
     failed: int = 0
     deaths: int = 0
     start_failures: int = 0
+    start_error: str | None = None   # why it could not start, from its FAILED message
     spawned_at: float = 0.0
 
     def public(self):
@@ -111,17 +112,22 @@ class WorkerPool:
         if not slot.ready:
             slot.start_failures += 1
         how = f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
-        reason = f"worker {slot.index} (pid {slot.pid}) died ({how}) while serving the request"
+        pid = slot.process.pid
+        reason = f"worker {slot.index} (pid {pid}) died ({how}) while serving the request"
         jobs = list(slot.inflight.values())
-        log.warning("prefetchd serve: worker %d (pid %s) died (%s); %d batches failed",
-                    slot.index, slot.pid, how, len(jobs))
+        if slot.ready or slot.start_error is None:
+            log.warning("prefetchd serve: worker %d (pid %s) died (%s); %d batches failed",
+                        slot.index, pid, how, len(jobs))
+        else:          # said once, by the front's error, or below once it gives up
+            log.info("prefetchd serve: worker %d (pid %s) could not start (attempt %d of %d): %s",
+                     slot.index, pid, slot.start_failures, MAX_START_FAILURES, slot.start_error)
         if code is not None:           # reaped: nothing uses its store any more
             remove_worker_store(self.spec, slot.index, slot.generation)
         slot.inflight.clear()
         slot.deaths += 1
-        if slot.start_failures >= MAX_START_FAILURES:
-            log.error("prefetchd serve: worker %d failed to start %d times in a row; giving up "
-                      "(see its log above)", slot.index, MAX_START_FAILURES)
+        if slot.start_failures >= MAX_START_FAILURES and any(s.ready for s in self.slots):
+            log.error("prefetchd serve: worker %d failed to start %d times in a row; giving up (%s)",
+                      slot.index, MAX_START_FAILURES, slot.start_error or "see its log above")
         if respawn and slot.start_failures < MAX_START_FAILURES:
             self.spawn(slot)
         else:

@@ -4,6 +4,7 @@ at a time from the front's work socket.
 
 Messages on the work socket (a DEALER, identity w<index>-<generation>):
     -> [READY, JSON {index, generation, pid, control, models}]
+    -> [FAILED, JSON {reason}]   it could not start (then it exits 3)
     <- [job id, JSON batch job, input frames...]
     -> [job id, JSON reply {ok, result|code,reason}, output frames...]
     <- [STOP]
@@ -37,7 +38,9 @@ from .spec import ServeSpec, build_weight_set, worker_config
 log = logging.getLogger("prefetchd.serve.worker")
 
 READY = b"READY"
+FAILED = b"FAILED"
 STOP = b"STOP"
+START_FAILED_EXIT = 3
 
 _ready = False
 _stopping = False
@@ -159,17 +162,23 @@ def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, p
                         format=f"%(asctime)s worker-{index} %(name)s %(levelname)s %(message)s")
     from ..daemon import Daemon
 
-    store = worker_store(spec, index, generation)
-    daemon = Daemon(worker_config(spec, index, store)).start()
     ctx = zmq.Context()
-    models = {}
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.identity = f"w{index}-{generation}".encode()
+    sock.connect(work_endpoint)
+    daemon, models = None, {}
     try:
-        daemon.serve(control_endpoint)
-        models = build_models(spec, daemon)
-        sock = ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.identity = f"w{index}-{generation}".encode()
-        sock.connect(work_endpoint)
+        try:
+            store = worker_store(spec, index, generation)
+            daemon = Daemon(worker_config(spec, index, store)).start()
+            daemon.serve(control_endpoint)
+            models = build_models(spec, daemon)
+        except Exception as e:  # noqa: BLE001 - said once, by the front, in one line
+            log.debug("worker %d could not start", index, exc_info=True)
+            sock.linger = 2000            # the one message that says why, then exit
+            sock.send_multipart([FAILED, P.dumps({"reason": f"{type(e).__name__}: {e}"})])
+            raise SystemExit(START_FAILED_EXIT) from None
         sock.send_multipart([READY, P.dumps({
             "index": index, "generation": generation, "pid": os.getpid(),
             "control": control_endpoint,
@@ -192,5 +201,7 @@ def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, p
         _stopping = True
         for model in models.values():
             model.handle.close()
-        daemon.close(5)
-        ctx.destroy(linger=0)
+        if daemon is not None:
+            daemon.close(5)
+        sock.close()
+        ctx.term()

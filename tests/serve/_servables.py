@@ -89,3 +89,8 @@ def slow_to_build(seed=0):
     """A factory that takes a minute to build: a server stopped while its workers start."""
     time.sleep(60)
     return Sleepy(seed)
+
+
+def raises(seed=0):
+    """A factory that fails: the server says why in one line."""
+    raise RuntimeError(f"factory of seed {seed} failed on purpose")

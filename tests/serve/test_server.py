@@ -279,6 +279,22 @@ def test_a_signal_while_workers_start_stops_the_server_at_once(tmp_path):
             proc.wait(5)
 
 
+def test_a_factory_that_raises_is_one_line_naming_its_error(tmp_path):
+    """Each worker's traceback went to stderr at each of its three tries, and the error said
+    only 'no worker could be started' (outside probe)."""
+    serve_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(serve_dir)), serve_dir] + sys.path))
+    out = subprocess.run([sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint",
+                          f"ipc://raises-{os.getpid()}.sock", "--workers", "1", "--model", "_servables:raises",
+                          "--model-bytes", "1000000", "--store", str(tmp_path / "s")],
+                         env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 1
+    errors = [line for line in out.stderr.splitlines() if "Traceback" in line or "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "no worker could be started: worker 0: RuntimeError: factory of seed 0 failed on purpose" in errors[0]
+
+
 def test_serve_options_flags_over_file_over_defaults(tmp_path, monkeypatch):
     from prefetchd.errors import ConfigError
     from prefetchd.cli.serve import register, serve_options
