@@ -105,18 +105,13 @@ class ComputeSession:
     def prefetch(self, records, priority=0):
         return self._daemon.prefetch(records, priority=priority)
 
-    def outlook(self, units):
-        """Per collection of records, (moves, kept): whether bringing it to the device moves
-        bytes (a disk read, a copy, or such a load already under way), rather than nothing
-        (resident) or a page move (a host replica the backend lends, pages or a mapping
-        parked under the home: core/lending.py); and whether a prefetch of it would change
-        nothing: every record resident and already kept for its use, prefetched and not used
-        yet, or pinned (core/loads.py, want_resident). What the hooks' prefetch window reads
-        (hooks/passes.py): about two in three of its prefetches in a steady pass were of
-        kept units, each a request and a scheduler turn."""
+    def moves_bytes(self, units):
+        """Per collection of records: whether bringing it to the device moves bytes (a disk
+        read, a copy, or such a load already under way), rather than nothing (resident) or
+        a page move (a host replica the backend lends, pages or a mapping parked under the
+        home: core/lending.py). What the hooks' prefetch window counts (hooks/passes.py)."""
         with self._core.lock:
-            return [(any(self._moves(rec) for rec in records), all(map(_kept, records)))
-                    for records in units]
+            return [any(self._moves(rec) for rec in records) for records in units]
 
     def _moves(self, rec):
         if rec.state in (State.RESIDENT, State.STORING):
@@ -142,7 +137,3 @@ class ComputeSession:
     @property
     def high_watermark(self):
         return self._core.memory.high
-
-
-def _kept(rec):
-    return rec.state is State.RESIDENT and (rec.prefetched_unused or rec.pins > 0)

@@ -138,14 +138,12 @@ class StreamingPass:
         # Never ask for more than fits beside what computes now: a prefetch that
         # evicts the next unit to make room for the one after is thrash.
         room = self._high_of() - pinned_bytes
-        for ahead, unit, kept in first + near:
+        for ahead, unit in first + near:
             if unit.held:
                 continue
             room -= unit.nbytes
             if room < 0:
                 break
-            if kept:        # prefetched already and still resident: asking again changes nothing
-                continue
             # Nearer units first: priority falls with distance.
             future = self._session.prefetch(unit.records, priority=lookahead - ahead + 1)
             # A refused prefetch (e.g. no free range large enough) shows up as a miss later.
@@ -153,19 +151,18 @@ class StreamingPass:
                 "prefetch of %s failed: %s", name, f.exception()))
 
     def _window(self, start, lookahead):
-        """([(distance, unit, kept)] to place first: the next unit and the byte-moving ones, in
-        trace order; the same of the page-move units within `lookahead` after it. `kept`: the
-        unit is resident and kept for its use already (ComputeSession.outlook)."""
+        """([(distance, unit)] to place first: the next unit and the byte-moving ones, in
+        trace order; [(distance, unit)] of the page-move units within `lookahead` after it)."""
         scan = 2 * lookahead + WINDOW_SCAN_PAST
         units = [self._pins.units[index] for index, _ in zip(self._cursor.upcoming(start), range(scan))]
         first, near, moving = [], [], 0
-        for ahead, (unit, (moves, kept)) in enumerate(zip(units, self._session.outlook(
+        for ahead, (unit, moves) in enumerate(zip(units, self._session.moves_bytes(
                 [u.records for u in units])), 1):
             moving += moves
             if ahead == 1 or moves:
-                first.append((ahead, unit, kept))
+                first.append((ahead, unit))
             elif ahead <= lookahead:
-                near.append((ahead, unit, kept))
+                near.append((ahead, unit))
             if moving >= lookahead and ahead >= lookahead:
                 break
         return first, near

@@ -25,14 +25,13 @@ class Pins:
 
 
 class Session:
-    """Records prefetches; `disk` are the units whose loads move bytes, `kept` those resident
-    and kept for their use already."""
+    """Records prefetches; `disk` are the units whose loads move bytes."""
 
-    def __init__(self, disk, kept=()):
-        self.disk, self.kept, self.prefetched = set(disk), set(kept), []
+    def __init__(self, disk):
+        self.disk, self.prefetched = set(disk), []
 
-    def outlook(self, units):
-        return [(int(records[0][1:]) in self.disk, int(records[0][1:]) in self.kept) for records in units]
+    def moves_bytes(self, units):
+        return [int(records[0][1:]) in self.disk for records in units]
 
     def prefetch(self, records, priority=0):
         self.prefetched.append((int(records[0][1:]), priority))
@@ -41,17 +40,17 @@ class Session:
         return f
 
 
-def streaming(n, disk, lookahead, slots, kept=()):
+def streaming(n, disk, lookahead, slots):
     cursor = TraceCursor()
     cursor.steps = [ROOT, *range(n)]
-    session = Session(disk, kept)
+    session = Session(disk)
     p = StreamingPass(cursor, session, Pins(n), estimator=None, lookahead_of=lambda: lookahead,
                       high_of=lambda: slots * UNIT, auto_fetch=True)
     return p, session
 
 
-def prefetched(n, disk, lookahead, slots, start, pinned_units=1, kept=()):
-    p, session = streaming(n, disk, lookahead, slots, kept)
+def prefetched(n, disk, lookahead, slots, start, pinned_units=1):
+    p, session = streaming(n, disk, lookahead, slots)
     p.prefetch_from(start, pinned_units * UNIT)
     return [i for i, _ in session.prefetched]
 
@@ -92,15 +91,6 @@ def test_the_window_wraps_into_the_next_pass_and_stops_at_the_scan_bound():
     assert prefetched(16, {scan - 1}, lookahead=1, slots=16, start=1) == [0, scan - 1]
     # a read past the scan bound waits for the window to come closer
     assert prefetched(16, {scan}, lookahead=1, slots=16, start=1) == [0]
-
-
-def test_a_unit_kept_already_is_not_asked_for_again_but_takes_its_room():
-    # Unit 1 was prefetched by the last call and is resident: no second request for it.
-    assert prefetched(8, (), lookahead=2, slots=8, start=2, kept={1}) == [2]
-    # Its room still counts: with room for one unit beside the pinned one, nothing else goes.
-    assert prefetched(8, (), lookahead=2, slots=2, start=2, kept={1}) == []
-    # Reads past it keep their place.
-    assert prefetched(8, range(0, 8, 2), lookahead=2, slots=8, start=2, kept={1, 2}) == [4]
 
 
 @pytest.mark.parametrize("lookahead", [0])
