@@ -12,6 +12,7 @@ The front checked every header against the model's signature; the frames are
 checked again here (prefetchd.serve.wire) because a worker trusts no bytes it
 has not measured.
 """
+import logging
 import time
 
 import numpy as np
@@ -19,6 +20,8 @@ import numpy as np
 from ..control.codes import BadArguments
 from .servable import output_arrays
 from .wire import decode_arrays, encode_arrays
+
+log = logging.getLogger("prefetchd.serve.worker")
 
 
 def _rows(servable, arrays):
@@ -43,9 +46,66 @@ def _split(out, rows, axis):
     if len(rows) == 1:
         return [out]
     if out.ndim <= axis or out.shape[axis] != sum(rows):
-        raise RuntimeError(f"an output of shape {list(out.shape)} has no axis {axis} of "
-                           f"{sum(rows)} rows (the batch): it cannot be split per request")
+        raise SplitError(f"an output of shape {list(out.shape)} has no axis {axis} of "
+                         f"{sum(rows)} rows (the batch): it cannot be split per request")
     return np.split(out, np.cumsum(rows)[:-1], axis=axis)
+
+
+class SplitError(RuntimeError):
+    pass
+
+
+def _split_all(outs, rows, axis):
+    """[each part's outputs] of a joined batch's outputs."""
+    pieces = [_split(out, rows, axis) for out in outs]
+    return [[p[i] for p in pieces] for i in range(len(rows))]
+
+
+def _alike(split, alone):
+    """Whether a joined batch's split outputs are what each part computes alone (floats up to
+    the rounding a different batch size brings)."""
+    for mine, theirs in zip(split, alone):
+        if len(mine) != len(theirs):
+            return False
+        for a, b in zip(mine, theirs):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                return False
+            if a.dtype.kind in "fc":
+                rtol, atol = (2e-2, 1e-3) if a.dtype.itemsize <= 2 else (1e-4, 1e-6)
+                if not np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
+                    return False
+            elif not np.array_equal(a, b):
+                return False
+    return True
+
+
+def _forward_parts(model, parts, rows):
+    """Each part's outputs. A joined forward's outputs are cut along output_batch_axis only
+    for a model whose first joined batch was cut into what each part computes alone: an
+    output whose rows are on another axis, or that has none (a state, a fixed vector), whose
+    size there happens to equal the batch's rows, would be cut with no error. A model that
+    fails the check runs its requests one at a time from then on."""
+    servable = model.servable
+    if len(parts) == 1 or model.joins is False:
+        return [output_arrays(servable.forward(*p)) for p in parts]
+    axis = getattr(servable, "output_batch_axis", 0)
+    outs = output_arrays(servable.forward(*_join(servable, parts)))
+    try:
+        split = _split_all(outs, rows, axis)
+    except SplitError:
+        split = None
+    if model.joins is None:
+        alone = [output_arrays(servable.forward(*p)) for p in parts]
+        model.joins = split is not None and _alike(split, alone)
+        if not model.joins:
+            log.warning("model %s: its outputs do not split into each request's rows along axis %s (shapes "
+                        "%s joined, %s alone); its requests run one at a time from now on (a servable "
+                        "object's output_batch_axis says where the rows are)", model.name, axis,
+                        [list(o.shape) for o in outs], [list(o.shape) for o in alone[0]])
+        return alone
+    if split is None:            # checked once, and the shapes changed since: never guess
+        return [output_arrays(servable.forward(*p)) for p in parts]
+    return split
 
 
 def run_batch(model, job, frames, max_bytes):
@@ -60,17 +120,11 @@ def run_batch(model, job, frames, max_bytes):
     if at != len(frames):
         raise BadArguments(f"{len(frames) - at} frames beyond the parts' inputs")
     rows = [_rows(servable, p) for p in parts]
-    batched = _join(servable, parts)
-    if job.get("kind") == "generate":
-        outs = [np.asarray(servable.generate(batched[0], int(job["max_new_tokens"])))]
-        axis = 0
+    if job.get("kind") == "generate":       # (batch, N) new ids: the rows are axis 0
+        batched = _join(servable, parts)
+        per_part = _split_all([np.asarray(servable.generate(batched[0], int(job["max_new_tokens"])))], rows, 0)
     else:
-        outs = output_arrays(servable.forward(*batched))
-        axis = getattr(servable, "output_batch_axis", 0)
-    per_part = [[] for _ in parts]
-    for out in outs:
-        for i, piece in enumerate(_split(out, rows, axis)):
-            per_part[i].append(piece)
+        per_part = _forward_parts(model, parts, rows)
     headers, out_frames = [], []
     for arrays in per_part:
         h, f = encode_arrays(arrays)

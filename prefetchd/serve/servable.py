@@ -85,6 +85,7 @@ class ServedModel:
     servable: object
     handle: object
     hints: list
+    joins: bool | None = None    # its outputs split per request (prefetchd.serve.execute): None untried
 
     def describe(self):
         """What the front needs to check and batch requests for it (sent in READY)."""

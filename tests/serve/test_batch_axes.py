@@ -1,6 +1,7 @@
 """Batched requests are split back along the axis the model's rows are on: the inputs' batch
-axis unless the servable says otherwise (prefetchd/serve/servable.py). One worker's batch is
-run here in-process (execute.run_batch), with a real MindSpore cell."""
+axis unless the servable says otherwise (prefetchd/serve/servable.py), and only once a model's
+first joined batch split into what each request computes alone (prefetchd/serve/execute.py).
+A worker's batches are run here in-process (execute.run_batch), with real MindSpore cells."""
 import numpy as np
 import pytest
 
@@ -11,14 +12,13 @@ from prefetchd.serve.servable import ServedModel, as_servable
 from prefetchd.serve.wire import decode_arrays, encode_arrays
 
 
-def _batch(servable, requests):
+def _batch(model, requests):
     """Each request's outputs from one joined batch, as a worker computes them."""
     parts, frames = [], []
     for arrays in requests:
         headers, buffers = encode_arrays(arrays)
         parts.append({"inputs": headers})
         frames.extend(buffers)
-    model = ServedModel("m0", servable, handle=None, hints=[])
     result, out = run_batch(model, {"model": "m0", "kind": "infer", "parts": parts}, frames, 1 << 30)
     answers, at = [], 0
     for headers in result["outputs"]:
@@ -43,13 +43,56 @@ def test_rows_on_axis_1_come_back_to_their_own_request(mindspore_cpu):
     ms = mindspore_cpu
     cell = _time_major(ms)
     servable = as_servable((cell, [TensorSpec((4, None, 16), "float32", batch_axis=1, name="x")]), "t:f")
+    model = ServedModel("m0", servable, handle=None, hints=[])
     rng = np.random.default_rng(0)
     # Two 2-row requests join into (4, 4, 16): axis 0 is also 4 long, so splitting the wrong
-    # axis gave each request (2, 4, 8) of mixed rows, with no error.
-    requests = [[rng.standard_normal((4, 2, 16)).astype(np.float32)] for _ in range(2)]
-    for (x,), (answer,) in zip(requests, _batch(servable, requests)):
-        assert answer.shape == (4, 2, 8)
-        np.testing.assert_allclose(answer, cell(ms.Tensor(x)).asnumpy(), rtol=1e-6, atol=1e-6)
+    # axis gave each request (2, 4, 8) of mixed rows, with no error. The first joined batch
+    # is checked against each request alone; the next ones are split.
+    for _ in range(3):
+        requests = [[rng.standard_normal((4, 2, 16)).astype(np.float32)] for _ in range(2)]
+        for (x,), (answer,) in zip(requests, _batch(model, requests)):
+            assert answer.shape == (4, 2, 8)
+            np.testing.assert_allclose(answer, cell(ms.Tensor(x)).asnumpy(), rtol=1e-6, atol=1e-6)
+    assert model.joins is True
+
+
+def _with_state(ms, extra):
+    """Outputs (per-row values, something else): a last state whose rows are on axis 0 while
+    the input's are on axis 1 ("state"), or a fixed vector of 4 ("fixed"), or a scalar."""
+    class WithState(ms.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.dense = ms.nn.Dense(4, 4)
+
+        def construct(self, x):
+            y = self.dense(x)
+            if extra == "state":
+                return y, y[-1]
+            if extra == "fixed":
+                return y, self.dense.bias * 1
+            return y, y.mean()
+    return WithState()
+
+
+@pytest.mark.parametrize("extra", ["state", "fixed", "scalar"])
+def test_an_output_that_does_not_split_per_request_runs_requests_alone(mindspore_cpu, extra):
+    """A (4, 4) state or a fixed (4,) vector beside rows on axis 1, for two 2-row requests:
+    its size on the axis happens to be the batch's 4 rows, so it was cut with no error (each
+    request got half of the vector, or the state transposed); a scalar failed every batched
+    request. Now the first joined batch is checked and the model's requests run alone."""
+    ms = mindspore_cpu
+    cell = _with_state(ms, extra)
+    servable = as_servable((cell, [TensorSpec((4, None, 4), "float32", batch_axis=1, name="x")]), "t:f")
+    model = ServedModel("m0", servable, handle=None, hints=[])
+    rng = np.random.default_rng(1)
+    for _ in range(2):
+        requests = [[rng.standard_normal((4, 2, 4)).astype(np.float32)] for _ in range(2)]
+        for (x,), answers in zip(requests, _batch(model, requests)):
+            want = [o.asnumpy() for o in cell(ms.Tensor(x))]
+            assert [a.shape for a in answers] == [w.shape for w in want]
+            for a, w in zip(answers, want):
+                assert np.array_equal(a, w)
+    assert model.joins is False
 
 
 def test_inputs_batching_along_different_axes_need_the_servable_to_say(mindspore_cpu):
