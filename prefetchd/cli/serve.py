@@ -3,7 +3,9 @@
 Options come from flags > the [serve] table of the config file > defaults."""
 import argparse
 import logging
+import signal
 import sys
+import threading
 
 from ..config import ENV_PREFIX
 
@@ -96,6 +98,8 @@ def _from_file(key, value, path):
     if parse is None:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
+        if not value.strip():         # model = "" served the demo model instead
+            raise ConfigError(f"{where}: empty (leave the key out for the default)")
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ConfigError(f"{where}: expected a value like the flag's, got {value!r}")
@@ -180,6 +184,12 @@ def _check_model(path):
 
 
 def cmd_serve(args):
+    # From the start: checking --model imports it, and MindSpore with it; a Ctrl-C in
+    # there aborted the process ("Fatal Python error"). A signal now stops the server
+    # at its next step.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     from ..serve import Front
 
     check_flags(args)
@@ -194,5 +204,6 @@ def cmd_serve(args):
     print(f"prefetchd serve: starting {o['workers']} workers; front on {front.endpoint}"
           + (f"; metrics on {o['metrics_addr']}:{o['metrics_port']}"
              if o["metrics_port"] is not None else ""), file=sys.stderr)
-    front.serve_forever()
+    if not stop.is_set():
+        front.serve_forever(stop)
     return 0

@@ -312,7 +312,7 @@ class Front(FrontSockets):
         self._heartbeats.forget(s)
         self._status.on_death(s)
         if self._pool.none_alive():
-            why = s.start_error or "see the workers' log above"
+            why = s.start_error or f"it ended ({s.exit_how}) before it was ready, with no error to report"
             self._start_error = RuntimeError(f"prefetchd serve: no worker could be started: worker {s.index}: "
                                              f"{why} (--debug shows its traceback)")
             self._ready_event.set()

@@ -165,11 +165,13 @@ class FrontSockets(RouterEndpoint):
         """The shared host tier's status (prefetchd.sharedhost), or None without one."""
         return self._shared[0].status() if self._shared is not None else None
 
-    def serve_forever(self):
-        """Run until SIGINT/SIGTERM (for the CLI)."""
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+    def serve_forever(self, stop=None):
+        """Run until SIGINT/SIGTERM (for the CLI), or until `stop` (an Event the caller's own
+        signal handlers set) is set."""
+        if stop is None:
+            stop = threading.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
         try:
             self.start(stop=stop)
         except ShutdownError:

@@ -35,6 +35,7 @@ class WorkerSlot:
     deaths: int = 0
     start_failures: int = 0
     start_error: str | None = None   # why it could not start, from its FAILED message
+    exit_how: str | None = None      # how its last process ended: "exit 3", "signal 9"
     spawned_at: float = 0.0
 
     def public(self):
@@ -111,7 +112,7 @@ class WorkerPool:
         code = slot.process.exitcode
         if not slot.ready:
             slot.start_failures += 1
-        how = f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
+        how = slot.exit_how = f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
         pid = slot.process.pid
         reason = f"worker {slot.index} (pid {pid}) died ({how}) while serving the request"
         jobs = list(slot.inflight.values())

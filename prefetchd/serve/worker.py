@@ -25,6 +25,8 @@ import logging
 import os
 import shutil
 import signal
+import threading
+import time
 
 import zmq
 
@@ -150,6 +152,13 @@ def _run(models, job_id, body, frames, index, max_bytes):
     return [job_id, P.dumps(reply)]
 
 
+def _exit_if_orphaned(parent_pid):
+    while not _ready:
+        if os.getppid() != parent_pid:
+            os._exit(0)              # nothing built is worth saving, nobody to answer
+        time.sleep(0.5)
+
+
 def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, parent_pid):
     """Entry point of a worker process (spawn)."""
     global _ready, _stopping
@@ -168,13 +177,17 @@ def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, p
     sock.identity = f"w{index}-{generation}".encode()
     sock.connect(work_endpoint)
     daemon, models = None, {}
+    # Until it is ready the work loop below does not run: a front that dies (SIGKILL) while
+    # the model builds would leave this process behind, for ever if the factory blocks.
+    threading.Thread(target=_exit_if_orphaned, args=(parent_pid,), name="prefetchd-worker-orphan",
+                     daemon=True).start()
     try:
         try:
             store = worker_store(spec, index, generation)
             daemon = Daemon(worker_config(spec, index, store)).start()
             daemon.serve(control_endpoint)
             models = build_models(spec, daemon)
-        except Exception as e:  # noqa: BLE001 - said once, by the front, in one line
+        except BaseException as e:  # noqa: BLE001 - said once, by the front, in one line (sys.exit too)
             log.debug("worker %d could not start", index, exc_info=True)
             sock.linger = 2000            # the one message that says why, then exit
             sock.send_multipart([FAILED, P.dumps({"reason": f"{type(e).__name__}: {e}"})])

@@ -94,3 +94,9 @@ def slow_to_build(seed=0):
 def raises(seed=0):
     """A factory that fails: the server says why in one line."""
     raise RuntimeError(f"factory of seed {seed} failed on purpose")
+
+
+def exits(seed=0):
+    """A factory that calls sys.exit (argparse in a model library does): not an Exception."""
+    import sys
+    sys.exit(f"no such checkpoint for seed {seed}")

@@ -279,20 +279,86 @@ def test_a_signal_while_workers_start_stops_the_server_at_once(tmp_path):
             proc.wait(5)
 
 
-def test_a_factory_that_raises_is_one_line_naming_its_error(tmp_path):
+@pytest.mark.parametrize("after", [0.3, 0.8])
+def test_ctrl_c_while_the_cli_imports_the_model_exits_cleanly(tmp_path, after):
+    """SIGINT while `serve` imported --model (and MindSpore) raised KeyboardInterrupt inside
+    that import and aborted the process ("Fatal Python error", rc -6; outside probe)."""
+    serve_dir = os.path.dirname(os.path.abspath(__file__))
+    (tmp_path / "msmodel.py").write_text("import mindspore  # noqa: F401  (what a model module does)\n"
+                                         "from _servables import sleepy as build  # noqa: F401\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(serve_dir)), serve_dir, str(tmp_path)] + sys.path))
+    cmd = [sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint", f"ipc://ctrlc-{os.getpid()}.sock",
+           "--workers", "1", "--model", "msmodel:build", "--model-bytes", "1000000",
+           "--store", str(tmp_path / "s")]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(after)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(60)
+        err = proc.stderr.read()
+        assert code == 0 and "Fatal Python error" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+
+def _children(pid):
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def test_a_worker_still_building_exits_when_its_front_is_killed(tmp_path):
+    """The worker watched for its front only once ready: one inside a slow factory outlived a
+    SIGKILLed front (for ever if the factory blocks), holding its store (outside probe)."""
+    serve_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(serve_dir)), serve_dir] + sys.path))
+    cmd = [sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint", f"ipc://orphan-{os.getpid()}.sock",
+           "--workers", "1", "--model", "_servables:slow_to_build", "--model-bytes", "1000000",
+           "--store", str(tmp_path)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_until(lambda: any(d.startswith("worker-") for d in os.listdir(tmp_path)), 60, 0.1)
+        workers = _children(proc.pid)
+        assert workers
+        proc.kill()
+        proc.wait(5)
+        assert wait_until(lambda: not any(os.path.exists(f"/proc/{w}") and
+                                          open(f"/proc/{w}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+                                          for w in workers), 10, 0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+
+@pytest.mark.parametrize("factory, says", [
+    ("raises", "RuntimeError: factory of seed 0 failed on purpose"),
+    ("exits", "SystemExit: no such checkpoint for seed 0")])
+def test_a_factory_that_fails_is_one_line_naming_its_error(tmp_path, factory, says):
     """Each worker's traceback went to stderr at each of its three tries, and the error said
-    only 'no worker could be started' (outside probe)."""
+    only 'no worker could be started'; a sys.exit printed its message three times (outside
+    probe)."""
     serve_dir = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(serve_dir)), serve_dir] + sys.path))
     out = subprocess.run([sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint",
-                          f"ipc://raises-{os.getpid()}.sock", "--workers", "1", "--model", "_servables:raises",
+                          f"ipc://fails-{os.getpid()}.sock", "--workers", "1", "--model", f"_servables:{factory}",
                           "--model-bytes", "1000000", "--store", str(tmp_path / "s")],
                          env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 1
-    errors = [line for line in out.stderr.splitlines() if "Traceback" in line or "error" in line.lower()]
-    assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
-    assert "no worker could be started: worker 0: RuntimeError: factory of seed 0 failed on purpose" in errors[0]
+    assert "Traceback" not in out.stderr and out.stderr.count("seed 0") == 1, out.stderr
+    assert f"no worker could be started: worker 0: {says}" in out.stderr.splitlines()[-1]
 
 
 def test_serve_options_flags_over_file_over_defaults(tmp_path, monkeypatch):
@@ -321,6 +387,7 @@ def test_serve_options_flags_over_file_over_defaults(tmp_path, monkeypatch):
                         ("models = 0", "models .*must be >= 1"),
                         ("metrics_port = 70000", "metrics_port .*out of range"),
                         ("endpoint = 5", "endpoint .*expected a string"),
+                        ('model = ""', "model .*empty"),
                         ("workers = true", "workers .*expected a value like the flag's")]:
         cfg.write_text(f"[serve]\n{line}\n")
         with pytest.raises(ConfigError, match=rf"\[serve\] {words}") as refused:
