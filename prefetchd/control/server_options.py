@@ -41,11 +41,21 @@ def resolve(daemon, endpoint, *, events_endpoint=None, max_message_size=None, cu
     if events_endpoint:
         events_endpoint = resolve_endpoint(events_endpoint, name, bind=True, allow_remote=allow_remote)
     elif endpoint.startswith("ipc://"):
-        stem = endpoint[:-5] if endpoint.endswith(".sock") else endpoint
-        events_endpoint = stem + "-events.sock"
+        events_endpoint = _events_beside(endpoint)
     else:
         events_endpoint = join_tcp(split_tcp(endpoint)[0], "*")
     if endpoint.startswith("tcp://") and not curve_keys_dir:
         log.warning("prefetchd control endpoint %s has no CURVE keys: any local user can "
                     "connect; set curve_keys_dir (prefetchd keys DIR)", endpoint)
     return ServerOptions(name, endpoint, events_endpoint, max_message_size, curve_keys_dir)
+
+
+def _events_beside(endpoint):
+    stem = endpoint[:-5] if endpoint.endswith(".sock") else endpoint
+    return stem + "-events.sock"
+
+
+def ipc_socket_files(endpoint):
+    """The files a Server bound at ipc `endpoint` (with its default events endpoint) makes:
+    what to remove after its process died without closing it."""
+    return [e[len("ipc://"):] for e in (endpoint, _events_beside(endpoint))]

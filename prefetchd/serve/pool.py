@@ -1,5 +1,6 @@
 """The workers of a front: their processes (spawn), their control sockets, and
 which one takes the next request. Used on the front's I/O thread only."""
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from ..control.server_options import ipc_socket_files
 from .worker import remove_worker_store, worker_main
 
 log = logging.getLogger("prefetchd.serve.pool")
@@ -122,8 +124,8 @@ class WorkerPool:
         else:          # said once, by the front's error, or below once it gives up
             log.info("prefetchd serve: worker %d (pid %s) could not start (attempt %d of %d): %s",
                      slot.index, pid, slot.start_failures, MAX_START_FAILURES, slot.start_error)
-        if code is not None:           # reaped: nothing uses its store any more
-            remove_worker_store(self.spec, slot.index, slot.generation)
+        if code is not None:           # reaped: nothing uses its store or sockets any more
+            self._remove_leftovers(slot)
         slot.inflight.clear()
         slot.deaths += 1
         if slot.start_failures >= MAX_START_FAILURES and any(s.ready for s in self.slots):
@@ -179,5 +181,13 @@ class WorkerPool:
                 p.join(1.0)
         for s in self.slots:
             if s.process is not None and not s.process.is_alive():
-                remove_worker_store(self.spec, s.index, s.generation)
+                self._remove_leftovers(s)
         return procs
+
+    def _remove_leftovers(self, slot):
+        """An exited worker's store, and the socket files of its control Server: one that
+        exits before it is ready (SIGTERM while building, os._exit) cannot remove them."""
+        remove_worker_store(self.spec, slot.index, slot.generation)
+        for path in ipc_socket_files(slot.control):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

@@ -273,6 +273,9 @@ def test_a_signal_while_workers_start_stops_the_server_at_once(tmp_path):
         code = proc.wait(30)
         assert time.monotonic() - started < 15, proc.stderr.read()
         assert code == 0, proc.stderr.read()
+        # The worker exited before its daemon closed: the front removed its socket files.
+        from prefetchd.control.endpoints import runtime_dir
+        assert not [f for f in os.listdir(runtime_dir()) if f.startswith(f"serve-{proc.pid}-")]
     finally:
         if proc.poll() is None:
             proc.kill()
