@@ -54,10 +54,14 @@ class CausalLMServable:
         out = out.asnumpy() if hasattr(out, "asnumpy") else np.asarray(out)
         if out.shape != (input_ids.shape[0], prompt + max_new_tokens) \
                 or not np.array_equal(out[:, :prompt], input_ids):
+            starts = out.ndim == 2 and out.shape[1] >= prompt and np.array_equal(out[:, :prompt], input_ids)
+            why = ("a model whose generate returns only the new ids is served as a servable object "
+                   "(docs/control-plane.md)")
+            if starts and out.shape[1] < prompt + max_new_tokens:
+                why = (f"either it stopped after {out.shape[1] - prompt} new ids (an end-of-sequence id, and "
+                       f"its generate takes no min_new_tokens to go on), or {why}")
             raise RuntimeError(f"{type(self.cell).__name__}.generate returned ids of shape {list(out.shape)}, "
-                               f"not the prompt ({prompt} ids) and {max_new_tokens} new ones; a model whose "
-                               f"generate returns only the new ids is served as a servable object "
-                               f"(docs/control-plane.md)")
+                               f"not the prompt ({prompt} ids) and {max_new_tokens} new ones: {why}")
         return out[:, prompt:].astype(np.int64)
 
 
