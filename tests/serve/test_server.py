@@ -255,15 +255,23 @@ def test_cli_serve_and_status(tmp_path):
             proc.wait(5)
 
 
+def _serve_env(*paths):
+    """The environment of a `prefetchd serve` subprocess that imports tests/serve's models."""
+    serve_dir = os.path.dirname(os.path.abspath(__file__))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(serve_dir)), serve_dir, *paths] + sys.path))
+
+
+def _serve_cmd(name, model, store):
+    return [sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint", f"ipc://{name}-{os.getpid()}.sock",
+            "--workers", "1", "--model", model, "--model-bytes", "1000000", "--store", str(store)]
+
+
 def test_a_signal_while_workers_start_stops_the_server_at_once(tmp_path):
     """SIGTERM while the workers are still building their models: the server stops within
     seconds, not after start_timeout (180 s) with 'workers not ready'."""
-    serve_dir = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(serve_dir)), serve_dir] + sys.path))
-    cmd = [sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint", f"ipc://slow-{os.getpid()}.sock",
-           "--workers", "1", "--model", "_servables:slow_to_build", "--model-bytes", "1000000",
-           "--store", str(tmp_path)]
+    env = _serve_env()
+    cmd = _serve_cmd("slow", "_servables:slow_to_build", tmp_path)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert wait_until(lambda: any(d.startswith("worker-") for d in os.listdir(tmp_path)), 60, 0.1)
@@ -286,14 +294,10 @@ def test_a_signal_while_workers_start_stops_the_server_at_once(tmp_path):
 def test_ctrl_c_while_the_cli_imports_the_model_exits_cleanly(tmp_path, after):
     """SIGINT while `serve` imported --model (and MindSpore) raised KeyboardInterrupt inside
     that import and aborted the process ("Fatal Python error", rc -6; outside probe)."""
-    serve_dir = os.path.dirname(os.path.abspath(__file__))
     (tmp_path / "msmodel.py").write_text("import mindspore  # noqa: F401  (what a model module does)\n"
                                          "from _servables import sleepy as build  # noqa: F401\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(serve_dir)), serve_dir, str(tmp_path)] + sys.path))
-    cmd = [sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint", f"ipc://ctrlc-{os.getpid()}.sock",
-           "--workers", "1", "--model", "msmodel:build", "--model-bytes", "1000000",
-           "--store", str(tmp_path / "s")]
+    env = _serve_env(str(tmp_path))
+    cmd = _serve_cmd("ctrlc", "msmodel:build", tmp_path / "s")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         time.sleep(after)
@@ -323,12 +327,8 @@ def _children(pid):
 def test_a_worker_still_building_exits_when_its_front_is_killed(tmp_path):
     """The worker watched for its front only once ready: one inside a slow factory outlived a
     SIGKILLed front (for ever if the factory blocks), holding its store (outside probe)."""
-    serve_dir = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(serve_dir)), serve_dir] + sys.path))
-    cmd = [sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint", f"ipc://orphan-{os.getpid()}.sock",
-           "--workers", "1", "--model", "_servables:slow_to_build", "--model-bytes", "1000000",
-           "--store", str(tmp_path)]
+    env = _serve_env()
+    cmd = _serve_cmd("orphan", "_servables:slow_to_build", tmp_path)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         assert wait_until(lambda: any(d.startswith("worker-") for d in os.listdir(tmp_path)), 60, 0.1)
@@ -352,12 +352,8 @@ def test_a_factory_that_fails_is_one_line_naming_its_error(tmp_path, factory, sa
     """Each worker's traceback went to stderr at each of its three tries, and the error said
     only 'no worker could be started'; a sys.exit printed its message three times (outside
     probe)."""
-    serve_dir = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(serve_dir)), serve_dir] + sys.path))
-    out = subprocess.run([sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint",
-                          f"ipc://fails-{os.getpid()}.sock", "--workers", "1", "--model", f"_servables:{factory}",
-                          "--model-bytes", "1000000", "--store", str(tmp_path / "s")],
+    env = _serve_env()
+    out = subprocess.run(_serve_cmd("fails", f"_servables:{factory}", tmp_path / "s"),
                          env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 1
     assert "Traceback" not in out.stderr and out.stderr.count("seed 0") == 1, out.stderr
