@@ -47,7 +47,7 @@ from .histograms import BATCH_BUCKETS, QUEUE_BUCKETS, Histogram
 from .pool import WorkerPool
 from .spec import ServeSpec
 from .status import StatusGathers, status_document
-from .worker import FAILED, READY
+from .worker import READY
 
 log = logging.getLogger("prefetchd.serve.front")
 
@@ -266,9 +266,6 @@ class Front(FrontSockets):
         s = self._pool.by_identity(frames[0].bytes)
         if s is None:
             return                          # a previous generation; it is exiting
-        if frames[1].bytes == FAILED:
-            s.start_error = str(P.loads(frames[2].bytes).get("reason", "?"))[:2000]
-            return
         if frames[1].bytes == READY:
             info = P.loads(frames[2].bytes)
             self._pool.on_ready(s, info)

@@ -36,7 +36,8 @@ class WorkerSlot:
     failed: int = 0
     deaths: int = 0
     start_failures: int = 0
-    start_error: str | None = None   # why it could not start, from its FAILED message
+    start_error: str | None = None   # why it could not start, from its `failure` pipe
+    failure: object = None           # read end of the pipe its start failure comes through
     exit_how: str | None = None      # how its last process ended: "exit 3", "signal 9"
     spawned_at: float = 0.0
 
@@ -68,11 +69,15 @@ class WorkerPool:
         slot.generation += 1
         slot.ready, slot.pid, slot.last_model = False, None, None
         slot.identity = f"w{slot.index}-{slot.generation}".encode()
+        # Why it could not start comes through a pipe, written before it exits: read once it
+        # is reaped, it is there (a message on the work socket could arrive after the death).
+        slot.failure, failure = self._mp.Pipe(duplex=False)
         slot.process = self._mp.Process(
             target=worker_main, name=f"prefetchd-worker-{slot.index}", daemon=True,
             args=(slot.index, slot.generation, dataclasses.asdict(self.spec), self.work_endpoint,
-                  slot.control, os.getpid()))
+                  slot.control, os.getpid(), failure))
         slot.process.start()
+        failure.close()
         slot.spawned_at = time.monotonic()
         if slot.ctl is not None:
             slot.ctl.close(linger=0)
@@ -115,6 +120,8 @@ class WorkerPool:
         if not slot.ready:
             slot.start_failures += 1
         how = slot.exit_how = f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
+        failure = _failure_of(slot)              # read (and closed) whether it was ready or not
+        slot.start_error = None if slot.ready else failure
         pid = slot.process.pid
         reason = f"worker {slot.index} (pid {pid}) died ({how}) while serving the request"
         jobs = list(slot.inflight.values())
@@ -180,6 +187,7 @@ class WorkerPool:
                 p.kill()
                 p.join(1.0)
         for s in self.slots:
+            _failure_of(s)                      # closes its pipe
             if s.process is not None and not s.process.is_alive():
                 self._remove_leftovers(s)
         return procs
@@ -191,3 +199,16 @@ class WorkerPool:
         for path in ipc_socket_files(slot.control):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def _failure_of(slot):
+    """The reason a worker that never got ready wrote to its pipe before it exited, or None."""
+    pipe, slot.failure = slot.failure, None
+    if pipe is None:
+        return None
+    try:
+        return str(pipe.recv())[:2000] if pipe.poll() else None
+    except (EOFError, OSError):
+        return None
+    finally:
+        pipe.close()

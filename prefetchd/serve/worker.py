@@ -4,7 +4,6 @@ at a time from the front's work socket.
 
 Messages on the work socket (a DEALER, identity w<index>-<generation>):
     -> [READY, JSON {index, generation, pid, control, models}]
-    -> [FAILED, JSON {reason}]   it could not start (then it exits 3)
     <- [job id, JSON batch job, input frames...]
     -> [job id, JSON reply {ok, result|code,reason}, output frames...]
     <- [STOP]
@@ -40,7 +39,6 @@ from .spec import ServeSpec, build_weight_set, worker_config
 log = logging.getLogger("prefetchd.serve.worker")
 
 READY = b"READY"
-FAILED = b"FAILED"
 STOP = b"STOP"
 START_FAILED_EXIT = 3
 
@@ -159,8 +157,9 @@ def _exit_if_orphaned(parent_pid):
         time.sleep(0.5)
 
 
-def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, parent_pid):
-    """Entry point of a worker process (spawn)."""
+def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, parent_pid, failure):
+    """Entry point of a worker process (spawn). failure: the write end of a pipe that takes
+    the one line saying why it could not start, if it cannot (it then exits 3)."""
     global _ready, _stopping
     import faulthandler
     faulthandler.enable()        # a native crash leaves Python tracebacks in the worker's stderr
@@ -189,8 +188,7 @@ def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, p
             models = build_models(spec, daemon)
         except BaseException as e:  # noqa: BLE001 - said once, by the front, in one line (sys.exit too)
             log.debug("worker %d could not start", index, exc_info=True)
-            sock.linger = 2000            # the one message that says why, then exit
-            sock.send_multipart([FAILED, P.dumps({"reason": f"{type(e).__name__}: {e}"})])
+            failure.send(f"{type(e).__name__}: {e}")
             raise SystemExit(START_FAILED_EXIT) from None
         sock.send_multipart([READY, P.dumps({
             "index": index, "generation": generation, "pid": os.getpid(),
