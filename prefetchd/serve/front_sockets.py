@@ -4,7 +4,6 @@ timeout, and remove what the front made (ipc files, a temporary store). What
 the front does with its sockets is prefetchd.serve.front.Front, a subclass.
 """
 import dataclasses
-import fcntl
 import logging
 import os
 import secrets
@@ -22,6 +21,7 @@ from ..control.connections import DEFAULT_MAX_CONNECTIONS
 from ..control.endpoints import ensure_private_dir, resolve_endpoint, runtime_dir
 from ..control.guarded import GuardedListening
 from ..control.router import RouterEndpoint
+from ..staging.generations import lock_or_holder
 from .spec import check_checkpoint_store
 from .worker import STOP
 
@@ -40,15 +40,10 @@ def hold_store(store_dir):
         fd = os.open(os.path.join(store_dir, SERVE_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as e:
         raise ConfigError(f"--store {store_dir}: cannot use it: {e.strerror}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
+    holder = lock_or_holder(fd)
+    if holder is not None:
         raise ConfigError(f"--store {store_dir}: in use by another prefetchd serve (pid {holder}); give each "
-                          f"server a --store of its own") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
+                          f"server a --store of its own")
     return fd
 
 

@@ -219,17 +219,26 @@ def hold_store_lock(store_dir):
         return None                   # no store yet, or not a directory (link_current says so)
     except OSError as e:
         raise StagingError(f"{store_dir}: cannot open its lock {_STORE_LOCK}: {e.strerror}") from None
+    holder = lock_or_holder(fd)
+    if holder is not None:
+        raise StagingError(f"{store_dir}: in use by pid {holder} (a daemon has this store open); "
+                           f"close it before staging into it")
+    return fd
+
+
+def lock_or_holder(fd):
+    """Take an exclusive flock on `fd` without waiting and write this pid into its file, so
+    that a process refused meanwhile names this one, not the lock's last holder: None. If
+    another process holds it, close `fd` and return the pid written there ("?" if none)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
-        raise StagingError(f"{store_dir}: in use by pid {holder} (a daemon has this store open); "
-                           f"close it before staging into it") from None
-    # Ours now: a daemon refused meanwhile names this process, not the lock's last holder.
+        return holder
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+    return None
 
 
 def swap_in(work, store_dir, parent, base):
