@@ -15,53 +15,6 @@ from .common import BUDGET_HELP, UsageError, budget, port, positive_int, seconds
 from ..serve.spec import SERVE_OPTIONS as SERVE_DEFAULTS
 
 
-def register(sub):
-    p = sub.add_parser("serve", help="multi-process inference server: a front and N workers")
-    p.add_argument("--config", help="TOML file (default: $PREFETCHD_CONFIG): [prefetchd] for the "
-                                    "workers' daemons, [serve] for these options")
-    p.add_argument("--endpoint", help="front endpoint for inference clients (default ipc://serve.sock "
-                                      "in the runtime directory)")
-    p.add_argument("--workers", type=positive_int, help="worker processes (2)")
-    p.add_argument("--model", help="module:function returning (cell, signature), a servable or a "
-                                   "generate-capable causal LM for one weight set, called as "
-                                   "function(seed=N) (default: the demo model)")
-    p.add_argument("--model-bytes", type=_size, help="weight bytes of one --model weight set, for "
-                                                     "a fractional --budget (e.g. 512MiB)")
-    p.add_argument("--models", type=positive_int, help="weight sets per worker, m0, m1, ... (2; 1 with "
-                                                             "--checkpoint-store)")
-    p.add_argument("--hidden", type=positive_int, help="demo model width (256)")
-    p.add_argument("--layers", type=positive_int, help="demo model blocks (4)")
-    p.add_argument("--batch", type=positive_int, help="demo model: batch of a request (4)")
-    p.add_argument("--seq", type=positive_int, help="demo model: sequence length of a request (16)")
-    p.add_argument("--budget", type=budget,
-                   help=BUDGET_HELP + " per worker (default: the configured device_budget, else 150%%)")
-    p.add_argument("--lookahead", type=positive_int, help="units prefetched ahead, and covered by a hint (2)")
-    p.add_argument("--store", help="root of the workers' stores (default: the configured store_dir, "
-                                   "else a temporary directory)")
-    p.add_argument("--checkpoint-store", metavar="DIR",
-                   help="serve the weights in DIR, a store made by `prefetchd stage`: --model's "
-                        "parameters (built without initialising them) are read from it by name; "
-                        "one weight set (m0); worker stores hard-link its files, so --store must "
-                        "be on its filesystem (default: a temporary directory beside DIR)")
-    p.add_argument("--shared-host", action="store_true", default=None,
-                   help="one host tier for all workers, owned by the front: each tensor is read "
-                        "from disk once and held in host RAM once (needs --checkpoint-store; "
-                        "budget: the configured host_budget)")
-    p.add_argument("--no-hints", dest="hints", action="store_false", default=None,
-                   help="do not send prefetch hints to workers")
-    p.add_argument("--request-timeout", type=seconds, help="seconds before a request gets TIMEOUT (30)")
-    p.add_argument("--max-batch-size", type=positive_int,
-                   help="rows of one batch: requests for a model are joined up to this (8; 1: off)")
-    p.add_argument("--max-queue-delay-ms", type=_milliseconds,
-                   help="how long a request may wait for others to join its batch (2)")
-    p.add_argument("--heartbeat-timeout", type=seconds,
-                   help="seconds a worker may not answer its heartbeat before it is replaced (15)")
-    p.add_argument("--metrics-port", type=port,
-                   help="export the front's and all workers' metrics on this port (0: any free one)")
-    p.add_argument("--metrics-addr", help="address of the metrics port (127.0.0.1)")
-    p.set_defaults(func=cmd_serve)
-
-
 def _milliseconds(text):
     try:
         value = float(text)
@@ -77,15 +30,65 @@ def _size(text):
     return size(text)
 
 
-# A [serve] value from the config file is checked as its flag's text is: the same parser,
-# and one line naming the key and the file (it went unchecked: `workers = "two"` failed in
-# a worker's traceback, and `heartbeat_timeout = 0` killed every worker as hung).
-_FILE_PARSERS = {"workers": positive_int, "models": positive_int, "hidden": positive_int,
-                 "layers": positive_int, "batch": positive_int, "seq": positive_int,
-                 "lookahead": positive_int, "max_batch_size": positive_int, "request_timeout": seconds,
-                 "heartbeat_timeout": seconds, "max_queue_delay_ms": _milliseconds, "metrics_port": port,
-                 "model_bytes": _size, "budget": budget}
+# Each option's parser: its flag's argparse type, and the check of its [serve] value from a
+# config file, which is read as the flag's text is and named by key and file (it went
+# unchecked: `workers = "two"` failed in a worker's traceback, and `heartbeat_timeout = 0`
+# killed every worker as hung).
+_PARSERS = {"workers": positive_int, "models": positive_int, "hidden": positive_int,
+            "layers": positive_int, "batch": positive_int, "seq": positive_int,
+            "lookahead": positive_int, "max_batch_size": positive_int, "request_timeout": seconds,
+            "heartbeat_timeout": seconds, "max_queue_delay_ms": _milliseconds, "metrics_port": port,
+            "model_bytes": _size, "budget": budget}
 _FILE_SWITCHES = ("hints", "shared_host")     # the rest are text: endpoint, model, store, ...
+
+
+def register(sub):
+    p = sub.add_parser("serve", help="multi-process inference server: a front and N workers")
+    p.add_argument("--config", help="TOML file (default: $PREFETCHD_CONFIG): [prefetchd] for the "
+                                    "workers' daemons, [serve] for these options")
+    p.add_argument("--endpoint", help="front endpoint for inference clients (default ipc://serve.sock "
+                                      "in the runtime directory)")
+    p.add_argument("--workers", type=_PARSERS["workers"], help="worker processes (2)")
+    p.add_argument("--model", help="module:function returning (cell, signature), a servable or a "
+                                   "generate-capable causal LM for one weight set, called as "
+                                   "function(seed=N) (default: the demo model)")
+    p.add_argument("--model-bytes", type=_PARSERS["model_bytes"],
+                   help="weight bytes of one --model weight set, for a fractional --budget (e.g. 512MiB)")
+    p.add_argument("--models", type=_PARSERS["models"],
+                   help="weight sets per worker, m0, m1, ... (2; 1 with --checkpoint-store)")
+    p.add_argument("--hidden", type=_PARSERS["hidden"], help="demo model width (256)")
+    p.add_argument("--layers", type=_PARSERS["layers"], help="demo model blocks (4)")
+    p.add_argument("--batch", type=_PARSERS["batch"], help="demo model: batch of a request (4)")
+    p.add_argument("--seq", type=_PARSERS["seq"], help="demo model: sequence length of a request (16)")
+    p.add_argument("--budget", type=_PARSERS["budget"],
+                   help=BUDGET_HELP + " per worker (default: the configured device_budget, else 150%%)")
+    p.add_argument("--lookahead", type=_PARSERS["lookahead"],
+                   help="units prefetched ahead, and covered by a hint (2)")
+    p.add_argument("--store", help="root of the workers' stores (default: the configured store_dir, "
+                                   "else a temporary directory)")
+    p.add_argument("--checkpoint-store", metavar="DIR",
+                   help="serve the weights in DIR, a store made by `prefetchd stage`: --model's "
+                        "parameters (built without initialising them) are read from it by name; "
+                        "one weight set (m0); worker stores hard-link its files, so --store must "
+                        "be on its filesystem (default: a temporary directory beside DIR)")
+    p.add_argument("--shared-host", action="store_true", default=None,
+                   help="one host tier for all workers, owned by the front: each tensor is read "
+                        "from disk once and held in host RAM once (needs --checkpoint-store; "
+                        "budget: the configured host_budget)")
+    p.add_argument("--no-hints", dest="hints", action="store_false", default=None,
+                   help="do not send prefetch hints to workers")
+    p.add_argument("--request-timeout", type=_PARSERS["request_timeout"],
+                   help="seconds before a request gets TIMEOUT (30)")
+    p.add_argument("--max-batch-size", type=_PARSERS["max_batch_size"],
+                   help="rows of one batch: requests for a model are joined up to this (8; 1: off)")
+    p.add_argument("--max-queue-delay-ms", type=_PARSERS["max_queue_delay_ms"],
+                   help="how long a request may wait for others to join its batch (2)")
+    p.add_argument("--heartbeat-timeout", type=_PARSERS["heartbeat_timeout"],
+                   help="seconds a worker may not answer its heartbeat before it is replaced (15)")
+    p.add_argument("--metrics-port", type=_PARSERS["metrics_port"],
+                   help="export the front's and all workers' metrics on this port (0: any free one)")
+    p.add_argument("--metrics-addr", help="address of the metrics port (127.0.0.1)")
+    p.set_defaults(func=cmd_serve)
 
 
 def _from_file(key, value, path):
@@ -94,7 +97,7 @@ def _from_file(key, value, path):
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true or false, got {value!r}")
         return value
-    parse = _FILE_PARSERS.get(key)
+    parse = _PARSERS.get(key)
     if parse is None:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
