@@ -82,7 +82,6 @@ class ExplicitRequests:
                 still.append((req, recs))
         self.waiting = still
 
-
     def cancel_all(self, error):
         for req, _ in self.waiting:
             self._outcomes.resolve(req, error)
