@@ -123,25 +123,48 @@ def serve_options(args):
         raise ConfigError(f"[serve] {unknown[0]}: unknown setting (from file {path}); known: "
                           f"{', '.join(SERVE_DEFAULTS)}")
     table = {key: _from_file(key, value, path) for key, value in table.items()}
-    options = {}
+    options = {"from_flags": set()}
     for key, default in SERVE_DEFAULTS.items():
         flag = getattr(args, key, None)
+        if flag is not None:
+            options["from_flags"].add(key)
         options[key] = flag if flag is not None else table.get(key, default)
     options["config"] = path
     return options
 
 
+def _refuse_combination(o, keys, message):
+    """A combination of options that cannot work: a usage error (exit 2) when every one of
+    `keys` was a flag, else a configuration error (exit 1) naming the file's part."""
+    if all(key in o["from_flags"] for key in keys):
+        raise UsageError(f"serve: {message}")
+    raise ConfigError(f"{message} (from flags and/or the [serve] table of {o['config']})")
+
+
+def check_combinations(o, model):
+    """Options each valid alone that cannot go together, refused before anything starts."""
+    checkpoint = o["checkpoint_store"]
+    # A staged store knows its own size (its index); a fraction of it needs nothing more.
+    if (model is not None and not checkpoint and isinstance(o["budget"], float)
+            and not o["model_bytes"]):
+        _refuse_combination(o, ("budget", "model"), "--budget as a fraction of a --model needs "
+                            "--model-bytes (or give the budget as a size, e.g. 2GiB)")
+    if o["shared_host"] and not checkpoint:
+        _refuse_combination(o, ("shared_host",), "--shared-host needs --checkpoint-store: only "
+                            "workers serving one staged store hold the same tensors")
+    if checkpoint and o["models"] not in (None, 1):
+        _refuse_combination(o, ("checkpoint_store", "models"), f"--checkpoint-store serves the one "
+                            f"weight set the store holds; --models {o['models']} would need "
+                            f"{o['models']} (use --models 1)")
+
+
 def serve_spec(o, log_level="WARNING"):
     from ..serve.spec import DEMO_FACTORY, ServeSpec, load_factory
     model = o["model"] or DEMO_FACTORY
+    check_combinations(o, None if model == DEMO_FACTORY else model)
     load_factory(model)                 # a bad --model fails here, not in every worker
     checkpoint = o["checkpoint_store"]
-    models = o["models"] or (1 if checkpoint else 2)   # ServeSpec refuses more than 1 from a store
-    # A staged store knows its own size (its index); a fraction of it needs nothing more.
-    if (model != DEMO_FACTORY and not checkpoint and isinstance(o["budget"], float)
-            and not o["model_bytes"]):
-        raise ConfigError("--budget as a fraction of a --model needs --model-bytes "
-                          "(or give the budget as a size, e.g. 2GiB)")
+    models = o["models"] or (1 if checkpoint else 2)
     return ServeSpec(models=models, hidden=o["hidden"], layers=o["layers"], batch=o["batch"],
                      seq=o["seq"], budget=o["budget"], lookahead=o["lookahead"],
                      store_dir=o["store"], log_level=log_level, config_path=o["config"],

@@ -66,6 +66,22 @@ def test_failures_are_one_line_exit_1_and_traceback_only_with_debug(tmp_path):
     assert out.returncode == 1 and "no_such_dependency_x" in one_error_line(out)
 
 
+def test_serve_options_that_cannot_go_together_are_refused_before_anything_starts(tmp_path):
+    # Each was checked only after the front started (exit 1, after "starting 2 workers").
+    for args, words in ((["--shared-host"], "--shared-host needs --checkpoint-store"),
+                        (["--model", "prefetchd.demo.model:build_model", "--budget", "25%"],
+                         "needs --model-bytes")):
+        out = run("serve", *args)
+        assert out.returncode == 2 and words in one_error_line(out), out.stderr
+        # The same from the [serve] table of a config file is a configuration error, exit 1.
+        cfg = tmp_path / "serve.toml"
+        cfg.write_text("[serve]\nshared_host = true\n" if "--shared-host" in args else
+                       '[serve]\nbudget = "25%"\nmodel = "prefetchd.demo.model:build_model"\n')
+        out = run("serve", "--config", str(cfg))
+        line = one_error_line(out)
+        assert out.returncode == 1 and words in line and str(cfg) in line, out.stderr
+
+
 def test_every_flag_has_help_and_budget_means_the_same_everywhere():
     import argparse
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import wait_until
+from prefetchd.cli.common import UsageError
 from prefetchd.errors import ConfigError
 from prefetchd.control import Client, RequestTimeout
 from prefetchd.serve.spec import ServeSpec, check_checkpoint_store, demo_model
@@ -109,7 +110,7 @@ def test_more_than_one_weight_set_from_a_store_is_refused(staged):
     args = parser.parse_args(["serve", "--checkpoint-store", staged["store"]])
     assert serve_spec(serve_options(args)).model_names() == ["m0"]
     args = parser.parse_args(["serve", "--checkpoint-store", staged["store"], "--models", "3"])
-    with pytest.raises(ConfigError, match="--models 3"):
+    with pytest.raises(UsageError, match="--models 3"):        # both flags: exit 2
         serve_spec(serve_options(args))
 
 
@@ -118,7 +119,7 @@ def test_fractional_budget_of_a_custom_model_uses_the_store_size(staged):
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     custom = ["serve", "--model", "prefetchd.demo.model:build_model", "--budget", "50%"]
-    with pytest.raises(ConfigError, match="needs --model-bytes"):       # nothing to size it by
+    with pytest.raises(UsageError, match="needs --model-bytes"):       # nothing to size it by
         serve_spec(serve_options(parser.parse_args(custom)))
     spec = serve_spec(serve_options(parser.parse_args(
         custom + ["--checkpoint-store", staged["store"]])))
