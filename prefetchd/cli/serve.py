@@ -37,7 +37,7 @@ def _size(text):
 _PARSERS = {"workers": positive_int, "models": positive_int, "hidden": positive_int,
             "layers": positive_int, "batch": positive_int, "seq": positive_int,
             "lookahead": positive_int, "max_batch_size": positive_int, "request_timeout": seconds,
-            "heartbeat_timeout": seconds, "max_queue_delay_ms": _milliseconds, "metrics_port": port,
+            "heartbeat_timeout": seconds, "start_timeout": seconds, "max_queue_delay_ms": _milliseconds, "metrics_port": port,
             "model_bytes": _size, "budget": budget}
 _FILE_SWITCHES = ("hints", "shared_host")     # the rest are text: endpoint, model, store, ...
 
@@ -85,6 +85,9 @@ def register(sub):
                    help="how long a request may wait for others to join its batch (2)")
     p.add_argument("--heartbeat-timeout", type=_PARSERS["heartbeat_timeout"],
                    help="seconds a worker may not answer its heartbeat before it is replaced (15)")
+    p.add_argument("--start-timeout", type=_PARSERS["start_timeout"],
+                   help="seconds the workers may take to import the model, build it and load its "
+                        "weights before the server gives up (180)")
     p.add_argument("--metrics-port", type=_PARSERS["metrics_port"],
                    help="export the front's and all workers' metrics on this port (0: any free one)")
     p.add_argument("--metrics-addr", help="address of the metrics port (127.0.0.1)")
@@ -226,7 +229,7 @@ def cmd_serve(args):
                   request_timeout=o["request_timeout"], metrics_port=o["metrics_port"],
                   metrics_addr=o["metrics_addr"], max_batch_size=o["max_batch_size"],
                   max_queue_delay_ms=o["max_queue_delay_ms"],
-                  heartbeat_timeout=o["heartbeat_timeout"])
+                  heartbeat_timeout=o["heartbeat_timeout"], start_timeout=o["start_timeout"])
     print(f"prefetchd serve: starting {o['workers']} workers; front on {front.endpoint}"
           + (f"; metrics on {o['metrics_addr']}:{o['metrics_port']}"
              if o["metrics_port"] is not None else ""), file=sys.stderr)

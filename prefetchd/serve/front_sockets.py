@@ -121,7 +121,8 @@ class FrontSockets(RouterEndpoint):
                 raise ShutdownError("prefetchd serve: stopped while its workers were starting")
             if time.monotonic() >= deadline:
                 self.close(10)
-                raise TimeoutError(f"prefetchd serve: workers not ready within {self.start_timeout:g}s")
+                raise TimeoutError(f"prefetchd serve: workers not ready within {self.start_timeout:g}s "
+                                   f"(--start-timeout)")
         if self._start_error is not None:
             self.close(10)
             raise self._start_error

@@ -82,6 +82,14 @@ def test_serve_options_that_cannot_go_together_are_refused_before_anything_start
         assert out.returncode == 1 and words in line and str(cfg) in line, out.stderr
 
 
+def test_serve_start_timeout_is_a_flag(tmp_path):
+    # Workers import MindSpore and build the model: not within 0.5 s (it was fixed at 180 s).
+    out = run("serve", "--start-timeout", "0.5", "--store", str(tmp_path / "s"))
+    assert out.returncode == 1, out.stderr
+    assert "workers not ready within 0.5s (--start-timeout)" in out.stderr.splitlines()[-1]
+    assert run("serve", "--start-timeout", "0").returncode == 2
+
+
 def test_every_flag_has_help_and_budget_means_the_same_everywhere():
     import argparse
 
