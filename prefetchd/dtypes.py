@@ -63,6 +63,14 @@ def name_of(dtype):
     return name
 
 
+def store_meta(shape, dtype):
+    """The metadata a store entry carries: JSON {"shape": [...], "dtype": prefetchd name}.
+    Every writer of a store uses it (staging, and the daemon's placements and write-backs:
+    an entry written back with none could no longer be opened from the store)."""
+    import json
+    return json.dumps({"shape": [int(d) for d in shape], "dtype": name_of(dtype)}).encode()
+
+
 def numpy_dtype(name):
     """np.dtype for a prefetchd name; "bfloat16" is MindSpore's numpy bfloat16 (imported on demand).
 

@@ -12,6 +12,7 @@ Scheduler thread only, under the daemon's lock.
 import logging
 
 from ..backend.base import TransferKind
+from ..dtypes import store_meta
 from ..errors import PrefetchdError, StorageError
 from .records import State
 from .transfers import transfer_error
@@ -39,7 +40,7 @@ class Placements:
                 TransferKind.D2H, rec.host_block, array, rec.nbytes, tag)
         else:
             kind, issue = TransferKind.STORE, lambda tag: self._backend.start_store(
-                rec.name, array, rec.nbytes, b"", tag, snapshot=False)
+                rec.name, array, rec.nbytes, store_meta(rec.shape, rec.dtype), tag, snapshot=False)
         tag = self._transfers.add(kind, rec, req)
         try:
             issue(tag)

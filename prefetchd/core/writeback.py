@@ -7,6 +7,7 @@ issues one transfer, `*_done` applies its completion. Scheduler thread only,
 under the daemon's lock; what it reaches is given to its constructor.
 """
 from ..backend.base import TransferKind
+from ..dtypes import store_meta
 from ..errors import StorageError
 from ..telemetry.timeline import NullTimeline
 from .compute_writes import note_writes
@@ -66,7 +67,7 @@ class WriteBacks:
         rec.store_generation = rec.generation
         tag = self._transfers.add(TransferKind.STORE, rec)
         try:
-            self._backend.start_store(rec.name, rec.replica, rec.nbytes, b"", tag)
+            self._backend.start_store(rec.name, rec.replica, rec.nbytes, store_meta(rec.shape, rec.dtype), tag)
         except Exception as e:   # e.g. no memory for the snapshot: stay resident, dirty, held
             self._transfers.discard(tag)
             self._held(rec, StorageError(f"cannot start writing back {rec.name!r}: {e}"))

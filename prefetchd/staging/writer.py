@@ -8,9 +8,7 @@ from .errors import StagingError
 from .progress import Progress
 
 
-def tensor_meta(shape, dtype):
-    """The store metadata of a tensor: JSON {"shape": [...], "dtype": prefetchd dtype name}."""
-    return json.dumps({"shape": [int(d) for d in shape], "dtype": dtypes.name_of(dtype)}).encode()
+tensor_meta = dtypes.store_meta      # the store metadata of a tensor (one format for every writer)
 
 
 def read_meta(info):
@@ -28,6 +26,9 @@ def read_meta(info):
 def meta_fields(info):
     """(shape tuple, prefetchd dtype name) of a store entry, checked; no numpy dtype (no MindSpore import)."""
     where = f"store entry {info.get('path') or info.get('key') or '?'}"
+    if not bytes(info.get("meta") or b""):
+        raise StagingError(f"{where}: has no tensor metadata (prefetchd 0.1.0 builds before this fix wrote none "
+                           f"with the weights a daemon wrote back); stage the checkpoint again")
     try:
         meta = json.loads(bytes(info["meta"]).decode())
         shape, name = meta["shape"], meta["dtype"]

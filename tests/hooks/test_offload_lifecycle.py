@@ -160,6 +160,37 @@ def test_a_checkpoint_file_that_does_not_fit_leaves_a_staged_store_as_it_was(ms,
             np.testing.assert_array_equal(model(x).asnumpy(), want)
 
 
+def test_weights_written_back_into_a_store_open_from_it_later(ms, tmp_path, x):
+    """Write-backs and placements stored their entries with no metadata: once a daemon had
+    written new weights into a staged store (load_param_into_net, or offload() placing a
+    model's own values), offload(checkpoint=True) and `serve --checkpoint-store` refused
+    the store ("meta is not prefetchd tensor metadata")."""
+    _, good = checkpointed(ms, tmp_path, x)
+    store = str(tmp_path / "s")
+    with prefetchd.Daemon(device_budget="1MiB", store_dir=store) as daemon:      # stage `good`
+        prefetchd.offload(stack(ms), daemon, lookahead=1, checkpoint=good)
+    newer = nn_stack_with_other_values(ms)
+    want = newer(x).asnumpy()
+    with prefetchd.Daemon(device_budget="1MiB", host_budget="0", store_dir=store) as daemon:
+        model = stack(ms)
+        prefetchd.offload(model, daemon, lookahead=1, checkpoint=True)
+        prefetchd.load_param_into_net(model, {p.name: p for p in newer.get_parameters()})
+        np.testing.assert_array_equal(model(x).asnumpy(), want)       # written back on eviction
+    with prefetchd.Daemon(device_budget="1MiB", store_dir=store) as daemon:
+        model = stack(ms)
+        prefetchd.offload(model, daemon, lookahead=1, checkpoint=True)
+        for _ in range(2):
+            np.testing.assert_array_equal(model(x).asnumpy(), want)
+    # A model's own values, placed in the store by offload(), open from it the same way.
+    placed = str(tmp_path / "placed")
+    with prefetchd.Daemon(device_budget="1MiB", store_dir=placed) as daemon:
+        prefetchd.offload(newer, daemon, lookahead=1)
+    with prefetchd.Daemon(device_budget="1MiB", store_dir=placed) as daemon:
+        model = stack(ms)
+        prefetchd.offload(model, daemon, lookahead=1, checkpoint=True)
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
+
+
 def nn_stack_with_other_values(ms):
     ms.set_seed(5)
     return ms.nn.SequentialCell([ms.nn.SequentialCell([ms.nn.Dense(64, 64), ms.nn.ReLU()]) for _ in range(6)])
