@@ -90,7 +90,8 @@ def register(sub):
                         "weights before the server gives up (180)")
     p.add_argument("--metrics-port", type=_PARSERS["metrics_port"],
                    help="export the front's and all workers' metrics on this port (0: any free one)")
-    p.add_argument("--metrics-addr", help="address of the metrics port (127.0.0.1)")
+    p.add_argument("--metrics-addr", help="address of the metrics port (default: the config's metrics_addr or "
+                        "$PREFETCHD_METRICS_ADDR, else 127.0.0.1)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -133,6 +134,11 @@ def serve_options(args):
             options["from_flags"].add(key)
         options[key] = flag if flag is not None else table.get(key, default)
     options["config"] = path
+    if "metrics_addr" not in options["from_flags"] and "metrics_addr" not in table:
+        # The [prefetchd] table's (or PREFETCHD_METRICS_ADDR's) address, as for any daemon: a
+        # pod's Prometheus cannot reach loopback, and that was ignored here.
+        from ..config import Config
+        options["metrics_addr"] = Config.load(path).metrics_addr
     return options
 
 

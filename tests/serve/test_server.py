@@ -372,6 +372,17 @@ def test_serve_options_flags_over_file_over_defaults(tmp_path, monkeypatch):
     assert (o["workers"], o["hidden"], o["hints"], o["layers"]) == (3, 64, False, 4)
     o = serve_options(parser.parse_args(["serve"]))
     assert (o["workers"], o["hints"], o["config"]) == (2, True, None)
+    # The metrics address: flag > [serve] > the daemons' own setting (env or [prefetchd]) >
+    # loopback (the daemons' setting was ignored, so a pod's metrics were unreachable).
+    monkeypatch.setenv("PREFETCHD_METRICS_ADDR", "0.0.0.0")
+    assert serve_options(parser.parse_args(["serve"]))["metrics_addr"] == "0.0.0.0"
+    assert serve_options(parser.parse_args(["serve", "--metrics-addr", "127.0.0.2"]))["metrics_addr"] == "127.0.0.2"
+    cfg.write_text('[serve]\nmetrics_addr = "127.0.0.3"\n')
+    assert serve_options(parser.parse_args(["serve", "--config", str(cfg)]))["metrics_addr"] == "127.0.0.3"
+    monkeypatch.delenv("PREFETCHD_METRICS_ADDR")
+    cfg.write_text('[prefetchd]\nmetrics_addr = "0.0.0.0"\n')
+    assert serve_options(parser.parse_args(["serve", "--config", str(cfg)]))["metrics_addr"] == "0.0.0.0"
+    assert serve_options(parser.parse_args(["serve"]))["metrics_addr"] == "127.0.0.1"
     cfg.write_text('[prefetchd]\n[serve]\nwrokers = 3\n')
     with pytest.raises(ConfigError, match="wrokers"):
         serve_options(parser.parse_args(["serve", "--config", str(cfg)]))
