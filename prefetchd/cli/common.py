@@ -149,6 +149,17 @@ def seconds(text):
     return s
 
 
+def seconds_or_zero(text):
+    """Seconds from 0 (none) to a day: --hold."""
+    try:
+        s = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= s <= 86400:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds from 0 to 86400")
+    return s
+
+
 def setup_logging(level):
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 

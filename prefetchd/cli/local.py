@@ -3,7 +3,7 @@ import argparse
 import os
 
 from .common import (DEMO_BUDGET_HELP, UsageError, budget, budget_fraction, demo_budget,
-                     emit, path_given, port, positive_int, size, writable_file)
+                     emit, path_given, port, positive_int, seconds_or_zero, size, writable_file)
 
 
 def register(sub):
@@ -32,7 +32,8 @@ def register(sub):
     p.add_argument("--store", help="store directory (default: a temporary directory)")
     p.add_argument("--metrics-port", type=port,
                    help="serve Prometheus metrics on 127.0.0.1:PORT while running (0: any free one)")
-    p.add_argument("--hold", type=float, default=0.0, help="keep serving metrics this many seconds at the end")
+    p.add_argument("--hold", type=seconds_or_zero, default=0.0,
+                   help="keep serving metrics this many seconds at the end (0 to 86400)")
     p.add_argument("--trace", metavar="FILE", type=writable_file,
                    help="write a Chrome/Perfetto trace (compute, copy streams, disk, scheduler) to FILE")
     p.add_argument("--plot", metavar="FILE.png", type=writable_file,
@@ -108,7 +109,11 @@ def cmd_config(args):
 
 
 def cmd_demo(args):
-    from ..demo.run import _mib, model_bytes_for, run_demo
+    from ..demo.run import _mib, checked_options, model_bytes_for, run_demo, smallest_budget
+    try:
+        _check_size(args)
+    except ValueError as e:
+        raise UsageError(f"demo: {e}".replace("demo: size", "demo: argument --size")) from None
     # A size is those bytes, a fraction is of the model built (whole blocks: not exactly
     # --size); either way at most the model, refused before anything is staged.
     model_bytes = model_bytes_for(args.size, args.hidden)
@@ -117,7 +122,23 @@ def cmd_demo(args):
                          f"{_mib(model_bytes)} of weights of the model --size {_mib(args.size)} "
                          f"--hidden {args.hidden} builds; expected a size (2GiB) up to that or a "
                          f"fraction of the model in (0, 100%] (25% or 0.25)")
+    o = checked_options(args)
+    need = smallest_budget(o)
+    if need is not None:
+        shown = f"{-(-need // 2**20)}MiB"
+        fraction = f"{-(-need * 100 // model_bytes)}%"
+        raise UsageError(f"demo: argument --budget: {_mib(o['device_budget'])} is too small for the "
+                         f"{_mib(model_bytes)} model (a block and the next must fit beside the "
+                         f"embeddings at --lookahead {o['lookahead']}); the smallest that fits is "
+                         f"--budget {shown} ({fraction})"
+                         + ("" if fraction.rstrip("%").isdigit() and int(fraction[:-1]) <= 100
+                            else ": more than the model, so give a larger --size"))
     return run_demo(args)
+
+
+def _check_size(args):
+    from ..demo.run import _check_model_size
+    _check_model_size(args.size, args.hidden)
 
 
 def cmd_stage(args):

@@ -57,6 +57,37 @@ def model_bytes_for(size, hidden):
     return estimate_bytes(hidden, layers_for(size, hidden))
 
 
+MAX_BLOCKS = 1024      # a --size over a tiny --hidden built 114,123 blocks and never finished
+
+
+def _check_model_size(size, hidden):
+    from .model import estimate_bytes, layers_for
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ValueError(f"size {size!r}: expected the model's weight bytes, > 0")
+    if size < estimate_bytes(hidden, 1) // 2:
+        raise ValueError(f"size {size if size < 2**20 else _mib(size)}: the smallest model of width {hidden} (its embeddings "
+                         f"and one block) is {_mib(estimate_bytes(hidden, 1))}; give a size at least "
+                         f"about that, or a smaller hidden")
+    if layers_for(size, hidden) > MAX_BLOCKS:
+        raise ValueError(f"size {_mib(size)} at hidden {hidden} would be {layers_for(size, hidden)} "
+                         f"blocks, above {MAX_BLOCKS}; give a larger hidden or a smaller size")
+
+
+def smallest_budget(o):
+    """The smallest device budget (bytes) under which offload() plans the demo model of
+    `o` (checked options) in units that fit, at o's lookahead; None if o's budget does:
+    the same planner offload() runs, on the model's description (no weights), so a budget
+    too small is refused before staging, not after the resident passes."""
+    from ..backend.base import HostAndStoreTiers
+    from ..hooks.budget_hint import DEFAULT_HIGH_FRACTION
+    from ..hooks.planner import plan_units
+    from .model import build_model, layers_for
+    skeleton = build_model(o["hidden"], layers_for(o["size"], o["hidden"]), materialize=False)
+    plan = plan_units(skeleton, int(o["device_budget"] * DEFAULT_HIGH_FRACTION), o["lookahead"],
+                      block_bytes=HostAndStoreTiers.block_bytes)
+    return None if plan.fits() else plan.min_device_budget()
+
+
 def device_budget_for(budget, model_bytes):
     """The device budget in bytes of a `budget` option: a float is a fraction of
     `model_bytes` in (0, 1] (at least 1 MiB), an int is bytes in (0, model_bytes].
@@ -81,22 +112,20 @@ def check_output_path(path, what):
         raise ValueError(f"{what} {path!r}: directory {directory} is not writable")
 
 
-def run_demo(args=None, /, **options):
-    """Run the demo; keyword options as in `DEFAULTS` (budget: a fraction of the model
-    in (0, 1], or bytes: see `device_budget_for`).
-
-    trace: write a Chrome trace (Perfetto, chrome://tracing) of the offloaded
-    passes to this path; plot: draw it to this PNG (needs the `plot` extra).
-    json: print one JSON report instead of text; quiet: no text at all.
-    `args`: an argparse namespace with the same names (the CLI's way in).
-    """
+def checked_options(args=None, /, **options):
+    """The demo's options (`DEFAULTS` overridden by `args`, an argparse namespace, then by
+    `options`), each checked before anything runs: ValueError saying what to change."""
     if args is not None:
         options = {**{k: v for k, v in vars(args).items() if k in DEFAULTS}, **options}
     unknown = set(options) - set(DEFAULTS)
     if unknown:
         raise TypeError(f"run_demo: unknown option(s) {', '.join(sorted(unknown))}")
     o = {**DEFAULTS, **options}
+    _check_model_size(o["size"], o["hidden"])
     o["device_budget"] = device_budget_for(o["budget"], model_bytes_for(o["size"], o["hidden"]))
+    hold = o["hold"]
+    if isinstance(hold, bool) or not isinstance(hold, (int, float)) or not 0 <= hold <= 86400:
+        raise ValueError(f"hold {hold!r}: expected seconds from 0 to 86400")
     port = o["metrics_port"]
     if port is not None and (isinstance(port, bool) or not isinstance(port, int)
                              or not 0 <= port <= 65535):
@@ -108,6 +137,19 @@ def run_demo(args=None, /, **options):
         raise ValueError(f"run_demo: tier must be 'remote' or 'host', got {o['tier']!r}")
     if o["plot"]:
         require_plot()       # before the long run, not after it
+    return o
+
+
+def run_demo(args=None, /, **options):
+    """Run the demo; keyword options as in `DEFAULTS` (budget: a fraction of the model
+    in (0, 1], or bytes: see `device_budget_for`).
+
+    trace: write a Chrome trace (Perfetto, chrome://tracing) of the offloaded
+    passes to this path; plot: draw it to this PNG (needs the `plot` extra).
+    json: print one JSON report instead of text; quiet: no text at all.
+    `args`: an argparse namespace with the same names (the CLI's way in).
+    """
+    o = checked_options(args, **options)
     quiet = o["quiet"] or o["json"]
     say = (lambda *a: None) if quiet else print
     report, timeline = _run(o, say, quiet)

@@ -35,7 +35,12 @@ def test_usage_errors_are_one_line_and_exit_2():
                         (["bench", "model", "--host-budget", "-1"], "--host-budget"),
                         (["serve", "--model", "no_such_module_x:build"], "no_such_module_x"),
                         (["status", "--timeout", "1e9"], "at most 1e+06"),
-                        (["frobnicate"], "frobnicate")):
+                        (["frobnicate"], "frobnicate"),
+                        # each of these ran (or hung) before it failed, if it failed at all:
+                        (["demo", "--size", "0"], "--size 0"),
+                        (["demo", "--size", "64MiB", "--hidden", "3"], "114123 blocks"),
+                        (["demo", "--hold", "nan"], "--hold"),
+                        (["demo", "--size", "128MiB"], "the smallest that fits is --budget 43MiB")):
         out = run(*args)
         assert out.returncode == 2, (args, out.stderr)
         assert named in one_error_line(out)
