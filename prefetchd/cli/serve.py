@@ -187,8 +187,9 @@ def check_flags(args):
     config file are refused later as configuration errors (exit 1)."""
     if args.endpoint is not None:
         from ..control.endpoints import resolve_endpoint
+        from ..serve.front_sockets import FRONT_REMOTE_HINT
         try:
-            resolve_endpoint(args.endpoint, "serve", bind=True)
+            resolve_endpoint(args.endpoint, "serve", bind=True, remote_hint=FRONT_REMOTE_HINT)
         except ConfigError as e:
             raise UsageError(f"serve: argument --endpoint: {e}") from None
     if args.model is not None:

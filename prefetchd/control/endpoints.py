@@ -111,8 +111,14 @@ def join_tcp(host, port):
     return f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
-def resolve_endpoint(endpoint, name="default", *, bind=False, allow_remote=False):
-    """A zmq address for `endpoint` (see the module docstring); tcp defaults to loopback."""
+ALLOW_REMOTE_HINT = ("set allow_remote (Daemon(allow_remote=True), PREFETCHD_ALLOW_REMOTE=1, or "
+                     "allow_remote = true in the config file) and curve_keys_dir to listen on {host}")
+
+
+def resolve_endpoint(endpoint, name="default", *, bind=False, allow_remote=False,
+                     remote_hint=ALLOW_REMOTE_HINT):
+    """A zmq address for `endpoint` (see the module docstring); tcp defaults to loopback.
+    `remote_hint`: what the refusal of a non-loopback bind tells to do ({host} filled in)."""
     if endpoint in (None, "", "ipc", "default"):
         endpoint = "ipc://"
     if endpoint.startswith("ipc://"):
@@ -132,10 +138,8 @@ def resolve_endpoint(endpoint, name="default", *, bind=False, allow_remote=False
             host = "127.0.0.1"
         if bind:
             if not is_loopback(host) and not allow_remote:
-                raise ConfigError(f"endpoint {endpoint!r}: tcp binds loopback unless told otherwise; set "
-                                  f"allow_remote (Daemon(allow_remote=True), PREFETCHD_ALLOW_REMOTE=1, or "
-                                  f"allow_remote = true in the config file) and curve_keys_dir to listen "
-                                  f"on {host}")
+                raise ConfigError(f"endpoint {endpoint!r}: tcp binds loopback unless told otherwise; "
+                                  + remote_hint.format(host=host))
             if port in ("0", ""):
                 port = "*"
         return join_tcp(host, port)

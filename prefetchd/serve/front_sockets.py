@@ -19,6 +19,11 @@ from ..errors import ShutdownError
 from ..control import protocol as P
 from ..control.connections import DEFAULT_MAX_CONNECTIONS
 from ..control.endpoints import ensure_private_dir, resolve_endpoint, runtime_dir
+
+# The front authenticates no one (no CURVE), so allow_remote does not apply to it.
+FRONT_REMOTE_HINT = ("the serve front has no CURVE authentication, so it listens on ipc:// or "
+                     "loopback tcp:// only; reach it from another host through an authenticated "
+                     "tunnel (ssh -L, a TLS proxy)")
 from ..control.guarded import GuardedListening
 from ..control.router import RouterEndpoint
 from ..staging.generations import lock_or_holder
@@ -55,7 +60,8 @@ class FrontSockets(RouterEndpoint):
         super().__init__(max_message_size)
         self.spec = spec
         self.name = name
-        self.endpoint = resolve_endpoint(endpoint or f"ipc://{name}.sock", name, bind=True)
+        self.endpoint = resolve_endpoint(endpoint or f"ipc://{name}.sock", name, bind=True,
+                                         remote_hint=FRONT_REMOTE_HINT)
         self.metrics_port, self.metrics_addr = metrics_port, metrics_addr
         self.start_timeout = start_timeout
         self._exporter = None

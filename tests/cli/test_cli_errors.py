@@ -38,6 +38,8 @@ def test_usage_errors_are_one_line_and_exit_2():
                         (["frobnicate"], "frobnicate"),
                         # each of these ran (or hung) before it failed, if it failed at all:
                         (["demo", "--size", "0"], "--size 0"),
+                        # it told to set allow_remote and CURVE keys, which the front ignores
+                        (["serve", "--endpoint", "tcp://0.0.0.0:5700"], "no CURVE authentication"),
                         (["demo", "--size", "64MiB", "--hidden", "3"], "114123 blocks"),
                         (["demo", "--hold", "nan"], "--hold"),
                         (["demo", "--size", "128MiB"], "the smallest that fits is --budget 43MiB")):
