@@ -55,6 +55,7 @@ from ..cost.estimate import PassEstimator
 from .budget_hint import DEFAULT_HIGH_FRACTION
 from .compiled_later import CompiledLater
 from .parts import PartProbes
+from .pass_turn import PassTurn
 from .passes import RecordingPass, StreamingPass
 from .planner import plan_units
 from .trace_cursor import ROOT, TraceCursor
@@ -110,8 +111,7 @@ class Offloaded:
                                         lambda: self.lookahead, lambda: self._high, auto_fetch=self.auto_fetch)
         self._pass = RecordingPass(self._cursor, self._session, self._pins, self._estimator, self._planned_tier)
         self._ran = 0                  # unit hooks fired during the current forward
-        self._pass_lock = threading.Lock()   # held from the model's pre-hook to the end of its pass
-        self._pass_thread = None             # the thread holding it
+        self._turn = PassTurn(model, self._abandon_pass)   # one thread's pass at a time
         self.closed = False
         self._install_hooks()
 
@@ -200,17 +200,13 @@ class Offloaded:
     def between_passes(self):
         """Hold this model's forwards off (callers on other threads wait) while the block runs;
         refused inside one of its forwards, whose pins and prefetches it would cut across."""
-        if self._pass_thread == threading.get_ident():
-            raise PrefetchdError("refused inside this model's forward: run it between forwards")
-        with self._pass_lock:
+        with self._turn.held():
             yield
 
     # ---------------------------------------------------------------- the model's hooks
     def _before_model(self, cell, inputs):
         self._compiled_later.refuse_compiled_holders()
-        if self._pass_thread != threading.get_ident():   # (the same thread: a nested call runs through)
-            self._pass_lock.acquire()
-            self._pass_thread = threading.get_ident()
+        self._turn.take()                     # (the same thread: a nested call runs through)
         self._pins.release_all(None)          # a pass that raised midway left pins behind
         self._compiled_later.drop_probes_under_compiled()
         for unit in self.units:
@@ -247,11 +243,13 @@ class Offloaded:
         return output
 
     def _end_pass(self, cell, inputs, output):
-        if self._pass_thread == threading.get_ident():
-            if self._pass.recording:   # _after_model never ran (the forward raised) or ran no unit
-                self._pass.abandoned()
-            self._pass_thread = None
-            self._pass_lock.release()
+        if self._turn.holder == threading.get_ident():
+            self._abandon_pass()
+            self._turn.give()
+
+    def _abandon_pass(self):
+        if self._pass.recording:   # _after_model never ran (the forward raised) or ran no unit
+            self._pass.abandoned()
 
     # ---------------------------------------------------------------- the units' hooks
     def _before_unit(self, cell, inputs):

@@ -225,6 +225,34 @@ def test_a_pass_that_runs_no_unit_returns_its_output_and_a_raising_pass_frees_th
     assert done, "the raising pass kept the model's pass lock"
 
 
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_a_pass_cut_short_by_ctrl_c_frees_the_model_for_other_threads(make_daemon, reference, interrupt):
+    """MindSpore runs always_call hooks for an Exception only: a Ctrl-C (or SystemExit) in a
+    forward left its pass lock held, so every other thread calling the model, and a
+    process joining such a thread, waited for good. The right outputs after it, too."""
+    x, want, _ = reference
+    model, handle, _ = offloaded(make_daemon, 0.3, lookahead=1)
+    np.testing.assert_array_equal(model(x).asnumpy(), want)
+    armed = [True]
+
+    def interrupt_once(cell, inputs):
+        if armed.pop() if armed else False:
+            raise interrupt()
+    hook = model.blocks[1].register_forward_pre_hook(interrupt_once)
+    with pytest.raises(interrupt):
+        model(x)
+    hook.remove()
+    got = []
+    caller = threading.Thread(target=lambda: got.append(model(x).asnumpy()), daemon=True)
+    caller.start()
+    caller.join(30)
+    assert got, "the interrupted pass kept the model for good"
+    np.testing.assert_array_equal(got[0], want)
+    with handle.between_passes():              # not "refused inside this model's forward"
+        pass
+    np.testing.assert_array_equal(model(x).asnumpy(), want)     # and the interrupted thread's own
+
+
 def test_graph_mode_is_refused(make_daemon, mindspore_cpu):
     ms = mindspore_cpu
     ms.set_context(mode=ms.GRAPH_MODE)

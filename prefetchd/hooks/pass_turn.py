@@ -1,0 +1,85 @@
+"""Whose turn it is to run an offloaded model's pass: one thread at a time.
+
+A thread takes the turn in the model's forward pre-hook and gives it back in the
+model's `always_call` forward hook. MindSpore runs `always_call` hooks when the
+forward raised an Exception, but not a BaseException: a Ctrl-C (KeyboardInterrupt)
+or a SystemExit inside the forward leaves the turn taken by a thread that is no
+longer inside the model, and every other thread calling it waited for good (the
+process could not even exit). So a waiting thread looks, every `POLL` seconds,
+whether the holder is still inside one of the model's calls (its Python stack,
+`sys._current_frames`), and takes the turn over if it is not. The holder's own
+next call runs through, as a nested call always did (the pre-hook starts a pass).
+"""
+import contextlib
+import sys
+import threading
+
+from ..errors import PrefetchdError
+
+POLL = 0.05      # seconds between looks at the holder while waiting
+
+
+def _call_codes():
+    from ..backend.framework import mindspore
+    cell = mindspore().nn.Cell
+    return {cell.__call__.__code__, cell._run_construct.__code__}
+
+
+class PassTurn:
+    """The turn of `model`'s passes. `on_abandoned()` runs, on the thread taking over,
+    before a pass that a BaseException cut short is replaced by a new one."""
+
+    def __init__(self, model, on_abandoned):
+        self._model = model
+        self._on_abandoned = on_abandoned
+        self._lock = threading.Lock()    # held from the pre-hook to the end of the pass
+        self._mutex = threading.Lock()   # makes reading and changing `holder` one step
+        self._codes = _call_codes()
+        self.holder = None               # ident of the thread whose pass it is, or None
+
+    def take(self):
+        """Wait for the turn (the model's pre-hook). The holder's own call runs through."""
+        me = threading.get_ident()
+        if self.holder == me:
+            return
+        while not self._lock.acquire(timeout=POLL):
+            with self._mutex:
+                holder = self.holder
+                if holder is not None and not self._inside(holder):
+                    self._on_abandoned()
+                    self.holder = me         # the lock stays held: now for this thread
+                    return
+        with self._mutex:
+            self.holder = me
+
+    def give(self):
+        """End this thread's turn (the model's always_call forward hook); no-op for others."""
+        with self._mutex:
+            if self.holder != threading.get_ident():
+                return
+            self.holder = None
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def held(self):
+        """The turn, for a block run between passes; refused inside one of the model's forwards."""
+        me = threading.get_ident()
+        if self.holder == me:
+            if self._inside(me):
+                raise PrefetchdError("refused inside this model's forward: run it between forwards")
+            self._on_abandoned()             # this thread's own pass, cut short by a BaseException
+        else:
+            self.take()
+        try:
+            yield
+        finally:
+            self.give()
+
+    def _inside(self, ident):
+        """Is thread `ident` inside one of the model's calls (False: gone, or left them)?"""
+        frame = sys._getframe() if ident == threading.get_ident() else sys._current_frames().get(ident)
+        while frame is not None:
+            if frame.f_code in self._codes and frame.f_locals.get("self") is self._model:
+                return True
+            frame = frame.f_back
+        return False
