@@ -74,7 +74,7 @@ class Daemon:
         self._binding = None
         self._registrar = None        # register() / register_remote(), from start()
         self._thread = None
-        self._attachments = Attachments()
+        self.attachments = Attachments()
         self._shutdown_sent = False
         self._reserve_checks = []     # test hooks: fn(used_after, high) on every reservation
 
@@ -117,18 +117,18 @@ class Daemon:
     def _attach(self):
         """Build the optional attachments the config asks for."""
         if self.config.metrics_port is not None:
-            self._attachments.export_metrics(self, self.config.metrics_addr, self.config.metrics_port)
+            self.attachments.export_metrics(self, self.config.metrics_addr, self.config.metrics_port)
         if self.config.endpoint:
             self.serve(self.config.endpoint)
 
     def serve(self, endpoint, **kwargs):
         """Answer other processes over ZeroMQ at `endpoint` (see docs/control-plane.md)."""
         self.check_open()
-        return self._attachments.serve(self, endpoint, **kwargs)
+        return self.attachments.serve(self, endpoint, **kwargs)
 
     @property
     def metrics_port(self):
-        return self._attachments.metrics_port
+        return self.attachments.metrics_port
 
     @property
     def closed(self):
@@ -159,7 +159,7 @@ class Daemon:
                 self._binding.closed_as = f"prefetchd daemon {self.config.name!r}, which is closed"
                 self._core.inbox.refuse_new(self._closed_message())
         if first:
-            self._attachments.close(deadline, self.name)
+            self.attachments.close(deadline, self.name)
         if started:
             if not self._shutdown_sent:
                 self._shutdown_sent = True

@@ -46,6 +46,7 @@ prefetchd.hooks.refusals; the copies of outputs that are views of a unit's weigh
 import contextlib
 import logging
 import threading
+import weakref
 
 from . import registration, refusals
 from ..backend import framework
@@ -146,7 +147,9 @@ class Offloaded:
         # always_call: MindSpore runs it when the forward or another hook raised, too.
         self._handles.append(model.register_forward_hook(self._end_pass, always_call=True))
         # Fires before any backward kernel of the model runs (its output's gradient comes first).
-        self._handles.append(model.register_backward_pre_hook(self._refuse_backward))
+        self._backward = model.register_backward_pre_hook(self._refuse_backward)
+        self._handles.append(self._backward)
+        self._on_daemon_close = _let_go_when_the_daemon_closes(self)
 
     def _hook_unit_cell(self, cell):
         self._handles.append(cell.register_forward_pre_hook(self._before_unit))
@@ -333,6 +336,7 @@ class Offloaded:
         of reading pages that are not mapped."""
         if self.closed:
             return
+        self.daemon.attachments.forget(self._on_daemon_close)
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -356,6 +360,24 @@ class Offloaded:
 
     def _refuse_closed(self, cell, inputs):
         raise refusals.closed_refused(self.model, self.daemon.config.name)
+
+
+def _let_go_when_the_daemon_closes(handle):
+    """When `handle`'s daemon closes, the model lets go of MindSpore's backward-hook cycle (see
+    Offloaded.close), so a model its user drops is collected, and with it the daemon and its
+    64 GiB reservation: the README's `with Daemon(...)` never calls handle.close(), and every
+    model streamed so was kept for good. Its forward hooks stay (removing them could cut
+    across a forward running now); they refuse to run on a closed daemon. Returns the key."""
+    attachments = handle.daemon.attachments
+    ref = weakref.ref(handle, attachments.forget)     # a collected handle is forgotten
+
+    def let_go():
+        h = ref()
+        if h is not None and not h.closed:
+            h._backward.remove()
+            framework.release_backward_pre_hook(h.model)
+    attachments.on_close(ref, let_go)
+    return ref
 
 
 def offload(model, daemon=None, lookahead=None, units=None, auto_fetch=None, *, tier="remote",

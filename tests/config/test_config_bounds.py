@@ -89,7 +89,7 @@ def test_ipv6_loopback_is_served_and_exported(store_dir, ms):
     with prefetchd.Daemon(store_dir=store_dir, device_budget="1MiB", name="v6", endpoint="tcp://[::1]:0",
                           metrics_addr="::1", metrics_port=0) as daemon:
         daemon.register(ms.Tensor(np.ones(256, np.float32)), name="w", tier="remote")
-        endpoint = daemon._attachments.server.endpoint      # what config.endpoint bound
+        endpoint = daemon.attachments.server.endpoint      # what config.endpoint bound
         assert endpoint.startswith("tcp://[::1]:"), endpoint
         with Client(endpoint, timeout=10) as client:
             assert client.ping()["pong"] is True

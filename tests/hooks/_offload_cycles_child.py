@@ -1,6 +1,7 @@
 """offload -> forward -> handle.close() -> daemon.close() cycles (a child of test_offload_cycles.py).
 
-argv: store_dir cycles [address_space_slack_bytes]
+argv: store_dir cycles [address_space_slack_bytes] [readme]
+"readme": the README's usage instead, `with Daemon(...) as daemon:` and no handle.close().
 With a slack, RLIMIT_AS is set after the first cycle to the address space in use then plus
 the slack: a cycle that keeps its daemon's reservation (64 GiB of homes) soon fails.
 Prints one JSON line per cycle: {"cycle", "alive": [model, handle, daemon], "vm_kib",
@@ -20,7 +21,8 @@ import numpy as np
 import prefetchd
 
 store_dir, cycles = sys.argv[1], int(sys.argv[2])
-slack = int(sys.argv[3]) if len(sys.argv) > 3 else None
+slack = int(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3] != "-" else None
+readme = sys.argv[4:] == ["readme"]
 ms.set_device("CPU")
 D = 64
 x = ms.Tensor(np.random.default_rng(3).standard_normal((2, D)).astype(np.float32))
@@ -43,12 +45,13 @@ def cycle(i):
     model.set_train(False)
     want = model(x).asnumpy()
     daemon = prefetchd.Daemon(device_budget=int(sum(p.nbytes for p in model.get_parameters()) * 0.6),
-                              store_dir=os.path.join(store_dir, str(i)), name=f"cycle{i}").start()
-    handle = prefetchd.offload(model, daemon, lookahead=1)
-    for _ in range(2):
-        np.testing.assert_array_equal(model(x).asnumpy(), want)
-    handle.close()
-    daemon.close()
+                              store_dir=os.path.join(store_dir, str(i)), name=f"cycle{i}")
+    with daemon:
+        handle = prefetchd.offload(model, daemon, lookahead=1)
+        for _ in range(2):
+            np.testing.assert_array_equal(model(x).asnumpy(), want)
+        if not readme:
+            handle.close()
     return [weakref.ref(model), weakref.ref(handle), weakref.ref(daemon)]
 
 
