@@ -142,3 +142,43 @@ def test_a_closed_offload_is_refused(ms, setup):
     model._prefetchd.close()
     with pytest.raises(PrefetchdError, match="offload was closed"):
         prefetchd.load_param_into_net(model, ms.load_checkpoint(path))
+
+
+class _RootFirst(Net):
+    """A root weight (read by the construct itself) that parameters_and_names() lists first."""
+
+    def __init__(self, ms):
+        super().__init__()
+        self.scale = ms.Parameter(ms.Tensor(np.full((128,), 0.5, np.float32)), name="scale")
+        self.blocks = Net().blocks            # re-added: after `scale` in definition order
+
+    def construct(self, x):
+        return super().construct(x * self.scale)
+
+
+def test_a_refused_write_outside_the_forward_changes_nothing(ms, make_daemon, tmp_path):
+    """Writes outside a forward were taken while the weight happened to be resident (the
+    root) and refused at the first evicted one: mindspore.load_param_into_net (or
+    model.apply re-initialising) left new root weights beside old blocks, every later pass
+    a model of neither, with no error after the first. Now every such write is refused."""
+    x = ms.Tensor(np.random.default_rng(1).standard_normal((4, 128), dtype=np.float32))
+    ms.set_seed(0)
+    model = _RootFirst(ms)
+    want = model(x).asnumpy()
+    ms.set_seed(7)
+    path = str(tmp_path / "new.ckpt")
+    ms.save_checkpoint(_RootFirst(ms), path)
+    assert [p.name for p in model.get_parameters()][0] == "scale"
+    daemon = make_daemon(device_budget=4 * UNIT_BLOCKS, host_budget=2 * UNIT_BLOCKS)
+    prefetchd.offload(model, daemon, lookahead=1)
+    model(x)
+    assert "device" in prefetchd.tier(model.scale)            # resident: the write was taken
+    with pytest.raises(PrefetchdError, match=r"refused set_data\(\) of 'scale'.*load_param_into_net"):
+        ms.load_param_into_net(model, ms.load_checkpoint(path))
+    with pytest.raises(PrefetchdError, match="refused"):
+        model.scale.set_data(ms.Tensor(np.zeros(128, np.float32)))
+    for _ in range(2):
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
+    with daemon.use([model.scale]):                            # where writes belong
+        model.scale.set_data(ms.Tensor(np.ones(128, np.float32)))
+    assert not np.array_equal(model(x).asnumpy(), want)
