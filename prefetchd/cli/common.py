@@ -33,6 +33,15 @@ def size(text):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def positive_size(text):
+    """Bytes, at least one: a size to allocate and measure (bench --size)."""
+    n = size(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: expected a size above 0 "
+                                         f"(e.g. 512MiB)")
+    return n
+
+
 def budget(text, *, most=None):
     """A budget: "2GiB" (bytes, an int) or a fraction of the model: "25%" or 0.25
     (a float; above 1 means more than one model's weights, e.g. 150% or 1.5,

@@ -1,0 +1,34 @@
+"""Small defects of the `prefetchd` command found from outside, each run as a user
+would (real subprocesses): a bad command line is one line and exit code 2, a failure
+one line and exit code 1."""
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "prefetchd.cli", *args], capture_output=True,
+                          text=True, cwd=REPO, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def one_error_line(out):
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("prefetchd: error: "), out.stderr
+    return lines[0]
+
+
+def test_bench_io_refuses_a_size_it_cannot_measure(tmp_path):
+    # --size 0 divided by zero (exit 1); 1 byte rounded every MB/s to 0 and divided by it.
+    for size, named in (("0", "'0' is out of range"), ("1", "at least 1MiB"),
+                        ("lots", "'lots'"), ("0.5", "'0.5'")):
+        out = run("bench", "io", "--size", size, "--json", "--dir", str(tmp_path))
+        assert out.returncode == 2, (size, out.stderr)
+        line = one_error_line(out)
+        assert "--size" in line and named in line, line
+    # A size that is not whole 8-byte words failed filling the buffer (a TypeError).
+    out = run("bench", "io", "--size", str((1 << 20) + 3), "--repeats", "1", "--no-drop-caches",
+              "--json", "--dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
