@@ -17,7 +17,22 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with errors as ONE line (`prefetchd: error: ...`) and exit code 2."""
+    """argparse with errors as ONE line (`prefetchd: error: ...`) and exit code 2.
+    `intermixed=True`: options and positionals mix in any order (`ctl prefetch --priority 5
+    NAME`: plain argparse ends the positionals at the first option and NAME is left over)."""
+
+    def __init__(self, *args, intermixed=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._intermixed = intermixed
+
+    def parse_known_args(self, args=None, namespace=None):
+        if not self._intermixed:
+            return super().parse_known_args(args, namespace)
+        self._intermixed = False        # parse_known_intermixed_args calls back here
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixed = True
 
     def error(self, message):
         where = self.prog.partition(" ")[2]          # the verb, for a subcommand's parser

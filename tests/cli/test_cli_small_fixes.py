@@ -32,3 +32,21 @@ def test_bench_io_refuses_a_size_it_cannot_measure(tmp_path):
     out = run("bench", "io", "--size", str((1 << 20) + 3), "--repeats", "1", "--no-drop-caches",
               "--json", "--dir", str(tmp_path))
     assert out.returncode == 0, out.stderr
+
+
+def test_ctl_takes_options_and_names_in_any_order(tmp_path):
+    from prefetchd.cli import build_parser
+
+    # Options before the names left NAME over: "unrecognized arguments: NAME", exit 2.
+    args = build_parser().parse_args(["ctl", "--endpoint", "ipc://x.sock", "prefetch", "--priority",
+                                      "5", "--no-wait", "a", "--lease", "3", "b"])
+    assert (args.op, args.args, args.priority, args.no_wait, args.lease) == \
+        ("prefetch", ["a", "b"], 5, True, 3.0)
+    nobody = f"ipc://{tmp_path / 'nobody.sock'}"
+    out = run("ctl", "--endpoint", nobody, "prefetch", "--priority", "5", "--no-wait", "NAME")
+    assert out.returncode == 1 and "the socket file does not exist" in one_error_line(out)
+    # Arguments an operation does not take were ignored (ping) or all but the first (list).
+    for op, extra in (("ping", ["extra", "args"]), ("stats", ["x"]), ("list", ["a*", "b*"])):
+        out = run("ctl", "--endpoint", nobody, op, *extra)
+        assert out.returncode == 2, (op, out.stderr)
+        assert f"ctl {op}: takes" in one_error_line(out) and extra[-1] in one_error_line(out)
