@@ -105,6 +105,8 @@ def cmd_config(args):
     from ..config import Config
     config = Config.load(args.config)          # ConfigError: one line, exit 1
     if args.action == "validate":
+        from .serve import config_path, serve_table
+        serve_table(config_path(args))         # [serve]: what `prefetchd serve` would refuse
         print("configuration OK")
     else:
         emit(config.as_dict(), args.json)

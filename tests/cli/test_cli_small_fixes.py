@@ -50,3 +50,20 @@ def test_ctl_takes_options_and_names_in_any_order(tmp_path):
         out = run("ctl", "--endpoint", nobody, op, *extra)
         assert out.returncode == 2, (op, out.stderr)
         assert f"ctl {op}: takes" in one_error_line(out) and extra[-1] in one_error_line(out)
+
+
+def test_config_validate_checks_the_serve_table_as_serve_does(tmp_path):
+    good = tmp_path / "good.toml"
+    good.write_text('[prefetchd]\nlookahead = 3\n[serve]\nworkers = 2\nbudget = "25%"\n')
+    out = run("config", "validate", "--config", str(good))
+    assert out.returncode == 0 and out.stdout.strip() == "configuration OK", out.stderr
+    # Each said "configuration OK" (exit 0), and serve refused the same file.
+    for table, named in (("workerz = 2", "[serve] workerz: unknown setting"),
+                         ('workers = "two"', "[serve] workers"),
+                         ("heartbeat_timeout = 0", "[serve] heartbeat_timeout")):
+        bad = tmp_path / "bad.toml"
+        bad.write_text(f"[serve]\n{table}\n")
+        for how in (["--config", str(bad)], []):          # the flag, or $PREFETCHD_CONFIG
+            out = run("config", "validate", *how, env={"PREFETCHD_CONFIG": str(bad)})
+            line = one_error_line(out)
+            assert out.returncode == 1 and named in line and str(bad) in line, out.stderr
