@@ -67,3 +67,13 @@ def test_config_validate_checks_the_serve_table_as_serve_does(tmp_path):
             out = run("config", "validate", *how, env={"PREFETCHD_CONFIG": str(bad)})
             line = one_error_line(out)
             assert out.returncode == 1 and named in line and str(bad) in line, out.stderr
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    # `prefetchd config show --json | head -1` printed "prefetchd: error: [Errno 32] Broken pipe".
+    for args in (["config", "show", "--json"], ["collect-env", "--store", str(tmp_path)]):
+        p = subprocess.Popen([sys.executable, "-m", "prefetchd.cli", *args], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p.stdout.close()                         # the reader is gone before anything is written
+        _, err = p.communicate(timeout=120)
+        assert p.returncode in (0, 141) and err == "", (args, p.returncode, err)
