@@ -77,3 +77,31 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
         p.stdout.close()                         # the reader is gone before anything is written
         _, err = p.communicate(timeout=120)
         assert p.returncode in (0, 141) and err == "", (args, p.returncode, err)
+
+
+def test_a_metrics_port_in_use_is_named_with_its_setting(tmp_path):
+    import socket
+
+    import prefetchd
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        # It was a bare "[Errno 98] Address already in use": no port, no setting.
+        out = run("demo", "--size", "96MiB", "--hidden", "512", "--passes", "1",
+                  "--metrics-port", str(port), timeout=300)
+        line = out.stderr.strip().splitlines()[-1]
+        assert out.returncode == 1 and line.startswith("prefetchd: error: "), out.stderr
+        assert f"127.0.0.1:{port}" in line and "--metrics-port" in line, line
+        d = prefetchd.Daemon(device_budget=1 << 20, store_dir=str(tmp_path), metrics_port=port)
+        try:
+            d.start()
+            raise AssertionError("a second exporter bound a port in use")
+        except OSError as e:
+            assert f"127.0.0.1:{port}" in str(e) and "metrics_port" in str(e), e
+        finally:
+            d.close()
+    finally:
+        taken.close()
