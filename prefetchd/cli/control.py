@@ -72,10 +72,11 @@ def _client(args):
     return Client(endpoint, timeout=args.timeout, name=name, **kwargs)
 
 
-def _refuse_missing_socket(endpoint):
+def _refuse_missing_socket(endpoint, what="daemon", hint="under this --name or --endpoint"):
     """An ipc endpoint with no socket file has no daemon: say so now, not after --timeout.
     (A daemon pausing new connections moved its file aside, prefetchd/control/path_gate.py:
-    then the client waits, and gets in when the file is back.)"""
+    then the client waits, and gets in when the file is back.) `what`, `hint`: the server
+    it would be (a daemon, a serve front) and where to look."""
     from ..control.path_gate import asides
     from ..errors import ConfigError
     if not endpoint.startswith("ipc://"):
@@ -83,8 +84,8 @@ def _refuse_missing_socket(endpoint):
     path = endpoint[len("ipc://"):]
     if os.path.exists(path) or asides(path):
         return
-    raise ConfigError(f"no daemon at {endpoint}: the socket file does not exist (is the daemon "
-                      f"running, under this --name or --endpoint?)")
+    raise ConfigError(f"no {what} at {endpoint}: the socket file does not exist (is the {what} "
+                      f"running, {hint}?)")
 
 
 def _curve_file(directory, name):

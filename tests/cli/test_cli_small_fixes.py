@@ -105,3 +105,19 @@ def test_a_metrics_port_in_use_is_named_with_its_setting(tmp_path):
             d.close()
     finally:
         taken.close()
+
+
+def test_infer_with_no_socket_file_says_so_at_once(tmp_path):
+    import time
+
+    import numpy as np
+
+    x = tmp_path / "x.npy"
+    np.save(x, np.zeros((2, 3), np.float32))
+    started = time.monotonic()
+    out = run("infer", "--endpoint", f"ipc://{tmp_path / 'nobody.sock'}", "--model", "m0", str(x),
+              "--timeout", "30", "--out", str(tmp_path / "out"))
+    # It waited the whole --timeout: "no reply ... within 30s".
+    assert out.returncode == 1 and time.monotonic() - started < 20, out.stderr
+    line = one_error_line(out)
+    assert "the socket file does not exist" in line and "serve front" in line, line
