@@ -3,6 +3,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 
 from ..config import parse_size
@@ -16,6 +17,9 @@ class UsageError(Exception):
     """A command line that cannot be run as given: exit code 2, one line on stderr."""
 
 
+NEGATIVE_VALUE = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?(%|[a-zA-Z]+)?$")
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with errors as ONE line (`prefetchd: error: ...`) and exit code 2.
     `intermixed=True`: options and positionals mix in any order (`ctl prefetch --priority 5
@@ -24,6 +28,9 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, intermixed=False, **kwargs):
         super().__init__(*args, **kwargs)
         self._intermixed = intermixed
+        # A value like -5% or -1GiB is a value (argparse's own matcher: only -5 or -.5), so
+        # the flag's type says it is out of range, not "expected one argument".
+        self._negative_number_matcher = NEGATIVE_VALUE
 
     def parse_known_args(self, args=None, namespace=None):
         if not self._intermixed:
@@ -42,6 +49,8 @@ class Parser(argparse.ArgumentParser):
 
 def size(text):
     """Bytes: 1048576, 512MiB, 2GiB."""
+    if NEGATIVE_VALUE.match(text.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: a size must not be negative")
     try:
         return parse_size(text, "size")
     except ConfigError as e:
@@ -64,6 +73,8 @@ def budget(text, *, most=None):
     value = text.strip()
     forms = ("a size (2GiB) or a fraction of the model "
              + ("in (0, 100%] " if most == 1 else "") + "(25% or 0.25)")
+    if NEGATIVE_VALUE.match(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: expected {forms}")
     try:
         fraction = float(value[:-1]) / 100 if value.endswith("%") else float(value)
     except ValueError:

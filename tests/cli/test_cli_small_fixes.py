@@ -121,3 +121,13 @@ def test_infer_with_no_socket_file_says_so_at_once(tmp_path):
     assert out.returncode == 1 and time.monotonic() - started < 20, out.stderr
     line = one_error_line(out)
     assert "the socket file does not exist" in line and "serve front" in line, line
+
+
+def test_a_negative_value_is_out_of_range_not_a_missing_argument():
+    # A leading '-' looked like an option: "argument --budget: expected one argument".
+    for args in (["demo", "--budget", "-5%"], ["demo", "--budget", "-1GiB"],
+                 ["demo", "--size", "-1GiB"], ["bench", "io", "--size", "-1GiB"],
+                 ["serve", "--budget", "-25%"], ["serve", "--model-bytes", "-512MiB"]):
+        out = run(*args)
+        line = one_error_line(out)
+        assert out.returncode == 2 and f"argument {args[-2]}: '{args[-1]}' is out of range" in line, line
