@@ -3,6 +3,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 
 from ..config import parse_size
@@ -16,8 +17,29 @@ class UsageError(Exception):
     """A command line that cannot be run as given: exit code 2, one line on stderr."""
 
 
+NEGATIVE_VALUE = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?(%|[a-zA-Z]+)?$")
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse with errors as ONE line (`prefetchd: error: ...`) and exit code 2."""
+    """argparse with errors as ONE line (`prefetchd: error: ...`) and exit code 2.
+    `intermixed=True`: options and positionals mix in any order (`ctl prefetch --priority 5
+    NAME`: plain argparse ends the positionals at the first option and NAME is left over)."""
+
+    def __init__(self, *args, intermixed=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._intermixed = intermixed
+        # A value like -5% or -1GiB is a value (argparse's own matcher: only -5 or -.5), so
+        # the flag's type says it is out of range, not "expected one argument".
+        self._negative_number_matcher = NEGATIVE_VALUE
+
+    def parse_known_args(self, args=None, namespace=None):
+        if not self._intermixed:
+            return super().parse_known_args(args, namespace)
+        self._intermixed = False        # parse_known_intermixed_args calls back here
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixed = True
 
     def error(self, message):
         where = self.prog.partition(" ")[2]          # the verb, for a subcommand's parser
@@ -27,10 +49,21 @@ class Parser(argparse.ArgumentParser):
 
 def size(text):
     """Bytes: 1048576, 512MiB, 2GiB."""
+    if NEGATIVE_VALUE.match(text.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: a size must not be negative")
     try:
         return parse_size(text, "size")
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def positive_size(text):
+    """Bytes, at least one: a size to allocate and measure (bench --size)."""
+    n = size(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: expected a size above 0 "
+                                         f"(e.g. 512MiB)")
+    return n
 
 
 def budget(text, *, most=None):
@@ -40,6 +73,8 @@ def budget(text, *, most=None):
     value = text.strip()
     forms = ("a size (2GiB) or a fraction of the model "
              + ("in (0, 100%] " if most == 1 else "") + "(25% or 0.25)")
+    if NEGATIVE_VALUE.match(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: expected {forms}")
     try:
         fraction = float(value[:-1]) / 100 if value.endswith("%") else float(value)
     except ValueError:

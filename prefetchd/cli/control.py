@@ -22,7 +22,8 @@ def register(sub):
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("ctl", help="send one control-plane request (prints the JSON reply)")
+    p = sub.add_parser("ctl", intermixed=True,
+                       help="send one control-plane request (prints the JSON reply)")
     _client_args(p)
     p.add_argument("op", choices=["ping", "list", "stats", "prefetch", "evict", "pin", "renew", "unpin",
                                   "flush", "set-watermarks"], help="the operation")
@@ -71,10 +72,11 @@ def _client(args):
     return Client(endpoint, timeout=args.timeout, name=name, **kwargs)
 
 
-def _refuse_missing_socket(endpoint):
+def _refuse_missing_socket(endpoint, what="daemon", hint="under this --name or --endpoint"):
     """An ipc endpoint with no socket file has no daemon: say so now, not after --timeout.
     (A daemon pausing new connections moved its file aside, prefetchd/control/path_gate.py:
-    then the client waits, and gets in when the file is back.)"""
+    then the client waits, and gets in when the file is back.) `what`, `hint`: the server
+    it would be (a daemon, a serve front) and where to look."""
     from ..control.path_gate import asides
     from ..errors import ConfigError
     if not endpoint.startswith("ipc://"):
@@ -82,8 +84,8 @@ def _refuse_missing_socket(endpoint):
     path = endpoint[len("ipc://"):]
     if os.path.exists(path) or asides(path):
         return
-    raise ConfigError(f"no daemon at {endpoint}: the socket file does not exist (is the daemon "
-                      f"running, under this --name or --endpoint?)")
+    raise ConfigError(f"no {what} at {endpoint}: the socket file does not exist (is the {what} "
+                      f"running, {hint}?)")
 
 
 def _curve_file(directory, name):
@@ -174,16 +176,29 @@ def _target(values):
     return {"names": values}
 
 
+def _check_ctl_args(op, values):
+    """Refuse, before connecting, arguments the operation does not take (they were ignored)."""
+    most = {"ping": 0, "stats": 0, "list": 1, "set-watermarks": 2}.get(op)
+    if most is not None and len(values) > most:
+        takes = {0: "no arguments", 1: "at most one glob", 2: "HIGH [LOW]"}[most]
+        raise UsageError(f"ctl {op}: takes {takes}; got {' '.join(values)}")
+    if op in ("prefetch", "evict", "pin") and not values:
+        raise UsageError(f"ctl {op}: name the tensors (names or one glob)")
+    if op in ("renew", "unpin") and not values:
+        raise UsageError(f"ctl {op}: give the lease id that pin printed")
+    if op == "set-watermarks" and not values:
+        raise UsageError("ctl set-watermarks: give HIGH [LOW]")
+
+
 def cmd_ctl(args):
     op, values = args.op, args.args
+    _check_ctl_args(op, values)
     with _client(args) as c:
         if op in ("ping", "stats"):
             result = c.call(op)
         elif op == "list":
             result = c.list(values[0] if values else "*")
         elif op in ("prefetch", "evict", "pin"):
-            if not values:
-                raise UsageError(f"ctl {op}: name the tensors (names or one glob)")
             extra = {"lease": args.lease} if op == "pin" else {"wait": not args.no_wait}
             if op == "prefetch":
                 extra["priority"] = args.priority
@@ -191,12 +206,8 @@ def cmd_ctl(args):
         elif op == "flush":
             result = c.call("flush", wait=not args.no_wait, **(_target(values) if values else {}))
         elif op in ("renew", "unpin"):
-            if not values:
-                raise UsageError(f"ctl {op}: give the lease id that pin printed")
             result = c.call(op, lease=values)
         else:  # set-watermarks
-            if not 1 <= len(values) <= 2:
-                raise UsageError("ctl set-watermarks: give HIGH [LOW]")
             high, low = (_watermark(v) for v in (values + [None])[:2])
             result = c.set_watermarks(high, low)
     print(json.dumps(result, indent=2, sort_keys=True))

@@ -41,6 +41,10 @@ def cmd_infer(args):
     if args.max_new_tokens is not None and len(arrays) != 1:
         raise UsageError("infer: --max-new-tokens takes one input, the prompt ids")
     os.makedirs(args.out, exist_ok=True)
+    from ..control.endpoints import resolve_endpoint
+    from .control import _refuse_missing_socket
+    _refuse_missing_socket(resolve_endpoint(args.endpoint, "serve"), "serve front",
+                           "with this --endpoint")       # at once, not after --timeout
     with Client(args.endpoint, timeout=args.timeout) as c:
         if args.max_new_tokens is not None:
             outputs = {"tokens": c.generate(args.model, arrays[0], args.max_new_tokens)}

@@ -3,7 +3,8 @@ import argparse
 import os
 
 from .common import (DEMO_BUDGET_HELP, UsageError, budget, budget_fraction, demo_budget,
-                     emit, path_given, port, positive_int, seconds_or_zero, size, writable_file)
+                     emit, path_given, port, positive_int, positive_size, seconds_or_zero, size,
+                     writable_file)
 
 
 def register(sub):
@@ -63,6 +64,8 @@ def register(sub):
                    help="device budget: a size (2GiB) or a fraction (25%% or 0.25); model: of the "
                         "model's weights (default 25%%); serve: the offloaded workers', of the "
                         "model's weights (default 25%%)")
+    p.add_argument("--size", type=positive_size, default="1GiB",
+                   help="io: file size; model, accelerate: weight bytes (default 1GiB)")
     p.add_argument("--repeats", type=positive_int, default=3, help="runs of each measurement (3)")
     p.add_argument("--lookahead", type=positive_int, default=2, help="model/serve: units prefetched ahead (2)")
     # serve: run only the shared_host section (prefetchd.bench.serve's docstring); not advertised.
@@ -102,6 +105,8 @@ def cmd_config(args):
     from ..config import Config
     config = Config.load(args.config)          # ConfigError: one line, exit 1
     if args.action == "validate":
+        from .serve import config_path, serve_table
+        serve_table(config_path(args))         # [serve]: what `prefetchd serve` would refuse
         print("configuration OK")
     else:
         emit(config.as_dict(), args.json)
@@ -165,6 +170,9 @@ def cmd_stage(args):
     emit(report, args.json)
 
 
+IO_SIZE_MIN = 1 << 20
+
+
 def cmd_bench(args):
     if args.kind == "serve":
         from ..bench.serve import bench_serve
@@ -175,6 +183,10 @@ def cmd_bench(args):
     else:
         from ..bench import runner
         from ..config import parse_size
+        if args.kind == "io" and args.size < IO_SIZE_MIN:
+            # MB/s of a few bytes round to 0 (the ratios divided by zero): no measurement.
+            raise UsageError(f"bench io: argument --size: {args.size} bytes is too small to "
+                             f"measure; expected at least 1MiB (default 1GiB)")
         if args.budget is None:
             args.budget = 0.25
         elif not isinstance(args.budget, float) and args.kind != "model":

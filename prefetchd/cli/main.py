@@ -11,7 +11,8 @@
 
 Settings come from defaults < --config FILE / $PREFETCHD_CONFIG < PREFETCHD_* env < flags.
 Errors are one line on stderr (`prefetchd: error: ...`): exit code 2 for a command
-line that cannot be run, 1 for a failure; --debug adds the traceback.
+line that cannot be run, 1 for a failure; --debug adds the traceback. Output into a
+pipe that was closed (`| head -1`) ends quietly, exit code 141.
 """
 import argparse
 import os
@@ -64,9 +65,18 @@ def main(argv=None):
         return _fail(args, e, 2)
     setup_logging("DEBUG" if args.debug else level)
     try:
-        return args.func(args) or 0
+        code = args.func(args) or 0
+        sys.stdout.flush()              # a closed pipe shows here, not at exit
+        return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError as e:
+        if not _stdout_closed():
+            return _fail(args, e, 1)    # some other pipe: a failure like any other
+        # `prefetchd ... | head -1`: the reader has all it wants; end quietly as a
+        # SIGPIPE would (128 + 13), and keep the exit's own flush from complaining.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except UsageError as e:
         return _fail(args, e, 2)
     except Exception as e:  # noqa: BLE001 - every verb's failure is one line
@@ -79,6 +89,17 @@ def _env_log_level():
         return log_level(text)
     except argparse.ArgumentTypeError as e:
         raise UsageError(f"$PREFETCHD_LOG_LEVEL: {e}") from None
+
+
+def _stdout_closed():
+    """Whether stdout is a pipe whose reader has gone (poll says POLLERR)."""
+    import select
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), 0)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 def _fail(args, exc, code):

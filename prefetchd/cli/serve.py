@@ -116,17 +116,28 @@ def _from_file(key, value, path):
         raise ConfigError(f"{where}: {e}") from None
 
 
-def serve_options(args):
-    """Options of `prefetchd serve`: flags > the [serve] table of the config file > defaults."""
+def config_path(args):
+    """--config, else $PREFETCHD_CONFIG, else None."""
     import os
-    path = args.config or os.environ.get(ENV_PREFIX + "CONFIG")
+    return args.config or os.environ.get(ENV_PREFIX + "CONFIG")
+
+
+def serve_table(path):
+    """The [serve] table of config file `path` ({} without one), every key known and every
+    value checked as its flag's (ConfigError naming key and file): serve and config validate."""
     from ..serve.spec import load_section
     table = dict(load_section(path, "serve")) if path else {}
     unknown = sorted(set(table) - set(SERVE_DEFAULTS))
     if unknown:
         raise ConfigError(f"[serve] {unknown[0]}: unknown setting (from file {path}); known: "
                           f"{', '.join(SERVE_DEFAULTS)}")
-    table = {key: _from_file(key, value, path) for key, value in table.items()}
+    return {key: _from_file(key, value, path) for key, value in table.items()}
+
+
+def serve_options(args):
+    """Options of `prefetchd serve`: flags > the [serve] table of the config file > defaults."""
+    path = config_path(args)
+    table = serve_table(path)
     options = {"from_flags": set()}
     for key, default in SERVE_DEFAULTS.items():
         flag = getattr(args, key, None)

@@ -59,9 +59,13 @@ class MetricsServer:
             self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._listener.bind(sockaddr)
             self._listener.listen(128)
-        except OSError:
+        except OSError as e:
             self._listener.close()
-            raise
+            # The bare "[Errno 98] Address already in use" named neither port nor setting.
+            where = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+            raise OSError(e.errno, f"metrics exporter: cannot listen on {where}: "
+                                   f"{e.strerror} (the metrics_port setting, or --metrics-port: "
+                                   f"choose a free port, or 0 for any free one)") from e
         self._listener.setblocking(False)
         self.server_address = self._listener.getsockname()
         self._wake_r, self._wake_w = socket.socketpair()
