@@ -28,6 +28,10 @@ the chains of steps from `self`), resolved here against the live cells:
   `self.processor(self, x)`) is followed into that callee's source with the
   argument bound: a callee that only calls the cell is a call (its hooks fire), and
   so is `mindspore.recompute(cell, ...)`;
+- a plain callable attribute the construct calls (`self.post(x)` with a
+  functools.partial or a lambda over a block, a callable object) counts as reading
+  every cell and parameter it holds (bound arguments, closure, defaults, its own
+  attributes): a lambda has no source of its own to follow;
 - where the analysis cannot see — a callee without source, a MindSpore
   function given a cell, `*args`, deeper than _MAX_INLINE — the cell counts as
   reading all of its parameters (safe: pinned, never read unmapped).
@@ -43,6 +47,7 @@ there fails to compile, and would run once at trace time, not at each call),
 so none of them, nor any cell under them, may carry a prefetchd hook.
 """
 import builtins
+import functools
 import inspect
 import types
 
@@ -106,6 +111,49 @@ def _note(root, function, expr, obj, rest, found, depth, seen):
             _all_read(owner, f"{expr}() (its source cannot be read)", found)
         for pid, (e, p) in inner.items():
             found.setdefault(pid, (base + e[len("self"):], p))
+    elif rest and rest[0] == CALL and callable(obj) and not _is_framework_object(obj):
+        _held_read(expr, obj, found)
+
+
+def _held_read(expr, obj, found):
+    """A plain callable (a functools.partial, a lambda or function, a callable object) called
+    from the construct: the cells and parameters it holds (bound arguments, closure,
+    defaults, its object's attributes) run or are read inside it, where the analysis does not
+    follow (a lambda has no source of its own): all their parameters count as read."""
+    ms = framework.mindspore()
+    held, todo, seen = [], [obj], set()
+    while todo:
+        item = todo.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, (ms.Parameter, ms.nn.Cell)):
+            held.append(item)
+        elif isinstance(item, functools.partial):
+            todo += [item.func, *item.args, *item.keywords.values()]
+        elif inspect.ismethod(item):
+            todo += [item.__self__, item.__func__]
+        elif inspect.isfunction(item):
+            todo += [c.cell_contents for c in item.__closure__ or () if _filled(c)]
+            todo += [*(item.__defaults__ or ()), *(item.__kwdefaults__ or {}).values()]
+        elif isinstance(item, (list, tuple)):
+            todo += list(item)
+        elif item is obj and hasattr(item, "__dict__"):      # a callable object: its own attributes
+            todo += list(vars(item).values())
+    for thing in held:
+        why = f"{expr}() (a callable holding it)"
+        if isinstance(thing, ms.Parameter):
+            found.setdefault(id(thing), (why, thing))
+        else:
+            _all_read(thing, why, found)
+
+
+def _filled(cell):
+    try:
+        cell.cell_contents
+    except ValueError:                  # an empty closure cell
+        return False
+    return True
 
 
 def _all_read(cell, why, found):
@@ -207,6 +255,12 @@ def _argument(function, slot, bound):
         return positional[index] if index < len(positional) else None
     keywords = code.co_varnames[code.co_posonlyargcount:code.co_argcount + code.co_kwonlyargcount]
     return slot if slot in keywords else None
+
+
+def _is_framework_object(obj):
+    """A callable MindSpore defines (an op, a Primitive, a function): it holds no weight."""
+    defined = obj if inspect.isfunction(obj) or inspect.ismethod(obj) else type(obj)
+    return _is_framework(defined)
 
 
 def _is_framework(function):

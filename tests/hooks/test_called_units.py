@@ -379,3 +379,52 @@ def test_a_weight_of_another_unit_read_through_a_list_attribute_is_pinned_with_t
     plan, _ = stream_and_compare(model, [(x,)], str(tmp_path / "s"), fraction=0.5, lookahead=0)
     layer0 = [u for u in plan.units if u.name == "layers.0"][0]
     assert any(p is model.head.weight for p in layer0.params), plan.format_table()
+
+
+@pytest.mark.parametrize("kind", ["partial", "lambda", "callable_object"])
+def test_a_callable_attribute_holding_a_block_pins_what_it_reads(ms, tmp_path, kind):
+    """`self.post = functools.partial(helper, blk=self.blocks[2])` (or a lambda, or a callable
+    object, over the block), called by the construct, reads the block's weight outside the
+    block's call. The analysis did not look inside: nothing pinned it, and a sequence op
+    on it (`ops.stack`) killed the process with SIGSEGV, a plain op was refused as if
+    outside the forward. What such a callable holds now counts as read."""
+    import functools
+    nn, ops = ms.nn, ms.ops
+
+    def helper(x, blk):
+        return x + ops.stack([blk.scale, blk.scale]).sum(0)      # the weight in a sequence argument
+
+    class Holder:
+        def __init__(self, blk):
+            self.blk = blk
+
+        def __call__(self, x):
+            return helper(x, self.blk)
+
+    class Block(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Dense(D, D)
+            self.scale = ms.Parameter(ms.Tensor(np.linspace(0.5, 1.5, D).astype(np.float32)), name="scale")
+
+        def construct(self, x):
+            return ops.tanh(self.fc(x)) * self.scale
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.CellList([Block() for _ in range(6)])
+            blk = self.blocks[2]
+            self.post = {"partial": functools.partial(helper, blk=blk), "lambda": lambda x: helper(x, blk),
+                         "callable_object": Holder(blk)}[kind]
+
+        def construct(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.post(x)
+
+    ms.set_seed(12)
+    model = Net()
+    x = ms.Tensor(np.random.default_rng(12).standard_normal((4, D)).astype(np.float32))
+    plan, _ = stream_and_compare(model, [(x,)], str(tmp_path / "s"), fraction=0.8, lookahead=1)
+    assert any(p is model.blocks[2].scale for p in plan.root.params), plan.format_table()
