@@ -58,6 +58,7 @@ from .compiled_later import CompiledLater
 from .parts import PartProbes
 from .pass_turn import PassTurn
 from .passes import RecordingPass, StreamingPass
+from .root_calls import hook_root_cells
 from .planner import plan_units
 from .trace_cursor import ROOT, TraceCursor
 from .units import Pins, Unit, cell_name, first_tensor
@@ -143,6 +144,8 @@ class Offloaded:
         self._views = ViewCopies(name_of)
         self._compiled_later = CompiledLater(model, self.units, self._plan.units, self._parts, name_of)
         self._handles.append(model.register_forward_pre_hook(self._before_model))
+        self._handles += hook_root_cells(model, self.root.records, self._session, self._turn,
+                                         skip=self._plan.jit_cells)
         self._handles.append(model.register_forward_hook(self._after_model))
         # always_call: MindSpore runs it when the forward or another hook raised, too.
         self._handles.append(model.register_forward_hook(self._end_pass, always_call=True))

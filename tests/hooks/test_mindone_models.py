@@ -83,6 +83,27 @@ def test_untied_llama_streams(cpu_mint, tmp_path):
     assert "lm_head" in names and "model.embed_tokens" in names, names
 
 
+def test_llama_fed_inputs_embeds_from_its_own_embedding_streams(cpu_mint, tmp_path):
+    """Prompt tuning and multimodal models: `e = model.get_input_embeddings()(ids)`, then
+    `model(inputs_embeds=e)`. The embedding is a root cell called between passes, where
+    nothing pinned it: every pass was refused ("not resident ... outside an offloaded
+    model's forward"). A root cell called alone now pins its own weights for the call."""
+    ms = cpu_mint
+    from mindone.transformers import LlamaForCausalLM
+    ms.set_seed(1)
+    model = LlamaForCausalLM(transformers.LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128,
+                                                      num_hidden_layers=4, num_attention_heads=4,
+                                                      num_key_value_heads=2, max_position_embeddings=64))
+    soft = ms.Tensor(np.random.default_rng(5).standard_normal((2, 3, 64)).astype(np.float32))
+
+    def call(m, args):
+        embeds = ms.ops.concat((soft, m.get_input_embeddings()(*args)), 1)   # a soft prompt first
+        return m(inputs_embeds=embeds, return_dict=True).logits
+    plan, _ = stream_and_compare(model, [(token_ids(ms, 1024, (2, 9)),)], str(tmp_path / "s"),
+                                 fraction=0.6, lookahead=1, call=call)
+    assert any(p is model.model.embed_tokens.weight for p in plan.root.params), plan.format_table()
+
+
 def test_mixtral_moe_streams(cpu_mint, tmp_path):
     ms = cpu_mint
     from mindone.transformers import MixtralForCausalLM
