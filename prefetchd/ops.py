@@ -34,7 +34,7 @@ import numpy as np
 
 from . import _native, guard
 from .backend import framework
-from .errors import BudgetError, NotResidentError, StorageError, UseAfterFreeError
+from .errors import BudgetError, NotResidentError, PrefetchdError, StorageError, UseAfterFreeError
 
 __all__ = ["copy_to_device", "copy_to_host", "free", "set_data", "update_to_device",
            "update_to_remote", "detach", "tier", "CopyToDevice", "CopyToHost", "Free", "SetData",
@@ -103,6 +103,20 @@ def _entry(x, create=True):
         return e
 
 
+def _unmanaged(x, op):
+    """The entry of `x` for an in-place operator, refused for a tensor a Daemon manages (an
+    offloaded model's weight): `free` bound it to an empty buffer behind the daemon's back,
+    and every later forward of the model failed with a shape error."""
+    from .daemon import live_daemons
+    if any(daemon.tiers_of(x) is not None for daemon in list(live_daemons)):
+        name = getattr(x, "name", None) or "?"
+        raise PrefetchdError(f"{op}: tensor {name!r} is managed by a prefetchd Daemon (an offloaded "
+                             f"model's weight, or registered): its tiers are the daemon's to move "
+                             f"(daemon.prefetch / evict / use); prefetchd.ops moves tensors no "
+                             f"daemon manages")
+    return _entry(x)
+
+
 def _check_usable(x, e, op):
     if e.freed:
         raise UseAfterFreeError(e.label, ",".join(_tiers(e)), "freed",
@@ -159,7 +173,7 @@ def copy_to_host(x, sync=False):
 
 def free(x, sync=False):
     """Release x's device memory in place. Later use raises UseAfterFreeError."""
-    e = _entry(x)
+    e = _unmanaged(x, "free")
     if e.freed:
         raise UseAfterFreeError(e.label, "", "freed", f"free: tensor {e.label!r} was already freed")
     _release_local(x, e)
@@ -195,9 +209,9 @@ def set_data(x, value):
     """From now on x shares value's storage: writes through either are seen by both.
     Releasing it through one of them (free, detach, update_to_device) lets go of it for
     that one only; the storage goes when the last tensor sharing it lets go."""
-    ev = _entry(value)
+    ev = _unmanaged(value, "set_data")
     _check_usable(value, ev, "set_data")
-    ex = _entry(x)
+    ex = _unmanaged(x, "set_data")
     if guard.is_guarded(x):
         guard.release(x)
     framework.share(x, value)
@@ -213,7 +227,7 @@ def set_data(x, value):
 
 def update_to_remote(x, sync=False):
     """Write x's device replica to the remote tier; both replicas are valid afterwards."""
-    e = _entry(x)
+    e = _unmanaged(x, "update_to_remote")
     array = np.ascontiguousarray(_values(x, e, "update_to_remote"))
     rt = runtime()
     key = e.remote_key or f"ops/{uuid.uuid4().hex}"
@@ -232,7 +246,7 @@ def detach(x, sync=False):
     Refuses — and changes nothing — unless the remote replica holds exactly
     x's current values (checked by checksum), so nothing written is lost.
     """
-    e = _entry(x)
+    e = _unmanaged(x, "detach")
     array = _values(x, e, "detach")
     if e.remote_key is None:
         raise StorageError(f"detach({e.label!r}) refused: it has no remote replica "
@@ -252,7 +266,7 @@ def _remote_stale(array, e):
 
 def update_to_device(x, sync=False):
     """Refill x's device replica from its remote replica (verified by checksum)."""
-    e = _entry(x)
+    e = _unmanaged(x, "update_to_device")
     if e.freed:
         _check_usable(x, e, "update_to_device")
     if e.remote_key is None:

@@ -298,3 +298,24 @@ def test_tier_drops_a_remote_replica_the_tensor_has_changed_since(ms):
     assert prefetchd.tier(y) == ("device",)
     ops.update_to_remote(y)
     assert prefetchd.tier(y) == ("device", "remote")
+
+
+@pytest.mark.parametrize("op", ["free", "detach", "update_to_remote", "update_to_device", "set_data"])
+def test_in_place_operators_refuse_a_weight_a_daemon_manages(ms, make_daemon, op):
+    """ops.free(w) on an offloaded model's weight was accepted: it bound the weight to an
+    empty buffer behind the daemon's back, and every later forward failed with a shape
+    error. The in-place operators now refuse it, and the model runs as before."""
+    from prefetchd.errors import PrefetchdError
+    ms.set_seed(3)
+    model = ms.nn.SequentialCell([ms.nn.Dense(32, 32) for _ in range(4)])
+    x = tensor(ms, np.random.default_rng(3).standard_normal((2, 32)).astype(np.float32))
+    want = model(x).asnumpy()
+    prefetchd.offload(model, make_daemon(device_budget=3 * 32 * 33 * 4 + (1 << 14)), lookahead=1)
+    model(x)
+    weight = model[1].weight
+    call = {"set_data": lambda: ops.set_data(weight, tensor(ms, np.zeros((32, 32), np.float32)))}.get(
+        op, lambda: getattr(ops, op)(weight))
+    with pytest.raises(PrefetchdError, match=f"{op}: tensor '1.weight' is managed by a prefetchd Daemon"):
+        call()
+    for _ in range(2):
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
