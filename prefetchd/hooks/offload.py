@@ -259,7 +259,7 @@ class Offloaded:
 
     # ---------------------------------------------------------------- the units' hooks
     def _before_unit(self, cell, inputs):
-        unit = self._by_cell[id(cell)]
+        unit = _unit_of(self._by_cell, cell)
         self._ran += 1
         if unit.held:                         # another cell of a unit already pinned
             return
@@ -273,7 +273,7 @@ class Offloaded:
         self._pass.enter(unit)
 
     def _after_unit(self, cell, inputs, output):
-        unit = self._by_cell[id(cell)]
+        unit = _unit_of(self._by_cell, cell)
         if not unit.held:
             return None
         unit.ran.add(id(cell))
@@ -363,6 +363,18 @@ class Offloaded:
 
     def _refuse_closed(self, cell, inputs):
         raise refusals.closed_refused(self.model, self.daemon.config.name)
+
+
+def _unit_of(by_cell, cell):
+    """The unit of a hooked cell. A cell copied with its hooks after offload() (MindSpore's
+    auto_mixed_precision rebuilds cells) is none of them: said so, not a KeyError."""
+    unit = by_cell.get(id(cell))
+    if unit is None:
+        raise PrefetchdError(f"prefetchd: a {type(cell).__name__} carrying this model's hooks is not one of "
+                             f"the cells offload() planned: the model's cells were copied or replaced "
+                             f"after offload() (e.g. by mindspore.amp.auto_mixed_precision); change the "
+                             f"model before offload()")
+    return unit
 
 
 def _let_go_when_the_daemon_closes(handle):

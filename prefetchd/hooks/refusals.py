@@ -20,7 +20,9 @@ def refuse_managed(model):
     its weights no longer sit in ordinary memory, and two daemons would each move them."""
     previous = model.__dict__.get("_prefetchd")
     if previous is not None:
-        state = "whose handle was closed" if previous.closed else "still in use"
+        state = ("whose handle was closed" if previous.closed else
+                 "which is closed; its weights are in that daemon's store, not in the model"
+                 if previous.daemon.closed else "still in use")
         raise PrefetchdError(
             f"prefetchd.offload: this {type(model).__name__} is already offloaded to daemon "
             f"{previous.daemon.config.name!r} ({state}); a model streams through one daemon, once")

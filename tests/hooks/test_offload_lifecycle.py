@@ -274,3 +274,19 @@ def test_closing_the_handle_after_its_daemon_closed_mid_forward_still_closes_it(
     assert handle.closed
     with pytest.raises(PrefetchdError, match="its handle was closed"):
         model(x)
+
+
+def test_cells_replaced_after_offload_and_a_closed_daemon_are_named(ms, tmp_path, x):
+    """auto_mixed_precision after offload() rebuilds cells, copying their hooks: the next
+    forward raised a bare KeyError. And a model whose daemon closed was called "still in use"
+    when offloaded again."""
+    model = stack(ms)
+    with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "s")) as daemon:
+        prefetchd.offload(model, daemon, lookahead=1)
+        model(x)
+        ms.amp.auto_mixed_precision(model, "O1")
+        with pytest.raises(PrefetchdError, match="copied or replaced after offload"):
+            model(x)
+    with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "t")) as daemon:
+        with pytest.raises(PrefetchdError, match=r"daemon 'default' \(which is closed"):
+            prefetchd.offload(model, daemon, lookahead=1)
