@@ -7,7 +7,9 @@ exit, a skipped layer, another branch) re-synchronises to its nearest
 occurrence ahead and is counted. A pass that ran a unit the trace does not
 hold (an MoE expert the recording pass did not route to, a branch taken
 since) becomes the trace (`end_pass`), so the next pass prefetches it; a pass
-that only skipped units (an early exit) leaves the trace as it was. Pure
+that only skipped or reordered units (an early exit) leaves the trace as it was,
+unless the pass before it ran in that same order: a lasting change (a block
+dropped or two swapped for good) missed on every pass, for good. Pure
 bookkeeping, no I/O and no pinning: the layer hooks (prefetchd/hooks/offload.py)
 prefetch what `upcoming` names.
 """
@@ -21,6 +23,7 @@ class TraceCursor:
         self.resyncs = 0         # starts that were not the expected next step
         self.retraces = 0        # passes that became the trace (end_pass)
         self._seen = []          # this pass's steps so far
+        self._last = None        # the steps of the pass before, once ended
         self._new = False        # this pass ran a unit the trace does not hold
 
     def start_pass(self):
@@ -33,11 +36,12 @@ class TraceCursor:
         self.steps.append(index)
 
     def end_pass(self):
-        """A later pass ended. True if it ran a unit the trace did not hold: its order is the
-        trace from now on."""
-        if not self._new:
+        """A later pass ended. True if it ran a unit the trace did not hold, or ran in an order
+        other than the trace's twice in a row: its order is the trace from now on."""
+        seen, last, self._last = self._seen, self._last, self._seen
+        if not self._new and (seen == self.steps or seen != last):
             return False
-        self.steps = self._seen
+        self.steps = seen
         self.retraces += 1
         self._new = False
         return True

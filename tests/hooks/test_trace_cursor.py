@@ -51,3 +51,27 @@ def test_a_pass_that_only_skipped_units_leaves_the_trace():
     for index in (0, 1):                   # an early exit
         cursor.enter(index)
     assert cursor.end_pass() is False and cursor.steps == [ROOT, 0, 1, 2, 3] and cursor.retraces == 0
+
+
+def run(cursor, indices):
+    cursor.start_pass()
+    for index in indices:
+        cursor.enter(index)
+    return cursor.end_pass()
+
+
+def test_an_order_that_changed_for_good_becomes_the_trace_at_its_second_pass():
+    """A block dropped or two swapped for good: a pass that only skipped or reordered kept
+    the recorded trace, so every later pass missed the same units, for good."""
+    cursor = recorded(0, 1, 2, 3)
+    assert run(cursor, (0, 2, 1, 3)) is False             # once: maybe a branch, kept
+    assert run(cursor, (0, 2, 1, 3)) is True and cursor.steps == [ROOT, 0, 2, 1, 3]
+    resyncs = cursor.resyncs
+    assert run(cursor, (0, 2, 1, 3)) is False and cursor.resyncs == resyncs    # followed, no resync
+    assert run(cursor, (0, 2, 3)) is False                # dropped unit 1: once kept...
+    assert run(cursor, (0, 2, 3)) is True and cursor.steps == [ROOT, 0, 2, 3]
+    # ...while orders that alternate (early exits of varying depth) never replace it
+    cursor = recorded(0, 1, 2, 3)
+    for indices in [(0,), (0, 1), (0,), (0, 1, 2)] * 2:
+        assert run(cursor, indices) is False
+    assert cursor.steps == [ROOT, 0, 1, 2, 3] and cursor.retraces == 0
