@@ -193,6 +193,7 @@ def _check_ctl_args(op, values):
 def cmd_ctl(args):
     op, values = args.op, args.args
     _check_ctl_args(op, values)
+    marks = [_watermark(v) for v in (values + [None])[:2]] if op == "set-watermarks" else None
     with _client(args) as c:
         if op in ("ping", "stats"):
             result = c.call(op)
@@ -208,8 +209,7 @@ def cmd_ctl(args):
         elif op in ("renew", "unpin"):
             result = c.call(op, lease=values)
         else:  # set-watermarks
-            high, low = (_watermark(v) for v in (values + [None])[:2])
-            result = c.set_watermarks(high, low)
+            result = c.set_watermarks(*marks)
     print(json.dumps(result, indent=2, sort_keys=True))
     return 0
 
@@ -219,13 +219,16 @@ def _watermark(text):
     if text is None:
         return None
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
-        pass
-    try:
-        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        return text
+        try:
+            value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        except ValueError:
+            return text              # a size string: the daemon parses it, as the config does
+    if not 0 <= value < float("inf"):
+        raise UsageError(f"ctl set-watermarks: {text!r}: expected bytes, a size (2GiB) or a "
+                         f"fraction (90% or 0.9), not negative")
+    return value
 
 
 # ----------------------------------------------------------------------------- keys

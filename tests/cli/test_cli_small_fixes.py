@@ -131,3 +131,11 @@ def test_a_negative_value_is_out_of_range_not_a_missing_argument():
         out = run(*args)
         line = one_error_line(out)
         assert out.returncode == 2 and f"argument {args[-2]}: '{args[-1]}' is out of range" in line, line
+
+
+def test_ctl_set_watermarks_refuses_a_negative_or_nan_before_connecting(tmp_path):
+    # -5% reached the daemon once '-5%' parsed as a value; nan failed in JSON encoding (exit 1).
+    endpoint = f"ipc://{tmp_path / 'nobody.sock'}"          # nothing there: refused before connecting
+    for value in ("-5%", "-1", "nan", "inf"):
+        out = run("ctl", "--endpoint", endpoint, "set-watermarks", value)
+        assert out.returncode == 2 and "set-watermarks" in one_error_line(out), (value, out.stderr)
