@@ -17,7 +17,13 @@ log = logging.getLogger("prefetchd.hooks")
 
 def refuse_managed(model):
     """A model (or a parameter of it) already streamed by a daemon cannot be offloaded again:
-    its weights no longer sit in ordinary memory, and two daemons would each move them."""
+    its weights no longer sit in ordinary memory, and two daemons would each move them.
+    What is not a Cell at all (`mindspore.jit(model)` is a function) is refused as such."""
+    from ..backend.framework import mindspore
+    if not isinstance(model, mindspore().nn.Cell):
+        raise TypeError(f"prefetchd.offload takes a mindspore.nn.Cell, not {type(model).__name__}"
+                        + (" (mindspore.jit(model) returns a function: offload the model; a block "
+                           "whose construct is @jit-compiled streams whole)" if callable(model) else ""))
     previous = model.__dict__.get("_prefetchd")
     if previous is not None:
         state = ("whose handle was closed" if previous.closed else

@@ -290,3 +290,14 @@ def test_cells_replaced_after_offload_and_a_closed_daemon_are_named(ms, tmp_path
     with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "t")) as daemon:
         with pytest.raises(PrefetchdError, match=r"daemon 'default' \(which is closed"):
             prefetchd.offload(model, daemon, lookahead=1)
+
+
+def test_offloading_what_is_not_a_cell_says_so(ms, tmp_path):
+    """offload(mindspore.jit(model)) failed with "'function' object has no attribute
+    'get_parameters'"."""
+    model = stack(ms)
+    with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "s")) as daemon:
+        with pytest.raises(TypeError, match=r"takes a mindspore\.nn\.Cell.*mindspore\.jit\(model\) returns a function"):
+            prefetchd.offload(ms.jit(model), daemon)
+        with pytest.raises(TypeError, match="not int"):
+            prefetchd.offload(5, daemon)
