@@ -276,10 +276,11 @@ def test_closing_the_handle_after_its_daemon_closed_mid_forward_still_closes_it(
         model(x)
 
 
-def test_cells_replaced_after_offload_and_a_closed_daemon_are_named(ms, tmp_path, x):
+def test_cells_replaced_after_offload_and_a_closed_daemon_are_named(ms, tmp_path, x, monkeypatch):
     """auto_mixed_precision after offload() rebuilds cells, copying their hooks: the next
     forward raised a bare KeyError. And a model whose daemon closed was called "still in use"
     when offloaded again."""
+    monkeypatch.chdir(tmp_path)            # auto_mixed_precision writes rewritten_network/ here
     model = stack(ms)
     with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "s")) as daemon:
         prefetchd.offload(model, daemon, lookahead=1)
