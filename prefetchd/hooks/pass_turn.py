@@ -35,29 +35,31 @@ class PassTurn:
         self._lock = threading.Lock()    # held from the pre-hook to the end of the pass
         self._mutex = threading.Lock()   # makes reading and changing `holder` one step
         self._codes = _call_codes()
-        self.holder = None               # ident of the thread whose pass it is, or None
+        self.holder = None               # ident of the thread whose turn it is, or None
+        self._in_pass = False            # the holder's turn is a pass (not a `held()` block)
 
-    def take(self):
+    def take(self, in_pass=True):
         """Wait for the turn (the model's pre-hook). The holder's own call runs through."""
         me = threading.get_ident()
         if self.holder == me:
             return
         while not self._lock.acquire(timeout=POLL):
             with self._mutex:
-                holder = self.holder
-                if holder is not None and not self._inside(holder):
+                # Only a pass can be cut short unseen: a held() block gives the turn back in
+                # its `finally`, and its thread is rightly outside the model meanwhile.
+                if self.holder is not None and self._in_pass and not self._inside(self.holder):
                     self._on_abandoned()
-                    self.holder = me         # the lock stays held: now for this thread
+                    self.holder, self._in_pass = me, in_pass   # the lock stays held: now ours
                     return
         with self._mutex:
-            self.holder = me
+            self.holder, self._in_pass = me, in_pass
 
     def give(self):
         """End this thread's turn (the model's always_call forward hook); no-op for others."""
         with self._mutex:
             if self.holder != threading.get_ident():
                 return
-            self.holder = None
+            self.holder, self._in_pass = None, False
             self._lock.release()
 
     @contextlib.contextmanager
@@ -68,8 +70,9 @@ class PassTurn:
             if self._inside(me):
                 raise PrefetchdError("refused inside this model's forward: run it between forwards")
             self._on_abandoned()             # this thread's own pass, cut short by a BaseException
+            self._in_pass = False
         else:
-            self.take()
+            self.take(in_pass=False)
         try:
             yield
         finally:

@@ -1,0 +1,87 @@
+"""One thread's pass at a time (prefetchd/hooks/pass_turn.py), with real threads: a turn
+held by a pass inside the model, or by a block between passes, is waited for however long
+it lasts; a pass whose thread left the model without giving the turn back (Ctrl-C) is
+taken over."""
+import threading
+import time
+
+import pytest
+
+from prefetchd.hooks.pass_turn import POLL, PassTurn
+
+
+@pytest.fixture
+def model(ms):
+    class Slow(ms.nn.Cell):
+        """A model whose forward waits until told to go on."""
+
+        def __init__(self):
+            super().__init__()
+            self.go = threading.Event()
+            self.entered = threading.Event()
+
+        def construct(self, x):
+            self.entered.set()
+            self.go.wait(30)
+            return x
+    return Slow()
+
+
+def taken_within(turn, seconds):
+    """Start a thread taking the turn; True if it got it within `seconds`."""
+    got = threading.Event()
+
+    def take():
+        turn.take()
+        got.set()
+        turn.give()
+    threading.Thread(target=take, daemon=True).start()
+    return got.wait(seconds)
+
+
+def test_a_pass_inside_the_model_is_waited_for(ms, model):
+    turn = PassTurn(model, on_abandoned=lambda: None)
+    model.register_forward_pre_hook(lambda cell, inputs: turn.take())
+    model.register_forward_hook(lambda cell, inputs, output: turn.give())
+    runner = threading.Thread(target=lambda: model(ms.Tensor([1.0])), daemon=True)
+    runner.start()
+    assert model.entered.wait(30)
+    assert not taken_within(turn, 6 * POLL)           # the holder is inside: no takeover
+    model.go.set()
+    runner.join(30)
+    assert taken_within(turn, 5)
+
+
+def test_a_block_between_passes_is_waited_for_however_long(ms, model):
+    """A held() block is not a pass: its thread is rightly outside the model. A pass waiting
+    longer than POLL took it over as abandoned, and forwards ran beside a load_param_into_net
+    on another thread, computing with half-loaded weights."""
+    turn = PassTurn(model, on_abandoned=lambda: None)
+    inside, leave = threading.Event(), threading.Event()
+
+    def block():
+        with turn.held():
+            inside.set()
+            leave.wait(30)
+    threading.Thread(target=block, daemon=True).start()
+    assert inside.wait(30)
+    assert not taken_within(turn, 6 * POLL)
+    leave.set()
+    assert taken_within(turn, 5)
+
+
+def test_a_pass_cut_short_is_taken_over(ms, model):
+    abandoned = []
+    turn = PassTurn(model, on_abandoned=lambda: abandoned.append(True))
+    took, done = threading.Event(), threading.Event()
+
+    def cut_short():                  # takes the turn, leaves the model without giving it back
+        turn.take()
+        took.set()
+        done.wait(30)                 # alive (a dead thread's ident may be reused)
+    threading.Thread(target=cut_short, daemon=True).start()
+    assert took.wait(30)
+    started = time.monotonic()
+    assert taken_within(turn, 5)
+    assert abandoned == [True] and time.monotonic() - started < 2
+    done.set()
