@@ -14,7 +14,7 @@ handle): per call a constant number of lock rounds, not one per record.
 import time
 from concurrent.futures import Future
 
-from ..errors import NotResidentError
+from ..errors import NotResidentError, ShutdownError
 from . import lending, traces
 from .records import State
 from .requests import Kind, Request
@@ -51,7 +51,8 @@ class ComputeSession:
                 raise NotResidentError(missing.name, ",".join(missing.tiers), missing.state.value)
         started = time.monotonic_ns()
         if not self._pin_resident(records):
-            self._core.submit(Request(Kind.PIN, records, Future())).result(timeout=stall_timeout)
+            self._wait_for_pin(self._core.submit(Request(Kind.PIN, records, Future())), records,
+                               stall_timeout)
         ended = time.monotonic_ns()
         if records:
             self.timeline.stall(unit or records[0].name, started, ended, tensors=len(records))
@@ -62,6 +63,22 @@ class ComputeSession:
         if unit is not None:
             self.timeline.compute_begin(unit)
         return stall
+
+    def _wait_for_pin(self, pinned, records, timeout):
+        """Wait for a PIN request's future. Interrupted (Ctrl-C, SystemExit) or timed out, the
+        pin still lands, with nobody left to release it: it is released as it lands."""
+        try:
+            pinned.result(timeout=timeout)
+        except BaseException as e:
+            if not isinstance(e, Exception) or isinstance(e, TimeoutError):
+                pinned.add_done_callback(lambda f: f.exception() is None and self._unpin(records))
+            raise
+
+    def _unpin(self, records):
+        try:
+            self._core.submit(Request(Kind.UNPIN, records))
+        except ShutdownError:
+            pass                  # the daemon closes: pins no longer hold anything
 
     def _pin_resident(self, records):
         """Pin records that are all resident right here: no round trip through the

@@ -15,6 +15,7 @@ import sys
 import threading
 
 from ..errors import PrefetchdError
+from .interrupts import sigint_deferred
 
 POLL = 0.05      # seconds between looks at the holder while waiting
 
@@ -43,20 +44,23 @@ class PassTurn:
         me = threading.get_ident()
         if self.holder == me:
             return
-        while not self._lock.acquire(timeout=POLL):
-            with self._mutex:
-                # Only a pass can be cut short unseen: a held() block gives the turn back in
-                # its `finally`, and its thread is rightly outside the model meanwhile.
-                if self.holder is not None and self._in_pass and not self._inside(self.holder):
-                    self._on_abandoned()
-                    self.holder, self._in_pass = me, in_pass   # the lock stays held: now ours
+        while True:
+            with sigint_deferred():        # the lock and its holder's name go together
+                if self._lock.acquire(timeout=POLL):
+                    with self._mutex:
+                        self.holder, self._in_pass = me, in_pass
                     return
-        with self._mutex:
-            self.holder, self._in_pass = me, in_pass
+                with self._mutex:
+                    # Only a pass can be cut short unseen: a held() block gives the turn back
+                    # in its `finally`, and its thread is rightly outside the model meanwhile.
+                    if self.holder is not None and self._in_pass and not self._inside(self.holder):
+                        self._on_abandoned()
+                        self.holder, self._in_pass = me, in_pass   # the lock stays held: ours now
+                        return
 
     def give(self):
         """End this thread's turn (the model's always_call forward hook); no-op for others."""
-        with self._mutex:
+        with sigint_deferred(), self._mutex:
             if self.holder != threading.get_ident():
                 return
             self.holder, self._in_pass = None, False

@@ -8,6 +8,7 @@ import logging
 import time
 
 from ..backend import framework
+from .interrupts import sigint_deferred
 from ..errors import NotResidentError
 
 log = logging.getLogger("prefetchd.hooks")
@@ -59,6 +60,16 @@ class Pins:
         miss (raised with strict=True, else counted, fetched, then `after_miss()`)."""
         if not unit.records:
             return
+        # A Ctrl-C while waiting for the pin: it lands without us, and the session unpins it
+        # (core/session.py); `held` is set the moment it returns, for release_all.
+        stall = self._acquire(unit, auto_fetch, after_miss)
+        self.stall_seconds += stall
+        _recompile_if_moved(unit)
+        unit.ran.clear()
+        unit.dispatched_ns = time.monotonic_ns()
+
+    def _acquire(self, unit, auto_fetch, after_miss):
+        """Pin unit's records (see acquire); its stall seconds."""
         if auto_fetch:
             stall = self.session.acquire(unit.records, auto_fetch=True, unit=unit.name)
         else:
@@ -70,25 +81,25 @@ class Pins:
                     raise
                 self._note_miss(unit, miss)
                 stall = self.session.acquire(unit.records, auto_fetch=True, unit=unit.name)
+                unit.held = True
                 if after_miss is not None and unit is not self.root:
                     after_miss()
-        self.stall_seconds += stall
         unit.held = True
-        _recompile_if_moved(unit)
-        unit.ran.clear()
-        unit.dispatched_ns = time.monotonic_ns()
+        return stall
 
     def release(self, unit, dependency, timed=False):
         """Unpin `unit` behind a fence on `dependency`; its compute is timed to that fence
         (prefetchd.cost.estimate) unless `timed` says it was already (PassEstimator.time_unit)."""
-        unit.held = False
         unit.parted = False
         unit.ran.clear()
         if not unit.records:
+            unit.held = False
             return
         # A fence behind this unit's kernels lets its memory be reused as soon as
-        # they ran, without draining later units' compute.
-        epoch = self.session.release(unit.records, dependency, unit=unit.name)
+        # they ran, without draining later units' compute. (The unpin and `held` together.)
+        with sigint_deferred():
+            unit.held = False
+            epoch = self.session.release(unit.records, dependency, unit=unit.name)
         if not timed:
             # The recording pass waits for the unit's compute (each unit timed alone); while
             # the estimate is refined, later passes are timed by a thread, nothing waits.

@@ -253,6 +253,26 @@ def test_a_pass_cut_short_by_ctrl_c_frees_the_model_for_other_threads(make_daemo
     np.testing.assert_array_equal(model(x).asnumpy(), want)     # and the interrupted thread's own
 
 
+def test_ctrl_c_over_and_over_beside_other_threads_leaves_the_model_working(tmp_path):
+    """Real interrupts (_thread.interrupt_main, in a child process) at random points of the
+    main thread's forwards while two threads run the same model. One landing between the
+    turn's lock and its holder's name left the lock held by nobody (every thread waited
+    for good), one landing between a unit's unpin and its flag left its pins for good
+    (until every forward was refused for want of room). Each now ends its own pass only."""
+    import json
+    import os
+    import subprocess
+    import sys
+    child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ctrl_c_child.py")
+    out = subprocess.run([sys.executable, child, str(tmp_path / "s"), "8"], capture_output=True,
+                         text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["interrupts"] >= 10, result
+    assert result["passes"] > 0 and result["wrong"] == 0 and result["errors"] == [], result
+    assert result["alive"] == 0 and result["pinned"] == 0 and result["final_equal"], result
+
+
 def test_graph_mode_is_refused(make_daemon, mindspore_cpu):
     ms = mindspore_cpu
     ms.set_context(mode=ms.GRAPH_MODE)
