@@ -133,11 +133,15 @@ def _held_read(expr, obj, found):
             todo += [item.func, *item.args, *item.keywords.values()]
         elif inspect.ismethod(item):
             todo += [item.__self__, item.__func__]
+            if hasattr(item.__self__, "__dict__"):          # a plain object's method: its attributes
+                todo += list(vars(item.__self__).values())
         elif inspect.isfunction(item):
             todo += [c.cell_contents for c in item.__closure__ or () if _filled(c)]
             todo += [*(item.__defaults__ or ()), *(item.__kwdefaults__ or {}).values()]
-        elif isinstance(item, (list, tuple)):
+        elif isinstance(item, (list, tuple, set, frozenset)):
             todo += list(item)
+        elif isinstance(item, dict):
+            todo += list(item.values())
         elif item is obj and hasattr(item, "__dict__"):      # a callable object: its own attributes
             todo += list(vars(item).values())
     for thing in held:

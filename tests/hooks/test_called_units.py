@@ -381,7 +381,8 @@ def test_a_weight_of_another_unit_read_through_a_list_attribute_is_pinned_with_t
     assert any(p is model.head.weight for p in layer0.params), plan.format_table()
 
 
-@pytest.mark.parametrize("kind", ["partial", "lambda", "callable_object"])
+@pytest.mark.parametrize("kind", ["partial", "lambda", "callable_object", "lambda_over_a_dict",
+                                  "method_of_a_plain_object"])
 def test_a_callable_attribute_holding_a_block_pins_what_it_reads(ms, tmp_path, kind):
     """`self.post = functools.partial(helper, blk=self.blocks[2])` (or a lambda, or a callable
     object, over the block), called by the construct, reads the block's weight outside the
@@ -396,10 +397,10 @@ def test_a_callable_attribute_holding_a_block_pins_what_it_reads(ms, tmp_path, k
 
     class Holder:
         def __init__(self, blk):
-            self.blk = blk
+            self.blks = [blk]
 
         def __call__(self, x):
-            return helper(x, self.blk)
+            return helper(x, self.blks[0])
 
     class Block(nn.Cell):
         def __init__(self):
@@ -415,8 +416,10 @@ def test_a_callable_attribute_holding_a_block_pins_what_it_reads(ms, tmp_path, k
             super().__init__()
             self.blocks = nn.CellList([Block() for _ in range(6)])
             blk = self.blocks[2]
+            table = {"a": blk}
             self.post = {"partial": functools.partial(helper, blk=blk), "lambda": lambda x: helper(x, blk),
-                         "callable_object": Holder(blk)}[kind]
+                         "callable_object": Holder(blk), "lambda_over_a_dict": lambda x: helper(x, table["a"]),
+                         "method_of_a_plain_object": Holder(blk).__call__}[kind]
 
         def construct(self, x):
             for block in self.blocks:
