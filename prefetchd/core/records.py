@@ -58,6 +58,8 @@ class ManagedTensor:
                                # (core/lending.py): the host block holds none until unparked
     mapping_parked: bool = False  # not resident, its shared-tier mapping left under the home,
                                   # PROT_NONE, its lease held (core/lending.py)
+    guard_unpinned: bool = False  # an offloaded model's weight: Python-level use refused whenever
+                                  # nothing pins it, resident or not (hooks/registration.py)
     writeback_failed: bool = False   # last write-back failed: keep in place, do not pick as victim
     evict_after_store: str | None = None  # eviction reason waiting for the write-back
     evict_after_load: bool = False

@@ -46,6 +46,7 @@ def register(daemon, model, params, tier, checkpoint):
     records = {key: daemon.record(handle) for key, handle in handles.items()}
     for key, rec in records.items():
         guard.check_writes(params[key], _refuse_unpinned_writes(rec))
+        rec.guard_unpinned = True     # kernels' writes (ops.assign) too, the root's between passes
     return records
 
 
