@@ -8,8 +8,8 @@ import logging
 import time
 
 from ..backend import framework
-from .interrupts import sigint_deferred
 from ..errors import NotResidentError
+from .interrupts import sigint_deferred
 
 log = logging.getLogger("prefetchd.hooks")
 
