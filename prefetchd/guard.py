@@ -158,9 +158,11 @@ def check_writes(target, check):
     target.__dict__["_prefetchd_check_write"] = check
 
 
-def guard(target, error_factory):
+def guard(target, error_factory, name=None):
     """Make Python-level reads of target raise error_factory() until track() or release()."""
     target.__dict__["_prefetchd_error"] = error_factory
+    if name is not None:
+        target.__dict__["_prefetchd_name"] = name
     target.__class__ = _guarding_class(base_class(target))
 
 

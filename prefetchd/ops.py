@@ -109,7 +109,7 @@ def _unmanaged(x, op):
     and every later forward of the model failed with a shape error."""
     from .daemon import live_daemons
     if any(daemon.tiers_of(x) is not None for daemon in list(live_daemons)):
-        name = getattr(x, "name", None) or "?"
+        name = x.__dict__.get("_prefetchd_name") or getattr(x, "name", None) or "?"
         raise PrefetchdError(f"{op}: tensor {name!r} is managed by a prefetchd Daemon (an offloaded "
                              f"model's weight, or registered): its tiers are the daemon's to move "
                              f"(daemon.prefetch / evict / use); prefetchd.ops moves tensors no "

@@ -319,3 +319,14 @@ def test_in_place_operators_refuse_a_weight_a_daemon_manages(ms, make_daemon, op
         call()
     for _ in range(2):
         np.testing.assert_array_equal(model(x).asnumpy(), want)
+
+
+def test_the_refusal_names_a_tensor_registered_by_hand(ms, make_daemon):
+    """It was called '?' (a tensor's own name is empty; the daemon's is the one to give)."""
+    from prefetchd.errors import PrefetchdError
+    daemon = make_daemon()
+    for tier in ("device", "host", "remote"):
+        t = tensor(ms, np.ones((16, 16), np.float32))
+        daemon.register(t, name=f"t_{tier}", tier=tier)
+        with pytest.raises(PrefetchdError, match=f"free: tensor 't_{tier}' is managed"):
+            ops.free(t)

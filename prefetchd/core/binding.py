@@ -76,7 +76,7 @@ class Binding:
     def guard(self, rec):
         """Python-level use of rec's tensor raises NotResidentError until it is bound again."""
         if rec.target is not None:
-            guards.guard(rec.target, lambda rec=rec: _not_in_use(rec, self.closed_as))
+            guards.guard(rec.target, lambda rec=rec: _not_in_use(rec, self.closed_as), rec.name)
 
     def placeholder(self, rec):
         """A registered tensor whose data lives elsewhere: bound to its home (which
