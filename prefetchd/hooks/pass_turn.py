@@ -9,6 +9,11 @@ process could not even exit). So a waiting thread looks, every `POLL` seconds,
 whether the holder is still inside one of the model's calls (its Python stack,
 `sys._current_frames`), and takes the turn over if it is not. The holder's own
 next call runs through, as a nested call always did (the pre-hook starts a pass).
+Only a pass is taken over: a block run between passes (`held()`, e.g.
+prefetchd.load_param_into_net) is rightly outside the model, and gives the turn
+back in its `finally`. Taking the lock and naming its holder, and the reverse, run
+with SIGINT held off (hooks/interrupts.py): a Ctrl-C in between left a lock that
+nobody held.
 """
 import contextlib
 import sys
