@@ -65,8 +65,9 @@ def _check_model_size(size, hidden):
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
         raise ValueError(f"size {size!r}: expected the model's weight bytes, > 0")
     if size < estimate_bytes(hidden, 1) // 2:
-        raise ValueError(f"size {size if size < 2**20 else _mib(size)}: the smallest model of width {hidden} (its embeddings "
-                         f"and one block) is {_mib(estimate_bytes(hidden, 1))}; give a size at least "
+        shown = size if size < 2**20 else _mib(size)
+        raise ValueError(f"size {shown}: the smallest model of width {hidden} (its embeddings and "
+                         f"one block) is {_mib(estimate_bytes(hidden, 1))}; give a size at least "
                          f"about that, or a smaller hidden")
     if layers_for(size, hidden) > MAX_BLOCKS:
         raise ValueError(f"size {_mib(size)} at hidden {hidden} would be {layers_for(size, hidden)} "
