@@ -1,6 +1,8 @@
 """What happens around an offload: a closed handle, a second offload of the same model
 or of its parameters, a closed daemon, a store_dir that is a file. Each must be a clear
 Python error that leaves the first offload working, never a read of unmapped pages."""
+import sys
+
 import numpy as np
 import pytest
 
@@ -280,7 +282,11 @@ def test_cells_replaced_after_offload_and_a_closed_daemon_are_named(ms, tmp_path
     """auto_mixed_precision after offload() rebuilds cells, copying their hooks: the next
     forward raised a bare KeyError. And a model whose daemon closed was called "still in use"
     when offloaded again."""
-    monkeypatch.chdir(tmp_path)            # auto_mixed_precision writes rewritten_network/ here
+    # auto_mixed_precision writes rewritten_network/ into the cwd, and puts mindspore/nn/layer
+    # first on sys.path (MindSpore 2.10), where its math.py shadows the standard library's
+    # for every later import and child process: both are undone after the test.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
     model = stack(ms)
     with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "s")) as daemon:
         prefetchd.offload(model, daemon, lookahead=1)
