@@ -70,9 +70,6 @@ def _tracking_class(base):
                 state = self.__dict__
                 if state.get("_prefetchd_in_write"):   # set_data calls assign_value: report once
                     return original(self, *args, **kwargs)
-                check = state.get("_prefetchd_check_write")
-                if check is not None:
-                    check(name)        # may refuse: nothing is written then
                 state["_prefetchd_in_write"] = True
                 try:
                     result = original(self, *args, **kwargs)
@@ -152,12 +149,6 @@ def track(target, name, on_write):
     target.__class__ = _tracking_class(base_class(target))
 
 
-def check_writes(target, check):
-    """Call check(method_name) before each in-place write through the Python API, while the
-    tensor is tracked; an exception it raises refuses the write before anything changes."""
-    target.__dict__["_prefetchd_check_write"] = check
-
-
 def guard(target, error_factory, name=None):
     """Make Python-level reads of target raise error_factory() until track() or release()."""
     target.__dict__["_prefetchd_error"] = error_factory
@@ -178,6 +169,5 @@ def is_managed(target):
 def release(target):
     """Give the object back its own class."""
     target.__class__ = base_class(target)
-    for key in ("_prefetchd_on_write", "_prefetchd_error", "_prefetchd_name", "_prefetchd_in_write",
-                "_prefetchd_check_write"):
+    for key in ("_prefetchd_on_write", "_prefetchd_error", "_prefetchd_name", "_prefetchd_in_write"):
         target.__dict__.pop(key, None)

@@ -231,7 +231,7 @@ class Scheduler:
             if rec.pins > 0:
                 rec.pins -= 1
                 rec.last_use = self.tick()
-                if not rec.pins and rec.guard_unpinned and rec.state is State.RESIDENT:
+                if not rec.pins and rec.guard_unpinned:
                     self.guard(rec)      # (under the lock: a pin that follows tracks it again)
 
     def _watermarks(self, req):

@@ -14,7 +14,7 @@ With checkpoint=..., `register_checkpoint` registers every parameter from the st
 """
 import numpy as np
 
-from .. import dtypes, guard, staging
+from .. import dtypes, staging
 from ..backend import framework
 from ..errors import BudgetError, DoubleRegisterError, PrefetchdError, UnknownTensorError
 from ..cost.model import block_bytes as host_block_bytes
@@ -44,25 +44,14 @@ def register(daemon, model, params, tier, checkpoint):
         # All or none: a placement that fails (a full disk) leaves every parameter as it was.
         handles = dict(zip(params, daemon.register_all(params.values(), tier=tier)))
     records = {key: daemon.record(handle) for key, handle in handles.items()}
-    for key, rec in records.items():
-        guard.check_writes(params[key], _refuse_unpinned_writes(rec))
-        rec.guard_unpinned = True     # kernels' writes (ops.assign) too, the root's between passes
+    for rec in records.values():
+        # An offloaded model's weight is used only while pinned: its forward, daemon.use,
+        # prefetchd.load_param_into_net. A write outside (set_data, ops.assign) was taken
+        # while it happened to be resident and refused at the next one not, so
+        # mindspore.load_param_into_net or model.apply(init) left a model of neither
+        # weights: guarded whenever nothing pins it, resident or not (core/scheduler.py).
+        rec.guard_unpinned = True
     return records
-
-
-def _refuse_unpinned_writes(rec):
-    """An offloaded model's weight is written only while pinned: inside its unit's forward,
-    `daemon.use`, or prefetchd.load_param_into_net. A write outside was taken while the
-    weight happened to be resident and refused while not, so mindspore.load_param_into_net
-    or model.apply(init) changed the resident weights (the root's) and then stopped at an
-    evicted one: a model of neither the old weights nor the new, with no error after."""
-    def check(method):
-        if rec.pins <= 0:
-            raise PrefetchdError(
-                f"refused {method}() of {rec.name!r}: it belongs to an offloaded model, whose weights "
-                f"are written inside its forward or `with daemon.use([...])`; load new values with "
-                f"prefetchd.load_param_into_net (all or nothing, never beside a running forward)")
-    return check
 
 
 def register_checkpoint(daemon, model, *, checkpoint=None):
