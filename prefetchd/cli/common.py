@@ -174,11 +174,15 @@ def positive_int(text):
 MAX_SECONDS = 1e6      # ~11.6 days: a poll's milliseconds fit a C int
 
 
-def seconds(text):
+def _number_of_seconds(text):
     try:
-        s = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+
+
+def seconds(text):
+    s = _number_of_seconds(text)
     if not 0 < s <= MAX_SECONDS:
         raise argparse.ArgumentTypeError(f"{text!r}: seconds must be > 0 and at most {MAX_SECONDS:g}")
     return s
@@ -186,10 +190,7 @@ def seconds(text):
 
 def seconds_or_zero(text):
     """Seconds from 0 (none) to a day: --hold."""
-    try:
-        s = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    s = _number_of_seconds(text)
     if not 0 <= s <= 86400:
         raise argparse.ArgumentTypeError(f"{text!r}: seconds from 0 to 86400")
     return s

@@ -114,9 +114,10 @@ def cmd_config(args):
 
 
 def cmd_demo(args):
-    from ..demo.run import _mib, checked_options, model_bytes_for, run_demo, smallest_budget
+    from ..demo.run import (_check_model_size, _mib, checked_options, model_bytes_for, run_demo,
+                            smallest_budget)
     try:
-        _check_size(args)
+        _check_model_size(args.size, args.hidden)
     except ValueError as e:
         raise UsageError(f"demo: {e}".replace("demo: size", "demo: argument --size")) from None
     # A size is those bytes, a fraction is of the model built (whole blocks: not exactly
@@ -130,20 +131,13 @@ def cmd_demo(args):
     o = checked_options(args)
     need = smallest_budget(o)
     if need is not None:
-        shown = f"{-(-need // 2**20)}MiB"
-        fraction = f"{-(-need * 100 // model_bytes)}%"
+        percent = -(-need * 100 // model_bytes)          # rounded up, as the MiB are
         raise UsageError(f"demo: argument --budget: {_mib(o['device_budget'])} is too small for the "
                          f"{_mib(model_bytes)} model (a block and the next must fit beside the "
                          f"embeddings at --lookahead {o['lookahead']}); the smallest that fits is "
-                         f"--budget {shown} ({fraction})"
-                         + ("" if fraction.rstrip("%").isdigit() and int(fraction[:-1]) <= 100
-                            else ": more than the model, so give a larger --size"))
+                         f"--budget {-(-need // 2**20)}MiB ({percent}%)"
+                         + ("" if percent <= 100 else ": more than the model, so give a larger --size"))
     return run_demo(args)
-
-
-def _check_size(args):
-    from ..demo.run import _check_model_size
-    _check_model_size(args.size, args.hidden)
 
 
 def cmd_stage(args):

@@ -37,8 +37,8 @@ def _size(text):
 _PARSERS = {"workers": positive_int, "models": positive_int, "hidden": positive_int,
             "layers": positive_int, "batch": positive_int, "seq": positive_int,
             "lookahead": positive_int, "max_batch_size": positive_int, "request_timeout": seconds,
-            "heartbeat_timeout": seconds, "start_timeout": seconds, "max_queue_delay_ms": _milliseconds, "metrics_port": port,
-            "model_bytes": _size, "budget": budget}
+            "heartbeat_timeout": seconds, "start_timeout": seconds, "max_queue_delay_ms": _milliseconds,
+            "metrics_port": port, "model_bytes": _size, "budget": budget}
 _FILE_SWITCHES = ("hints", "shared_host")     # the rest are text: endpoint, model, store, ...
 
 
@@ -90,8 +90,8 @@ def register(sub):
                         "weights before the server gives up (180)")
     p.add_argument("--metrics-port", type=_PARSERS["metrics_port"],
                    help="export the front's and all workers' metrics on this port (0: any free one)")
-    p.add_argument("--metrics-addr", help="address of the metrics port (default: the config's metrics_addr or "
-                        "$PREFETCHD_METRICS_ADDR, else 127.0.0.1)")
+    p.add_argument("--metrics-addr", help="address of the metrics port (default: the config's "
+                                          "metrics_addr or $PREFETCHD_METRICS_ADDR, else 127.0.0.1)")
     p.set_defaults(func=cmd_serve)
 
 
