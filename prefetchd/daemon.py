@@ -96,16 +96,7 @@ class Daemon:
             self._core.memory.reserve_checks = self._reserve_checks
             self._state = "running"
             live_daemons.add(self)
-        core, registry = self._core, self._registry
-        self._thread = threading.Thread(
-            target=run, args=(weakref.ref(self), core, lambda: Binding.release_all(registry),
-                              self._events.deliver),
-            name=f"prefetchd-scheduler-{self.name}", daemon=True)
-        self._thread.start()
-        # A daemon its owner dropped without close() is shut down, and says so.
-        self._finalizer = weakref.finalize(self, _reclaim, self.name, core, self._thread,
-                                           self.config.shutdown_timeout)
-        self._finalizer.atexit = False    # at exit, _close_live_daemons closes it properly
+        self._thread, self._finalizer = _scheduler_thread(self, self._core, self._registry)
         _log_started(self.name, self.config, self.backend)
         try:
             self._attach()
@@ -261,6 +252,13 @@ class Daemon:
         """Drop device replicas (writing dirty ones back first). Fails on pinned tensors."""
         return self._submit(Request(Kind.EVICT, self._records_of(tensors), Future()))
 
+    def unregister(self, tensors):
+        """Stop managing `tensors`, all or none, and wait: their device replicas dropped (dirty
+        ones written back), host blocks freed, the store files this daemon wrote removed (a
+        staged store keeps its own), records forgotten (core/placement.py). Refused while one
+        is pinned or wanted by compute. Their framework tensors refuse use from then on."""
+        self._submit(Request(Kind.UNREGISTER, self._records_of(tensors), Future())).result()
+
     def flush(self, tensors=None):
         """Write dirty device replicas back to the remote tier; resolves when verified."""
         recs = None if tensors is None else self._records_of(tensors)
@@ -372,6 +370,19 @@ def _watermark_bytes(high, low, budget):
     if low_b > high_b:
         raise ValueError(f"low watermark {low_b} is above the high watermark {high_b}")
     return high_b, low_b
+
+
+def _scheduler_thread(daemon, core, registry):
+    """The started scheduler thread of `daemon`, and the finalizer that shuts down (and
+    says so) a daemon its owner dropped without close()."""
+    thread = threading.Thread(
+        target=run, args=(weakref.ref(daemon), core, lambda: Binding.release_all(registry),
+                          daemon._events.deliver),
+        name=f"prefetchd-scheduler-{daemon.name}", daemon=True)
+    thread.start()
+    finalizer = weakref.finalize(daemon, _reclaim, daemon.name, core, thread, daemon.config.shutdown_timeout)
+    finalizer.atexit = False    # at exit, _close_live_daemons closes it properly
+    return thread, finalizer
 
 
 def _reclaim(name, core, thread, timeout):

@@ -13,6 +13,12 @@ from .records import State
 
 
 def _not_in_use(rec, closed_as):
+    if rec.index is None and closed_as is None:    # forgotten: Daemon.unregister, handle.close()
+        return DaemonClosedError(rec.name, "", "unregistered", (
+            f"tensor {rec.name!r} was unregistered from its daemon (its offloaded model's handle was "
+            f"closed, or Daemon.unregister): its values are gone from it; build the model again "
+            f"(from its checkpoint, or with prefetchd.offload(model, daemon, checkpoint=True) from a "
+            f"staged store)"))
     if closed_as is not None:
         # daemon.use cannot help any more: say what can
         return DaemonClosedError(rec.name, ",".join(rec.tiers), rec.state.value, (

@@ -1,24 +1,39 @@
-"""Evict and flush requests: started when they arrive, settled as their write-backs land.
+"""Evict, unregister and flush requests: started when they arrive, settled as their
+write-backs land.
 
 An evict drops each tensor's device replica (writing a dirty one back first) and resolves
-once every one is gone; a flush writes dirty replicas back and resolves once every write
-has landed, failing with a FlushError naming each one that did not. An evict of a pinned
-tensor is refused; a tensor loading or being written back is waited for. Scheduler
-thread only, under the daemon's lock.
+once every one is gone; an unregister does the same, first failing the prefetches waiting
+for the tensors (a queued load would bring one back), then forgets them (core/placement.py)
+where an evict resolves. A flush writes dirty replicas back and resolves once every write
+has landed, failing with a FlushError naming each one that did not. An evict or unregister
+of a pinned tensor is refused; a tensor loading or being written back is waited for.
+Scheduler thread only, under the daemon's lock.
 """
 from ..errors import FlushError, PinnedError
+from .placement import unregistered
 from .records import State
 from .requests import Kind
 
 
 class ExplicitRequests:
-    def __init__(self, registry, memory, writebacks, outcomes, note_writes):
+    def __init__(self, registry, memory, writebacks, outcomes, note_writes, forget):
         self._registry = registry
         self._memory = memory
         self._writebacks = writebacks
         self._outcomes = outcomes
         self._note_writes = note_writes      # fn(rec): dirty it if compute wrote it in place
+        self._forget = forget                # fn(request): core/placement.py's forget
         self.waiting = []                    # requests waiting on transfers: (request, recs)
+
+    def unregister(self, req):
+        busy = next((r for r in req.recs if r.pins or any(w.demand for w in r.waiters)), None)
+        if busy is not None:
+            self._outcomes.fail(req, PinnedError(
+                f"cannot unregister {busy.name!r}: compute holds it ({busy.pins} pin(s)) or waits for it"))
+            return
+        for rec in req.recs:
+            self._outcomes.fail_waiters(rec, unregistered())
+        self.evict(req)
 
     def evict(self, req):
         for rec in req.recs:
@@ -37,7 +52,13 @@ class ExplicitRequests:
         if pending:
             self.waiting.append((req, pending))
         else:
-            self._memory.fence_if(lambda: True)   # an explicit evict gives the memory back now
+            self._evicted(req)
+
+    def _evicted(self, req):
+        self._memory.fence_if(lambda: True)   # an explicit evict gives the memory back now
+        if req.kind is Kind.UNREGISTER:
+            self._forget(req)
+        else:
             self._outcomes.resolve(req)
 
     def flush(self, req):
@@ -71,13 +92,11 @@ class ExplicitRequests:
             if failed is not None:
                 self._outcomes.resolve(req, failed.error)
                 continue
-            for r in recs:                          # an evict request
+            for r in recs:                          # an evict or unregister request
                 if r.state is State.RESIDENT and not r.pins:
                     self._writebacks.evict(r, "explicit")
-            done = all(r.state is State.ABSENT for r in recs)
-            if done:
-                self._memory.fence_if(lambda: True)
-                self._outcomes.resolve(req)
+            if all(r.state is State.ABSENT for r in recs):
+                self._evicted(req)
             else:
                 still.append((req, recs))
         self.waiting = still

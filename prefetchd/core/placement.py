@@ -6,7 +6,8 @@ there; no device replica is made. A register(tier="device") is a load instead
 (core/loads.py). These transfers carry their register request: the scheduler routes
 their completions here, never to the write-back path of resident tensors. A FORGET
 request undoes placements whose registration is abandoned (an offload() that failed
-part-way): their host blocks and store files go, and so do their records.
+part-way), or unregisters evicted tensors (Daemon.unregister): their host blocks and
+the store files this daemon wrote go, and so do their records.
 Scheduler thread only, under the daemon's lock.
 """
 import logging
@@ -14,6 +15,7 @@ import logging
 from ..backend.base import TransferKind
 from ..dtypes import store_meta
 from ..errors import PrefetchdError, StorageError
+from . import lending
 from .records import State
 from .transfers import transfer_error
 
@@ -85,21 +87,41 @@ class Placements:
 
     # ------------------------------------------------------------------ abandoned
     def forget(self, req):
-        """Undo the placements of req.recs, registered and placed but never used: free
-        their host blocks, remove their store files, forget their records. Refused, with
-        nothing changed, for a record that is on the device, moving or held."""
-        busy = next((r for r in req.recs if r.state is not State.ABSENT or r.pins or r.waiters), None)
-        if busy is not None:
-            self._outcomes.fail(req, PrefetchdError(
-                f"cannot forget {busy.name!r}: it is {busy.state.value} with {busy.pins} pin(s)"))
-            return
+        """Forget req.recs, none of them on the device: fail the prefetches waiting for
+        them, free their host blocks (and the host pages or shared-tier mapping parked
+        under their homes), remove the store files this daemon wrote, drop their records.
+        Refused, with nothing changed, while one is on the device, moving, pinned or waited
+        for by compute. Their homes stay reserved and unmapped: their framework tensors
+        point there for good, so a stray read faults, never reads another tensor's bytes."""
         for rec in req.recs:
+            why = self._busy(rec)
+            if why:
+                self._outcomes.fail(req, PrefetchdError(f"cannot forget {rec.name!r}: {why}"))
+                return
+        for rec in req.recs:
+            self._outcomes.fail_waiters(rec, unregistered())
+            lending.drop_parked(self._backend, self._stats, rec, mappings=True)
             self._host.free(rec)
-            if rec.remote_valid:
-                rec.remote_valid = False
+            if rec.remote_valid and not rec.keeps_store_file:
                 try:
                     self._backend.store_remove(rec.name)
                 except Exception as e:     # the file stays; the record goes all the same
                     log.warning("prefetchd: could not remove the store file of %r: %s", rec.name, e)
+            rec.remote_valid = False       # a request still holding the record finds no replica
             self._registry.forget(rec)
         self._outcomes.resolve(req)
+
+    def _busy(self, rec):
+        """Why rec cannot be forgotten now, or None."""
+        if self._registry.records.get(rec.name) is not rec:
+            return "it is not registered (any more)"
+        if rec.state is not State.ABSENT or rec.pins:
+            return f"it is {rec.state.value} with {rec.pins} pin(s)"
+        if any(w.demand for w in rec.waiters):
+            return "compute is waiting for it"
+        return None
+
+
+def unregistered():
+    """The error of a prefetch whose tensor is forgotten before its load ran."""
+    return PrefetchdError("prefetchd: the tensor was unregistered before this prefetch ran")

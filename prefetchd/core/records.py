@@ -39,6 +39,8 @@ class ManagedTensor:
     host_block: object = None  # host replica, valid when host_valid
     host_valid: bool = False
     remote_valid: bool = False
+    keeps_store_file: bool = False   # its store file was there before it (register_remote: a staged
+                                     # store): forgetting the tensor leaves the file
     dirty: bool = False      # device replica newer than every lower replica
     pins: int = 0            # compute or requests hold it: never evicted or moved while > 0
     last_use: int = 0

@@ -7,7 +7,8 @@ store); once placed, the framework tensor is bound to its replica or made a
 placeholder. A failed placement forgets the record: nothing half-registered stays.
 `register_all` places many tensors before any is taken over: all, or none (the
 placed ones are forgotten again when one fails).
-`register_remote` manages a tensor whose bytes are already in the store.
+`register_remote` manages a tensor whose bytes are already in the store (its file is the
+user's: forgetting the record leaves it).
 Any thread; the registry changes under the daemon's lock.
 """
 import logging
@@ -137,7 +138,7 @@ class Registrar:
             raise ValueError(f"{name!r}: the store holds {info['nbytes']} bytes, "
                              f"but shape {shape} of {dtype} needs {nbytes}")
         rec = ManagedTensor(name=name, shape=shape, dtype=dtype, nbytes=nbytes,
-                            target=target, remote_valid=True)
+                            target=target, remote_valid=True, keeps_store_file=True)
         self._add(rec)
         if target is not None:
             try:

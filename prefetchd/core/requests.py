@@ -31,6 +31,7 @@ class Kind(str, enum.Enum):
     STAGE = "stage"
     WATERMARKS = "watermarks"
     FORGET = "forget"      # placed tensors a failed offload() gives up (core/placement.py)
+    UNREGISTER = "unregister"   # evict, then forget (core/explicit.py)
     SHUTDOWN = "shutdown"
 
 

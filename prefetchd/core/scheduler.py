@@ -67,7 +67,8 @@ class Scheduler:
                            evict=self.writebacks.evict)
         self.placements = Placements(backend, registry, self.transfers, self.outcomes, self.host_replicas, stats)
         self.memory.connect(evict=self.writebacks.evict, written_late=self.writebacks.written_late)
-        self.explicit = ExplicitRequests(registry, self.memory, self.writebacks, self.outcomes, self.note_writes)
+        self.explicit = ExplicitRequests(registry, self.memory, self.writebacks, self.outcomes, self.note_writes,
+                                         self.placements.forget)
         self._tick = itertools.count(1)
         self.shutdown_deadline = None
         self.timeline = NullTimeline()   # the daemon sets its own when tracing is on
@@ -81,6 +82,7 @@ class Scheduler:
             Kind.STAGE: self.host_replicas.stage,
             Kind.WATERMARKS: self._watermarks,
             Kind.FORGET: self.placements.forget,
+            Kind.UNREGISTER: self.explicit.unregister,
         }
         # Completions by transfer kind: fn(rec, request or None, completion, seconds).
         self._completions = {

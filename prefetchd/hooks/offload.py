@@ -334,9 +334,10 @@ class Offloaded:
 
     # ---------------------------------------------------------------- teardown and refusals
     def close(self):
-        """Remove the hooks (and close an owned daemon). The weights stay in the daemon's
-        tiers, not in ordinary memory, so the model refuses to run from then on instead
-        of reading pages that are not mapped."""
+        """Remove the hooks, give the weights' memory and store files back to the daemon (and
+        close an owned daemon). The weights were in the daemon's tiers, not in ordinary
+        memory, so the model refuses to run from then on instead of reading pages that are
+        not mapped."""
         if self.closed:
             return
         self.daemon.attachments.forget(self._on_daemon_close)
@@ -351,6 +352,7 @@ class Offloaded:
         self._handles.append(self.model.register_forward_pre_hook(self._refuse_closed))
         try:
             self._pins.release_all(None)
+            registration.unregister(self.daemon, [self.root, *self.units])
         except ShutdownError:                 # the daemon closed under the model: no pin is left
             pass
         finally:

@@ -11,13 +11,18 @@ before any parameter is registered, and a placement that fails part-way (the
 store's disk full) undoes the others (Daemon.register_all), so a refusal or a
 failure leaves the model as it was.
 With checkpoint=..., `register_checkpoint` registers every parameter from the store.
+`unregister(daemon, units)` gives it all back when the handle closes.
 """
+import logging
+
 import numpy as np
 
 from .. import dtypes, staging
 from ..backend import framework
-from ..errors import BudgetError, DoubleRegisterError, PrefetchdError, UnknownTensorError
+from ..errors import BudgetError, DoubleRegisterError, PrefetchdError, ShutdownError, UnknownTensorError
 from ..cost.model import block_bytes as host_block_bytes
+
+log = logging.getLogger("prefetchd.hooks")
 
 
 def drop_compiled_graphs(model):
@@ -101,6 +106,23 @@ def _check_file(params, checkpoint):
                                  f"parameter(s) of the model ({shown}); nothing was staged")
     for p in params:
         _check_layout(p, *held[p.name], str(checkpoint))
+
+
+def unregister(daemon, units):
+    """handle.close(): the daemon forgets the units' weights (memory, host blocks, the store
+    files it wrote for them; a staged store keeps its files), so a long-lived daemon does
+    not grow with every model it streamed. Where that is refused (another thread's forward
+    or a daemon.use() pins one now), they stay registered until the daemon closes."""
+    records = list({id(r): r for u in units for r in u.records}.values())
+    if not records or daemon.closed:
+        return
+    try:
+        daemon.unregister(records)
+    except ShutdownError:      # the daemon closed meanwhile: its tiers went with it
+        pass
+    except PrefetchdError as e:
+        log.warning("prefetchd: the closed model's %d weights stay in daemon %r until it closes: %s",
+                    len(records), daemon.config.name, e)
 
 
 def _check_layout(p, shape, dtype_name, where):

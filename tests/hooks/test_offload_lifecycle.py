@@ -68,9 +68,9 @@ def test_a_model_on_a_closed_daemon_says_the_daemon_is_closed(ms, tmp_path, x):
 def test_a_weight_read_after_its_daemon_closed_says_so_not_to_use_daemon_use(ms, tmp_path, x):
     model = stack(ms)
     with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "s"), name="gone") as daemon:
-        prefetchd.offload(model, daemon, lookahead=1).close()   # (no prefetch brings it back)
+        prefetchd.offload(model, daemon, lookahead=1)
         weight = model[0][0].weight
-        daemon.evict([weight]).result(10)
+        daemon.evict([weight]).result(10)                # (no forward brings it back)
         assert "device" not in prefetchd.tier(weight)
         with pytest.raises(NotResidentError, match=r"daemon\.use"):     # open: daemon.use is the way
             weight.asnumpy()

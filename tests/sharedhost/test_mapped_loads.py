@@ -3,6 +3,8 @@ the tensor's home maps the owner's segment while resident; where the owner's bud
 holds the whole store, a dropped tensor's mapping stays parked under its home
 (PROT_NONE, lease held) and its next load unparks it; otherwise the worker holds a
 lease exactly while its device tier maps a block. `shared_host_map = false` copies."""
+import os
+
 import numpy as np
 import pytest
 
@@ -159,3 +161,26 @@ def test_loads_queued_together_go_to_the_owner_in_one_request(owner, tmp_path):
     finally:
         d.close(10)
     assert wait_until(lambda: _owner_leases(owner) == 0, 5)
+
+
+def test_unregister_ends_the_leases_of_parked_mappings_and_keeps_the_staged_files(owner, tmp_path):
+    d = _daemon(owner, tmp_path)
+    try:
+        handles = [d.register_remote(name, (N,), np.float32) for name in TENSORS]
+        for h in handles:
+            with d.use([h]):
+                pass
+        d.evict(handles).result(30)
+        assert d.status()["shared_host"]["parked_leases"] == 4
+        store = sorted(os.listdir(tmp_path / "w"))
+        d.unregister(handles)
+        shared = d.status()["shared_host"]
+        assert d.names() == [] and shared["parked_leases"] == shared["mapped_leases"] == 0
+        assert d.status()["host"]["parked_bytes"] == 0
+        assert wait_until(lambda: _owner_leases(owner) == 0, 5)
+        assert sorted(os.listdir(tmp_path / "w")) == store          # register_remote: the user's files
+        h = d.register_remote("t2", (N,), np.float32)                # and loadable again
+        with d.use([h]) as recs:
+            assert np.array_equal(np.frombuffer(recs[0].home, np.float32, N), values("t2"))
+    finally:
+        d.close(10)

@@ -1,0 +1,125 @@
+"""handle.close() gives a model's weights back to its daemon (Daemon.unregister): device
+slots, host blocks and the store files the daemon wrote for them go, so a long-lived daemon
+that streams one model after another does not grow with each. A staged store keeps its
+files; a weight written while resident is written back first; a weight something still
+pins stays registered (said so) and the close does not fail."""
+import logging
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import prefetchd
+from prefetchd.errors import DaemonClosedError, PinnedError, PrefetchdError
+
+
+def stack(ms, prefix, n=6, d=64, seed=3):
+    nn = ms.nn
+    ms.set_seed(seed)
+    model = nn.SequentialCell([nn.SequentialCell([nn.Dense(d, d), nn.ReLU()]) for _ in range(n)])
+    model.set_train(False)
+    model.update_parameters_name(prefix)
+    return model
+
+
+def files(path):
+    return sorted(f for _, _, fs in os.walk(path) for f in fs if not f.startswith("."))
+
+
+def stems(path):
+    """The tensors a store holds a file of (a file name is the tensor's, then its generation)."""
+    return sorted({f.split(".")[0] for f in files(path)})
+
+
+@pytest.fixture
+def x(ms):
+    return ms.Tensor(np.random.default_rng(5).standard_normal((2, 64)).astype(np.float32))
+
+
+@pytest.mark.parametrize("tier", ["remote", "host"])
+def test_a_daemon_streaming_model_after_model_returns_to_empty_after_each_close(ms, tmp_path, x, tier):
+    store = str(tmp_path / "store")
+    with prefetchd.Daemon(device_budget=64 << 10, host_budget=1 << 20, store_dir=store) as daemon:
+        empty = files(store)
+        for i in range(6):
+            model = stack(ms, f"m{i}.", seed=i)
+            want = model(x).asnumpy()
+            handle = prefetchd.offload(model, daemon, lookahead=1, tier=tier)
+            for _ in range(2):
+                np.testing.assert_array_equal(model(x).asnumpy(), want)
+            assert len(daemon.names()) == 12 and daemon.status()["device"]["used"] > 0
+            handle.close()
+            status = daemon.status()
+            assert daemon.names() == [] and files(store) == empty
+            assert status["device"]["used"] == 0 and status["host"]["used"] == 0, status
+            assert status["host"]["parked_bytes"] == 0
+            with pytest.raises(DaemonClosedError, match="was unregistered from its daemon"):
+                model[0][0].weight.asnumpy()
+            with pytest.raises(PrefetchdError, match="its handle was closed"):
+                model(x)
+
+
+def test_a_staged_store_keeps_its_files_and_what_the_model_wrote(ms, tmp_path, x):
+    store, ckpt = str(tmp_path / "staged"), str(tmp_path / "model.ckpt")
+    model = stack(ms, "")
+    ms.save_checkpoint(model, ckpt)
+    new = {p.name: np.full(p.shape, 0.25, np.float32) for p in model.get_parameters()}
+    with prefetchd.Daemon(device_budget=64 << 10, store_dir=store) as daemon:
+        second = stack(ms, "", seed=11)
+        handle = prefetchd.offload(second, daemon, lookahead=1, checkpoint=ckpt)    # stages the file
+        staged = stems(store)
+        assert len(staged) == 12
+        prefetchd.load_param_into_net(second, {n: ms.Tensor(v) for n, v in new.items()})
+        got = second(x).asnumpy()
+        handle.close()
+        assert daemon.names() == [] and stems(store) == staged       # the staged files stay
+        third = stack(ms, "", seed=12)                                # and the names are free again
+        prefetchd.offload(third, daemon, lookahead=1, checkpoint=True)
+        np.testing.assert_array_equal(third(x).asnumpy(), got)       # with what the second wrote
+        with daemon.use([third[0][0].weight]):
+            np.testing.assert_array_equal(third[0][0].weight.asnumpy(), new["0.0.weight"])
+
+
+def test_a_weight_pinned_elsewhere_keeps_the_model_registered_and_close_says_so(ms, tmp_path, x, caplog):
+    model = stack(ms, "")
+    with prefetchd.Daemon(device_budget=64 << 10, store_dir=str(tmp_path / "s")) as daemon:
+        handle = prefetchd.offload(model, daemon, lookahead=1)
+        model(x)
+        held, release = threading.Event(), threading.Event()
+
+        def hold():
+            with daemon.use([model[2][0].weight]):
+                held.set()
+                release.wait(30)
+        t = threading.Thread(target=hold)
+        t.start()
+        assert held.wait(30)
+        with caplog.at_level(logging.WARNING, logger="prefetchd.hooks"):
+            handle.close()                                   # does not raise
+        release.set()
+        t.join(30)
+        assert len(daemon.names()) == 12                     # all or none: none forgotten
+        assert "stay in daemon" in caplog.text and "2.0.weight" in caplog.text
+        daemon.unregister([p for p in model.get_parameters()])   # now nothing holds them
+        assert daemon.names() == []
+
+
+def test_unregister_is_all_or_none_and_a_name_can_be_registered_again(ms, tmp_path):
+    a = ms.Parameter(ms.Tensor(np.arange(4096, dtype=np.float32)), name="a")
+    b = ms.Parameter(ms.Tensor(np.ones(4096, np.float32)), name="b")
+    with prefetchd.Daemon(device_budget=1 << 20, store_dir=str(tmp_path / "s")) as daemon:
+        ha, hb = daemon.register_all([a, b], tier="remote")
+        with daemon.use([hb]):
+            with pytest.raises(PinnedError, match="cannot unregister 'b'"):
+                daemon.unregister([ha, hb])
+        assert sorted(daemon.names()) == ["a", "b"]
+        with daemon.use([ha]) as recs:
+            np.testing.assert_array_equal(np.frombuffer(recs[0].home, np.float32, 4096), np.arange(4096))
+        daemon.prefetch([ha, hb])                            # queued or loading: dropped with them
+        daemon.unregister([ha, hb])
+        assert daemon.names() == [] and files(str(tmp_path / "s")) == []
+        c = ms.Parameter(ms.Tensor(np.full(4096, 7, np.float32)), name="a")
+        (hc,) = daemon.register_all([c], tier="remote")
+        with daemon.use([hc]):
+            np.testing.assert_array_equal(c.asnumpy(), np.full(4096, 7, np.float32))
