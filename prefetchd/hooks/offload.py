@@ -254,8 +254,10 @@ class Offloaded:
             self._turn.give()
 
     def _abandon_pass(self):
-        if self._pass.recording:   # _after_model never ran (the forward raised) or ran no unit
-            self._pass.abandoned()
+        """The forward ended. Where _after_model never ran (it raised, or ran no unit) the
+        recording pass records again, and a streamed pass cut short may be the trace now."""
+        if self._pass.abandoned():
+            self._publish_trace()
 
     # ---------------------------------------------------------------- the units' hooks
     def _before_unit(self, cell, inputs):

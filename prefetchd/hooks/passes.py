@@ -14,7 +14,8 @@ Both take the same calls, in this order within a pass:
     timed(unit, out)   its last cell ran: time its compute now (recording) or leave it
     after_release()    a unit was released: its memory may admit a prefetch now
     finish()           the model's post-hook ran the pass to its end
-    abandoned()        the pass ended without finish() (it raised, or ran no unit)
+    abandoned()        the forward ended (after finish(), a no-op), or it raised / ran no
+                       unit: a streamed pass cut short may change the trace (True)
 """
 import logging
 
@@ -36,7 +37,7 @@ class RecordingPass:
         self._estimator, self._tier_of = estimator, tier_of
 
     def begin(self):
-        self._cursor.steps = [ROOT]
+        self._cursor.start_recording()
 
     def acquire(self, unit):
         self._pins.acquire(unit, auto_fetch=True)
@@ -66,6 +67,7 @@ class RecordingPass:
 
     def abandoned(self):
         self._estimator.recording_abandoned()
+        return False
 
 
 class StreamingPass:
@@ -112,7 +114,8 @@ class StreamingPass:
         return self._cursor.end_pass()
 
     def abandoned(self):
-        pass
+        """The pass raised part-way: True if its order is the trace now (TraceCursor.abandon_pass)."""
+        return self._cursor.abandon_pass()
 
     def prepare_next(self):
         """The next pass starts with the root, then the first units of the trace: the policy

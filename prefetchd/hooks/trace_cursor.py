@@ -9,7 +9,9 @@ hold (an MoE expert the recording pass did not route to, a branch taken
 since) becomes the trace (`end_pass`), so the next pass prefetches it; a pass
 that only skipped or reordered units (an early exit) leaves the trace as it was,
 unless the pass before it ran in that same order: a lasting change (a block
-dropped or two swapped for good) missed on every pass, for good. Pure
+dropped or two swapped for good) missed on every pass, for good. A pass that
+raised part-way (`abandon_pass`: strict=True's miss at the first unit out of
+order) counts as its order so far, then the trace's from there. Pure
 bookkeeping, no I/O and no pinning: the layer hooks (prefetchd/hooks/offload.py)
 prefetch what `upcoming` names.
 """
@@ -25,11 +27,18 @@ class TraceCursor:
         self._seen = []          # this pass's steps so far
         self._last = None        # the steps of the pass before, once ended
         self._new = False        # this pass ran a unit the trace does not hold
+        self._open = False       # a later pass started and has not ended
 
     def start_pass(self):
         self.position = 0
         self._seen = [ROOT]
         self._new = False
+        self._open = True
+
+    def start_recording(self):
+        """The pass started is the recording pass: its steps are the trace (record)."""
+        self.steps = [ROOT]
+        self._open = False
 
     def record(self, index):
         """Recording pass: `index` started."""
@@ -38,6 +47,7 @@ class TraceCursor:
     def end_pass(self):
         """A later pass ended. True if it ran a unit the trace did not hold, or ran in an order
         other than the trace's twice in a row: its order is the trace from now on."""
+        self._open = False
         seen, last, self._last = self._seen, self._last, self._seen
         if not self._new and (seen == self.steps or seen != last):
             return False
@@ -45,6 +55,16 @@ class TraceCursor:
         self.retraces += 1
         self._new = False
         return True
+
+    def abandon_pass(self):
+        """A later pass raised part-way; end_pass's answer for its order so far followed by
+        the trace's from where it stopped (False if no pass is open). Else a lasting change
+        that strict=True's miss cuts short at the same unit on every pass is never adopted,
+        and every pass raises there, for good."""
+        if not self._open:
+            return False
+        self._seen += self.steps[self.position + 1:]
+        return self.end_pass()
 
     def enter(self, index):
         """A later pass: unit `index` starts. False when it was not the expected next step

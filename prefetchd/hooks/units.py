@@ -78,7 +78,11 @@ class Pins:
             except NotResidentError as miss:
                 self.misses += 1
                 if self.strict:
-                    raise
+                    raise NotResidentError(miss.name, miss.tier, miss.state, (
+                        f"prefetchd.offload(strict=True): unit {unit.name!r} was not prefetched in time "
+                        f"({miss}). A pass that leaves the recorded order (a skipped or new unit) raises "
+                        f"at the first unit out of order; an order that lasts becomes the trace once two "
+                        f"passes ran alike. strict=False fetches it on demand and counts a miss")) from None
                 self._note_miss(unit, miss)
                 stall = self.session.acquire(unit.records, auto_fetch=True, unit=unit.name)
                 unit.held = True

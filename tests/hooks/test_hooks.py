@@ -122,6 +122,41 @@ def test_strict_raises_not_resident_naming_the_tensor(make_daemon, reference):
     assert handle.stats()["misses"] == 1
 
 
+def test_strict_passes_recover_from_a_block_dropped_for_good(ms, make_daemon):
+    """strict=True: a block skipped from some pass on raised at the unit after it on every
+    pass, for good (the pass never ended, so its order never became the trace). Now the
+    order is adopted after two such passes; the error says what happened."""
+    class Skipping(ms.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.blocks = ms.nn.CellList([ms.nn.Dense(64, 64) for _ in range(6)])
+            self.skip = -1
+
+        def construct(self, x):
+            for i, block in enumerate(self.blocks):
+                if i != self.skip:
+                    x = block(x)
+            return x
+    ms.set_seed(4)
+    model = Skipping()
+    x = ms.Tensor(np.random.default_rng(4).standard_normal((2, 64)).astype(np.float32))
+    model.skip = 2
+    want = model(x).asnumpy()
+    model.skip = -1
+    daemon = make_daemon(device_budget=3 * 20480)        # three of the six blocks
+    handle = prefetchd.offload(model, daemon, lookahead=1, strict=True)
+    for _ in range(2):
+        model(x)
+    model.skip = 2
+    for _ in range(2):
+        with pytest.raises(NotResidentError, match=r"strict=True.*leaves the recorded order") as err:
+            model(x)
+        assert err.value.name == "blocks.3.weight" or err.value.name == "blocks.3.bias"
+    for _ in range(3):
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
+    assert handle.stats()["misses"] == 2
+
+
 def test_a_miss_is_fetched_counted_and_the_next_pass_is_normal(make_daemon, reference, caplog):
     """Default (not strict): everything evicted behind the hooks' back -> each unit misses once,
     is fetched on demand, outputs stay exact; the pass after runs without misses."""

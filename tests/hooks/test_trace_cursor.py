@@ -75,3 +75,23 @@ def test_an_order_that_changed_for_good_becomes_the_trace_at_its_second_pass():
     for indices in [(0,), (0, 1), (0,), (0, 1, 2)] * 2:
         assert run(cursor, indices) is False
     assert cursor.steps == [ROOT, 0, 1, 2, 3] and cursor.retraces == 0
+
+
+def abandoned(cursor, indices):
+    """A pass that raised at the last of `indices` (strict=True's miss there)."""
+    cursor.start_pass()
+    for index in indices:
+        cursor.enter(index)
+    return cursor.abandon_pass()
+
+
+def test_a_pass_cut_short_counts_as_its_order_then_the_traces_from_there():
+    """strict=True raises at the first unit out of order, so a dropped block never reached
+    end_pass: the trace was never adopted and every pass raised there, for good."""
+    cursor = recorded(0, 1, 2, 3)
+    assert abandoned(cursor, (0, 2)) is False              # unit 1 dropped: once kept...
+    assert abandoned(cursor, (0, 2)) is True and cursor.steps == [ROOT, 0, 2, 3]
+    assert run(cursor, (0, 2, 3)) is False and cursor.abandon_pass() is False   # ended: nothing to do
+    # an error part-way through a pass in the trace's order changes nothing
+    assert abandoned(cursor, (0,)) is False and abandoned(cursor, (0,)) is False
+    assert cursor.steps == [ROOT, 0, 2, 3] and cursor.retraces == 1
