@@ -2,8 +2,10 @@
 weights, streamed through a small budget; prints one line per pass (max abs error
 against the resident model) and 'ok'. A regression dies here with SIGSEGV (a read of
 an unmapped home), not in the test process."""
+import dataclasses
 import sys
 import tempfile
+import types
 
 import numpy as np
 
@@ -36,7 +38,17 @@ class Table(nn.Cell):
             return self.pe
         if KIND == "tuple":
             return self.proj(x), (self.pe[:n],)
+        if KIND == "dataclass":              # a model-output class
+            return Output(self.proj(x), self.pe[:n])
+        if KIND == "namespace":
+            return types.SimpleNamespace(hidden=self.proj(x), table=self.pe[:n])
         return self.proj(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    hidden: object
+    table: object
 
 
 class Holder(nn.Cell):
@@ -69,7 +81,7 @@ class Net(nn.Cell):
             outs.append(out)
         acc = x
         for out in outs:                  # read after the later blocks evicted the first ones
-            acc = acc + out
+            acc = acc + (out.hidden + out.table if KIND in ("dataclass", "namespace") else out)
         if KIND == "root":
             return acc, self.pos[:n]      # a view of a root weight leaves the model
         return acc

@@ -27,9 +27,8 @@ MindSpore calls when the forward raised). Two interleaved passes would unpin
 each other's units while their kernels still read them.
 
 A model streams through one daemon, once: offload() refuses a model (or a
-parameter) already offloaded. `close()` removes the hooks; the weights stay in
-the daemon's tiers, so the model then refuses to run instead of reading pages
-that are not mapped.
+parameter) already offloaded. `close()` removes the hooks and gives the weights
+back to the daemon (Daemon.unregister); the model then refuses to run.
 
 A unit that is not resident in time (a *miss*) is fetched on demand, counted
 (`stats()["misses"]`, a WARNING the first time per unit) and the run goes on;
@@ -250,12 +249,14 @@ class Offloaded:
 
     def _end_pass(self, cell, inputs, output):
         if self._turn.holder == threading.get_ident():
-            self._abandon_pass()
-            self._turn.give()
+            try:   # a forward that raised still pins its units: another model may need the room
+                self._pins.release_all(None)
+                self._abandon_pass()
+            finally:
+                self._turn.give()
 
     def _abandon_pass(self):
-        """The forward ended. Where _after_model never ran (it raised, or ran no unit) the
-        recording pass records again, and a streamed pass cut short may be the trace now."""
+        """A recording pass cut short records again; a streamed one may be the trace now."""
         if self._pass.abandoned():
             self._publish_trace()
 
@@ -330,16 +331,12 @@ class Offloaded:
         """Weights registered remote but all held in host RAM (stage_to_host, or a host cache
         that took everything) are planned as the host tier: no pass reads the disk. (A read
         without the lock: it only picks the plan's tier.)"""
-        if all(r.host_valid for u in self.units for r in u.records):
-            return "host"
-        return self.tier
+        return "host" if all(r.host_valid for u in self.units for r in u.records) else self.tier
 
     # ---------------------------------------------------------------- teardown and refusals
     def close(self):
-        """Remove the hooks, give the weights' memory and store files back to the daemon (and
-        close an owned daemon). The weights were in the daemon's tiers, not in ordinary
-        memory, so the model refuses to run from then on instead of reading pages that are
-        not mapped."""
+        """Remove the hooks, give the weights back to the daemon (memory, the store files it
+        wrote) and close an owned daemon. The model refuses to run from then on."""
         if self.closed:
             return
         self.daemon.attachments.forget(self._on_daemon_close)

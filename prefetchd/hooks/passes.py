@@ -84,8 +84,9 @@ class StreamingPass:
 
     def acquire(self, unit):
         pins = self._pins
-        # lookahead 0 loads every unit on demand by design: not a miss to warn about
-        auto = self._auto_fetch or (self._lookahead_of() == 0 and not pins.strict)
+        # lookahead 0 loads every unit on demand by design: not a miss to warn about, nor
+        # one for strict=True to raise (every pass would, also where "auto" picked 0)
+        auto = self._auto_fetch or self._lookahead_of() == 0
         # the prefetches behind a missed unit were issued before the miss: issue them again
         pins.acquire(unit, auto_fetch=auto, after_miss=lambda: self.prefetch_from(
             self._cursor.position + 1, pins.held_bytes() + unit.nbytes))

@@ -18,8 +18,11 @@ returns a view only on passes after the recording one is not covered.
 hooks (prefetchd/hooks/offload.py) pass every output that leaves a unit (a unit's
 cell, an entry part, the model for the root unit) through it.
 """
+import copy
+import dataclasses
 import itertools
 import logging
+import types
 
 from ..backend import framework
 
@@ -51,7 +54,8 @@ class ViewCopies:
 
 
 def flat_tensors(value):
-    """The tensors in `value` (nested tuples, lists and dict values), in a fixed order."""
+    """The tensors in `value` (nested tuples, lists, dict values, and the fields of
+    dataclass instances and SimpleNamespaces: model outputs), in a fixed order."""
     ms = framework.mindspore()
     if isinstance(value, ms.Tensor):
         return [value]
@@ -59,7 +63,18 @@ def flat_tensors(value):
         return [t for v in value for t in flat_tensors(v)]
     if isinstance(value, dict):
         return [t for v in value.values() for t in flat_tensors(v)]
-    return []
+    fields = _fields(value)
+    return [t for v in fields.values() for t in flat_tensors(v)] if fields else []
+
+
+def _fields(value):
+    """{name: value} of a dataclass instance's fields or a SimpleNamespace's attributes;
+    None for anything else (an arbitrary object is not walked: a cache may hold thousands)."""
+    if isinstance(value, types.SimpleNamespace):
+        return vars(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if hasattr(value, f.name)}
+    return None
 
 
 def view_positions(output, records):
@@ -96,9 +111,19 @@ def copy_positions(output, positions):
             return type(value)(items) if type(value) in (tuple, list) else _same_kind(value, items)
         if isinstance(value, dict):
             return type(value)((k, rebuild(v)) for k, v in value.items())
-        return value
+        fields = _fields(value)
+        return _with_fields(value, {k: rebuild(v) for k, v in fields.items()}) if fields else value
 
     return rebuild(output)
+
+
+def _with_fields(value, fields):
+    """A shallow copy of a dataclass instance or SimpleNamespace with `fields` set (also
+    on a frozen dataclass: its own __setattr__ refuses)."""
+    new = copy.copy(value)
+    for name, v in fields.items():
+        object.__setattr__(new, name, v)
+    return new
 
 
 def _same_kind(value, items):

@@ -8,6 +8,7 @@ import pytest
 
 import prefetchd
 from prefetchd.errors import NotResidentError, PrefetchdError, ShutdownError, StorageError
+from helpers import wait_until
 
 
 def stack(ms, n=6, d=64):
@@ -308,3 +309,34 @@ def test_offloading_what_is_not_a_cell_says_so(ms, tmp_path):
             prefetchd.offload(ms.jit(model), daemon)
         with pytest.raises(TypeError, match="not int"):
             prefetchd.offload(5, daemon)
+
+
+def test_a_forward_that_raised_lets_go_of_its_pins_for_the_next_model(ms, tmp_path, x):
+    """A forward that raised in a block kept the root and the unit pinned until the same
+    model's next forward: a second model in the daemon failed every call for want of room."""
+    nn = ms.nn
+
+    class Raising(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.dense = nn.Dense(64, 64)
+
+        def construct(self, x):
+            if x.shape[0] == 3:
+                raise ValueError("bad batch")
+            return self.dense(x)
+    ms.set_seed(2)
+    a = nn.SequentialCell([Raising() for _ in range(4)] + [nn.Dense(64, 768)])   # a large head: root
+    b = stack(ms, n=4)
+    b.update_parameters_name("b.")
+    want_a, want_b = a(x).asnumpy(), b(x).asnumpy()
+    with prefetchd.Daemon(device_budget=300_000, store_dir=str(tmp_path / "s")) as daemon:
+        prefetchd.offload(a, daemon, lookahead=1)
+        prefetchd.offload(b, daemon, lookahead=1)
+        np.testing.assert_array_equal(a(x).asnumpy(), want_a)
+        with pytest.raises(ValueError, match="bad batch"):
+            a(ms.Tensor(np.zeros((3, 64), np.float32)))
+        assert wait_until(lambda: daemon.status()["pinned"] == 0, 5), daemon.status()["pinned"]
+        for _ in range(2):
+            np.testing.assert_array_equal(b(x).asnumpy(), want_b)
+        np.testing.assert_array_equal(a(x).asnumpy(), want_a)
