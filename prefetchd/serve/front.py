@@ -66,6 +66,22 @@ def _headers(key, value):
     return value
 
 
+def _spec_of(ops, op, args, tensors):
+    """The op table's entry for a request, or BadArguments: an unknown op or argument (e.g. an
+    old `delay`: never silently ignored), or tensor frames after an op that takes none."""
+    spec = ops.get(op)
+    if spec is None:
+        raise BadArguments(f"unknown op {op[:64]!r}; known: {', '.join(sorted(ops))}")
+    unknown = [k for k in args if k not in spec.args]
+    if unknown:
+        raise BadArguments(f"unknown argument {', '.join(repr(k[:64]) for k in unknown[:8])}; "
+                           f"{op} takes {', '.join(spec.args) or 'none'}")
+    if tensors and op not in TENSOR_OPS:
+        raise BadArguments(f"{len(tensors)} frames after the body; only "
+                           f"{' and '.join(TENSOR_OPS)} carry tensors")
+    return spec
+
+
 TENSOR_ARGS = {"model": (_model_name, None), "inputs": (_headers, None), "hint": (flag, None)}
 GENERATE_ARGS = dict(TENSOR_ARGS, max_new_tokens=(integer(1, MAX_NEW_TOKENS), None))
 
@@ -175,20 +191,14 @@ class Front(FrontSockets):
         if request is None:
             return
         rid, op, args, timeout = request
-        spec = self._ops.get(op)
         try:
-            if spec is None:
-                raise BadArguments(f"unknown op {op[:64]!r}; known: {', '.join(sorted(self._ops))}")
-            unknown = [k for k in args if k not in spec.args]
-            if unknown:           # e.g. an old `delay`: never silently ignored
-                raise BadArguments(f"unknown argument {', '.join(repr(k[:64]) for k in unknown[:8])}; "
-                                   f"{op} takes {', '.join(spec.args) or 'none'}")
-            if tensors and op not in TENSOR_OPS:
-                raise BadArguments(f"{len(tensors)} frames after the body; only "
-                                   f"{' and '.join(TENSOR_OPS)} carry tensors")
+            spec = _spec_of(self._ops, op, args, tensors)
             spec.handler(envelope, rid, spec.validate(args), timeout, tensors)
         except BadArguments as e:
             self._reply_error(envelope, rid, P.BAD_REQUEST, f"{op}: {e}")
+        except Exception as e:    # a defect here must not leave the request unanswered
+            log.exception("prefetchd serve: %s request failed", op[:64])
+            self._reply_error(envelope, rid, P.INTERNAL, f"{op}: internal error ({type(e).__name__})")
 
     def _op_ping(self, envelope, rid, args, timeout, tensors):
         self._send(envelope, P.encode_ok(rid, {

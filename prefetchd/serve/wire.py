@@ -5,7 +5,7 @@ frames after the JSON header, one frame per tensor, described in the header by
 Receivers take the frames without a copy (zmq `copy=False`) and view them with
 np.frombuffer. Every header is checked before any byte is used: a list of at
 most MAX_TENSORS objects with exactly `dtype` and `shape`, a dtype from DTYPES,
-a shape of at most MAX_RANK non-negative integers, a size within `max_bytes`
+a shape of at most MAX_RANK integers in [0, MAX_DIM], a size within `max_bytes`
 (computed with Python integers: a huge shape cannot overflow), as many frames
 as headers, and each frame exactly as long as its header says. A bool tensor
 holds only 0 and 1. Anything else is a BadArguments naming the tensor, which
@@ -20,6 +20,7 @@ DTYPES = {name: np.dtype(name) for name in (
     "float16", "float32", "float64")}
 MAX_TENSORS = 64
 MAX_RANK = 8
+MAX_DIM = 1 << 62        # past every byte limit; a longer integer cannot even be printed
 DEFAULT_MAX_TENSOR_BYTES = 256 << 20
 
 
@@ -57,10 +58,10 @@ def check_headers(headers, what="input"):
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise BadArguments(f"{name}: dtype {str(dtype)[:32]!r} is not one of {', '.join(DTYPES)}")
         if (not isinstance(shape, list) or len(shape) > MAX_RANK
-                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM
                            for d in shape)):
             raise BadArguments(f"{name}: shape must be a list of at most {MAX_RANK} "
-                               f"non-negative integers")
+                               f"non-negative integers, each at most 2**62")
         out.append((DTYPES[dtype], tuple(shape)))
     return out
 
