@@ -79,12 +79,26 @@ def _alike(split, alone):
     return True
 
 
+# Joined batches of distinct requests checked against each request alone before a model's
+# joined outputs are split unchecked.
+JOIN_CHECKS = 3
+
+
+def _distinct(parts):
+    """Whether the parts' inputs are not all the same bytes."""
+    first = parts[0]
+    return any(len(p) != len(first) or not all(np.array_equal(a, b) for a, b in zip(p, first))
+               for p in parts[1:])
+
+
 def _forward_parts(model, parts, rows):
     """Each part's outputs. A joined forward's outputs are cut along output_batch_axis only
-    for a model whose first joined batch was cut into what each part computes alone: an
-    output whose rows are on another axis, or that has none (a state, a fixed vector), whose
-    size there happens to equal the batch's rows, would be cut with no error. A model that
-    fails the check runs its requests one at a time from then on."""
+    for a model whose first JOIN_CHECKS joined batches of distinct requests were cut into
+    what each part computes alone: an output whose rows are on another axis, or that has
+    none (a state, a fixed vector), whose size there happens to equal the batch's rows, would
+    be cut with no error. A model that fails a check runs its requests one at a time from
+    then on. Identical requests (warm-up or health-check traffic) prove nothing about rows
+    that depend on each other (batch statistics), so they run alone and do not count."""
     servable = model.servable
     if len(parts) == 1 or model.joins is False:
         return [output_arrays(servable.forward(*p)) for p in parts]
@@ -96,11 +110,15 @@ def _forward_parts(model, parts, rows):
         split = None
     if model.joins is None:
         alone = [output_arrays(servable.forward(*p)) for p in parts]
-        model.joins = split is not None and _alike(split, alone)
-        if not model.joins:
+        if split is not None and _alike(split, alone):
+            model.join_checks += _distinct(parts)
+            model.joins = True if model.join_checks >= JOIN_CHECKS else None
+        else:
+            model.joins = False
             log.warning("model %s: its outputs do not split into each request's rows along axis %s (shapes "
-                        "%s joined, %s alone); its requests run one at a time from now on (a servable "
-                        "object's output_batch_axis says where the rows are)", model.name, axis,
+                        "%s joined, %s alone), or its rows depend on each other (batch statistics); its "
+                        "requests run one at a time from now on (a servable object's output_batch_axis "
+                        "says where the rows are)", model.name, axis,
                         [list(o.shape) for o in outs], [list(o.shape) for o in alone[0]])
         return alone
     if split is None:            # checked once, and the shapes changed since: never guess

@@ -86,6 +86,7 @@ class ServedModel:
     handle: object
     hints: list
     joins: bool | None = None    # its outputs split per request (prefetchd.serve.execute): None untried
+    join_checks: int = 0         # joined batches of distinct requests that split right so far
 
     def describe(self):
         """What the front needs to check and batch requests for it (sent in READY)."""

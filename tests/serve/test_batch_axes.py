@@ -95,6 +95,30 @@ def test_an_output_that_does_not_split_per_request_runs_requests_alone(mindspore
     assert model.joins is False
 
 
+def test_identical_requests_do_not_vouch_for_a_model_whose_rows_depend_on_each_other(mindspore_cpu):
+    """y - y.mean(0): a first joined batch of two identical requests (warm-up, health checks)
+    split right, so joining was on for good and later requests got answers that depended on
+    the other rows of their batch. Identical requests no longer count; distinct ones show it."""
+    ms = mindspore_cpu
+
+    class Centered(ms.nn.Cell):
+        def construct(self, x):
+            return x - x.mean(0)
+    cell = Centered()
+    servable = as_servable((cell, [TensorSpec((None, 4), "float32", name="x")]), "t:f")
+    model = ServedModel("m0", servable, handle=None, hints=[])
+    rng = np.random.default_rng(2)
+    same = rng.standard_normal((2, 4)).astype(np.float32)
+    for _ in range(4):
+        _batch(model, [[same], [same]])
+    assert model.joins is None and model.join_checks == 0
+    for _ in range(3):
+        requests = [[rng.standard_normal((2, 4)).astype(np.float32)] for _ in range(2)]
+        for (x,), (answer,) in zip(requests, _batch(model, requests)):
+            np.testing.assert_allclose(answer, cell(ms.Tensor(x)).asnumpy(), rtol=1e-6, atol=1e-6)
+    assert model.joins is False
+
+
 def test_inputs_batching_along_different_axes_need_the_servable_to_say(mindspore_cpu):
     ms = mindspore_cpu
     specs = [TensorSpec((None, 16), "float32", 0, "a"), TensorSpec((16, None), "float32", 1, "b")]
