@@ -26,7 +26,7 @@ FRONT_REMOTE_HINT = ("the serve front has no CURVE authentication, so it listens
                      "tunnel (ssh -L, a TLS proxy)")
 from ..control.guarded import GuardedListening
 from ..control.router import RouterEndpoint
-from ..staging.generations import lock_or_holder
+from ..staging.generations import lock_or_holder, read_index
 from .spec import check_checkpoint_store
 from .worker import STOP
 
@@ -68,6 +68,8 @@ class FrontSockets(RouterEndpoint):
         self._owns_store = spec.store_dir is None    # a temporary one, made by start()
         if spec.checkpoint_store:     # refused here, not by every worker as it starts
             check_checkpoint_store(spec, spec.store_dir)
+            self.spec = spec = dataclasses.replace(
+                spec, checkpoint_generation=read_index(spec.checkpoint_store).get("generation"))
         tag = f"{os.getpid()}-{secrets.token_hex(2)}"
         base = runtime_dir()
         self._control_endpoint = lambda i: f"ipc://{os.path.join(base, f'{name}-{tag}-w{i}.sock')}"

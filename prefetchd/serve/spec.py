@@ -55,6 +55,8 @@ class ServeSpec:
     model: str = DEMO_FACTORY  # "module:function" returning a servable (prefetchd.serve.servable)
     model_bytes_hint: int | None = None  # bytes of one weight set of a custom model (for budget)
     checkpoint_store: str | None = None  # a `prefetchd stage` store the weights are served from
+    checkpoint_generation: int | None = None  # its generation when the front started (set by it):
+                                 # a worker started later links only that one
     max_tensor_bytes: int = 256 << 20  # a request's tensors, in all (and its reply's, per tensor)
     shared_host: bool = False  # one host tier for all workers, owned by the front (prefetchd.sharedhost)
     shared_socket: str | None = None  # its socket, set by the front for the workers

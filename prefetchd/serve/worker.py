@@ -80,11 +80,17 @@ def build_models(spec, daemon):
     return models
 
 
-def link_checkpoint_store(src, dst):
+def link_checkpoint_store(src, dst, generation=None):
     """Make `dst` (new) a store holding the tensors of the store `src`: a hard link per
-    tensor file (*.pfd). ConfigError if it cannot, saying why."""
+    tensor file (*.pfd). ConfigError if it cannot, saying why, or if `src` holds another
+    generation than `generation` (where given: what the server started with; a worker
+    respawned after a new `prefetchd stage` would serve other weights than the others)."""
     from ..staging import read_index
     before = read_index(src).get("generation")
+    if generation is not None and before != generation:
+        raise ConfigError(f"checkpoint store {src}: `prefetchd stage` replaced it since the server started "
+                          f"(generation {before}, the server serves {generation}); a worker started now would "
+                          f"serve other weights than the others: restart the server to serve the new one")
     os.mkdir(dst, 0o700)
     vanished = False
     try:
@@ -114,7 +120,7 @@ def worker_store(spec, index, generation):
     # and it must hold exactly what the checkpoint holds now.
     shutil.rmtree(store, ignore_errors=True)
     os.makedirs(spec.store_dir, exist_ok=True)
-    link_checkpoint_store(spec.checkpoint_store, store)
+    link_checkpoint_store(spec.checkpoint_store, store, spec.checkpoint_generation)
     return store
 
 

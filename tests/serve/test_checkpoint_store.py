@@ -51,7 +51,7 @@ def staged(tmp_path_factory):
                           "--quiet"], env=_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     params = list(cell.get_parameters())
-    return {"store": store, "want": want, "unstaged": unstaged, "params": len(params),
+    return {"store": store, "ckpt": ckpt, "want": want, "unstaged": unstaged, "params": len(params),
             "bytes": sum(int(np.prod(p.shape)) * 4 for p in params)}
 
 
@@ -164,3 +164,63 @@ def test_link_takes_only_tensor_files(tmp_path, staged):
     assert sorted(os.listdir(dst)) == [os.path.basename(f) for f in _tensor_files(staged["store"])]
     assert all(os.path.samefile(os.path.join(dst, os.path.basename(f)), f)
                for f in _tensor_files(staged["store"]))
+
+
+def _stage(ckpt, store):
+    out = subprocess.run([sys.executable, "-m", "prefetchd.cli", "stage", ckpt, "--store", store, "--quiet"],
+                         env=_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_worker_respawned_after_a_new_stage_is_refused_not_served_other_weights(tmp_path, staged):
+    """`prefetchd stage` of another checkpoint into the served store, then a worker death: the
+    respawned worker linked the new files and served other weights than the other worker
+    under the same model name, with no warning. It is refused now; the others serve on."""
+    import mindspore as ms
+    store, other = str(tmp_path / "store"), str(tmp_path / "other.ckpt")
+    _stage(staged["ckpt"], store)
+    ms.save_checkpoint(demo_model(seed=STAGED_SEED + 1, spec=ServeSpec(models=1, **SMALL))[0], other)
+    endpoint = f"ipc://{tmp_path}/serve.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint", endpoint,
+                             "--workers", "2", "--checkpoint-store", store, "--hidden", "64", "--layers", "2",
+                             "--batch", "2", "--seq", "8"], env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        with Client(endpoint, timeout=2) as c, ServeClient(endpoint, timeout=60) as sc:
+            def workers():
+                try:
+                    return c.ping()["workers"]
+                except RequestTimeout:
+                    return -1 if proc.poll() is not None else 0
+            assert wait_until(lambda: workers() in (2, -1), 120, 0.2) and proc.poll() is None
+            _stage(other, store)                                   # the store moves on meanwhile
+            os.kill(c.status()["workers"][0]["pid"], signal.SIGKILL)
+            assert wait_until(lambda: workers() == 1, 30, 0.2)
+            for _ in range(12):                                    # through respawn attempts
+                (y,) = sc.infer("m0", X)
+                assert np.array_equal(y, staged["want"])
+            assert wait_until(lambda: "replaced it since the server started" in _log_so_far(proc), 60, 0.5)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def _log_so_far(proc):
+    """stderr read so far, without blocking (the server is still running)."""
+    os.set_blocking(proc.stderr.fileno(), False)
+    chunk = proc.stderr.read() or ""
+    proc.seen = getattr(proc, "seen", "") + chunk
+    return proc.seen
+
+
+def test_link_refuses_a_store_staged_again_since_the_server_started(tmp_path, staged):
+    from prefetchd.staging import read_index
+    started_with = read_index(staged["store"]).get("generation")
+    assert started_with is not None
+    link_checkpoint_store(staged["store"], str(tmp_path / "w0"), started_with)
+    with pytest.raises(ConfigError, match="replaced it since the server started"):
+        link_checkpoint_store(staged["store"], str(tmp_path / "w1"), started_with + 1)
