@@ -35,17 +35,25 @@ class CausalLMServable:
 
     def forward(self, input_ids):
         import mindspore as ms
+        self._check_length(input_ids.shape[1], 0)
         out = self.cell(ms.Tensor(input_ids))
         if isinstance(out, (tuple, list)):
             out = out[0]
         return getattr(out, "logits", out)
 
+    def _check_length(self, prompt, new):
+        """BadArguments for an empty prompt, or one that with `new` ids is over the positions
+        (else the model fails inside MindSpore, a C++ stack for the client)."""
+        if prompt == 0:
+            raise BadArguments("the input ids are empty (a prompt needs at least one token)")
+        if self.max_len is not None and prompt + new > self.max_len:
+            raise BadArguments(f"a prompt of {prompt} tokens" + (f" plus {new} new ones" if new else "")
+                               + f" is over the model's {self.max_len} positions")
+
     def generate(self, input_ids, max_new_tokens):
         import mindspore as ms
         prompt = input_ids.shape[1]
-        if self.max_len is not None and prompt + max_new_tokens > self.max_len:
-            raise BadArguments(f"a prompt of {prompt} tokens plus {max_new_tokens} new ones is "
-                               f"over the model's {self.max_len} positions")
+        self._check_length(prompt, max_new_tokens)
         # The reply is N new ids: a generate that takes min_new_tokens (transformers') is
         # kept from stopping early at an end-of-sequence id.
         exact = {"min_new_tokens": max_new_tokens} if self._takes_min_new_tokens else {}

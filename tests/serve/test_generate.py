@@ -98,6 +98,18 @@ def test_generation_refusals(client):
     assert client.generate("m0", _ids(0, 1, 3), max_new_tokens=2).shape == (1, 2)
 
 
+def test_infer_refuses_prompts_the_lm_has_no_positions_for(client):
+    """An empty prompt, or an infer longer than the model's positions, failed inside MindSpore:
+    INTERNAL with a C++ stack for the client. Now BAD_REQUEST saying why."""
+    for ids, why in ((np.zeros((1, 0), np.int64), "empty"), (_ids(0, 1, 80), "over the model's 64 positions")):
+        with pytest.raises(ServiceError, match=why) as err:
+            client.infer("m0", ids)
+        assert err.value.code == "BAD_REQUEST", err.value
+    with pytest.raises(ServiceError, match="empty"):
+        client.generate("m0", np.zeros((1, 0), np.int64), max_new_tokens=2)
+    assert client.infer("m0", _ids(0, 1, 64))[0].shape[:2] == (1, 64)
+
+
 class _DuckLM:
     """mindone's LlamaForCausalLM as the adapter sees it: an output object with .logits,
     generate returning prompt + new ids."""
