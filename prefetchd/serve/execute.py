@@ -126,6 +126,15 @@ def _forward_parts(model, parts, rows):
     return split
 
 
+def _check_output_sizes(arrays, max_bytes):
+    """A reply's tensors are bounded as a request's are (per tensor): one over it is refused
+    here, saying so, not shipped for the client to refuse as if its request were bad."""
+    for i, a in enumerate(arrays):
+        if a.nbytes > max_bytes:
+            raise BadArguments(f"output {i} would be {a.nbytes} bytes ({list(a.shape)} of {a.dtype}), over "
+                               f"the server's max_tensor_bytes of {max_bytes}: send fewer rows")
+
+
 def run_batch(model, job, frames, max_bytes):
     """(result, output frames) of one batch job for `model` (a ServedModel)."""
     started = time.perf_counter()
@@ -145,6 +154,7 @@ def run_batch(model, job, frames, max_bytes):
         per_part = _forward_parts(model, parts, rows)
     headers, out_frames = [], []
     for arrays in per_part:
+        _check_output_sizes(arrays, max_bytes)
         h, f = encode_arrays(arrays)
         headers.append(h)
         out_frames.extend(f)

@@ -6,20 +6,21 @@ import numpy as np
 import pytest
 
 from prefetchd.config import ConfigError
+from prefetchd.control.codes import BadArguments
 from prefetchd.serve import TensorSpec
 from prefetchd.serve.execute import run_batch
 from prefetchd.serve.servable import ServedModel, as_servable
 from prefetchd.serve.wire import decode_arrays, encode_arrays
 
 
-def _batch(model, requests):
+def _batch(model, requests, max_bytes=1 << 30):
     """Each request's outputs from one joined batch, as a worker computes them."""
     parts, frames = [], []
     for arrays in requests:
         headers, buffers = encode_arrays(arrays)
         parts.append({"inputs": headers})
         frames.extend(buffers)
-    result, out = run_batch(model, {"model": "m0", "kind": "infer", "parts": parts}, frames, 1 << 30)
+    result, out = run_batch(model, {"model": "m0", "kind": "infer", "parts": parts}, frames, max_bytes)
     answers, at = [], 0
     for headers in result["outputs"]:
         answers.append([np.array(a) for a in decode_arrays(headers, out[at:at + len(headers)], what="output")])
@@ -124,3 +125,19 @@ def test_inputs_batching_along_different_axes_need_the_servable_to_say(mindspore
     specs = [TensorSpec((None, 16), "float32", 0, "a"), TensorSpec((16, None), "float32", 1, "b")]
     with pytest.raises(ConfigError, match=r"batch along axes \[0, 1\].*output_batch_axis"):
         as_servable((_time_major(ms), specs), "t:f")
+
+
+def test_an_output_over_the_tensor_limit_is_refused_by_the_worker_saying_so(mindspore_cpu):
+    """A small request whose output is large (here 64x its input) was computed and shipped
+    past max_tensor_bytes; the client then refused it as if its request were bad."""
+    ms = mindspore_cpu
+
+    class Widen(ms.nn.Cell):
+        def construct(self, x):
+            return ms.ops.tile(x, (1, 64))
+    servable = as_servable((Widen(), [TensorSpec((None, 16), "float32", name="x")]), "t:f")
+    model = ServedModel("m0", servable, handle=None, hints=[])
+    x = np.ones((4, 16), np.float32)                         # 256 bytes in, 16 KiB out
+    assert _batch(model, [[x]], max_bytes=16 << 10)[0][0].shape == (4, 1024)
+    with pytest.raises(BadArguments, match="over the server's max_tensor_bytes of 8192: send fewer rows"):
+        _batch(model, [[x]], max_bytes=8 << 10)
