@@ -27,6 +27,7 @@ FRONT_REMOTE_HINT = ("the serve front has no CURVE authentication, so it listens
 from ..control.guarded import GuardedListening
 from ..control.router import RouterEndpoint
 from ..staging.generations import lock_or_holder, read_index
+from .leftovers import remove_leftovers
 from .spec import check_checkpoint_store
 from .worker import STOP
 
@@ -97,6 +98,7 @@ class FrontSockets(RouterEndpoint):
         if self._loop.running:
             return self
         ensure_private_dir(runtime_dir())
+        remove_leftovers(self.spec.checkpoint_store, runtime_dir(), SERVE_LOCK)   # of killed fronts
         if self._owns_store:
             self.spec = self.spec.with_temporary_store()
             self._pool.spec = self.spec

@@ -1,0 +1,83 @@
+"""What a `prefetchd serve` front killed with SIGKILL leaves behind, removed by the next front
+to start.
+
+A front makes, and removes when it stops: a temporary store directory when it has no
+--store (`.prefetchd-serve-*` beside the --checkpoint-store, whose worker stores hard-link
+the checkpoint's files and keep an old checkpoint's blocks on disk after a new stage; else
+`prefetchd-serve-*` in the temporary directory, holding the weights its workers wrote), and
+ipc sockets in the runtime directory named `<name>-<pid>-<hex4>-{w<i>,work,host}[-events].sock`.
+After a SIGKILL nothing removes them, and restarts never did.
+
+A temporary store is removed when no front holds its serve lock; one without a lock file
+only once older than MIN_AGE_SECONDS (a front creates the directory a moment before it
+locks it). A socket is removed when its front's pid is not running.
+"""
+import logging
+import os
+import re
+import shutil
+import stat
+import tempfile
+import time
+
+from ..staging.generations import lock_or_holder
+
+log = logging.getLogger("prefetchd.serve")
+
+MIN_AGE_SECONDS = 60.0
+_SOCKET = re.compile(r"-(\d+)-[0-9a-f]{4}-(?:w\d+|work|host)(?:-events)?\.sock$")
+
+
+def remove_leftovers(checkpoint_store, runtime_dir, lock_name):
+    """Remove dead fronts' temporary stores (beside `checkpoint_store`, or in the temporary
+    directory) and sockets (in `runtime_dir`); returns what was removed."""
+    near = os.path.dirname(os.path.realpath(checkpoint_store)) if checkpoint_store else tempfile.gettempdir()
+    prefix = ".prefetchd-serve-" if checkpoint_store else "prefetchd-serve-"
+    removed = [p for p in _entries(near, prefix) if _remove_unlocked_store(p, lock_name)]
+    removed += [p for p in _entries(runtime_dir, "") if _SOCKET.search(p) and _remove_dead_socket(p)]
+    for path in removed:
+        log.info("prefetchd serve: removed %s, left by a server that was killed", path)
+    return removed
+
+
+def _entries(directory, prefix):
+    try:
+        return [os.path.join(directory, n) for n in os.listdir(directory) if n.startswith(prefix)]
+    except OSError:
+        return []
+
+
+def _remove_unlocked_store(path, lock_name):
+    lock = os.path.join(path, lock_name)
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return False
+        if not os.path.exists(lock) and time.time() - st.st_mtime < MIN_AGE_SECONDS:
+            return False                          # made a moment ago by a front not locked yet
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return False
+    if lock_or_holder(fd) is not None:            # a live front's (and fd is closed)
+        return False
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+    finally:
+        os.close(fd)
+    return not os.path.exists(path)
+
+
+def _remove_dead_socket(path):
+    pid = int(_SOCKET.search(path).group(1))
+    try:
+        os.kill(pid, 0)
+        return False                             # running (or another process has its pid)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        return False
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False

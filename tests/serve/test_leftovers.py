@@ -1,0 +1,127 @@
+"""A front killed with SIGKILL left its temporary store (hard links that keep an old
+checkpoint's blocks on disk) and its ipc sockets; the next front to start removes them, and
+nothing a live front uses (prefetchd/serve/leftovers.py)."""
+import fcntl
+import os
+import pathlib
+import sys
+import time
+
+from helpers import wait_until
+from prefetchd.serve.front_sockets import SERVE_LOCK
+from prefetchd.serve.leftovers import MIN_AGE_SECONDS, remove_leftovers
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _store(parent, name, *, lock=True, age=0.0):
+    path = parent / name
+    (path / "worker-0-1").mkdir(parents=True)
+    (path / "worker-0-1" / "w.pfd").write_bytes(b"x" * 4096)
+    if lock:
+        (path / SERVE_LOCK).write_text("999999\n")
+    if age:
+        then = time.time() - age
+        os.utime(path, (then, then))
+    return path
+
+
+def _dead_pid():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+def test_dead_fronts_stores_and_sockets_go_and_live_ones_stay(tmp_path):
+    ckpt, run = tmp_path / "model-store", tmp_path / "run"
+    ckpt.mkdir()
+    run.mkdir()
+    dead = _store(tmp_path, ".prefetchd-serve-dead")                   # unlocked lock file: its front died
+    old = _store(tmp_path, ".prefetchd-serve-old", lock=False, age=2 * MIN_AGE_SECONDS)
+    young = _store(tmp_path, ".prefetchd-serve-young", lock=False)    # a front about to lock it
+    live = _store(tmp_path, ".prefetchd-serve-live")
+    fd = os.open(live / SERVE_LOCK, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)                                     # a running front holds it
+    other = tmp_path / "unrelated"
+    other.mkdir()
+    gone_pid = _dead_pid()
+    stale = [run / f"serve-{gone_pid}-0e69-{k}.sock" for k in ("w0", "w0-events", "work", "host")]
+    alive = run / f"serve-{os.getpid()}-beef-work.sock"
+    for path in [*stale, alive, run / "mine.sock"]:
+        path.write_bytes(b"")
+    try:
+        removed = remove_leftovers(str(ckpt), str(run), SERVE_LOCK)
+        assert sorted(removed) == sorted(map(str, [dead, old, *stale]))
+        assert young.exists() and live.exists() and other.exists() and ckpt.exists()
+        assert alive.exists() and (run / "mine.sock").exists()
+        assert (live / "worker-0-1" / "w.pfd").exists()
+    finally:
+        os.close(fd)
+
+
+def _serve(tmp_path, env):
+    import subprocess
+    endpoint = f"ipc://{tmp_path}/serve.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint", endpoint,
+                             "--workers", "1", "--models", "1", "--hidden", "64", "--layers", "2",
+                             "--batch", "2", "--seq", "8"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    from prefetchd.control import Client, RequestTimeout
+    with Client(endpoint, timeout=1) as c:
+        def up():
+            try:
+                return c.ping()["workers"] == 1
+            except RequestTimeout:
+                return proc.poll() is not None
+        assert wait_until(up, 120, 0.2) and proc.poll() is None, proc.stderr.read()
+    return proc
+
+
+def test_a_front_started_after_one_was_killed_removes_what_it_left(tmp_path):
+    import shutil
+    import signal
+    import tempfile
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    run = pathlib.Path(tempfile.mkdtemp(prefix="pl-", dir="/tmp"))    # ipc paths: at most 107 bytes
+    try:
+        _killed_then_restarted(tmp_path, tmp, run, signal)
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def _killed_then_restarted(tmp_path, tmp, run, signal):
+    env = dict(os.environ, TMPDIR=str(tmp), XDG_RUNTIME_DIR=str(run),
+               PYTHONPATH=os.pathsep.join([REPO, *sys.path]))
+    sockets = run / "prefetchd"
+    first = _serve(tmp_path, env)
+    stores, socks = set(os.listdir(tmp)), {p for p in os.listdir(sockets) if p.endswith(".sock")}
+    assert stores and socks
+    first.kill()                                   # SIGKILL: the front removes nothing
+    first.wait(10)
+    assert wait_until(lambda: not _workers_of(first.pid), 30, 0.2)   # its workers follow it
+    assert set(os.listdir(tmp)) == stores
+    second = _serve(tmp_path, env)
+    try:
+        assert not stores & set(os.listdir(tmp)), "the killed front's temporary store is still there"
+        assert not socks & set(os.listdir(sockets)), "the killed front's sockets are still there"
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(30) == 0
+    assert os.listdir(tmp) == []
+
+
+def _workers_of(pid):
+    """Pids of live processes whose parent is `pid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return found
