@@ -86,6 +86,7 @@ class Offloaded:
                              f"not {tier!r}")
         daemon.check_open()           # a Daemon never started (or closed) is refused by name
         refusals.refuse_managed(model)
+        refusals.warn_unlisted_cells(model)
         config = daemon.config
         self.model, self.daemon, self.tier, self.strict = model, daemon, tier, strict
         # "auto": the cost model (prefetchd.cost.model) picks it from the recording pass.

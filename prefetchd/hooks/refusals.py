@@ -79,9 +79,32 @@ def backward_refused(model):
 
 
 def closed_refused(model, daemon_name):
-    """A model whose handle was closed: its weights stay in the daemon's tiers, unmapped here."""
+    """A model whose handle was closed: its weights were given back to the daemon."""
     return PrefetchdError(
         f"prefetchd: this {type(model).__name__} was offloaded to daemon "
-        f"{daemon_name!r} and its handle was closed; its weights live in that daemon's "
-        f"tiers, not in ordinary memory, so it cannot run any more (keep the handle open while the "
-        f"model is used)")
+        f"{daemon_name!r} and its handle was closed; its weights were given back to that daemon "
+        f"(they lived in its tiers, not in ordinary memory), so it cannot run any more (build it "
+        f"again, or keep the handle open while the model is used)")
+
+
+def warn_unlisted_cells(model):
+    """Cells with parameters held in a plain list, tuple or dict attribute are not the model's
+    cells to MindSpore: their parameters are not listed, so prefetchd cannot manage them and
+    they stay in ordinary memory, outside the device budget. Said once per attribute."""
+    from ..backend.framework import mindspore
+    cell_type = mindspore().nn.Cell
+    cells = list(model.cells_and_names())
+    listed = {id(c) for _, c in cells}      # (a SequentialCell keeps its children in a list too)
+    for name, cell in cells:
+        for attr, value in vars(cell).items():
+            kind = type(value).__name__
+            items = list(value.values()) if isinstance(value, dict) else \
+                value if isinstance(value, (list, tuple)) else ()
+            held = [c for c in items if isinstance(c, cell_type) and id(c) not in listed
+                    and next(iter(c.get_parameters()), None) is not None]
+            if held:
+                where = f"{name}.{attr}" if name else attr
+                log.warning("prefetchd.offload: %r holds %d cells with parameters in a plain %s: MindSpore does "
+                            "not list their parameters as the model's, so prefetchd does not manage them (they "
+                            "stay in ordinary memory, outside the device budget); use nn.CellList / "
+                            "nn.CellDict", where, len(held), kind)

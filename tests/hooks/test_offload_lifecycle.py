@@ -340,3 +340,35 @@ def test_a_forward_that_raised_lets_go_of_its_pins_for_the_next_model(ms, tmp_pa
         for _ in range(2):
             np.testing.assert_array_equal(b(x).asnumpy(), want_b)
         np.testing.assert_array_equal(a(x).asnumpy(), want_a)
+
+
+@pytest.mark.parametrize("holder", ["list", "tuple", "dict"])
+def test_blocks_in_a_plain_list_are_named_in_a_warning(ms, tmp_path, x, caplog, holder):
+    """MindSpore does not list the parameters of cells kept in a plain list: offload() left
+    ~all of such a model's weights resident, outside the budget, and said nothing."""
+    nn = ms.nn
+
+    class Listed(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            blocks = [nn.Dense(64, 64) for _ in range(3)]
+            self.blocks = {"a": blocks[0], "b": blocks[1], "c": blocks[2]} if holder == "dict" else \
+                (tuple(blocks) if holder == "tuple" else blocks)
+            self.head = nn.Dense(64, 8)
+
+        def construct(self, x):
+            for block in (self.blocks.values() if holder == "dict" else self.blocks):
+                x = block(x)
+            return self.head(x)
+    model = Listed()
+    want = model(x).asnumpy()
+    with prefetchd.Daemon(device_budget=1 << 20, store_dir=str(tmp_path / "s")) as daemon:
+        with caplog.at_level("WARNING", logger="prefetchd.hooks"):
+            prefetchd.offload(model, daemon, lookahead=1)
+        assert f"'blocks' holds 3 cells with parameters in a plain {holder}" in caplog.text
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
+    caplog.clear()
+    with prefetchd.Daemon(device_budget=1 << 20, store_dir=str(tmp_path / "t")) as daemon:
+        with caplog.at_level("WARNING", logger="prefetchd.hooks"):
+            prefetchd.offload(stack(ms), daemon, lookahead=1)                # a CellList: no warning
+        assert "plain" not in caplog.text
