@@ -42,6 +42,10 @@ class Table(nn.Cell):
             return Output(self.proj(x), self.pe[:n])
         if KIND == "namespace":
             return types.SimpleNamespace(hidden=self.proj(x), table=self.pe[:n])
+        if KIND == "cycle":                  # a parent pointer: the output refers to itself
+            out = types.SimpleNamespace(hidden=self.proj(x), table=self.pe[:n])
+            out.me = [out]
+            return out
         return self.proj(x)
 
 
@@ -81,7 +85,8 @@ class Net(nn.Cell):
             outs.append(out)
         acc = x
         for out in outs:                  # read after the later blocks evicted the first ones
-            acc = acc + (out.hidden + out.table if KIND in ("dataclass", "namespace") else out)
+            acc = acc + (out.hidden + out.me[0].table if KIND == "cycle" else
+                         out.hidden + out.table if KIND in ("dataclass", "namespace") else out)
         if KIND == "root":
             return acc, self.pos[:n]      # a view of a root weight leaves the model
         return acc

@@ -53,18 +53,31 @@ class ViewCopies:
         return output if not positions else copy_positions(output, positions)
 
 
-def flat_tensors(value):
+def flat_tensors(value, _seen=None):
     """The tensors in `value` (nested tuples, lists, dict values, and the fields of
-    dataclass instances and SimpleNamespaces: model outputs), in a fixed order."""
+    dataclass instances and SimpleNamespaces: model outputs), in a fixed order. A container
+    met again (a cycle: a parent pointer) is not walked again."""
     ms = framework.mindspore()
     if isinstance(value, ms.Tensor):
         return [value]
+    items = _items(value)
+    if items is None:
+        return []
+    seen = set() if _seen is None else _seen
+    if id(value) in seen:
+        return []
+    seen.add(id(value))
+    return [t for v in items for t in flat_tensors(v, seen)]
+
+
+def _items(value):
+    """The values a container holds, in order; None for anything else."""
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in flat_tensors(v)]
+        return value
     if isinstance(value, dict):
-        return [t for v in value.values() for t in flat_tensors(v)]
+        return list(value.values())
     fields = _fields(value)
-    return [t for v in fields.values() for t in flat_tensors(v)] if fields else []
+    return None if fields is None else list(fields.values())
 
 
 def _fields(value):
@@ -102,28 +115,41 @@ def copy_positions(output, positions):
         wanted = None                    # every tensor
     counter = itertools.count()
 
+    copies = {}                          # id(container) -> its copy
+
     def rebuild(value):
         ms = framework.mindspore()
         if isinstance(value, ms.Tensor):
             return value.copy() if wanted is None or next(counter) in wanted else value
-        if isinstance(value, (tuple, list)):
-            items = [rebuild(v) for v in value]
-            return type(value)(items) if type(value) in (tuple, list) else _same_kind(value, items)
-        if isinstance(value, dict):
-            return type(value)((k, rebuild(v)) for k, v in value.items())
-        fields = _fields(value)
-        return _with_fields(value, {k: rebuild(v) for k, v in fields.items()}) if fields else value
+        if _items(value) is None:
+            return value
+        if id(value) not in copies:
+            copies[id(value)] = value        # a cycle back to a tuple or dict being built: itself
+            copies[id(value)] = _rebuilt(value, rebuild, copies)
+        return copies[id(value)]
 
     return rebuild(output)
 
 
-def _with_fields(value, fields):
-    """A shallow copy of a dataclass instance or SimpleNamespace with `fields` set (also
-    on a frozen dataclass: its own __setattr__ refuses)."""
-    new = copy.copy(value)
-    for name, v in fields.items():
-        object.__setattr__(new, name, v)
-    return new
+def _rebuilt(value, rebuild, copies):
+    """A copy of the container `value` holding rebuild(item) for each item. A list, dataclass
+    instance or SimpleNamespace is made, and entered in `copies`, before its items are rebuilt:
+    a cycle back to it (a parent pointer) reaches the copy."""
+    if isinstance(value, dict):       # (also a model-output class that is a dataclass too)
+        return type(value)((k, rebuild(v)) for k, v in value.items())
+    if type(value) is list:
+        new = copies[id(value)] = []
+        for v in value:
+            new.append(rebuild(v))
+        return new
+    fields = _fields(value)
+    if fields is not None:
+        new = copies[id(value)] = copy.copy(value)
+        for name, v in fields.items():
+            object.__setattr__(new, name, rebuild(v))     # (a frozen dataclass refuses setattr)
+        return new
+    items = [rebuild(v) for v in value]
+    return type(value)(items) if type(value) is tuple else _same_kind(value, items)
 
 
 def _same_kind(value, items):

@@ -98,8 +98,11 @@ def view_arrays(described, frames, what="input"):
     arrays = []
     for i, ((dtype, shape), frame) in enumerate(zip(described, frames)):
         buf = frame.buffer if hasattr(frame, "buffer") else frame
-        a = np.frombuffer(buf, dtype=dtype).reshape(shape) if nbytes(dtype, shape) else \
-            np.empty(shape, dtype)
+        try:
+            a = np.frombuffer(buf, dtype=dtype).reshape(shape) if nbytes(dtype, shape) else \
+                np.empty(shape, dtype)
+        except ValueError:        # e.g. [0, 2**62]: no bytes, and still too big for numpy
+            raise BadArguments(f"{what} {i}: shape {list(shape)} is too large for an array") from None
         a.flags.writeable = False
         if dtype == np.bool_ and a.size and a.view(np.uint8).max() > 1:
             raise BadArguments(f"{what} {i}: bool tensor holds bytes other than 0 and 1")

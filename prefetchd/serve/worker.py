@@ -29,7 +29,7 @@ import time
 
 import zmq
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StorageError
 from ..control import protocol as P
 from ..control.codes import BadArguments
 from .execute import run_batch
@@ -152,7 +152,10 @@ def _run(models, job_id, body, frames, index, max_bytes):
         reply = {"ok": False, "code": P.BAD_REQUEST, "reason": str(e)}
     except Exception as e:  # noqa: BLE001 - the front answers the client
         log.exception("worker %d: request failed", index)
-        reply = {"ok": False, "code": P.INTERNAL, "reason": f"worker {index}: {e}"}
+        # A weight that failed its checksum or could not be read is the store's fault, and
+        # says so (STORAGE); anything else raised inside the model is the server's.
+        code = P.STORAGE if isinstance(e, StorageError) else P.INTERNAL
+        reply = {"ok": False, "code": code, "reason": f"worker {index}: {e}"}
     return [job_id, P.dumps(reply)]
 
 

@@ -21,7 +21,7 @@ CHILD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("kind", ["slice", "offset_slice", "transpose", "reshape", "itself", "tuple", "root",
-                                  "part", "plain", "dataclass", "namespace"])
+                                  "part", "plain", "dataclass", "namespace", "cycle"])
 def test_a_view_of_a_units_weight_outlives_the_unit(tmp_path, kind):
     run = subprocess.run([sys.executable, CHILD, kind, str(tmp_path)], capture_output=True, text=True,
                          timeout=300)

@@ -224,3 +224,40 @@ def test_link_refuses_a_store_staged_again_since_the_server_started(tmp_path, st
     link_checkpoint_store(staged["store"], str(tmp_path / "w0"), started_with)
     with pytest.raises(ConfigError, match="replaced it since the server started"):
         link_checkpoint_store(staged["store"], str(tmp_path / "w1"), started_with + 1)
+
+
+def test_a_weight_that_fails_its_checksum_is_a_storage_error_never_an_answer(tmp_path, staged):
+    from prefetchd.control.codes import ServiceError
+    from prefetchd.errors import StorageError
+    store = str(tmp_path / "store")
+    _stage(staged["ckpt"], store)
+    endpoint = f"ipc://{tmp_path}/serve.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint", endpoint,
+                             "--workers", "1", "--checkpoint-store", store, "--hidden", "64", "--layers", "2",
+                             "--batch", "2", "--seq", "8", "--budget", "40%"], env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        with Client(endpoint, timeout=2) as c, ServeClient(endpoint, timeout=60) as sc:
+            def up():
+                try:
+                    return c.ping()["workers"] == 1
+                except RequestTimeout:
+                    return proc.poll() is not None
+            assert wait_until(up, 120, 0.2) and proc.poll() is None
+            victim = max(_tensor_files(store), key=os.path.getsize)     # a weight, not a bias
+            with open(victim, "r+b") as f:
+                f.seek(os.path.getsize(victim) // 2)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0xFF]))
+            with pytest.raises((StorageError, ServiceError)) as err:
+                sc.infer("m0", X)
+            assert isinstance(err.value, StorageError), err.value        # STORAGE, not INTERNAL
+            assert "verif" in str(err.value) or "checksum" in str(err.value), err.value
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)

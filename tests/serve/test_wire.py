@@ -12,3 +12,12 @@ def test_the_wire_keeps_a_tensors_shape(value):
     assert headers == [{"dtype": value.dtype.name, "shape": list(value.shape)}]
     (back,) = decode_arrays(headers, [bytes(b) for b in buffers])
     assert back.shape == value.shape and np.array_equal(back, value)
+
+
+@pytest.mark.parametrize("shape", [[0, 2 ** 62], [2 ** 62, 0, 2 ** 62]])
+def test_an_empty_shape_too_large_for_numpy_is_a_bad_request(shape):
+    """No bytes, so within every size limit, yet numpy cannot make the array: a ValueError
+    from numpy was answered INTERNAL, as a server defect."""
+    from prefetchd.control.codes import BadArguments
+    with pytest.raises(BadArguments, match="too large for an array"):
+        decode_arrays([{"dtype": "float32", "shape": shape}], [b""])
