@@ -43,6 +43,7 @@ prefetchd.hooks.refusals; the copies of outputs that are views of a unit's weigh
 (found in the recording pass) in prefetchd.hooks.views.ViewCopies.
 """
 import contextlib
+import functools
 import logging
 import threading
 import weakref
@@ -114,7 +115,7 @@ class Offloaded:
         self._pass = RecordingPass(self._cursor, self._session, self._pins, self._estimator, self._planned_tier)
         self._ran = 0                  # unit hooks fired during the current forward
         self._turn = PassTurn(model, self._abandon_pass)   # one thread's pass at a time
-        self.closed = False
+        self.closed = self._given_back = False
         self._install_hooks()
 
     def _register(self, checkpoint):
@@ -150,7 +151,7 @@ class Offloaded:
         # always_call: MindSpore runs it when the forward or another hook raised, too.
         self._handles.append(model.register_forward_hook(self._end_pass, always_call=True))
         # Fires before any backward kernel of the model runs (its output's gradient comes first).
-        self._backward = model.register_backward_pre_hook(self._refuse_backward)
+        self._backward = model.register_backward_pre_hook(functools.partial(refusals.refuse_backward, model))
         self._handles.append(self._backward)
         self._on_daemon_close = _let_go_when_the_daemon_closes(self)
 
@@ -336,35 +337,34 @@ class Offloaded:
 
     # ---------------------------------------------------------------- teardown and refusals
     def close(self):
-        """Remove the hooks, give the weights back to the daemon (memory, the store files it
-        wrote) and close an owned daemon. The model refuses to run from then on."""
+        """Wait for a forward running on another thread to end (refused inside this model's own
+        forward), remove the hooks, give the weights back to the daemon (memory, the store files
+        it wrote) and close an owned daemon. The model refuses to run from then on. Called again,
+        it retries giving back the weights something still pinned the first time."""
         if self.closed:
+            self._given_back = self._given_back or registration.unregister(self.daemon, [self.root, *self.units])
             return
-        self.daemon.attachments.forget(self._on_daemon_close)
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        # Else MindSpore's backward-hook primitive keeps the model (and through its
-        # hooks this handle, the daemon and its 64 GiB reservation) alive for good.
-        framework.release_backward_pre_hook(self.model)
-        self._parts.remove()
-        self.closed = True
-        self._handles.append(self.model.register_forward_pre_hook(self._refuse_closed))
-        try:
-            self._pins.release_all(None)
-            registration.unregister(self.daemon, [self.root, *self.units])
-        except ShutdownError:                 # the daemon closed under the model: no pin is left
-            pass
-        finally:
-            self._estimator.close()
-            if self._owns_daemon:
-                self.daemon.close()
-
-    def _refuse_backward(self, cell, grad_output):
-        raise refusals.backward_refused(self.model)
-
-    def _refuse_closed(self, cell, inputs):
-        raise refusals.closed_refused(self.model, self.daemon.config.name)
+        with self._turn.held():              # no pass of this model runs while its hooks go
+            self.daemon.attachments.forget(self._on_daemon_close)
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            # Else MindSpore's backward-hook primitive keeps the model (and through its
+            # hooks this handle, the daemon and its 64 GiB reservation) alive for good.
+            framework.release_backward_pre_hook(self.model)
+            self._parts.remove()
+            self.closed = True
+            self._handles.append(self.model.register_forward_pre_hook(
+                functools.partial(refusals.refuse_closed, self.model, self.daemon.config.name)))
+            try:
+                self._pins.release_all(None)      # a pass cut short by Ctrl-C left its pins
+                self._given_back = registration.unregister(self.daemon, [self.root, *self.units])
+            except ShutdownError:                 # the daemon closed under the model: no pin is left
+                pass
+            finally:
+                self._estimator.close()
+                if self._owns_daemon:
+                    self.daemon.close()
 
 
 def _unit_of(by_cell, cell):

@@ -78,6 +78,16 @@ def backward_refused(model):
         f"not offloaded (prefetchd streams weights for inference)")
 
 
+def refuse_backward(model, cell, grad_output):
+    """The backward pre-hook of an offloaded model (functools.partial over the model)."""
+    raise backward_refused(model)
+
+
+def refuse_closed(model, daemon_name, cell, inputs):
+    """The forward pre-hook of a model whose handle was closed."""
+    raise closed_refused(model, daemon_name)
+
+
 def closed_refused(model, daemon_name):
     """A model whose handle was closed: its weights were given back to the daemon."""
     return PrefetchdError(

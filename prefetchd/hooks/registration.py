@@ -111,18 +111,21 @@ def _check_file(params, checkpoint):
 def unregister(daemon, units):
     """handle.close(): the daemon forgets the units' weights (memory, host blocks, the store
     files it wrote for them; a staged store keeps its files), so a long-lived daemon does
-    not grow with every model it streamed. Where that is refused (another thread's forward
-    or a daemon.use() pins one now), they stay registered until the daemon closes."""
+    not grow with every model it streamed. False where that is refused (a daemon.use() block
+    pins one now): they stay registered, said once in a WARNING, until a later close() or
+    the daemon's. True once they are gone (or the daemon is)."""
     records = list({id(r): r for u in units for r in u.records}.values())
     if not records or daemon.closed:
-        return
+        return True
     try:
         daemon.unregister(records)
     except ShutdownError:      # the daemon closed meanwhile: its tiers went with it
-        pass
+        return True
     except PrefetchdError as e:
-        log.warning("prefetchd: the closed model's %d weights stay in daemon %r until it closes: %s",
-                    len(records), daemon.config.name, e)
+        log.warning("prefetchd: the closed model's %d weights stay in daemon %r until it closes, or "
+                    "handle.close() is called again: %s", len(records), daemon.config.name, e)
+        return False
+    return True
 
 
 def _check_layout(p, shape, dtype_name, where):

@@ -101,8 +101,50 @@ def test_a_weight_pinned_elsewhere_keeps_the_model_registered_and_close_says_so(
         t.join(30)
         assert len(daemon.names()) == 12                     # all or none: none forgotten
         assert "stay in daemon" in caplog.text and "2.0.weight" in caplog.text
-        daemon.unregister([p for p in model.get_parameters()])   # now nothing holds them
+        handle.close()                                       # again, now nothing holds them
         assert daemon.names() == []
+
+
+def test_close_waits_for_a_forward_running_on_another_thread(ms, tmp_path, x):
+    """close() from another thread mid-forward took the running pass's pins and weights
+    away under it: the forward failed part-way (DaemonClosedError, NotResidentError...)."""
+    model = stack(ms, "")
+    want = model(x).asnumpy()
+    inside, go_on, out = threading.Event(), threading.Event(), []
+    with prefetchd.Daemon(device_budget=64 << 10, store_dir=str(tmp_path / "s")) as daemon:
+        handle = prefetchd.offload(model, daemon, lookahead=1)
+        model(x)
+
+        def slow(cell, inputs):
+            inside.set()
+            go_on.wait(30)
+        model[3].register_forward_pre_hook(slow)
+
+        def forward():
+            out.append(model(x).asnumpy())
+        t = threading.Thread(target=forward)
+        t.start()
+        assert inside.wait(30)
+        closing = threading.Thread(target=handle.close)
+        closing.start()
+        closing.join(0.5)
+        assert closing.is_alive(), "close() did not wait for the running forward"
+        go_on.set()
+        t.join(30)
+        closing.join(30)
+        assert not closing.is_alive()
+        np.testing.assert_array_equal(out[0], want)
+        assert daemon.names() == []
+
+
+def test_close_inside_the_models_own_forward_is_refused(ms, tmp_path, x):
+    model = stack(ms, "")
+    with prefetchd.Daemon(device_budget=64 << 10, store_dir=str(tmp_path / "s")) as daemon:
+        handle = prefetchd.offload(model, daemon, lookahead=1)
+        model[2].register_forward_pre_hook(lambda cell, inputs: handle.close())
+        with pytest.raises(PrefetchdError, match="refused inside this model's forward"):
+            model(x)
+        assert not handle.closed and len(daemon.names()) == 12
 
 
 def test_unregister_is_all_or_none_and_a_name_can_be_registered_again(ms, tmp_path):
