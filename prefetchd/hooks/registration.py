@@ -82,11 +82,22 @@ def register_checkpoint(daemon, model, *, checkpoint=None):
     entries = []
     for p in params:
         if not backend.store_contains(p.name):
-            raise UnknownTensorError(f"the store has no tensor for parameter {p.name!r}")
+            raise UnknownTensorError(f"the store has no tensor for parameter {p.name!r}" + _quarantined(backend))
         shape, dtype = staging.read_meta(backend.store_info(p.name))
         _check_layout(p, shape, np.dtype(dtype).name, "the store")
         entries.append((p, shape, dtype))
     return [daemon.register_remote(p.name, shape, dtype, target=p) for p, shape, dtype in entries]
+
+
+def _quarantined(backend):
+    """What the store's recovery set aside when it opened (a truncated or damaged file), for
+    a message about a tensor it lacks: else only a WARNING said so, at open."""
+    found = list(getattr(getattr(backend, "store", None), "quarantined", None) or ())
+    if not found:
+        return ""
+    first = found[0]
+    return (f"; the store set aside {len(found)} unusable file(s) when it opened, e.g. {first['path']} "
+            f"({first['reason']}): a damaged tensor file is never served; stage the checkpoint again")
 
 
 def _check_file(params, checkpoint):

@@ -82,3 +82,20 @@ def test_register_all_refuses_a_single_tensor(ms, make_daemon):
     with pytest.raises(TypeError, match="register_all takes an iterable of tensors"):
         daemon.register_all(weight)
     assert daemon.names() == []
+
+
+def test_a_truncated_store_file_is_named_where_the_tensor_is_missed(ms, tmp_path):
+    """A staged tensor file cut short is set aside when the store opens (a WARNING), and
+    offload(checkpoint=True) then said only 'the store has no tensor for parameter ...'."""
+    from prefetchd.errors import UnknownTensorError
+    from prefetchd.staging import stage_checkpoint
+    model, ckpt, store = _model(ms), str(tmp_path / "m.ckpt"), str(tmp_path / "store")
+    ms.save_checkpoint(model, ckpt)
+    stage_checkpoint(ckpt, store)
+    victim = max((os.path.join(store, f) for f in os.listdir(store) if f.endswith(".pfd")),
+                 key=os.path.getsize)
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    with prefetchd.Daemon(store_dir=store) as daemon:
+        with pytest.raises(UnknownTensorError, match=r"set aside 1 unusable file\(s\) when it opened"):
+            prefetchd.offload(_model(ms), daemon, checkpoint=True)
