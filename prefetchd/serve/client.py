@@ -25,7 +25,7 @@ import time
 import zmq
 
 from ..control import protocol as P
-from ..control.codes import RequestTimeout, exception_for
+from ..control.codes import BadArguments, RequestTimeout, exception_for
 from ..control.endpoints import resolve_endpoint
 from ..control.ioloop import IOLoop
 from ..errors import ShutdownError
@@ -99,6 +99,10 @@ class Client:
     def _submit(self, op, args, arrays, timeout):
         timeout = self.timeout if timeout is None else timeout
         headers, buffers = encode_arrays(arrays)
+        total = sum(memoryview(b).nbytes for b in buffers)
+        if total > self.max_tensor_bytes:   # else: refused, or dropped unanswered, after the timeout
+            raise BadArguments(f"{op}: the inputs are {total} bytes, over max_tensor_bytes "
+                               f"{self.max_tensor_bytes} (the server's limit by default); send fewer rows")
         future = concurrent.futures.Future()
         rid = P.new_rid(next(self._counter))
         # The front gives up a little before we do, so a slow request is answered TIMEOUT.

@@ -35,6 +35,18 @@ def test_a_request_nobody_answers_times_out_in_bounded_time(tmp_path):
             c.infer("m0", np.zeros((1, 4), np.float32), timeout=0.3)
 
 
+def test_inputs_over_the_tensor_limit_are_refused_before_sending(tmp_path):
+    """The server drops such a request (or its frame) unanswered: the client waited out its
+    whole timeout and said only 'no reply'."""
+    from prefetchd.control.codes import BadArguments
+    with Client(_nobody(tmp_path), max_tensor_bytes=1024) as c:
+        started = time.monotonic()
+        with pytest.raises(BadArguments, match="over max_tensor_bytes 1024"):
+            c.submit("m0", np.zeros((1, 257), np.float32), timeout=30)
+        assert time.monotonic() - started < 1
+        c.submit("m0", np.zeros((1, 256), np.float32), timeout=0.2)     # at the limit: sent
+
+
 def test_close_fails_every_outstanding_future(tmp_path):
     c = Client(_nobody(tmp_path))
     futures = [c.submit("m0", np.zeros((1, 4), np.float32), timeout=60) for _ in range(5)]
