@@ -27,6 +27,11 @@ def register(sub):
 def _load(path):
     import numpy as np
     try:
+        with open(path, "rb") as f:
+            magic = f.read(6)
+        if magic != b"\x93NUMPY":     # else numpy tries a pickle and blames that
+            raise ValueError("it does not start as a .npy file does (numpy.save writes one; .npz, text "
+                             "and pickles are not read)")
         return np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:
         raise UsageError(f"infer: {path}: not a readable .npy of numbers ({e})") from None

@@ -139,3 +139,14 @@ def test_ctl_set_watermarks_refuses_a_negative_or_nan_before_connecting(tmp_path
     for value in ("-5%", "-1", "nan", "inf"):
         out = run("ctl", "--endpoint", endpoint, "set-watermarks", value)
         assert out.returncode == 2 and "set-watermarks" in one_error_line(out), (value, out.stderr)
+
+
+def test_infer_on_a_file_that_is_not_npy_says_so_not_pickle(tmp_path):
+    # numpy falls back to reading a pickle and blamed that: "Cannot load file containing
+    # pickled data when allow_pickle=False", for a text file named .npy.
+    text = tmp_path / "x.npy"
+    text.write_text("1 2 3\n")
+    out = run("infer", "--endpoint", f"ipc://{tmp_path / 'nobody.sock'}", "--model", "m0", str(text))
+    assert out.returncode == 2, out.stderr
+    line = one_error_line(out)
+    assert "does not start as a .npy file does" in line and "pickle" not in line.split("(")[0], line
