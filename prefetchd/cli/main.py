@@ -58,7 +58,10 @@ def build_parser():
 
 def main(argv=None):
     """Run one verb; returns the exit code (argparse exits with 2 on a bad command line)."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:           # Ctrl-C while the verbs' modules load: no traceback
+        return 130
     try:
         level = args.log_level or _env_log_level()
     except UsageError as e:
