@@ -8,6 +8,51 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
 
 
+def start_serve(endpoint, args, env, workers=1, timeout=120):
+    """A real `prefetchd serve` process on `endpoint` with `args`, once `workers` workers
+    answer a ping (AssertionError with its stderr if it exits first)."""
+    import subprocess
+    import sys
+    from prefetchd.control import Client, RequestTimeout
+    proc = subprocess.Popen([sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint", endpoint,
+                             "--workers", str(workers), *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    with Client(endpoint, timeout=1) as c:
+        def up():
+            try:
+                return c.ping()["workers"] == workers
+            except RequestTimeout:
+                return proc.poll() is not None
+        assert wait_until(up, timeout, 0.2) and proc.poll() is None, proc.stderr.read()
+    return proc
+
+
+def stop_serve(proc, timeout=30):
+    """SIGTERM, then SIGKILL if it has not exited within `timeout`; its exit code."""
+    import signal
+    import subprocess
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(5)
+
+
+def children_of(pid):
+    """Pids of the live processes whose parent is `pid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return found
+
+
 def wait_until(predicate, timeout=5.0, interval=0.02):
     """Poll `predicate` until it is true or `timeout` seconds pass; returns its last value."""
     deadline = time.monotonic() + timeout

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import wait_until
+from helpers import start_serve, stop_serve, wait_until
 from prefetchd.cli.common import UsageError
 from prefetchd.errors import ConfigError
 from prefetchd.control import Client, RequestTimeout
@@ -20,6 +20,7 @@ from prefetchd.serve.worker import link_checkpoint_store
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = dict(hidden=64, layers=2, batch=2, seq=8)
+SERVE_SMALL = ["--hidden", "64", "--layers", "2", "--batch", "2", "--seq", "8"]
 STAGED_SEED = 7          # the factory alone would build seed 0: a match proves the store's weights
 X = np.random.default_rng(3).standard_normal((SMALL["batch"], SMALL["seq"], SMALL["hidden"])) \
     .astype(np.float32)
@@ -181,10 +182,7 @@ def test_a_worker_respawned_after_a_new_stage_is_refused_not_served_other_weight
     _stage(staged["ckpt"], store)
     ms.save_checkpoint(demo_model(seed=STAGED_SEED + 1, spec=ServeSpec(models=1, **SMALL))[0], other)
     endpoint = f"ipc://{tmp_path}/serve.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint", endpoint,
-                             "--workers", "2", "--checkpoint-store", store, "--hidden", "64", "--layers", "2",
-                             "--batch", "2", "--seq", "8"], env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = start_serve(endpoint, ["--checkpoint-store", store, *SERVE_SMALL], _env(), workers=2)
     try:
         with Client(endpoint, timeout=2) as c, ServeClient(endpoint, timeout=60) as sc:
             def workers():
@@ -192,7 +190,6 @@ def test_a_worker_respawned_after_a_new_stage_is_refused_not_served_other_weight
                     return c.ping()["workers"]
                 except RequestTimeout:
                     return -1 if proc.poll() is not None else 0
-            assert wait_until(lambda: workers() in (2, -1), 120, 0.2) and proc.poll() is None
             _stage(other, store)                                   # the store moves on meanwhile
             os.kill(c.status()["workers"][0]["pid"], signal.SIGKILL)
             assert wait_until(lambda: workers() == 1, 30, 0.2)
@@ -201,12 +198,7 @@ def test_a_worker_respawned_after_a_new_stage_is_refused_not_served_other_weight
                 assert np.array_equal(y, staged["want"])
             assert wait_until(lambda: "replaced it since the server started" in _log_so_far(proc), 60, 0.5)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_serve(proc)
 
 
 def _log_so_far(proc):
@@ -232,18 +224,9 @@ def test_a_weight_that_fails_its_checksum_is_a_storage_error_never_an_answer(tmp
     store = str(tmp_path / "store")
     _stage(staged["ckpt"], store)
     endpoint = f"ipc://{tmp_path}/serve.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint", endpoint,
-                             "--workers", "1", "--checkpoint-store", store, "--hidden", "64", "--layers", "2",
-                             "--batch", "2", "--seq", "8", "--budget", "40%"], env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = start_serve(endpoint, ["--checkpoint-store", store, *SERVE_SMALL, "--budget", "40%"], _env())
     try:
-        with Client(endpoint, timeout=2) as c, ServeClient(endpoint, timeout=60) as sc:
-            def up():
-                try:
-                    return c.ping()["workers"] == 1
-                except RequestTimeout:
-                    return proc.poll() is not None
-            assert wait_until(up, 120, 0.2) and proc.poll() is None
+        with ServeClient(endpoint, timeout=60) as sc:
             victim = max(_tensor_files(store), key=os.path.getsize)     # a weight, not a bias
             with open(victim, "r+b") as f:
                 f.seek(os.path.getsize(victim) // 2)
@@ -255,9 +238,4 @@ def test_a_weight_that_fails_its_checksum_is_a_storage_error_never_an_answer(tmp
             assert isinstance(err.value, StorageError), err.value        # STORAGE, not INTERNAL
             assert "verif" in str(err.value) or "checksum" in str(err.value), err.value
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_serve(proc)

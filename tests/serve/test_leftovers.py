@@ -7,7 +7,7 @@ import pathlib
 import sys
 import time
 
-from helpers import wait_until
+from helpers import children_of, start_serve, stop_serve, wait_until
 from prefetchd.serve.front_sockets import SERVE_LOCK
 from prefetchd.serve.leftovers import MIN_AGE_SECONDS, remove_leftovers
 
@@ -62,37 +62,23 @@ def test_dead_fronts_stores_and_sockets_go_and_live_ones_stay(tmp_path):
 
 
 def _serve(tmp_path, env):
-    import subprocess
-    endpoint = f"ipc://{tmp_path}/serve.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint", endpoint,
-                             "--workers", "1", "--models", "1", "--hidden", "64", "--layers", "2",
-                             "--batch", "2", "--seq", "8"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    from prefetchd.control import Client, RequestTimeout
-    with Client(endpoint, timeout=1) as c:
-        def up():
-            try:
-                return c.ping()["workers"] == 1
-            except RequestTimeout:
-                return proc.poll() is not None
-        assert wait_until(up, 120, 0.2) and proc.poll() is None, proc.stderr.read()
-    return proc
+    return start_serve(f"ipc://{tmp_path}/serve.sock", ["--models", "1", "--hidden", "64", "--layers", "2",
+                                                         "--batch", "2", "--seq", "8"], env)
 
 
 def test_a_front_started_after_one_was_killed_removes_what_it_left(tmp_path):
     import shutil
-    import signal
     import tempfile
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     run = pathlib.Path(tempfile.mkdtemp(prefix="pl-", dir="/tmp"))    # ipc paths: at most 107 bytes
     try:
-        _killed_then_restarted(tmp_path, tmp, run, signal)
+        _killed_then_restarted(tmp_path, tmp, run)
     finally:
         shutil.rmtree(run, ignore_errors=True)
 
 
-def _killed_then_restarted(tmp_path, tmp, run, signal):
+def _killed_then_restarted(tmp_path, tmp, run):
     env = dict(os.environ, TMPDIR=str(tmp), XDG_RUNTIME_DIR=str(run),
                PYTHONPATH=os.pathsep.join([REPO, *sys.path]))
     sockets = run / "prefetchd"
@@ -101,27 +87,12 @@ def _killed_then_restarted(tmp_path, tmp, run, signal):
     assert stores and socks
     first.kill()                                   # SIGKILL: the front removes nothing
     first.wait(10)
-    assert wait_until(lambda: not _workers_of(first.pid), 30, 0.2)   # its workers follow it
+    assert wait_until(lambda: not children_of(first.pid), 30, 0.2)   # its workers follow it
     assert set(os.listdir(tmp)) == stores
     second = _serve(tmp_path, env)
     try:
         assert not stores & set(os.listdir(tmp)), "the killed front's temporary store is still there"
         assert not socks & set(os.listdir(sockets)), "the killed front's sockets are still there"
     finally:
-        second.send_signal(signal.SIGTERM)
-        assert second.wait(30) == 0
+        assert stop_serve(second) == 0
     assert os.listdir(tmp) == []
-
-
-def _workers_of(pid):
-    """Pids of live processes whose parent is `pid`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass
-    return found

@@ -19,7 +19,7 @@ import time
 import pytest
 import zmq
 
-from helpers import wait_until as _wait_until
+from helpers import children_of, wait_until as _wait_until
 import numpy as np
 
 from prefetchd.control import Client, RequestTimeout, ServiceError
@@ -311,19 +311,6 @@ def test_ctrl_c_while_the_cli_imports_the_model_exits_cleanly(tmp_path, after):
             proc.wait(5)
 
 
-def _children(pid):
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
-
-
 def test_a_worker_still_building_exits_when_its_front_is_killed(tmp_path):
     """The worker watched for its front only once ready: one inside a slow factory outlived a
     SIGKILLed front (for ever if the factory blocks), holding its store (outside probe)."""
@@ -332,7 +319,7 @@ def test_a_worker_still_building_exits_when_its_front_is_killed(tmp_path):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         assert wait_until(lambda: any(d.startswith("worker-") for d in os.listdir(tmp_path)), 60, 0.1)
-        workers = _children(proc.pid)
+        workers = children_of(proc.pid)
         assert workers
         proc.kill()
         proc.wait(5)
