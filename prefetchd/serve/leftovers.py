@@ -25,6 +25,10 @@ from ..staging.generations import lock_or_holder
 log = logging.getLogger("prefetchd.serve")
 
 MIN_AGE_SECONDS = 60.0
+# tempfile.mkdtemp's names (ServeSpec.with_temporary_store): nothing else is touched.
+_NEAR_CHECKPOINT = re.compile(r"\.prefetchd-serve-[a-z0-9_]{8}$")
+_IN_TMP = re.compile(r"prefetchd-serve-[a-z0-9_]{8}$")
+_WORKER_ENTRY = re.compile(r"(worker-\d+-\d+|shared-host-.+)$")   # what a front puts in one
 _SOCKET = re.compile(r"-(\d+)-[0-9a-f]{4}-(?:w\d+|work|host)(?:-events)?\.sock$")
 
 
@@ -32,8 +36,9 @@ def remove_leftovers(checkpoint_store, runtime_dir, lock_name):
     """Remove dead fronts' temporary stores (beside `checkpoint_store`, or in the temporary
     directory) and sockets (in `runtime_dir`); returns what was removed."""
     near = os.path.dirname(os.path.realpath(checkpoint_store)) if checkpoint_store else tempfile.gettempdir()
-    prefix = ".prefetchd-serve-" if checkpoint_store else "prefetchd-serve-"
-    removed = [p for p in _entries(near, prefix) if _remove_unlocked_store(p, lock_name)]
+    made = _NEAR_CHECKPOINT if checkpoint_store else _IN_TMP
+    removed = [p for p in _entries(near, "") if made.match(os.path.basename(p))
+               and _remove_unlocked_store(p, lock_name)]
     removed += [p for p in _entries(runtime_dir, "") if _SOCKET.search(p) and _remove_dead_socket(p)]
     for path in removed:
         log.info("prefetchd serve: removed %s, left by a server that was killed", path)
@@ -53,8 +58,9 @@ def _remove_unlocked_store(path, lock_name):
         st = os.lstat(path)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
             return False
-        if not os.path.exists(lock) and time.time() - st.st_mtime < MIN_AGE_SECONDS:
-            return False                          # made a moment ago by a front not locked yet
+        if not os.path.exists(lock) and (time.time() - st.st_mtime < MIN_AGE_SECONDS or not all(
+                _WORKER_ENTRY.match(n) for n in os.listdir(path))):
+            return False                          # a front's that it has not locked yet, or not a front's
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError:
         return False

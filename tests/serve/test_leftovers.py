@@ -38,14 +38,17 @@ def test_dead_fronts_stores_and_sockets_go_and_live_ones_stay(tmp_path):
     ckpt, run = tmp_path / "model-store", tmp_path / "run"
     ckpt.mkdir()
     run.mkdir()
-    dead = _store(tmp_path, ".prefetchd-serve-dead")                   # unlocked lock file: its front died
-    old = _store(tmp_path, ".prefetchd-serve-old", lock=False, age=2 * MIN_AGE_SECONDS)
-    young = _store(tmp_path, ".prefetchd-serve-young", lock=False)    # a front about to lock it
-    live = _store(tmp_path, ".prefetchd-serve-live")
+    dead = _store(tmp_path, ".prefetchd-serve-dead0000")                   # unlocked lock file: its front died
+    old = _store(tmp_path, ".prefetchd-serve-old00000", lock=False, age=2 * MIN_AGE_SECONDS)
+    young = _store(tmp_path, ".prefetchd-serve-young000", lock=False)    # a front about to lock it
+    live = _store(tmp_path, ".prefetchd-serve-live0000")
     fd = os.open(live / SERVE_LOCK, os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)                                     # a running front holds it
     other = tmp_path / "unrelated"
     other.mkdir()
+    mine = _store(tmp_path, ".prefetchd-serve-results", age=2 * MIN_AGE_SECONDS)   # not a mkdtemp name
+    notes = _store(tmp_path, ".prefetchd-serve-notes000", lock=False, age=2 * MIN_AGE_SECONDS)
+    (notes / "README").write_text("a user's, not a front's\n")
     gone_pid = _dead_pid()
     stale = [run / f"serve-{gone_pid}-0e69-{k}.sock" for k in ("w0", "w0-events", "work", "host")]
     alive = run / f"serve-{os.getpid()}-beef-work.sock"
@@ -55,6 +58,7 @@ def test_dead_fronts_stores_and_sockets_go_and_live_ones_stay(tmp_path):
         removed = remove_leftovers(str(ckpt), str(run), SERVE_LOCK)
         assert sorted(removed) == sorted(map(str, [dead, old, *stale]))
         assert young.exists() and live.exists() and other.exists() and ckpt.exists()
+        assert mine.exists() and notes.exists()
         assert alive.exists() and (run / "mine.sock").exists()
         assert (live / "worker-0-1" / "w.pfd").exists()
     finally:
