@@ -317,8 +317,12 @@ def _resolve(root, chain):
         step = chain[i]
         if step == PARAMS:
             if isinstance(obj, ms.nn.Cell):           # each of its parameters, then the rest
-                skip = 2 if i + 1 < len(chain) and chain[i + 1] == ANY_ITEM else 1
-                for p in _unique(obj.get_parameters()):
+                params = _unique(obj.get_parameters())
+                key = chain[i + 1] if i + 1 < len(chain) else None
+                # parameters_dict()["blocks.1.fc.weight"]: that one parameter, not all of them
+                named = [p for p in params if isinstance(key, str) and p.name == key]
+                skip = 2 if named or key == ANY_ITEM else 1
+                for p in named or params:
                     follow(p, f"{expr}.get_parameters()[{p.name!r}]", i + skip)
         elif step == ANY_ITEM:
             for label, item in _items(obj):

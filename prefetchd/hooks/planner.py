@@ -87,6 +87,7 @@ class Plan:
     total_bytes: int
     explicit: bool = False
     compiled_model: bool = False   # the model's own construct is @jit: every parameter is root
+    root_reads: tuple = ()         # reads of units' parameters by constructs outside every unit
     replan: object = None          # fn(high_watermark, lookahead) -> the Plan with the same inputs
     high_fraction: float = DEFAULT_HIGH_FRACTION   # high watermark / device_budget, for the hint
     # ids of the cells that run inside a @jit method's graph: never hooked (prefetchd.hooks.parts)
@@ -142,7 +143,7 @@ class Plan:
             return (f"the root unit (parameters of cells outside every unit, and parameters a construct "
                     f"outside their unit reads directly: {_short(self.root.param_names)}) needs "
                     f"{self.root.nbytes} bytes, above the high watermark {high}; pass units= to stream "
-                    f"some of those cells, or raise device_budget")
+                    f"some of those cells, or raise device_budget" + _root_reads(self.root_reads))
         for unit in self.units:
             need = _union_bytes(self.root, unit)
             if need > high:
@@ -290,10 +291,12 @@ def _finish(model, units, all_params, high, lookahead, sizing, total, facts, exp
     root.add_params(p for p in all_params if id(p) not in in_units)
     # A unit's parameter that a construct running outside every unit reads directly
     # (a tied table read by the model's construct) is pinned by the root as well.
-    root.add_params(p for cell in _outside_units(model, units) for _, p in facts.direct_reads(cell)
-                    if id(p) in in_units)
+    reads = [(expr, p) for cell in _outside_units(model, units) for expr, p in facts.direct_reads(cell)
+             if id(p) in in_units]
+    root.add_params(p for _, p in reads)
     share = max((high - root.nbytes) // (2 + sizing), 0)
-    return Plan(units, root, high, share, lookahead, total, explicit, compiled_model=is_compiled(model))
+    return Plan(units, root, high, share, lookahead, total, explicit, compiled_model=is_compiled(model),
+                root_reads=tuple(dict.fromkeys(expr for expr, _ in reads)))
 
 
 def _outside_units(model, units):
@@ -350,6 +353,17 @@ def _resolve(model, units):
     if len(set(names)) != len(names):
         raise PrefetchdError("units=: a unit is listed twice")
     return resolved
+
+
+def _root_reads(reads):
+    """The reads outside every unit that pinned units' parameters in the root, named (units=
+    does not move those: the read does)."""
+    if not reads:
+        return ""
+    more = f" and {len(reads) - 3} more" if len(reads) > 3 else ""
+    return (f"; of those, units' parameters are in the root because a construct outside every unit "
+            f"reads them directly: {', '.join(reads[:3])}{more} (read a weight through its cell's call, "
+            f"or by its own path, e.g. self.blocks[1].fc.weight, which pins that one alone)")
 
 
 def _kept_whole(unit):

@@ -459,3 +459,62 @@ def test_a_hint_in_units_rounds_up_by_at_most_one_percent():
     assert _size_text(1060864).startswith("1036KiB (1060864 bytes")        # 1.01 MiB, not "2MiB"
     assert _size_text(3 << 30).startswith("3072MiB")
     assert _size_text(43116) == "43116 bytes"                             # 42.1 KiB: 43KiB is 2% more
+
+
+def _reading_model(ms, read):
+    """Embedding, 4 blocks, head; the model's construct reads one block weight itself."""
+    nn, ops = ms.nn, ms.ops
+    H = 128
+
+    class Block(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Dense(H, H), nn.Dense(H, H)
+
+        def construct(self, x):
+            return x + self.b(ops.relu(self.a(x)))
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Dense(16, H), nn.Dense(H, 8)
+            self.blocks = nn.CellList([Block() for _ in range(4)])
+
+    class ByName(Net):
+        def construct(self, x):
+            h = self.emb(x)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(h + ops.matmul(h, self.parameters_dict()["blocks.1.b.weight"]))
+
+    class ByIndex(Net):
+        def construct(self, x):
+            h = self.emb(x)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(h + ops.matmul(h, list(self.get_parameters())[5]))
+    ms.set_seed(5)
+    return ByName() if read == "dict" else ByIndex()
+
+
+def test_parameters_dict_by_name_pins_that_weight_alone(ms, make_daemon):
+    """self.parameters_dict()["blocks.1.b.weight"] in the model's construct put all 20 of
+    its tensors in the root (a refusal at any budget under the model's size)."""
+    model = _reading_model(ms, "dict")
+    x = ms.Tensor(np.random.default_rng(5).standard_normal((2, 16)).astype(np.float32))
+    want = model(x).asnumpy()
+    handle = prefetchd.offload(model, make_daemon(device_budget=190_000), lookahead=0)
+    assert sorted(handle.plan().root.param_names) == ["blocks.1.b.weight", "emb.bias", "emb.weight",
+                                                      "head.bias", "head.weight"]
+    for _ in range(3):
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
+
+
+def test_a_root_too_large_for_reads_outside_every_unit_names_those_reads(ms):
+    """A read the analysis cannot narrow (an index into all parameters) pins every parameter
+    in the root; the refusal listed the parameters but not the read, and suggested units=,
+    which changes nothing there."""
+    model = _reading_model(ms, "list")
+    with pytest.raises(BudgetError, match=r"a construct outside every unit reads them directly: "
+                                          r"self\.get_parameters\(\)\['.*'\]"):
+        plan_units(model, 180_000, 0).check_fits()
