@@ -88,8 +88,9 @@ class StreamingPass:
         # one for strict=True to raise (every pass would, also where "auto" picked 0)
         auto = self._auto_fetch or self._lookahead_of() == 0
         # the prefetches behind a missed unit were issued before the miss: issue them again
+        # (the unit is held by then, so held_bytes() counts it)
         pins.acquire(unit, auto_fetch=auto, after_miss=lambda: self.prefetch_from(
-            self._cursor.position + 1, pins.held_bytes() + unit.nbytes))
+            self._cursor.position + 1, pins.held_bytes()))
 
     def after_root(self):
         self.prefetch_from(1, self._pins.root.nbytes)
