@@ -360,9 +360,8 @@ def _root_reads(reads):
     does not move those: the read does)."""
     if not reads:
         return ""
-    more = f" and {len(reads) - 3} more" if len(reads) > 3 else ""
     return (f"; of those, units' parameters are in the root because a construct outside every unit "
-            f"reads them directly: {', '.join(reads[:3])}{more} (read a weight through its cell's call, "
+            f"reads them directly: {_first_reads(reads)} (read a weight through its cell's call, "
             f"or by its own path, e.g. self.blocks[1].fc.weight, which pins that one alone)")
 
 
@@ -376,8 +375,7 @@ def _kept_whole(unit):
     reads = list(dict.fromkeys(expr for expr, p in direct_reads(cell) if id(p) not in own))
     if not reads:
         return ""
-    more = f" and {len(reads) - 3} more" if len(reads) > 3 else ""
-    return (f"; {unit.name!r} is kept whole because its construct reads {', '.join(reads[:3])}{more} "
+    return (f"; {unit.name!r} is kept whole because its construct reads {_first_reads(reads)} "
             f"directly, outside that sub-cell's call (units= naming its sub-cells pins those in the root "
             f"instead)")
 
@@ -404,6 +402,12 @@ def _union_bytes(*units):
                 seen.add(id(p))
                 total += unit.size(p)
     return total
+
+
+def _first_reads(reads, limit=3):
+    """'a, b, c and N more' of read expressions."""
+    more = f" and {len(reads) - limit} more" if len(reads) > limit else ""
+    return ", ".join(reads[:limit]) + more
 
 
 def _short(names, limit=4):
