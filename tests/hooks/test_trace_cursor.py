@@ -53,11 +53,11 @@ def test_a_pass_that_only_skipped_units_leaves_the_trace():
     assert cursor.end_pass() is False and cursor.steps == [ROOT, 0, 1, 2, 3] and cursor.retraces == 0
 
 
-def run(cursor, indices):
+def run(cursor, indices, ending=TraceCursor.end_pass):
     cursor.start_pass()
     for index in indices:
         cursor.enter(index)
-    return cursor.end_pass()
+    return ending(cursor)
 
 
 def test_an_order_that_changed_for_good_becomes_the_trace_at_its_second_pass():
@@ -79,10 +79,7 @@ def test_an_order_that_changed_for_good_becomes_the_trace_at_its_second_pass():
 
 def abandoned(cursor, indices):
     """A pass that raised at the last of `indices` (strict=True's miss there)."""
-    cursor.start_pass()
-    for index in indices:
-        cursor.enter(index)
-    return cursor.abandon_pass()
+    return run(cursor, indices, TraceCursor.abandon_pass)
 
 
 def test_a_pass_cut_short_counts_as_its_order_then_the_traces_from_there():

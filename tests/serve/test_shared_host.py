@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import wait_until
-from prefetchd.control import Client, RequestTimeout
+from helpers import start_serve, wait_until
+from prefetchd.control import Client
 from prefetchd.serve.spec import ServeSpec, demo_model
 from prefetchd.serve import Client as ServeClient
 
@@ -60,18 +60,11 @@ def _leases_match(doc):
 
 def test_four_workers_share_one_host_tier(staged):
     endpoint = f"ipc://shared-serve-{os.getpid()}.sock"
-    cmd = [sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint", endpoint, "--workers",
-           str(WORKERS), "--checkpoint-store", staged["store"], "--shared-host", "--budget", "0.4",
-           "--lookahead", "1", *[f"--{k}={v}" for k, v in SMALL.items()]]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = start_serve(endpoint, ["--checkpoint-store", staged["store"], "--shared-host", "--budget", "0.4",
+                                  "--lookahead", "1", *[f"--{k}={v}" for k, v in SMALL.items()]],
+                       _env(), workers=WORKERS, timeout=240)
     try:
         with Client(endpoint, timeout=2) as c:
-            def up():
-                try:
-                    return c.ping()["workers"] == WORKERS
-                except RequestTimeout:
-                    return proc.poll() is not None
-            assert wait_until(up, 240, 0.5) and proc.poll() is None, proc.stderr.read().decode()
             _infer_all(endpoint, staged["want"], 3)
             doc = c.status()
             shared = doc["front"]["shared_host"]
