@@ -124,7 +124,9 @@ def test_a_killed_rank_fails_the_survivor_in_its_allreduce_and_prefetchd_adds_no
     (MS_NODE_TIMEOUT, 10 s here); then MindSpore either raises in the AllReduce (the example lets it
     propagate out of its `with Daemon`: closing the daemon and exiting are prefetchd's share, and
     must be quick) or its cluster's exception callback SIGTERMs the process (which must end it:
-    prefetchd installs no handler and runs only daemon threads). Which one wins is MindSpore's race."""
+    prefetchd installs no handler and runs only daemon threads). Which one wins is MindSpore's race,
+    and after a raise its teardown may still be held until that SIGTERM: prefetchd's share (the daemon
+    closed) is timed from the error, the process's exit from whichever of MindSpore's paths ended it."""
     report, port = tmp_path / "report", _free_port()
     env = dict(ENV, MS_NODE_TIMEOUT="10", GLOG_v="2")         # warnings: the log says which path it took
     common = ("--store", staged["store"], "--report", str(report), "--passes", "3",
@@ -148,10 +150,14 @@ def test_a_killed_rank_fails_the_survivor_in_its_allreduce_and_prefetchd_adds_no
     hang = gone_at - killed
     if error:
         assert error[0]["pass"] == 1 and "AllReduce" in error[0]["error"], error
+        closed = [n["closed"] for n in notes if "closed" in n]
+        assert closed and closed[0] - error[0]["t"] < 5.0, notes     # prefetchd's share: the daemon closes at once
         exit_seconds = gone_at - error[0]["t"]
-        outcome = f"AllReduce raised after {error[0]['t'] - killed:.1f} s, process gone {exit_seconds:.2f} s later"
-        assert exit_seconds < 5.0                  # the daemon closed and the process exited at once
-        assert [n for n in notes if "closed" in n]
+        outcome = f"AllReduce raised after {error[0]['t'] - killed:.1f} s, daemon closed " \
+                  f"{closed[0] - error[0]['t']:.2f} s later, process gone {exit_seconds:.2f} s later"
+        # What is left after the close is MindSpore's own teardown. It either exits at once or is held
+        # until its cluster callback SIGTERMs the process (both were seen in one run); either ends it.
+        assert exit_seconds < 5.0 or "Kill this process with SIGTERM" in log, (outcome, log[-2000:])
     else:
         assert "Kill this process with SIGTERM" in log, log[-2000:]
         outcome = f"SIGTERMed by MindSpore's cluster callback, gone {hang:.1f} s after its peer died"
