@@ -35,6 +35,15 @@ tcp connection counts against no peer's budget: it waits among at most
 one (prefetchd.control.handshakes), so peers without an authorized CURVE key cannot
 crowd out the authorized clients from the same address. A connection through its
 handshake goes before the ones still in theirs: they give their descriptors up for it.
+
+A server that reports its requests (`idle_after`, `saw`, `busy`) also keeps idle
+connections from crowding out new ones: at a budget (the total, or the new one's
+peer's), the connection of that budget that has gone longest without a request,
+none of its requests unanswered and idle at least `idle_after` seconds, is shut
+down for the new one (an HTTP server's keep-alive timeout, applied only under
+pressure). Its client's libzmq connects again by itself when it next sends; a
+request sent in the very instant of the shutdown is lost with the connection and
+its client times out, as on any dropped connection.
 """
 import collections
 import errno
@@ -152,7 +161,8 @@ class ConnectionGuard:
     """Watches a server's sockets; runs on its I/O thread (see the module docstring)."""
 
     def __init__(self, max_connections=DEFAULT_MAX_CONNECTIONS, max_per_peer=DEFAULT_MAX_PER_PEER,
-                 fd_reserve=DEFAULT_FD_RESERVE, *, on_pause=None, on_resume=None, raise_limit=True):
+                 fd_reserve=DEFAULT_FD_RESERVE, *, on_pause=None, on_resume=None, raise_limit=True,
+                 idle_after=None, busy=None):
         for name, value in (("max_connections", max_connections), ("max_per_peer", max_per_peer),
                             ("fd_reserve", fd_reserve)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -169,6 +179,11 @@ class ConnectionGuard:
         self._doomed = set()             # fds shut down, their DISCONNECTED not seen yet
         self._accepted = []              # (fd, handshake threshold) accepted since the last settle()
         self._ids = {}                   # fd -> its connection's id when accepted (_connection_id)
+        # Idle connections give way at a budget (module docstring): off unless the server
+        # reports its requests. busy() -> descriptors with a request not yet answered.
+        self.idle_after, self._busy = idle_after, busy
+        self._last = {}                  # fd -> monotonic time of its last request (or its admission)
+        self.evicted_idle = 0
         self.dropped = 0
         self.dropped_in_handshake = 0    # of those: pushed out before their handshake was through
         self.paused = False
@@ -189,6 +204,7 @@ class ConnectionGuard:
     def counts(self):
         """What a server's status reports of its connections."""
         return {"connections": self.held, "connections_dropped": self.dropped,
+                "connections_evicted_idle": self.evicted_idle,
                 "connections_handshaking": self.handshaking,
                 "listening_paused": self.paused, "listening_pauses": self.pauses}
 
@@ -224,11 +240,21 @@ class ConnectionGuard:
         elif event == zmq.EVENT_LISTENING:
             self.gates.saw(frames[1].decode(errors="replace"), fd)
 
+    def saw(self, fd):
+        """A request arrived on connection `fd` (zmq.Frame.get(zmq.SRCFD) of its first frame)."""
+        if fd in self._live:
+            self._last[fd] = time.monotonic()
+
     def _gone(self, fd):
         self._accepted = [item for item in self._accepted if item[0] != fd]
         self._handshakes.discard(fd)
         self._doomed.discard(fd)
         self._ids.pop(fd, None)
+        self._release(fd)
+
+    def _release(self, fd):
+        """No longer count `fd` as a live connection (gone, or shut down for a new one)."""
+        self._last.pop(fd, None)
         key = self._live.pop(fd, None)
         if key is not None:
             self._per_peer[key] -= 1
@@ -294,8 +320,9 @@ class ConnectionGuard:
     def _admit(self, fd, key, in_use, through_handshake=False):
         """Let `fd` in, or drop it if it is beyond a budget (see the module docstring)."""
         if len(self._live) >= self.max_connections or self._per_peer[key] >= self.per_peer_budget:
-            self._drop(fd)
-            return
+            if not self._make_room(key):
+                self._drop(fd)
+                return
         # Descriptors already shut down leave as soon as libzmq sees it: a flood's churn
         # of them must not turn away a client whose handshake is through. Nor may the
         # connections still in their handshake: a client through it (for CURVE, its key
@@ -310,7 +337,26 @@ class ConnectionGuard:
             self._drop(fd)
             return
         self._live[fd] = key
+        self._last[fd] = time.monotonic()
         self._per_peer[key] += 1
+
+    def _make_room(self, key):
+        """Shut down the idlest connection of the budget a new one from `key` is at (its
+        peer's, else the total), if one is idle enough; True if it made room."""
+        if self.idle_after is None:
+            return False
+        candidates = [fd for fd, peer in self._live.items() if peer == key] \
+            if self._per_peer[key] >= self.per_peer_budget else self._live
+        busy = self._busy() if self._busy is not None else ()
+        cutoff = time.monotonic() - self.idle_after
+        idle = [(self._last.get(fd, 0.0), fd) for fd in candidates if fd not in busy]
+        idle = [item for item in idle if item[0] <= cutoff]
+        if not idle:
+            return False
+        victim = min(idle)[1]
+        self._release(victim)           # its slot is free even if it closed meanwhile
+        self.evicted_idle += self._drop(victim)
+        return True
 
     def _drop(self, fd):
         if _shut_down(fd, self._ids.get(fd)):

@@ -16,9 +16,11 @@ class GuardedListening:
     """`bind(socket, endpoint)` binds one endpoint; `endpoints()` -> [(socket, endpoint)]
     the server listens on. Owned by the server's I/O thread, like its parts."""
 
-    def __init__(self, bind, endpoints, max_connections, max_per_peer, fd_reserve=DEFAULT_FD_RESERVE):
+    def __init__(self, bind, endpoints, max_connections, max_per_peer, fd_reserve=DEFAULT_FD_RESERVE,
+                 idle_after=None, busy=None):
         self.guard = ConnectionGuard(max_connections, max_per_peer, fd_reserve,
-                                     on_pause=self._pause, on_resume=self._resume)
+                                     on_pause=self._pause, on_resume=self._resume,
+                                     idle_after=idle_after, busy=busy)
         self.listening = Listening(bind, endpoints, gates=self.guard.gates)
 
     def _pause(self):
@@ -31,6 +33,10 @@ class GuardedListening:
         """Call before `sock` binds, so that no connection to it goes unseen (`curve`: it is
         a CURVE server, whose handshake is longer)."""
         self.guard.watch(sock, curve)
+
+    def saw(self, fd):
+        """A request arrived on connection `fd` (zmq.Frame.get(zmq.SRCFD) of its first frame)."""
+        self.guard.saw(fd)
 
     def poll_items(self):
         """The guard's monitor sockets, for the I/O loop's poll."""

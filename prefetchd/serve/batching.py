@@ -27,6 +27,7 @@ class Job:
     deadline: float
     received: float
     max_new_tokens: int | None = None
+    fd: int = -1                 # the descriptor of the client's connection (zmq.SRCFD)
     batch: object = None         # the Batch that carries it, once sent
     done: bool = False           # answered (reply, error or timeout)
 

@@ -22,3 +22,7 @@ class Deadlines:
         """Pop and yield the jobs whose deadline is `now` or earlier."""
         while self._heap and self._heap[0][0] <= now:
             yield heapq.heappop(self._heap)[2]
+
+    def waiting_connections(self):
+        """Descriptors of the client connections with a job not yet answered."""
+        return {job.fd for _, _, job in self._heap if not job.done}

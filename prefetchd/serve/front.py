@@ -99,7 +99,8 @@ class Front(FrontSockets):
                  heartbeat_interval=1.0, heartbeat_timeout=15.0,
                  max_connections=DEFAULT_MAX_CONNECTIONS):
         super().__init__(endpoint, name, (spec or ServeSpec()).with_configured_store(),
-                         metrics_port, metrics_addr, start_timeout, max_message_size, max_connections)
+                         metrics_port, metrics_addr, start_timeout, max_message_size, max_connections,
+                         busy=lambda: self._deadlines.waiting_connections())
         self.n_workers = workers
         self.hints = hints
         self.request_timeout = request_timeout
@@ -113,6 +114,7 @@ class Front(FrontSockets):
         self._models = {}              # name -> ModelInfo, from the first worker's READY
         self._batcher = Batcher(max_batch_size, max_queue_delay_ms / 1000.0)
         self._deadlines = Deadlines()
+        self._request_fd = -1          # the connection of the request being handled (_on_request)
         self._heartbeats = Heartbeats(heartbeat_interval, heartbeat_timeout)
         self._batch_ids = itertools.count(1)
         ctl_ids = itertools.count(1)
@@ -187,6 +189,8 @@ class Front(FrontSockets):
         n = 2 if len(frames) >= 2 and len(frames[1]) == 0 else 1
         envelope = [f.bytes for f in frames[:n]]
         head, tensors = [f.bytes for f in frames[n:n + 3]], frames[n + 3:]
+        self._request_fd = frames[0].get(zmq.SRCFD)     # for the Job (its connection is then busy)
+        self.connections.saw(self._request_fd)
         request = self._decode(envelope, head)
         if request is None:
             return
@@ -227,7 +231,7 @@ class Front(FrontSockets):
         wait = min(timeout or self.request_timeout, self.request_timeout)
         hint = self.hints if args["hint"] is None else args["hint"]
         job = Job(envelope, rid, model, kind, args["inputs"], list(tensors), rows, key, hint,
-                  now + wait, now, args.get("max_new_tokens"))
+                  now + wait, now, args.get("max_new_tokens"), fd=self._request_fd)
         self._batcher.add(job)
         self._deadlines.add(job)
         self.counters["requests"] += 1

@@ -20,10 +20,6 @@ from ..control import protocol as P
 from ..control.connections import DEFAULT_MAX_CONNECTIONS
 from ..control.endpoints import ensure_private_dir, resolve_endpoint, runtime_dir
 
-# The front authenticates no one (no CURVE), so allow_remote does not apply to it.
-FRONT_REMOTE_HINT = ("the serve front has no CURVE authentication, so it listens on ipc:// or "
-                     "loopback tcp:// only; reach it from another host through an authenticated "
-                     "tunnel (ssh -L, a TLS proxy)")
 from ..control.guarded import GuardedListening
 from ..control.router import RouterEndpoint
 from ..staging.generations import lock_or_holder, read_index
@@ -34,6 +30,13 @@ from .worker import STOP
 log = logging.getLogger("prefetchd.serve.front")
 
 SERVE_LOCK = ".prefetchd-serve.lock"      # in --store, held by the front for its life
+IDLE_EVICT_AFTER = 5.0    # seconds without a request after which a client connection gives way
+                          # to a new one when the front holds max_connections
+
+# The front authenticates no one (no CURVE), so allow_remote does not apply to it.
+FRONT_REMOTE_HINT = ("the serve front has no CURVE authentication, so it listens on ipc:// or "
+                     "loopback tcp:// only; reach it from another host through an authenticated "
+                     "tunnel (ssh -L, a TLS proxy)")
 
 
 def hold_store(store_dir):
@@ -57,7 +60,7 @@ class FrontSockets(RouterEndpoint):
     send_copy = False             # replies carry output tensors: hand zmq the frames, no copy
 
     def __init__(self, endpoint, name, spec, metrics_port, metrics_addr, start_timeout,
-                 max_message_size, max_connections=DEFAULT_MAX_CONNECTIONS):
+                 max_message_size, max_connections=DEFAULT_MAX_CONNECTIONS, busy=None):
         super().__init__(max_message_size)
         self.spec = spec
         self.name = name
@@ -85,9 +88,12 @@ class FrontSockets(RouterEndpoint):
         # The clients' socket takes connections from anyone who can reach it: bounded
         # like the daemon's server (prefetchd.control.connections), so a flood of them
         # cannot run the front out of descriptors (libzmq aborts there). No budget per
-        # peer below the total: one gateway process may hold a client per thread.
+        # peer below the total: one gateway process may hold a client per thread. Idle
+        # connections (busy() -> those with a request unanswered are not) give way to new
+        # ones there, so one process holding them all cannot lock the others out.
         self.connections = GuardedListening(self._bind, lambda: [(self._router, self.endpoint)],
-                                            max_connections, max_connections)
+                                            max_connections, max_connections,
+                                            idle_after=IDLE_EVICT_AFTER, busy=busy)
 
     # -- lifecycle
 

@@ -1,0 +1,106 @@
+"""The front holds at most `max_connections` client connections (no budget per peer
+below that: one gateway may hold a client per thread). One process holding them
+all, idle, must not lock every other client out: at the cap, the connection longest
+without a request gives way to the new one once it has been idle IDLE_EVICT_AFTER
+seconds -- but never one whose request is still unanswered. A real front (in this
+process), real worker, and the connections held by another real process."""
+import os
+import secrets
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from helpers import ENV, wait_until
+from prefetchd.control import Client as ControlClient
+from prefetchd.control import RequestTimeout
+from prefetchd.serve import Front, ServeSpec
+from prefetchd.serve.front_sockets import IDLE_EVICT_AFTER
+
+CAP = 6
+SLOW = 30.0                   # seconds each held connection's request asks the worker to sleep
+REQUEST_TIMEOUT = 9.0         # the front answers them TIMEOUT then: their connections become idle
+
+HOLDER = textwrap.dedent("""
+    import sys, numpy as np
+    from prefetchd.serve import Client
+    endpoint, n, sleep = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    clients = [Client(endpoint, timeout=120) for _ in range(n)]
+    for c in clients:                          # each connection through the front's guard
+        c.infer("m0", np.zeros((1, 4), np.float32))
+    x = np.zeros((1, 4), np.float32)
+    x[0, 0] = sleep
+    futures = [c.submit("m0", x) for c in clients] if sleep else []
+    print("held", flush=True)
+    sys.stdin.readline()
+    print("codes", [type(f.exception(120)).__name__ for f in futures], flush=True)
+""")
+
+
+@pytest.fixture
+def front(tmp_path):
+    spec = ServeSpec(models=1, model="tests.serve._servables:sleepy", model_bytes_hint=80,
+                     budget=1 << 20, store_dir=str(tmp_path / "store"))
+    f = Front(f"ipc://{tmp_path}/held-{secrets.token_hex(2)}.sock", workers=1, spec=spec,
+              request_timeout=REQUEST_TIMEOUT, name=f"held{os.getpid()}", max_batch_size=1,
+              max_queue_delay_ms=1, max_connections=CAP).start()
+    yield f
+    f.close(10)
+
+
+def _hold(front, sleep):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, front.endpoint, str(CAP), str(sleep)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV)
+    assert holder.stdout.readline().strip() == "held", holder.poll()
+    assert front.connections.counts()["connections"] == CAP
+    return holder
+
+
+def _release(holder):
+    holder.stdin.write("go\n")
+    holder.stdin.flush()
+    line = holder.stdout.readline().strip()
+    holder.wait(30)
+    return line
+
+
+def _ping(front, within):
+    """Whether a new client got a ping answered within `within` seconds, retrying each second
+    as a client would (a request sent on a connection the guard then drops is lost)."""
+    deadline = time.monotonic() + within
+    with ControlClient(front.endpoint, timeout=1.0) as c:
+        while time.monotonic() < deadline:
+            try:
+                return c.ping()["pong"]
+            except RequestTimeout:
+                pass
+    return False
+
+
+def test_idle_connections_give_way_to_a_new_client_at_the_cap(front):
+    holder = _hold(front, sleep=0)
+    try:
+        started = time.monotonic()
+        assert _ping(front, IDLE_EVICT_AFTER + 10), "a new client was locked out by idle connections"
+        assert time.monotonic() - started >= IDLE_EVICT_AFTER - 1.5   # it waited for one to be idle
+        counts = front.connections.counts()
+        assert counts["connections_evicted_idle"] >= 1 and counts["connections"] <= CAP, counts
+    finally:
+        _release(holder)
+
+
+def test_a_connection_with_a_request_unanswered_is_never_evicted(front):
+    holder = _hold(front, sleep=SLOW)        # CAP requests: one runs, the others queue
+    try:
+        time.sleep(IDLE_EVICT_AFTER + 0.5)    # idle long enough, were they not waiting for replies
+        assert not _ping(front, REQUEST_TIMEOUT - IDLE_EVICT_AFTER - 1.5)
+        assert front.connections.counts()["connections_evicted_idle"] == 0
+        # Answered TIMEOUT at REQUEST_TIMEOUT, they are idle from then on and give way.
+        assert _ping(front, IDLE_EVICT_AFTER + 10)
+        assert front.connections.counts()["connections_evicted_idle"] >= 1
+    finally:
+        codes = _release(holder)
+    assert codes == f"codes {['RequestTimeout'] * CAP}", codes        # every one answered, none lost
