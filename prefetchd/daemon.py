@@ -14,7 +14,6 @@ import logging
 import threading
 import time
 import weakref
-from concurrent.futures import Future
 
 from . import backend as backends
 from .backend import framework
@@ -26,7 +25,8 @@ from .core.events import Events
 from .core.homes import HomeSpace
 from .core.registering import Registrar, checked_name
 from .core.registry import Registry, check_name
-from .core.requests import DONE, Kind, Request, check_deadline, check_priority
+from .core.requests import (DONE, Kind, Request, RequestFuture, check_deadline, check_priority,
+                            refuse_wait_on_scheduler)
 from .core.scheduler import Scheduler, run
 from .core.session import ComputeSession
 from .core.status import describe
@@ -168,6 +168,7 @@ class Daemon:
         with self._lock:
             self._state = "closed"
             live_daemons.discard(self)
+        self._registry.release_targets()
         self.timeline.close()      # writes config.trace once the scheduler has stopped
 
     def check_open(self):
@@ -238,39 +239,40 @@ class Daemon:
             return DONE
         for r in recs:
             r.requested = True    # until the scheduler has queued it (see acquire)
-        return self._submit(Request(Kind.PREFETCH, recs, Future(), priority, deadline))
+        return self._submit(Request(Kind.PREFETCH, recs, RequestFuture(), priority, deadline))
 
     def pin(self, tensors, priority=0):
         """Wait until resident, then pin (never evicted or moved until unpinned)."""
         check_priority(priority)
-        return self._submit(Request(Kind.PIN, self._records_of(tensors), Future(), priority))
+        return self._submit(Request(Kind.PIN, self._records_of(tensors), RequestFuture(), priority))
 
     def unpin(self, tensors):
         self._submit(Request(Kind.UNPIN, self._records_of(tensors)))
 
     def evict(self, tensors):
         """Drop device replicas (writing dirty ones back first). Fails on pinned tensors."""
-        return self._submit(Request(Kind.EVICT, self._records_of(tensors), Future()))
+        return self._submit(Request(Kind.EVICT, self._records_of(tensors), RequestFuture()))
 
     def unregister(self, tensors):
         """Stop managing `tensors`, all or none, and wait: their device replicas dropped (dirty
         ones written back), host blocks freed, the store files this daemon wrote removed (a
         staged store keeps its own), records forgotten (core/placement.py). Refused while one
         is pinned or wanted by compute. Their framework tensors refuse use from then on."""
-        self._submit(Request(Kind.UNREGISTER, self._records_of(tensors), Future())).result()
+        refuse_wait_on_scheduler("unregister()")
+        self._submit(Request(Kind.UNREGISTER, self._records_of(tensors), RequestFuture())).result()
 
     def flush(self, tensors=None):
         """Write dirty device replicas back to the remote tier; resolves when verified."""
         recs = None if tensors is None else self._records_of(tensors)
-        return self._submit(Request(Kind.FLUSH, recs, Future()))
+        return self._submit(Request(Kind.FLUSH, recs, RequestFuture()))
 
     def stage_to_host(self, tensors):
         """Give tensors a host replica read from the remote tier (weights-in-RAM setups)."""
-        return self._submit(Request(Kind.STAGE, self._records_of(tensors), Future()))
+        return self._submit(Request(Kind.STAGE, self._records_of(tensors), RequestFuture()))
 
     def set_watermarks(self, high, low=None):
         high_b, low_b = _watermark_bytes(high, low, self.config.device_budget)
-        return self._submit(Request(Kind.WATERMARKS, (), Future(), args=(high_b, low_b)))
+        return self._submit(Request(Kind.WATERMARKS, (), RequestFuture(), args=(high_b, low_b)))
 
     def mark_dirty(self, tensors):
         for rec in self._records_of(tensors):

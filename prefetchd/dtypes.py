@@ -71,6 +71,21 @@ def store_meta(shape, dtype):
     return json.dumps({"shape": [int(d) for d in shape], "dtype": name_of(dtype)}).encode()
 
 
+def meta_layout(meta):
+    """(shape tuple, dtype name) that a store entry's metadata (store_meta's JSON) records,
+    or None when it records none or something else (older entries: then only sizes compare)."""
+    import json
+    try:
+        doc = json.loads(bytes(meta or b"").decode())
+        shape, name = doc["shape"], doc["dtype"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None
+    if not isinstance(shape, list) or name not in ITEMSIZE or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        return None
+    return tuple(shape), name
+
+
 def numpy_dtype(name):
     """np.dtype for a prefetchd name; "bfloat16" is MindSpore's numpy bfloat16 (imported on demand).
 

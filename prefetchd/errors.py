@@ -28,6 +28,11 @@ class ShutdownError(PrefetchdError):
     """A request submitted to a daemon that is closing or closed."""
 
 
+class SchedulerWaitError(PrefetchdError):
+    """A wait for a request that only the scheduler thread can finish, made on that thread
+    (a future's callback or a listener): it would wait forever."""
+
+
 class StorageError(PrefetchdError):
     """The remote tier failed to read or write (I/O error, disk full, ...)."""
 

@@ -12,7 +12,6 @@ user's: forgetting the record leaves it).
 Any thread; the registry changes under the daemon's lock.
 """
 import logging
-from concurrent.futures import Future
 
 import numpy as np
 
@@ -21,7 +20,7 @@ from ..backend import framework
 from ..errors import UnknownTensorError
 from .records import ManagedTensor
 from .registry import check_name
-from .requests import Kind, Request
+from .requests import Kind, Request, RequestFuture, refuse_wait_on_scheduler
 
 TIERS = ("device", "host", "remote")
 
@@ -59,6 +58,18 @@ def _checked_layout(name, shape, dtype):
     return tuple(int(d) for d in dims), dtypes.numpy_dtype(dtype_name)
 
 
+def _check_target(name, target, shape, dtype_name):
+    """A target of another shape or dtype would be bound to bytes laid out for this one."""
+    try:
+        have = (tuple(int(d) for d in target.shape), dtypes.name_of(target.dtype))
+    except TypeError:
+        have = (tuple(target.shape), str(target.dtype))
+    if have != (shape, dtype_name):
+        raise ValueError(f"register_remote({name!r}): target is shape {list(have[0])} of {have[1]}, the "
+                         f"tensor registered is shape {list(shape)} of {dtype_name}: pass a target of that "
+                         f"shape and dtype")
+
+
 class Registrar:
     def __init__(self, core, registry, homes, binding):
         self._core = core              # submit, lock, backend
@@ -87,7 +98,7 @@ class Registrar:
         except BaseException:
             if recs:
                 try:
-                    self._core.submit(Request(Kind.FORGET, tuple(recs), Future())).result()
+                    self._core.submit(Request(Kind.FORGET, tuple(recs), RequestFuture())).result()
                 except Exception as e:     # the daemon closing: the first error is the one to see
                     log.warning("prefetchd: %d placed tensors not forgotten after a failed "
                                 "registration: %s", len(recs), e)
@@ -98,13 +109,14 @@ class Registrar:
 
     def _place(self, tensor, name, tier):
         """A new record holding a copy of `tensor`'s values on `tier`; `tensor` unchanged."""
+        refuse_wait_on_scheduler("register()")      # it waits for the placement
         # np.require, not np.ascontiguousarray: that makes a 0-d tensor 1-d
         array = np.require(framework.host_copy(tensor), requirements="C")
         rec = ManagedTensor(name=name, shape=tuple(array.shape), dtype=array.dtype,
                             nbytes=array.nbytes, target=tensor)
         self._add(rec)
         try:
-            self._core.submit(Request(Kind.REGISTER, (rec,), Future(), args=(array, tier))).result()
+            self._core.submit(Request(Kind.REGISTER, (rec,), RequestFuture(), args=(array, tier))).result()
         except BaseException:
             with self._core.lock:
                 self._registry.forget(rec)
@@ -134,9 +146,16 @@ class Registrar:
             raise UnknownTensorError(f"the store has no tensor named {name!r}")
         info = backend.store_info(name)
         nbytes = dtypes.nbytes(shape, dtype.name)
+        stored = dtypes.meta_layout(info.get("meta"))
+        if stored is not None and stored != (shape, dtype.name):
+            raise ValueError(f"register_remote({name!r}): the store holds shape {list(stored[0])} of "
+                             f"{stored[1]}, not shape {list(shape)} of {dtype.name} (its bytes would be "
+                             f"read as another tensor)")
         if info["nbytes"] != nbytes:
             raise ValueError(f"{name!r}: the store holds {info['nbytes']} bytes, "
                              f"but shape {shape} of {dtype} needs {nbytes}")
+        if target is not None:
+            _check_target(name, target, shape, dtype.name)
         rec = ManagedTensor(name=name, shape=shape, dtype=dtype, nbytes=nbytes,
                             target=target, remote_valid=True, keeps_store_file=True)
         self._add(rec)

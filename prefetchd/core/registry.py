@@ -2,7 +2,15 @@
 
 Readers on any thread hold the daemon's lock; records are added by the
 registering thread and removed only when a registration fails.
+
+A framework tensor is managed by one daemon at a time in the whole process: a
+second daemon binding it to its own memory left the first one pinning and
+reading an address the second had unmapped (SIGSEGV). `_OWNERS` maps each
+managed tensor to its daemon's registry until it is unregistered or that
+daemon has closed.
 """
+import threading
+
 from .. import _native
 from ..errors import DoubleRegisterError, UnknownTensorError
 from .records import ManagedTensor, RecordIndex
@@ -31,14 +39,31 @@ def check_name(name):
     return name
 
 
+_OWNERS = {}                   # id(framework tensor) -> the Registry managing it (it holds the tensor)
+_OWNERS_LOCK = threading.Lock()
+
+
+def managing_daemon(tensor, other_than=None):
+    """The name of the live daemon (not `other_than`'s registry) that manages `tensor`, or None."""
+    with _OWNERS_LOCK:
+        owner = _OWNERS.get(id(tensor))
+    return None if owner is None or owner is other_than else owner.daemon_name
+
+
 class Registry:
     def __init__(self, daemon_name):
-        self._daemon_name = daemon_name
+        self.daemon_name = daemon_name
         self.records = {}          # name -> ManagedTensor
         self._targets = {}         # id(framework tensor) -> name
         self.index = RecordIndex()   # pinned, host-only and droppable host records, kept by the records
 
     def add(self, rec):
+        if rec.target is not None:
+            other = managing_daemon(rec.target, other_than=self)
+            if other is not None:
+                raise DoubleRegisterError(
+                    f"this tensor is managed by prefetchd daemon {other!r}: a tensor is managed by one "
+                    f"daemon at a time (unregister it there, or close that daemon, first)")
         if rec.name in self.records:
             raise DoubleRegisterError(
                 f"a tensor named {rec.name!r} is already registered (names are unique in one daemon: a "
@@ -50,6 +75,8 @@ class Registry:
         self.records[rec.name] = rec
         if rec.target is not None:
             self._targets[id(rec.target)] = rec.name
+            with _OWNERS_LOCK:
+                _OWNERS[id(rec.target)] = self
         rec.index = self.index
         self.index.update(rec)
 
@@ -59,6 +86,18 @@ class Registry:
         self.records.pop(rec.name, None)
         if rec.target is not None:
             self._targets.pop(id(rec.target), None)
+            self._disown(rec.target)
+
+    def release_targets(self):
+        """The daemon has closed: its tensors may be managed by another daemon from now on."""
+        for rec in self.records.values():
+            if rec.target is not None:
+                self._disown(rec.target)
+
+    def _disown(self, target):
+        with _OWNERS_LOCK:
+            if _OWNERS.get(id(target)) is self:
+                del _OWNERS[id(target)]
 
     @property
     def pinned(self):
@@ -80,7 +119,7 @@ class Registry:
         the same model, names alike) would move that daemon's memory through this one's store."""
         if rec.index is not self.index:
             raise UnknownTensorError(
-                f"tensor {rec.name!r} is not registered with daemon {self._daemon_name!r}: its handle "
+                f"tensor {rec.name!r} is not registered with daemon {self.daemon_name!r}: its handle "
                 f"belongs to another daemon, or the tensor was dropped")
         return rec
 
@@ -99,12 +138,12 @@ class Registry:
             rec = self.records.get(item)
             if rec is None:
                 raise UnknownTensorError(
-                    f"no tensor named {item!r} is registered with daemon {self._daemon_name!r}")
+                    f"no tensor named {item!r} is registered with daemon {self.daemon_name!r}")
             return rec
         name = self._targets.get(id(item)) if is_tensor(item) else None
         if name is None:
             raise UnknownTensorError(
-                f"{type(item).__name__} is not registered with daemon {self._daemon_name!r}")
+                f"{type(item).__name__} is not registered with daemon {self.daemon_name!r}")
         return self.records[name]
 
     def records_of(self, tensors, is_tensor):

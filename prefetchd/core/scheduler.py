@@ -29,7 +29,7 @@ from .loads import Loads
 from .memory import DeviceMemory
 from .placement import Placements
 from .records import State
-from .requests import Kind, Outcomes, Request, settle
+from .requests import Kind, Outcomes, Request, mark_scheduler_thread, settle
 from .transfers import Transfers
 from .writeback import WriteBacks
 
@@ -286,6 +286,7 @@ def run(daemon_ref, scheduler, release_targets, deliver_events=lambda: None):
 
     Listeners (`deliver_events`) and future callbacks run after the lock is
     released: they may call back into the daemon (status, flush, close)."""
+    mark_scheduler_thread()
     backend = scheduler.backend
     while True:
         deadline = scheduler.shutdown_deadline

@@ -12,12 +12,11 @@ It submits the records it holds straight to the scheduler (no lookup by name or
 handle): per call a constant number of lock rounds, not one per record.
 """
 import time
-from concurrent.futures import Future
 
 from ..errors import NotResidentError, ShutdownError
 from . import lending, traces
 from .records import State
-from .requests import Kind, Request
+from .requests import Kind, Request, RequestFuture, refuse_wait_on_scheduler
 
 
 # Queued requests a resident pin may overtake (ComputeSession._pin_resident).
@@ -51,7 +50,8 @@ class ComputeSession:
                 raise NotResidentError(missing.name, ",".join(missing.tiers), missing.state.value)
         started = time.monotonic_ns()
         if not self._pin_resident(records):
-            self._wait_for_pin(self._core.submit(Request(Kind.PIN, records, Future())), records,
+            refuse_wait_on_scheduler("use()/acquire() of tensors not resident")
+            self._wait_for_pin(self._core.submit(Request(Kind.PIN, records, RequestFuture())), records,
                                stall_timeout)
         ended = time.monotonic_ns()
         if records:

@@ -20,6 +20,7 @@ import numpy as np
 from .. import dtypes, staging
 from ..backend import framework
 from ..errors import BudgetError, DoubleRegisterError, PrefetchdError, ShutdownError, UnknownTensorError
+from ..core.registry import managing_daemon
 from ..cost.model import block_bytes as host_block_bytes
 
 log = logging.getLogger("prefetchd.hooks")
@@ -161,6 +162,12 @@ def _refuse_taken_names(daemon, params):
                 f"one daemon: a second model whose parameters have the same names needs its own daemon, "
                 f"or a prefix, e.g. model.update_parameters_name('second.')); nothing was registered")
         seen.add(p.name)
+        owner = managing_daemon(p)
+        if owner is not None:
+            raise DoubleRegisterError(
+                f"prefetchd.offload: parameter {p.name!r} is managed by prefetchd daemon {owner!r} (a "
+                f"model, or a Parameter it shares, is offloaded to one daemon at a time: close that "
+                f"handle first); nothing was registered")
 
 
 def _refuse_beyond_the_host_budget(daemon, params):

@@ -9,10 +9,11 @@ import time
 import numpy as np
 import pytest
 
+from helpers import wait_until
 from prefetchd import Daemon
 from prefetchd.config import Config
 from prefetchd.errors import ConfigError
-from prefetchd.errors import BudgetError, UnknownTensorError
+from prefetchd.errors import BudgetError, DoubleRegisterError, SchedulerWaitError, UnknownTensorError
 
 MiB = 1 << 20
 
@@ -177,6 +178,14 @@ def test_a_handle_of_another_daemons_tensor_is_refused(make_daemon, make_param, 
     ("abc", "float32", None, ValueError, "shape must be a sequence of non-negative integers"),
     ((1024,), object, None, TypeError, "is not one prefetchd stores"),
     ((256,), "U4", None, TypeError, "is not one prefetchd stores"),
+    # Same bytes, another layout: read back as other values (int32 of float32 bits), no error.
+    ((1024,), "int32", None, ValueError, r"the store holds shape \[1024\] of float32, not shape \[1024\] of int32"),
+    ((512, 2), "float32", None, ValueError, r"not shape \[512, 2\] of float32"),
+    ((2048,), "float16", None, ValueError, r"not shape \[2048\] of float16"),
+    # A target of another layout was rebound to this one; a Parameter one killed use() (SIGSEGV).
+    ((1024,), "float32", ("param", (1024,), "float16"), ValueError, r"target is shape \[1024\] of float16"),
+    ((1024,), "float32", ("param", (2048,), "float16"), ValueError, r"target is shape \[2048\] of float16"),
+    ((1024,), "float32", ("tensor", (4, 256), "float32"), ValueError, r"target is shape \[4, 256\] of float32"),
 ])
 def test_register_remote_checks_every_argument_before_registering(make_daemon, make_param, store_dir,
                                                                    ms, shape, dtype, target, error, says):
@@ -187,6 +196,11 @@ def test_register_remote_checks_every_argument_before_registering(make_daemon, m
     daemon = make_daemon()
     if target == "numpy":
         target = np.zeros(1024, np.float32)
+    elif target is not None:
+        kind, target_shape, target_dtype = target
+        target = ms.Tensor(np.zeros(target_shape, target_dtype))
+        if kind == "param":
+            target = ms.Parameter(target, name="w_target")
     with pytest.raises(error, match=says):
         daemon.register_remote("w", shape, dtype, target=target)
     assert daemon.names() == []
@@ -214,3 +228,67 @@ def test_a_misspelled_setting_in_the_environment_is_warned_about_once(caplog):
     said = [r.getMessage() for r in caplog.records]
     assert said == ["PREFETCHD_LOOKAHAED is not a prefetchd setting and is ignored "
                     "(did you mean PREFETCHD_LOOKAHEAD?)"]
+
+
+def test_a_tensor_managed_by_one_live_daemon_is_refused_by_another(make_daemon, ms, tmp_path):
+    """Both accepted it; the second then bound it to its memory, and reading it inside the
+    first's use() after the second evicted it was a SIGSEGV. Once the first has closed,
+    another daemon may manage it."""
+    one = make_daemon(name="one", store_dir=str(tmp_path / "one"))
+    two = make_daemon(name="two", store_dir=str(tmp_path / "two"))
+    t = ms.Tensor(np.arange(1024, dtype=np.float32))
+    one.register(t, "w")
+    with pytest.raises(DoubleRegisterError, match="managed by prefetchd daemon 'one'"):
+        two.register(t, "w")
+    assert two.names() == []
+    one.evict(["w"]).result(10)
+    with one.use(["w"]):
+        np.testing.assert_array_equal(t.asnumpy(), np.arange(1024, dtype=np.float32))
+    one.close()
+    two.register(t, "w")            # the closed daemon manages it no more
+    two.evict(["w"]).result(10)
+    with two.use(["w"]):
+        np.testing.assert_array_equal(t.asnumpy(), np.arange(1024, dtype=np.float32))
+
+
+@pytest.mark.parametrize("where", ["callback", "listener"])
+@pytest.mark.parametrize("wait", ["unregister", "use", "result", "register"])
+def test_a_wait_on_the_scheduler_thread_is_refused_at_once(make_daemon, ms, where, wait):
+    """Future callbacks and listeners run on the scheduler thread. A wait there blocked
+    the only thread that could end it: the daemon stuck for good, every later request
+    hung, close() gave up with the thread left running."""
+    daemon = make_daemon(shutdown_timeout=3.0)
+    for i in range(3):
+        daemon.register(ms.Tensor(np.full(1024, i, np.float32)), f"w{i}", tier="remote")
+    outcome, ran = [], threading.Event()
+
+    def waits(*_):
+        if ran.is_set():
+            return
+        ran.set()
+        try:
+            if wait == "unregister":
+                daemon.unregister(["w2"])
+            elif wait == "use":
+                with daemon.use(["w1"]):
+                    pass
+            elif wait == "result":
+                daemon.prefetch("w2").result()
+            else:
+                daemon.register(ms.Tensor(np.zeros(4, np.float32)), "new")
+            outcome.append("returned")
+        except SchedulerWaitError as e:
+            outcome.append(str(e))
+
+    if where == "listener":
+        daemon.add_listener(waits)
+    daemon.prefetch("w0").add_done_callback(waits)
+    assert ran.wait(10)
+    assert wait_until(lambda: outcome, 5), "the wait blocked the scheduler thread"
+    assert "would wait forever" in outcome[0], outcome
+    daemon.prefetch("w1").result(10)            # the scheduler still runs
+    assert sorted(daemon.names()) == ["w0", "w1", "w2"]   # and nothing was half-done
+    assert daemon.status()["pinned_bytes"] == 0
+    started = time.monotonic()
+    daemon.close()
+    assert daemon.closed and time.monotonic() - started < 2.0
