@@ -22,8 +22,11 @@ class DeviceMemory:
         self.policy = policy
         self.stats = stats
         self._lock = lock
-        self.high = config.high_watermark
+        self.high = config.high_watermark     # what reservations keep to
         self.low = config.low_watermark
+        # What status reports: lags a lowering of (high, low) until the device tier is under
+        # it (core/watermarks.py), so the bytes in use never exceed the high watermark reported.
+        self.in_force = (self.high, self.low)
         self.peak = 0
         self.unfenced = []         # (block, compute epoch or None, record): released, maybe still read
         self.reserve_checks = []   # test hooks: fn(used_after, high) on every reservation

@@ -17,7 +17,7 @@ import logging
 import time
 
 from ..backend.base import TransferKind
-from ..errors import BudgetError, PrefetchdError, ShutdownError
+from ..errors import PrefetchdError, ShutdownError
 from ..telemetry.timeline import NullTimeline
 from . import lending
 from .compute_writes import note_writes
@@ -31,6 +31,7 @@ from .placement import Placements
 from .records import State
 from .requests import Kind, Outcomes, Request, mark_scheduler_thread, settle
 from .transfers import Transfers
+from .watermarks import WatermarkChanges
 from .writeback import WriteBacks
 
 log = logging.getLogger("prefetchd")
@@ -69,6 +70,7 @@ class Scheduler:
         self.memory.connect(evict=self.writebacks.evict, written_late=self.writebacks.written_late)
         self.explicit = ExplicitRequests(registry, self.memory, self.writebacks, self.outcomes, self.note_writes,
                                          self.placements.forget)
+        self.watermarks = WatermarkChanges(self.memory, self.outcomes, self.transfers)
         self._tick = itertools.count(1)
         self.shutdown_deadline = None
         self.timeline = NullTimeline()   # the daemon sets its own when tracing is on
@@ -80,7 +82,7 @@ class Scheduler:
             Kind.EVICT: self.explicit.evict,
             Kind.FLUSH: self.explicit.flush,
             Kind.STAGE: self.host_replicas.stage,
-            Kind.WATERMARKS: self._watermarks,
+            Kind.WATERMARKS: self.watermarks.start,
             Kind.FORGET: self.placements.forget,
             Kind.UNREGISTER: self.explicit.unregister,
         }
@@ -160,6 +162,7 @@ class Scheduler:
         if self.shutdown_deadline is None:
             self._guarded(self.loads.pump)
         self._guarded(self.explicit.settle)
+        self._guarded(self.watermarks.settle)
         stop = self.shutdown_deadline is not None and (
             not self.transfers or time.monotonic() >= self.shutdown_deadline)
         if stop:
@@ -236,22 +239,12 @@ class Scheduler:
                 if not rec.pins and rec.guard_unpinned:
                     self.guard(rec)      # (under the lock: a pin that follows tracks it again)
 
-    def _watermarks(self, req):
-        high, low = req.args
-        pinned = self.memory.pinned_bytes()
-        if high < pinned:
-            self.outcomes.fail(req, BudgetError(
-                f"high watermark {high} bytes is below the {pinned} bytes pinned by compute"))
-            return
-        self.memory.high, self.memory.low = high, low
-        self.memory.make_room(0, demand=True)
-        self.outcomes.resolve(req)
-
     # ------------------------------------------------------------------ shutdown
     def _shutdown(self):
         """Cancel what has not started; write back dirty replicas while time allows."""
         err = ShutdownError("daemon closed before the request completed")
         self.loads.cancel_all(err)
+        self.watermarks.cancel(err)
         while self.inbox:
             req = self.inbox.popleft()
             if req.future is not None:

@@ -31,8 +31,8 @@ def describe(config, registry, core, *, closed, running):
         "backend": config.backend,
         "io_engine": be.io_engine if be else None,
         "device": {"capacity": cap, "used": used, "peak": memory.peak if memory else 0,
-                   "high_watermark": memory.high if memory else config.high_watermark,
-                   "low_watermark": memory.low if memory else config.low_watermark,
+                   "high_watermark": memory.in_force[0] if memory else config.high_watermark,
+                   "low_watermark": memory.in_force[1] if memory else config.low_watermark,
                    "usage_ratio": used / cap if cap else 0.0},
         # cached: host replicas kept as a cache of the remote tier (dropped for free)
         # lent_bytes: host blocks (counted in `used`) whose pages are under a device replica;
