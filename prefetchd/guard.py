@@ -24,7 +24,10 @@ from .errors import DaemonClosedError, NotResidentError, UseAfterFreeError
 _tracked = {}   # base class -> tracking subclass
 _guarded = {}   # base class -> guarding subclass
 
-_MUTATORS = ("__setitem__", "copy_", "assign_value", "set_data", "fill_", "zero_")
+_MUTATORS = ("__setitem__", "copy_", "assign_value", "set_data", "fill_", "zero_", "set_dtype")
+# Mutators that may change the tensor's shape or dtype: checked before they run, since a
+# refusal after MindSpore had applied one left the tensor reshaped outside the daemon's memory.
+_RELAYOUTS = ("assign_value", "set_data", "set_dtype")
 # MindSpore 2.10 on CPU hands out numpy arrays that are views of the tensor's memory: for a
 # managed tensor that is its home, unmapped once it is evicted, so an array kept from inside
 # `daemon.use` (or a forward) would kill the process when read later. They return copies.
@@ -34,7 +37,7 @@ _VIEWERS = ("asnumpy", "numpy", "__array__")
 _READERS = ("asnumpy", "numpy", "__array__", "__getitem__", "item", "tolist", "__add__", "__radd__",
             "__sub__", "__rsub__", "__mul__", "__rmul__", "__matmul__", "__rmatmul__", "__truediv__",
             "__neg__", "__abs__", "sum", "mean", "copy_", "__setitem__", "asnumpy_of_slice_persistent_data",
-            "set_data", "assign_value", "fill_", "zero_",
+            "set_data", "assign_value", "fill_", "zero_", "set_dtype",
             # Copies read every byte (an optimizer's constructor clones each parameter).
             "clone", "copy", "__copy__", "__deepcopy__",
             # Hand the storage to native code without an op: pickling (Parameter.__reduce_ex__
@@ -70,6 +73,9 @@ def _tracking_class(base):
                 state = self.__dict__
                 if state.get("_prefetchd_in_write"):   # set_data calls assign_value: report once
                     return original(self, *args, **kwargs)
+                check = state.get("_prefetchd_check_write") if name in _RELAYOUTS else None
+                if check is not None:
+                    check(name, args, kwargs)            # refused before anything changes
                 state["_prefetchd_in_write"] = True
                 try:
                     result = original(self, *args, **kwargs)
@@ -142,9 +148,11 @@ def _guarding_class(base):
     return cls
 
 
-def track(target, name, on_write):
-    """Report in-place writes through the Python API by calling on_write(method_name)."""
+def track(target, name, on_write, check_write=None):
+    """Report in-place writes through the Python API by calling on_write(method_name);
+    check_write(method_name, args, kwargs) runs before a write that may change the layout."""
     target.__dict__["_prefetchd_on_write"] = on_write
+    target.__dict__["_prefetchd_check_write"] = check_write
     target.__dict__["_prefetchd_name"] = name
     target.__class__ = _tracking_class(base_class(target))
 
@@ -169,5 +177,6 @@ def is_managed(target):
 def release(target):
     """Give the object back its own class."""
     target.__class__ = base_class(target)
-    for key in ("_prefetchd_on_write", "_prefetchd_error", "_prefetchd_name", "_prefetchd_in_write"):
+    for key in ("_prefetchd_on_write", "_prefetchd_check_write", "_prefetchd_error", "_prefetchd_name",
+                "_prefetchd_in_write"):
         target.__dict__.pop(key, None)

@@ -39,6 +39,10 @@ def is_tensor(x):
     return isinstance(x, mindspore().Tensor)
 
 
+def is_parameter(x):
+    return isinstance(x, mindspore().Parameter)
+
+
 def to_numpy_dtype(ms_dtype):
     try:
         return dtypes.numpy_dtype(dtypes.name_of(ms_dtype))

@@ -6,7 +6,9 @@ compute thread, never on the scheduler. Python-level use of a tensor whose
 replica is gone is refused by a class-swap guard (prefetchd/guard.py); writes
 through the Python API mark the tensor dirty so the write-back keeps them.
 """
-from .. import guard as guards
+import numpy as np
+
+from .. import dtypes, guard as guards
 from ..backend import framework
 from ..errors import DaemonClosedError, NotResidentError, PrefetchdError
 from .records import State
@@ -77,7 +79,8 @@ class Binding:
                 self.track(rec)
 
     def track(self, rec):
-        guards.track(rec.target, rec.name, lambda method, rec=rec: self.on_user_write(rec, method))
+        guards.track(rec.target, rec.name, lambda method, rec=rec: self.on_user_write(rec, method),
+                     lambda method, args, kwargs, rec=rec: check_layout_kept(rec, method, args, kwargs))
 
     def guard(self, rec):
         """Python-level use of rec's tensor raises NotResidentError until it is bound again."""
@@ -125,3 +128,26 @@ class Binding:
         for rec in records:
             if rec.target is not None and rec.state is State.RESIDENT:
                 guards.release(rec.target)
+
+
+def check_layout_kept(rec, method, args, kwargs):
+    """PrefetchdError, before MindSpore applies it, for a write that would change a managed
+    tensor's shape or dtype: the daemon's memory and write-back are laid out for them (a
+    Parameter casts a value of another dtype itself; a plain Tensor takes it on)."""
+    if method == "set_dtype":
+        wanted = args[0] if args else kwargs.get("data_type")
+        if dtypes.MINDSPORE_CKPT.get(str(wanted)) == rec.dtype.name:
+            return
+        got = f"dtype {wanted}"
+    else:
+        value = args[0] if args else kwargs.get("data", kwargs.get("value"))
+        shape = tuple(int(d) for d in getattr(value, "shape", np.shape(value)))
+        dtype = getattr(value, "dtype", None)
+        same_dtype = framework.is_parameter(rec.target) or dtype is None or \
+            dtypes.MINDSPORE_CKPT.get(str(dtype), str(dtype)) == rec.dtype.name
+        if shape == tuple(rec.shape) and same_dtype:
+            return
+        got = f"shape {list(shape)}" + (f" of {dtype}" if dtype is not None else "")
+    raise PrefetchdError(
+        f"{rec.name!r} is managed by prefetchd: {method} must keep its shape and dtype "
+        f"({list(rec.shape)}, {rec.dtype}); got {got}. Nothing was changed")

@@ -56,6 +56,7 @@ from ..cost.estimate import PassEstimator
 from .budget_hint import DEFAULT_HIGH_FRACTION
 from .compiled_later import CompiledLater
 from .parts import PartProbes
+from . import jit_calls
 from .pass_turn import PassTurn
 from .passes import RecordingPass, StreamingPass
 from .root_calls import hook_root_cells
@@ -114,7 +115,7 @@ class Offloaded:
                                         lambda: self.lookahead, lambda: self._high, auto_fetch=self.auto_fetch)
         self._pass = RecordingPass(self._cursor, self._session, self._pins, self._estimator, self._planned_tier)
         self._ran = 0                  # unit hooks fired during the current forward
-        self._turn = PassTurn(model, self._abandon_pass)   # one thread's pass at a time
+        self.turn = PassTurn(model, self._abandon_pass)   # one thread's pass at a time
         self.closed = self._given_back = False
         self._install_hooks()
 
@@ -145,7 +146,7 @@ class Offloaded:
         self._views = ViewCopies(name_of)
         self._compiled_later = CompiledLater(model, self.units, self._plan.units, self._parts, name_of)
         self._handles.append(model.register_forward_pre_hook(self._before_model))
-        self._handles += hook_root_cells(model, self.root.records, self._session, self._turn,
+        self._handles += hook_root_cells(model, self.root.records, self._session, self.turn,
                                          skip=self._plan.jit_cells)
         self._handles.append(model.register_forward_hook(self._after_model))
         # always_call: MindSpore runs it when the forward or another hook raised, too.
@@ -207,13 +208,13 @@ class Offloaded:
     def between_passes(self):
         """Hold this model's forwards off (callers on other threads wait) while the block runs;
         refused inside one of its forwards, whose pins and prefetches it would cut across."""
-        with self._turn.held():
+        with self.turn.held():
             yield
 
     # ---------------------------------------------------------------- the model's hooks
     def _before_model(self, cell, inputs):
         self._compiled_later.refuse_compiled_holders()
-        self._turn.take()                     # (the same thread: a nested call runs through)
+        self.turn.take()                     # (the same thread: a nested call runs through)
         self._pins.release_all(None)          # a pass that raised midway left pins behind
         self._compiled_later.drop_probes_under_compiled()
         for unit in self.units:
@@ -250,12 +251,12 @@ class Offloaded:
         return output
 
     def _end_pass(self, cell, inputs, output):
-        if self._turn.holder == threading.get_ident():
+        if self.turn.holder == threading.get_ident():
             try:   # a forward that raised still pins its units: another model may need the room
                 self._pins.release_all(None)
                 self._abandon_pass()
             finally:
-                self._turn.give()
+                self.turn.give()
 
     def _abandon_pass(self):
         """A recording pass cut short records again; a streamed one may be the trace now."""
@@ -344,7 +345,7 @@ class Offloaded:
         if self.closed:
             self._given_back = self._given_back or registration.unregister(self.daemon, [self.root, *self.units])
             return
-        with self._turn.held():              # no pass of this model runs while its hooks go
+        with self.turn.held():              # no pass of this model runs while its hooks go
             self.daemon.attachments.forget(self._on_daemon_close)
             for h in self._handles:
                 h.remove()
@@ -427,6 +428,7 @@ def offload(model, daemon=None, lookahead=None, units=None, auto_fetch=None, *, 
             daemon.close()
         raise
     model._prefetchd = handle
+    jit_calls.watch(model, handle)
     return handle
 
 

@@ -44,6 +44,10 @@ class PassTurn:
         self.holder = None               # ident of the thread whose turn it is, or None
         self._in_pass = False            # the holder's turn is a pass (not a `held()` block)
 
+    def held_here(self):
+        """Whether the calling thread has the turn (inside a pass, or a `held()` block)."""
+        return self.holder == threading.get_ident()
+
     def take(self, in_pass=True):
         """Wait for the turn (the model's pre-hook). The holder's own call runs through."""
         me = threading.get_ident()

@@ -372,3 +372,50 @@ def test_blocks_in_a_plain_list_are_named_in_a_warning(ms, tmp_path, x, caplog, 
         with caplog.at_level("WARNING", logger="prefetchd.hooks"):
             prefetchd.offload(stack(ms), daemon, lookahead=1)                # a CellList: no warning
         assert "plain" not in caplog.text
+
+
+def test_mindspore_jit_of_an_offloaded_model_is_refused_outside_its_forward(ms, tmp_path, x):
+    """`mindspore.jit(model)(x)` runs the model's graph without Cell.__call__, so without
+    prefetchd's hooks: it read weights not resident, unmapped, and the process died
+    (SIGSEGV). Refused now; inside daemon.use() of every weight it runs, and equals."""
+    model = stack(ms)
+    expected = model(x).asnumpy()
+    with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "j")) as daemon:
+        handle = prefetchd.offload(model, daemon, lookahead=1)
+        model(x)
+        for compiled in (ms.jit(model), ms.jit(model[1])):
+            with pytest.raises(PrefetchdError, match="runs its graph without the cell's hooks"):
+                compiled(x)
+        np.testing.assert_array_equal(model(x).asnumpy(), expected)    # the model is untouched
+        first = model[0]
+        with daemon.use([p for p in first.get_parameters()]):
+            np.testing.assert_array_equal(ms.jit(first)(x).asnumpy(), first(x).asnumpy())
+        handle.close()
+        with pytest.raises(PrefetchdError, match="runs its graph without the cell's hooks"):
+            ms.jit(model)(x)
+
+
+@pytest.mark.parametrize("write", ["set_data_transposed", "set_data_wider", "assign_value_wider",
+                                   "set_dtype"])
+def test_a_write_that_changes_a_weights_layout_is_refused_before_it_changes_anything(ms, tmp_path, x, write):
+    """The refusal came after MindSpore had applied the write: the Parameter kept the new
+    shape in memory the daemon does not manage, and the model computed something else; a
+    write of the same byte count was even taken, reshaped into the old layout. And
+    set_dtype on a weight not resident was a SIGSEGV."""
+    model = stack(ms)
+    expected = model(x).asnumpy()
+    with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "w")) as daemon:
+        prefetchd.offload(model, daemon, lookahead=1)
+        weight = model[2][0].weight                               # (64, 64) float32
+        values = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+        do = {"set_data_transposed": lambda: weight.set_data(ms.Tensor(values.reshape(128, 32))),
+              "set_data_wider": lambda: weight.set_data(ms.Tensor(np.zeros((64, 96), np.float32))),
+              "assign_value_wider": lambda: weight.assign_value(ms.Tensor(np.zeros((96, 64), np.float32))),
+              "set_dtype": lambda: weight.set_dtype(ms.float16)}[write]
+        with pytest.raises((PrefetchdError, NotResidentError)):     # not resident: refused as a read
+            do()
+        with daemon.use([weight]):
+            with pytest.raises(PrefetchdError, match="must keep its shape and dtype.*Nothing was changed"):
+                do()
+            assert tuple(weight.shape) == (64, 64) and weight.dtype == ms.float32
+        np.testing.assert_array_equal(model(x).asnumpy(), expected)
