@@ -285,8 +285,9 @@ class Daemon:
         self.acquire(recs, auto_fetch=auto_fetch)
         try:
             yield recs
-        finally:
-            self.unpin(recs)
+        finally:      # closed meanwhile: its pins hold nothing, and the body's own error goes on
+            with contextlib.suppress(ShutdownError):
+                self.unpin(recs)
 
     def acquire(self, recs, *, auto_fetch=True, stall_timeout=None):
         """Pin and bind records for compute on the calling thread; returns stall seconds

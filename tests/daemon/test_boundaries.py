@@ -292,3 +292,37 @@ def test_a_wait_on_the_scheduler_thread_is_refused_at_once(make_daemon, ms, wher
     started = time.monotonic()
     daemon.close()
     assert daemon.closed and time.monotonic() - started < 2.0
+
+
+@pytest.mark.parametrize("body_raises", [False, True])
+def test_leaving_use_after_another_thread_closed_the_daemon_keeps_the_bodys_outcome(make_daemon, ms, body_raises):
+    """The unpin on leaving `use` was refused with ShutdownError, which replaced the body's own
+    exception (or failed a body that had succeeded): the pins of a closed daemon hold nothing."""
+    daemon = make_daemon()
+    t = ms.Tensor(np.arange(1024, dtype=np.float32))
+    daemon.register(t, "w")
+    inside, closed, outcome = threading.Event(), threading.Event(), {}
+
+    def user():
+        try:
+            with daemon.use(["w"]):
+                inside.set()
+                closed.wait(10)
+                outcome["read"] = float(t.asnumpy()[3])      # resident at close: still readable
+                if body_raises:
+                    raise ValueError("the body's own error")
+            outcome["error"] = None
+        except BaseException as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=user)
+    thread.start()
+    assert inside.wait(10)
+    daemon.close()
+    closed.set()
+    thread.join(10)
+    assert outcome["read"] == 3.0
+    if body_raises:
+        assert isinstance(outcome["error"], ValueError), repr(outcome["error"])
+    else:
+        assert outcome["error"] is None, repr(outcome["error"])
