@@ -17,7 +17,8 @@ class DoubleRegisterError(PrefetchdError):
 
 
 class BudgetError(PrefetchdError):
-    """A request that can never fit the device tier (too large, or everything pinned)."""
+    """A request that cannot fit the device tier: too large, or what holds the tier cannot give
+    way to it (pinned tensors; for a prefetch, also tensors prefetched and not used yet)."""
 
 
 class PinnedError(PrefetchdError):
