@@ -18,6 +18,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+from ..errors import PrefetchdError
+
 
 class State(str, enum.Enum):
     ABSENT = "absent"
@@ -108,6 +110,19 @@ class ManagedTensor:
             "dtype": str(self.dtype), "state": self.state.value, "tiers": self.tiers,
             "dirty": self.dirty, "pins": self.pins, "substate": self.substate,
         }
+
+    def __deepcopy__(self, memo):
+        # What reaches a record (copy.deepcopy of an offloaded model reaches its hooks) would
+        # copy the daemon's memory: "cannot pickle 'prefetchd._native.Block'" said nothing useful.
+        raise PrefetchdError(f"prefetchd's record of {self.name!r} cannot be copied: {NOT_COPYABLE}")
+
+    def __reduce_ex__(self, protocol):
+        raise PrefetchdError(f"prefetchd's record of {self.name!r} cannot be pickled: {NOT_COPYABLE}")
+
+
+NOT_COPYABLE = ("an offloaded model cannot be copied or pickled (prefetchd's hooks on it hold the daemon's "
+                "memory): copy it before prefetchd.offload(), or build another and give it these weights "
+                "with prefetchd.load_param_into_net")
 
 
 class RecordIndex:

@@ -68,7 +68,7 @@ from .views import ViewCopies
 log = logging.getLogger("prefetchd.hooks")
 
 
-class Offloaded:
+class Offloaded(refusals.NotCopyable):
     """The hooks installed on one model. `close()` removes them (and an owned daemon).
 
     The hooks hand each step to the current pass (prefetchd.hooks.passes): the recording

@@ -9,6 +9,7 @@ these return). Messages are part of the contract: tests match them.
 import logging
 import operator
 
+from ..core.records import NOT_COPYABLE
 from ..errors import PrefetchdError
 from ..guard import is_managed
 
@@ -118,3 +119,16 @@ def warn_unlisted_cells(model):
                             "not list their parameters as the model's, so prefetchd does not manage them (they "
                             "stay in ordinary memory, outside the device budget); use nn.CellList / "
                             "nn.CellDict", where, len(held), kind)
+
+
+
+class NotCopyable:
+    """An offloaded model's handle (`model._prefetchd`) holds its daemon's memory and hooks:
+    `copy.deepcopy(model)` or pickling inside `daemon.use([...])` (outside it, the weights
+    refuse) reached it and failed with "cannot pickle 'prefetchd._native.Arena'"."""
+
+    def __deepcopy__(self, memo):
+        raise PrefetchdError(NOT_COPYABLE[0].upper() + NOT_COPYABLE[1:])
+
+    def __reduce_ex__(self, protocol):
+        raise PrefetchdError(NOT_COPYABLE[0].upper() + NOT_COPYABLE[1:])

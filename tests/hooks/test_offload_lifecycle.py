@@ -419,3 +419,21 @@ def test_a_write_that_changes_a_weights_layout_is_refused_before_it_changes_anyt
                 do()
             assert tuple(weight.shape) == (64, 64) and weight.dtype == ms.float32
         np.testing.assert_array_equal(model(x).asnumpy(), expected)
+
+
+def test_copying_an_offloaded_model_inside_use_says_it_cannot_be_copied(ms, tmp_path, x):
+    """Outside use() the weights refuse a copy; inside it deepcopy went on into prefetchd's hooks
+    and failed with "cannot pickle 'prefetchd._native.Arena'" (or '...Block')."""
+    import copy
+    import pickle
+    model = stack(ms)
+    expected = model(x).asnumpy()
+    with prefetchd.Daemon(device_budget=int(sum(p.nbytes for p in model.get_parameters()) * 2),
+                          store_dir=str(tmp_path / "c")) as daemon:
+        prefetchd.offload(model, daemon, lookahead=1)
+        with daemon.use(list(model.get_parameters())):
+            with pytest.raises(PrefetchdError, match="offloaded model cannot be copied or pickled"):
+                copy.deepcopy(model)
+            with pytest.raises(PrefetchdError, match="cannot be copied or pickled"):
+                pickle.dumps(model._prefetchd)
+        np.testing.assert_array_equal(model(x).asnumpy(), expected)
