@@ -260,11 +260,17 @@ class Scheduler:
 
     def _finish(self):
         """Release everything (after the last transfer settled, or the deadline passed)."""
-        lost = [r.name for r in self.registry
-                if r.state in (State.RESIDENT, State.STORING) and r.dirty and self.config.store_dir]
+        dirty = [r for r in self.registry if r.dirty and self.config.store_dir]
+        lost = [r.name for r in dirty if r.state is State.RESIDENT]
+        racing = [r.name for r in dirty if r.state is State.STORING]
         if lost:
             log.error("prefetchd %s closed with %d dirty tensor(s) not written back: %s",
                       self.name, len(lost), ", ".join(map(str, lost[:10])))
+        if racing:   # the store commits a version only once it is whole: old or new, never a mix
+            log.warning("prefetchd %s closed with %d write-back(s) still in flight, each landed whole "
+                        "or not at all (a reopened store has its new or its last version): %s",
+                        self.name, len(racing),
+                        ", ".join(map(str, racing[:10])))
         self.explicit.cancel_all(ShutdownError("daemon closed before the request completed"))
         for rec in self.registry:
             lending.drop_parked(self.backend, self.stats, rec, mappings=True)   # they go with the daemon

@@ -220,3 +220,28 @@ def test_auto_fetch_false_raises_not_resident_on_unrequested_tensor(daemon, make
     daemon.prefetch(h)
     daemon.acquire([h._rec], auto_fetch=False)
     daemon.unpin([h])
+
+
+def test_close_at_once_says_write_backs_in_flight_may_have_landed(store_dir, ms, caplog):
+    """close(timeout=0) said '16 dirty tensor(s) not written back' of write-backs it had just
+    started; they landed, and a reopened store had every one at its current value."""
+    import logging
+    from prefetchd import Daemon
+    n = 64 * 1024
+    daemon = Daemon(device_budget="16MiB", store_dir=store_dir).start()
+    for i in range(8):
+        daemon.register(ms.Tensor(np.full(n, float(i), np.float32)), f"w{i}")      # dirty
+    with caplog.at_level(logging.WARNING, logger="prefetchd"):
+        daemon.close(timeout=0)
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("not written back" in m for m in said), said
+    assert any("still in flight, each landed whole or not at all" in m for m in said), said
+    with Daemon(device_budget="16MiB", store_dir=store_dir) as again:     # landed whole, or not at all
+        for i in range(8):
+            t = ms.Tensor(np.zeros(n, np.float32))
+            try:
+                again.register_remote(f"w{i}", (n,), "float32", target=t)
+            except UnknownTensorError:
+                continue
+            with again.use([f"w{i}"]):
+                assert (t.asnumpy() == i).all()
