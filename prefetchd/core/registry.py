@@ -58,12 +58,6 @@ class Registry:
         self.index = RecordIndex()   # pinned, host-only and droppable host records, kept by the records
 
     def add(self, rec):
-        if rec.target is not None:
-            other = managing_daemon(rec.target, other_than=self)
-            if other is not None:
-                raise DoubleRegisterError(
-                    f"this tensor is managed by prefetchd daemon {other!r}: a tensor is managed by one "
-                    f"daemon at a time (unregister it there, or close that daemon, first)")
         if rec.name in self.records:
             raise DoubleRegisterError(
                 f"a tensor named {rec.name!r} is already registered (names are unique in one daemon: a "
@@ -72,11 +66,16 @@ class Registry:
         if rec.target is not None and id(rec.target) in self._targets:
             raise DoubleRegisterError(
                 f"this tensor is already registered as {self._targets[id(rec.target)]!r}")
-        self.records[rec.name] = rec
         if rec.target is not None:
-            self._targets[id(rec.target)] = rec.name
-            with _OWNERS_LOCK:
+            with _OWNERS_LOCK:           # looked at and claimed in one step: two daemons may race
+                other = _OWNERS.get(id(rec.target))
+                if other is not None and other is not self:
+                    raise DoubleRegisterError(
+                        f"this tensor is managed by prefetchd daemon {other.daemon_name!r}: a tensor is "
+                        f"managed by one daemon at a time (unregister it there, or close that daemon, first)")
                 _OWNERS[id(rec.target)] = self
+            self._targets[id(rec.target)] = rec.name
+        self.records[rec.name] = rec
         rec.index = self.index
         self.index.update(rec)
 
