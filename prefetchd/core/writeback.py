@@ -91,6 +91,8 @@ class WriteBacks:
         self._stats.writebacks += 1
         self._note_writes(rec)
         rec.remote_valid = True
+        # A retry that landed (an evict's, not only a flush's): it is held for nothing now.
+        rec.writeback_failed, rec.error = False, None
         if rec.host_valid and not rec.host_lent:   # the host replica, if any, is older now
             self._host.free(rec)
         # (A lent host block holds no bytes: the device replica's pages, just verified,

@@ -281,3 +281,22 @@ def test_a_failed_compute_fence_loses_no_block_and_the_tensor_loads_again(daemon
         assert p.asnumpy()[0] == 3 and p.asnumpy()[-1] == 3
     daemon.evict(h).result(10)                        # a working fence frees everything
     assert daemon.status()["device"]["used"] == 0
+
+
+def test_a_write_back_retried_by_an_evict_clears_its_failure(daemon, make_param):
+    """Only flush() cleared the failed flag: after an evict's retry had landed, the next flush()
+    failed with FlushError naming no error, and the tensor was never a watermark victim again
+    (a lowering failed 'write-backs failed, so kept: ...' of a write-back that had landed)."""
+    p = make_param(np.full(MiB // 4, 7, np.float32), "victim.w")
+    h = daemon.register(p, tier="device")
+    _native.inject_fault("write", "error", nth=1, err=28, key_contains="victim")
+    with pytest.raises(StorageError, match="ENOSPC"):
+        daemon.evict(h).result(10)
+    daemon.evict(h).result(10)                      # the fault has passed: the retry lands
+    assert h.state is State.ABSENT
+    with daemon.use(h):
+        assert p.asnumpy()[0] == 7
+    assert not h._rec.writeback_failed
+    daemon.flush().result(10)                       # nothing failed: resolves
+    daemon.set_watermarks(4096, 4096).result(10)    # and it is a victim like any other
+    assert h.state is State.ABSENT
