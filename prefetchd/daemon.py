@@ -168,7 +168,6 @@ class Daemon:
         with self._lock:
             self._state = "closed"
             live_daemons.discard(self)
-        self._registry.release_targets()
         self.timeline.close()      # writes config.trace once the scheduler has stopped
 
     def check_open(self):
@@ -379,13 +378,19 @@ def _scheduler_thread(daemon, core, registry):
     """The started scheduler thread of `daemon`, and the finalizer that shuts down (and
     says so) a daemon its owner dropped without close()."""
     thread = threading.Thread(
-        target=run, args=(weakref.ref(daemon), core, lambda: Binding.release_all(registry),
-                          daemon._events.deliver),
+        target=run, args=(weakref.ref(daemon), core, lambda: _release(registry), daemon._events.deliver),
         name=f"prefetchd-scheduler-{daemon.name}", daemon=True)
     thread.start()
     finalizer = weakref.finalize(daemon, _reclaim, daemon.name, core, thread, daemon.config.shutdown_timeout)
     finalizer.atexit = False    # at exit, _close_live_daemons closes it properly
     return thread, finalizer
+
+
+def _release(registry):
+    """The scheduler has stopped (close(), from a callback too, or a dropped daemon): resident
+    tensors keep viewing their blocks, and other daemons may manage them from now on."""
+    Binding.release_all(registry)
+    registry.release_targets()
 
 
 def _reclaim(name, core, thread, timeout):

@@ -326,3 +326,29 @@ def test_leaving_use_after_another_thread_closed_the_daemon_keeps_the_bodys_outc
         assert isinstance(outcome["error"], ValueError), repr(outcome["error"])
     else:
         assert outcome["error"] is None, repr(outcome["error"])
+
+
+@pytest.mark.parametrize("how", ["close_from_a_callback", "dropped"])
+def test_a_daemon_that_stops_without_a_full_close_lets_its_tensors_go(ms, tmp_path, how):
+    """Only a close() that saw its scheduler stop let another daemon manage its tensors: one
+    closed from a future's callback kept them until a second close(), and one dropped without
+    close() (its finalizer stops it) kept them for the life of the process."""
+    t = ms.Tensor(np.arange(1024, dtype=np.float32))
+    first = Daemon(device_budget="16MiB", store_dir=str(tmp_path / "one"), name="one").start()
+    first.register(t, "w")
+    thread = first._thread
+    if how == "dropped":
+        del first
+        gc.collect()
+    else:
+        first.evict(["w"]).result(10)           # so the prefetch's callback runs on the scheduler
+        first.prefetch("w").add_done_callback(lambda f: first.close())
+    thread.join(15)
+    assert not thread.is_alive()
+    with Daemon(device_budget="16MiB", store_dir=str(tmp_path / "two"), name="two") as second:
+        second.register(t, "w")
+        second.evict(["w"]).result(10)
+        with second.use(["w"]):
+            np.testing.assert_array_equal(t.asnumpy(), np.arange(1024, dtype=np.float32))
+    if how != "dropped":
+        first.close()
