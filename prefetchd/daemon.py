@@ -25,8 +25,8 @@ from .core.events import Events
 from .core.homes import HomeSpace
 from .core.registering import Registrar, checked_name
 from .core.registry import Registry, check_name
-from .core.requests import (DONE, Kind, Request, RequestFuture, check_deadline, check_priority,
-                            refuse_wait_on_scheduler)
+from .core.requests import DONE, Kind, Request, check_deadline, check_priority
+from .core.waits import RequestFuture, refuse_wait_on_scheduler
 from .core.scheduler import Scheduler, run
 from .core.session import ComputeSession
 from .core.status import describe
@@ -257,7 +257,7 @@ class Daemon:
         ones written back), host blocks freed, the store files this daemon wrote removed (a
         staged store keeps its own), records forgotten (core/placement.py). Refused while one
         is pinned or wanted by compute. Their framework tensors refuse use from then on."""
-        refuse_wait_on_scheduler("unregister()")
+        refuse_wait_on_scheduler("unregister()", self._core)
         self._submit(Request(Kind.UNREGISTER, self._records_of(tensors), RequestFuture())).result()
 
     def flush(self, tensors=None):

@@ -20,7 +20,8 @@ from ..backend import framework
 from ..errors import UnknownTensorError
 from .records import ManagedTensor
 from .registry import check_name
-from .requests import Kind, Request, RequestFuture, refuse_wait_on_scheduler
+from .requests import Kind, Request
+from .waits import RequestFuture, refuse_wait_on_scheduler
 
 TIERS = ("device", "host", "remote")
 
@@ -109,7 +110,7 @@ class Registrar:
 
     def _place(self, tensor, name, tier):
         """A new record holding a copy of `tensor`'s values on `tier`; `tensor` unchanged."""
-        refuse_wait_on_scheduler("register()")      # it waits for the placement
+        refuse_wait_on_scheduler("register()", self._core)      # it waits for the placement
         # np.require, not np.ascontiguousarray: that makes a 0-d tensor 1-d
         array = np.require(framework.host_copy(tensor), requirements="C")
         rec = ManagedTensor(name=name, shape=tuple(array.shape), dtype=array.dtype,

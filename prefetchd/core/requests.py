@@ -10,50 +10,14 @@ import enum
 import logging
 import math
 import numbers
-import threading
 import time
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import InvalidStateError
 
 import numpy as np
 
-from ..errors import SchedulerWaitError
+from .waits import RequestFuture
 
 log = logging.getLogger("prefetchd")
-
-_scheduler_thread = threading.local()      # .active: this thread runs a daemon's scheduler
-
-
-def mark_scheduler_thread():
-    """Called once by each scheduler thread (core/scheduler.py run)."""
-    _scheduler_thread.active = True
-
-
-class RequestFuture(Future):
-    """The future of a request. Only a scheduler thread settles it, and that thread also runs
-    future callbacks and listeners: waiting there for one not yet settled would block the
-    only thread that could settle it, for good (the daemon stuck, close() giving up). It
-    raises SchedulerWaitError instead, so the callback fails at once and says why."""
-
-    def result(self, timeout=None):
-        if not self.done():
-            refuse_wait_on_scheduler("future.result()")
-        return super().result(timeout)
-
-    def exception(self, timeout=None):
-        if not self.done():
-            refuse_wait_on_scheduler("future.exception()")
-        return super().exception(timeout)
-
-
-def refuse_wait_on_scheduler(call):
-    """SchedulerWaitError if this is a scheduler thread: `call` would wait for it. The calls
-    that wait (unregister, use/acquire, register) check before they submit anything."""
-    if getattr(_scheduler_thread, "active", False):
-        raise SchedulerWaitError(
-            f"{call} on a prefetchd scheduler thread (in a future's done-callback or a listener) "
-            f"would wait forever: that thread settles what it waits for. Submit without waiting "
-            f"there (add_done_callback), or do it from another thread")
-
 
 DONE = RequestFuture()   # shared, already-resolved future for requests satisfied on the spot
 DONE.set_result(None)

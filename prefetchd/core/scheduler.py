@@ -29,8 +29,9 @@ from .loads import Loads
 from .memory import DeviceMemory
 from .placement import Placements
 from .records import State
-from .requests import Kind, Outcomes, Request, mark_scheduler_thread, settle
+from .requests import Kind, Outcomes, Request, settle
 from .transfers import Transfers
+from .waits import mark_scheduler_thread
 from .watermarks import WatermarkChanges
 from .writeback import WriteBacks
 
@@ -115,6 +116,8 @@ class Scheduler:
     # ------------------------------------------------------------------ any thread
     def submit(self, request):
         """Queue `request` for the scheduler thread; returns its future (core/inbox.py)."""
+        if request.future is not None:
+            request.future.settled_by = self      # (core/waits.py: who must not wait for it)
         return self.inbox.submit(request)
 
     def hit(self, recs):
@@ -285,7 +288,7 @@ def run(daemon_ref, scheduler, release_targets, deliver_events=lambda: None):
 
     Listeners (`deliver_events`) and future callbacks run after the lock is
     released: they may call back into the daemon (status, flush, close)."""
-    mark_scheduler_thread()
+    mark_scheduler_thread(scheduler)
     backend = scheduler.backend
     while True:
         deadline = scheduler.shutdown_deadline

@@ -16,7 +16,8 @@ import time
 from ..errors import NotResidentError, ShutdownError
 from . import lending, traces
 from .records import State
-from .requests import Kind, Request, RequestFuture, refuse_wait_on_scheduler
+from .requests import Kind, Request
+from .waits import RequestFuture, refuse_wait_on_scheduler
 
 
 # Queued requests a resident pin may overtake (ComputeSession._pin_resident).
@@ -50,7 +51,7 @@ class ComputeSession:
                 raise NotResidentError(missing.name, ",".join(missing.tiers), missing.state.value)
         started = time.monotonic_ns()
         if not self._pin_resident(records):
-            refuse_wait_on_scheduler("use()/acquire() of tensors not resident")
+            refuse_wait_on_scheduler("use()/acquire() of tensors not resident", self._core)
             self._wait_for_pin(self._core.submit(Request(Kind.PIN, records, RequestFuture())), records,
                                stall_timeout)
         ended = time.monotonic_ns()

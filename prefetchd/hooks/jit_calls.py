@@ -16,7 +16,9 @@ import weakref
 from .. import guard
 from ..errors import PrefetchdError
 
-_watched = weakref.WeakKeyDictionary()    # cell of an offloaded model -> its Offloaded handle
+# cell of an offloaded model -> a weak reference to its Offloaded handle (a strong one would
+# keep the cell, its key, alive through handle.model: the model was never collected)
+_watched = weakref.WeakKeyDictionary()
 _install_lock = threading.Lock()
 _installed = False
 
@@ -24,13 +26,15 @@ _installed = False
 def watch(model, handle):
     """Refuse jit calls on `model`'s cells outside its passes while weights are not resident."""
     _install()
+    ref = weakref.ref(handle)
     for _, cell in model.cells_and_names():
-        _watched[cell] = handle
+        _watched[cell] = ref
 
 
 def check_jit_call(cell):
     """Raise PrefetchdError if compiled `cell` would read weights not resident (see above)."""
-    handle = _watched.get(cell)
+    ref = _watched.get(cell)
+    handle = ref() if ref is not None else None
     if handle is None or handle.turn.held_here():     # (closed: its weights refuse use too)
         return
     absent = [p.name for p in cell.get_parameters() if guard.is_guarded(p)]

@@ -19,6 +19,7 @@ import contextlib
 import sys
 import threading
 
+from ..core.waits import refuse_wait_on_scheduler
 from ..errors import PrefetchdError
 from .interrupts import sigint_deferred
 
@@ -66,6 +67,9 @@ class PassTurn:
                         self._on_abandoned()
                         self.holder, self._in_pass = me, in_pass   # the lock stays held: ours now
                         return
+            # On a scheduler thread (a future's callback, a listener) the holder's pass may be
+            # waiting for this very thread to settle its loads: waiting here deadlocked both.
+            refuse_wait_on_scheduler("waiting for another thread's forward of an offloaded model")
 
     def give(self):
         """End this thread's turn (the model's always_call forward hook); no-op for others."""

@@ -1,5 +1,6 @@
 """Hostile input at the Daemon's boundary: refused at once with a reason, and the
 daemon stays usable (each case here was accepted, hung or crashed before)."""
+import concurrent.futures
 import gc
 import logging
 import math
@@ -252,7 +253,7 @@ def test_a_tensor_managed_by_one_live_daemon_is_refused_by_another(make_daemon, 
 
 
 @pytest.mark.parametrize("where", ["callback", "listener"])
-@pytest.mark.parametrize("wait", ["unregister", "use", "result", "register"])
+@pytest.mark.parametrize("wait", ["unregister", "use", "result", "register", "futures_wait"])
 def test_a_wait_on_the_scheduler_thread_is_refused_at_once(make_daemon, ms, where, wait):
     """Future callbacks and listeners run on the scheduler thread. A wait there blocked
     the only thread that could end it: the daemon stuck for good, every later request
@@ -274,6 +275,8 @@ def test_a_wait_on_the_scheduler_thread_is_refused_at_once(make_daemon, ms, wher
                     pass
             elif wait == "result":
                 daemon.prefetch("w2").result()
+            elif wait == "futures_wait":
+                concurrent.futures.wait([daemon.prefetch("w2")])
             else:
                 daemon.register(ms.Tensor(np.zeros(4, np.float32)), "new")
             outcome.append("returned")
@@ -352,3 +355,32 @@ def test_a_daemon_that_stops_without_a_full_close_lets_its_tensors_go(ms, tmp_pa
             np.testing.assert_array_equal(t.asnumpy(), np.arange(1024, dtype=np.float32))
     if how != "dropped":
         first.close()
+
+
+def test_a_bounded_wait_or_another_daemons_wait_on_a_scheduler_thread_is_not_refused(make_daemon, ms, tmp_path):
+    """Only what would wait for the thread it runs on is refused: a bounded wait times out as
+    before, and another daemon's requests are settled by that daemon's own scheduler."""
+    one = make_daemon(name="one", store_dir=str(tmp_path / "one"))
+    two = make_daemon(name="two", store_dir=str(tmp_path / "two"))
+    one.register(ms.Tensor(np.zeros(1024, np.float32)), "a", tier="remote")
+    one.register(ms.Tensor(np.zeros(1024, np.float32)), "b", tier="remote")
+    two.register(ms.Tensor(np.ones(1024, np.float32)), "c", tier="remote")
+    outcome, ran = {}, threading.Event()
+
+    def in_callback(_):
+        try:
+            try:
+                one.prefetch("b").result(timeout=0.001)
+                outcome["bounded"] = "settled"
+            except concurrent.futures.TimeoutError:
+                outcome["bounded"] = "timed out"
+            two.prefetch("c").result(10)
+            outcome["other"] = two.register(ms.Tensor(np.zeros(8, np.float32)), "d").name
+        except Exception as e:       # noqa: BLE001 - reported below
+            outcome["error"] = repr(e)
+        ran.set()
+
+    one.prefetch("a").add_done_callback(in_callback)
+    assert ran.wait(20)
+    assert "error" not in outcome, outcome
+    assert outcome["bounded"] in ("timed out", "settled") and outcome["other"] == "d"

@@ -85,3 +85,45 @@ def test_a_pass_cut_short_is_taken_over(ms, model):
     assert taken_within(turn, 5)
     assert abandoned == [True] and time.monotonic() - started < 2
     done.set()
+
+
+@pytest.mark.parametrize("call", ["forward", "close"])
+def test_a_listener_waiting_for_another_threads_forward_is_refused_not_deadlocked(ms, tmp_path, call):
+    """A listener (on the scheduler thread) that runs the model, or closes its handle, while
+    another thread's forward holds the turn waited for that forward, which waited for the
+    scheduler to settle its loads: both stuck for good."""
+    import numpy as np
+    import prefetchd
+    from prefetchd.errors import SchedulerWaitError
+    ms.set_seed(1)
+    model = ms.nn.SequentialCell([ms.nn.SequentialCell([ms.nn.Dense(64, 64), ms.nn.ReLU()]) for _ in range(6)])
+    model.set_train(False)
+    x = ms.Tensor(np.ones((2, 64), np.float32))
+    expected = model(x).asnumpy()
+    budget = int(sum(p.nbytes for p in model.get_parameters()) * 0.6)
+    with prefetchd.Daemon(device_budget=budget, store_dir=str(tmp_path / "s"), shutdown_timeout=3.0) as daemon:
+        handle = prefetchd.offload(model, daemon, lookahead=1)
+        model(x)
+        outcome, ran = [], threading.Event()
+
+        def listener(event):
+            if ran.is_set() or event.get("event") != "loaded":
+                return
+            ran.set()
+            try:
+                model(x) if call == "forward" else handle.close()
+                outcome.append("returned")
+            except SchedulerWaitError as e:
+                outcome.append(str(e))
+
+        daemon.add_listener(listener)
+        result = {}
+        forward = threading.Thread(target=lambda: result.setdefault("out", model(x).asnumpy()), daemon=True)
+        forward.start()
+        forward.join(30)
+        assert not forward.is_alive(), "the forward and the listener deadlocked"
+        daemon.remove_listener(listener)
+        assert ran.is_set() and outcome and "another thread's forward" in outcome[0], outcome
+        np.testing.assert_array_equal(result["out"], expected)
+        np.testing.assert_array_equal(model(x).asnumpy(), expected)
+        handle.close()
