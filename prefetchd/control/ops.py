@@ -109,11 +109,13 @@ def name_list(key, value):
 
 
 def lease_ids(key, value):
+    """A list of lease ids, each once: a repeated id is the same lease (unpin [id, id]
+    released it, then failed on the second, already gone)."""
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not value or not all(isinstance(i, str) for i in value):
         raise BadArguments(f"'{key}' must be a lease id or a list of them")
-    return value
+    return list(dict.fromkeys(value))
 
 
 def watermark(key, value):
