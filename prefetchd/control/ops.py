@@ -6,7 +6,8 @@ in), and `owner` is the peer's identity. It returns the reply's result, or a
 Deferred when the daemon answers with a future (the server parks the request).
 It must not block. Validators raise BadArguments (reply BAD_REQUEST) for values
 of the wrong type or out of range, so that no number too large for the daemon's
-arithmetic ever reaches it.
+arithmetic ever reaches it; an argument the op does not declare is refused the same
+way, naming it and the ones the op takes (as the serve front does), never ignored.
 """
 import concurrent.futures
 import logging
@@ -42,7 +43,18 @@ class Op:
     handler: object
     args: dict = field(default_factory=dict)     # name -> (validator(key, value), default)
 
-    def validate(self, raw):
+    def check_known(self, op, raw):
+        """BadArguments naming any argument of `raw` this op does not take (a misspelled
+        `patern` or `leese` was silently ignored), and the ones it does."""
+        unknown = [k for k in raw if k not in self.args]
+        if unknown:
+            raise BadArguments(f"unknown argument {', '.join(repr(k[:64]) for k in unknown[:8])}; "
+                               f"{op} takes {', '.join(self.args) or 'none'}")
+
+    def validate(self, raw, op="this op"):
+        """The declared arguments, checked and with defaults filled in; an argument it does
+        not declare is refused (check_known)."""
+        self.check_known(op, raw)
         out = {}
         for key, (check, default) in self.args.items():
             value = raw.get(key)

@@ -255,7 +255,7 @@ class Server(RouterEndpoint):
                               f"{len(self._pending)} requests outstanding; retry later")
             return
         try:
-            outcome = spec.handler(self, spec.validate(args), owner)
+            outcome = spec.handler(self, spec.validate(args, op), owner)
         except BadArguments as e:
             self._reply_error(envelope, rid, P.BAD_REQUEST, f"{op}: {e}")
             return

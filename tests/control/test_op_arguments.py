@@ -80,3 +80,46 @@ def test_unpin_and_renew_with_a_repeated_lease_id_are_one_lease(served):
     assert json.loads(out.stdout) == {"count": 1}
     assert wait_until(lambda: daemon.status()["pinned"] == 0)
     assert internal_errors(server) == internal
+
+
+# ----------------------------------------------------------------------------- unknown arguments
+
+@pytest.mark.parametrize("op, args, named, takes", [
+    ("list", {"patern": "layer.0.*"}, "'patern'", "list takes pattern, limit"),
+    ("pin", {"names": [NAMES[2]], "leese": 3600}, "'leese'", "pin takes names, pattern, lease"),
+    ("prefetch", {"names": [NAMES[2]], "delay": 1}, "'delay'", "prefetch takes names, pattern, wait"),
+    ("unpin", {"lease": "x", "lease_id": "y"}, "'lease_id'", "unpin takes lease"),
+    ("status", {"verbose": True}, "'verbose'", "status takes none"),
+])
+def test_an_unknown_argument_is_refused_naming_it_and_the_accepted_ones(served, op, args, named, takes):
+    daemon, server, client = served
+    reply = raw(server.endpoint, op, args)
+    assert reply["ok"] is False and reply["code"] == P.BAD_REQUEST, reply
+    assert named in reply["reason"] and takes in reply["reason"], reply["reason"]
+    assert daemon.status()["pinned"] == 0 and client.status()["server"]["leases"] == 0
+    assert daemon.tensors(NAMES[2])[0]["state"] == "absent"      # nothing was done
+
+
+def test_the_client_and_ctl_send_only_arguments_the_ops_take(served):
+    daemon, server, client = served
+    bad = server.counters.errors.get(P.BAD_REQUEST, 0)
+    assert client.ping()["pong"] and client.status() and client.stats()
+    assert len(client.list("layer.*", limit=2)) == 2
+    client.prefetch(NAMES[3], priority=2, deadline=10.0, wait=True)
+    lease = client.pin(pattern="layer.3.*", lease=10)
+    client.renew(lease, seconds=20)
+    client.unpin(lease)
+    client.flush(wait=True)
+    client.evict(NAMES[3], wait=True)
+    client.set_watermarks(0.9, 0.6)
+    with client.subscribe() as sub:
+        sub.sync()
+    for args in (["ping"], ["stats"], ["list", "layer.*"], ["prefetch", NAMES[3], "--priority", "1"],
+                 ["evict", NAMES[3], "--no-wait"], ["flush"], ["set-watermarks", "95%", "0.7"]):
+        out = ctl(server.endpoint, *args)
+        assert out.returncode == 0, (args, out.stderr)
+    out = ctl(server.endpoint, "pin", NAMES[3], "--lease", "5")
+    assert out.returncode == 0, out.stderr
+    out = ctl(server.endpoint, "renew", json.loads(out.stdout)["lease"])
+    assert out.returncode == 0, out.stderr
+    assert server.counters.errors.get(P.BAD_REQUEST, 0) == bad
