@@ -144,7 +144,15 @@ def serve_table(path):
     if unknown:
         raise ConfigError(f"[serve] {unknown[0]}: unknown setting (from file {path}); known: "
                           f"{', '.join(SERVE_DEFAULTS)}")
-    return {key: _from_file(key, value, path) for key, value in table.items()}
+    values = {key: _from_file(key, value, path) for key, value in table.items()}
+    if "endpoint" in values:          # refused by the front as it started; validate said OK
+        from ..control.endpoints import resolve_endpoint
+        from ..serve.front_sockets import FRONT_REMOTE_HINT
+        try:
+            resolve_endpoint(values["endpoint"], "serve", bind=True, remote_hint=FRONT_REMOTE_HINT)
+        except ConfigError as e:
+            raise ConfigError(f"[serve] endpoint (from file {path}): {e}") from None
+    return values
 
 
 def serve_options(args):
