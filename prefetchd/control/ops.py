@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..core import patterns
+from ..core.registry import MAX_NAME_BYTES
 from .codes import BadArguments
 
 log = logging.getLogger("prefetchd.control.ops")
@@ -112,11 +113,27 @@ def glob(key, value):
     return value
 
 
+def _shown(name, chars=64):
+    """A name as a message shows it: at most `chars` characters (one was echoed back whole)."""
+    return repr(name) if len(name) <= chars else f"{name[:chars]!r}... ({len(name)} characters)"
+
+
 def name_list(key, value):
+    """Tensor names; one that no tensor can have (empty, a NUL, over the store's key limit,
+    not UTF-8) is BAD_REQUEST, not an UNKNOWN_TENSOR that echoed it whole."""
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
         raise BadArguments(f"'{key}' must be a string or a list of strings")
+    for i, name in enumerate(value):
+        try:
+            size = len(name.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise BadArguments(f"'{key}'[{i}] {_shown(name)} is not valid UTF-8") from None
+        why = ("is empty" if not name else "contains a NUL character" if "\0" in name else
+               f"is {size} bytes; a tensor name is at most {MAX_NAME_BYTES}" if size > MAX_NAME_BYTES else None)
+        if why:
+            raise BadArguments(f"'{key}'[{i}] {_shown(name) + ' ' if name else ''}{why}")
     return value
 
 

@@ -120,6 +120,24 @@ def test_the_client_and_ctl_send_only_arguments_the_ops_take(served):
         assert out.returncode == 0, (args, out.stderr)
     out = ctl(server.endpoint, "pin", NAMES[3], "--lease", "5")
     assert out.returncode == 0, out.stderr
-    out = ctl(server.endpoint, "renew", json.loads(out.stdout)["lease"])
-    assert out.returncode == 0, out.stderr
+    lease = json.loads(out.stdout)["lease"]
+    for verb in ("renew", "unpin"):
+        out = ctl(server.endpoint, verb, lease)
+        assert out.returncode == 0, out.stderr
     assert server.counters.errors.get(P.BAD_REQUEST, 0) == bad
+
+
+# ----------------------------------------------------------------------------- unusable names
+
+@pytest.mark.parametrize("name, why", [("", "is empty"), ("layer.0\0weight", "contains a NUL character"),
+                                       ("x" * 2000, "is 2000 bytes; a tensor name is at most 1024"),
+                                       ("\ud800", "is not valid UTF-8")])
+@pytest.mark.parametrize("op", ["prefetch", "evict", "pin", "flush"])
+def test_a_name_no_tensor_can_have_is_a_bad_request_shown_short(served, op, name, why):
+    daemon, server, client = served
+    before = daemon.tensors(NAMES[0])[0]["state"], daemon.status()["pinned"]
+    reply = raw(server.endpoint, op, {"names": [NAMES[0], name]})
+    assert reply["ok"] is False and reply["code"] == P.BAD_REQUEST, reply
+    assert f"'names'[1]" in reply["reason"] and why in reply["reason"], reply["reason"]
+    assert len(reply["reason"]) < 200, reply["reason"]                  # not echoed whole
+    assert (daemon.tensors(NAMES[0])[0]["state"], daemon.status()["pinned"]) == before
