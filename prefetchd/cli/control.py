@@ -12,6 +12,7 @@ then uses DIR/server.key and DIR/client.key_secret, or DIR/NAME.key_secret with
 --client NAME (a certificate made by `prefetchd keys DIR --client NAME`).
 """
 import json
+import math
 import os
 
 from .common import UsageError, daemon_name, seconds
@@ -156,7 +157,8 @@ def format_status(st):
         lines = [f"serve front {front['endpoint']} (pid {front['pid']}), hints "
                  f"{'on' if front['hints'] else 'off'}, queued {front['queued']}, "
                  f"models {', '.join(front['models'])}",
-                 "counters " + ", ".join(f"{k} {v}" for k, v in sorted(front["counters"].items()))]
+                 "counters " + (", ".join(f"{k} {v}" for k, v in sorted(front["counters"].items()))
+                                or "none yet")]
         for w in st["workers"]:
             lines.append(f"worker {w['index']}: pid {w['pid']}, {'ready' if w['ready'] else 'starting'}, "
                          f"in flight {w['inflight']}, served {w['served']}, failed {w['failed']}, "
@@ -239,9 +241,11 @@ def _watermark(text):
             value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
         except ValueError:
             return text              # a size string: the daemon parses it, as the config does
-    if not 0 <= value < float("inf"):
+    if not math.isfinite(value) or value < 0:
+        # nan, inf and 1e400 (inf) were told "not negative"
         raise UsageError(f"ctl set-watermarks: {text!r}: expected bytes, a size (2GiB) or a "
-                         f"fraction (90% or 0.9), not negative")
+                         f"fraction (90% or 0.9): "
+                         + ("a finite number" if not math.isfinite(value) else "not negative"))
     return value
 
 
