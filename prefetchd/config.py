@@ -14,6 +14,7 @@ import tomllib
 from dataclasses import dataclass, fields
 
 from .config_env import ENV_PREFIX, warn_unknown_env
+from .config_tables import check_tables
 from .errors import ConfigError
 
 MAX_CONFIG_BYTES = 1 << 20  # a config file larger than this is not one
@@ -317,6 +318,7 @@ class Config:
             raise ConfigError(f"config file {path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
         except RecursionError:
             raise ConfigError(f"config file {path}: nested too deeply to be a prefetchd config") from None
+        check_tables(doc, path)
         if section in doc:
             table = doc[section]
             if not isinstance(table, dict):

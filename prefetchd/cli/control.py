@@ -8,9 +8,11 @@
 The endpoint defaults to the configured `endpoint` (--config / PREFETCHD_ENDPOINT),
 else ipc://$XDG_RUNTIME_DIR/prefetchd/<name>.sock. For a CURVE-protected tcp
 endpoint pass --curve-dir DIR (the directory `prefetchd keys` made): the client
-then uses DIR/server.key and DIR/client.key_secret.
+then uses DIR/server.key and DIR/client.key_secret, or DIR/NAME.key_secret with
+--client NAME (a certificate made by `prefetchd keys DIR --client NAME`).
 """
 import json
+import math
 import os
 
 from .common import UsageError, daemon_name, seconds
@@ -52,6 +54,9 @@ def _client_args(p):
     p.add_argument("--config", help="TOML file (default: $PREFETCHD_CONFIG)")
     p.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for a reply (5)")
     p.add_argument("--curve-dir", help="directory made by `prefetchd keys` (server.key, client.key_secret)")
+    p.add_argument("--client", default=None, metavar="NAME",
+                   help="with --curve-dir: use the client certificate DIR/NAME.key_secret "
+                        "(made by `prefetchd keys DIR --client NAME`; default: client)")
 
 
 def _client(args):
@@ -65,9 +70,12 @@ def _client(args):
         endpoint = endpoint or config.endpoint
         name = name or config.name
     kwargs = {}
+    if args.client is not None and not args.curve_dir:
+        raise UsageError("--client NAME picks a certificate of --curve-dir DIR: give --curve-dir too")
     if args.curve_dir:
+        client = "client" if args.client is None else _check_client_name(args.client, "--client")
         kwargs = {"server_public_key": _curve_file(args.curve_dir, "server.key"),
-                  "client_keys": _curve_file(args.curve_dir, "client.key_secret")}
+                  "client_keys": _curve_file(args.curve_dir, client + ".key_secret")}
     _refuse_missing_socket(resolve_endpoint(endpoint, name))
     return Client(endpoint, timeout=args.timeout, name=name, **kwargs)
 
@@ -97,10 +105,17 @@ def _curve_file(directory, name):
     if not os.path.isdir(directory):
         raise ConfigError(f"--curve-dir {directory}: a file, not a directory {made_by}")
     path = os.path.join(directory, name)
-    if not os.path.isfile(path):
-        raise ConfigError(f"--curve-dir {directory}: no {name} in it, so not a directory made "
-                          f"by `prefetchd keys`")
-    return path
+    if os.path.isfile(path):
+        return path
+    held = sorted(f for f in os.listdir(directory) if f.endswith((".key", ".key_secret")))
+    holds = f"it holds {', '.join(held)}" if held else "it holds no key files"
+    clients = [f[:-len(".key_secret")] for f in held
+               if f.endswith(".key_secret") and f != "server.key_secret"]
+    if name == "server.key" or not clients:
+        raise ConfigError(f"--curve-dir {directory}: no {name} in it ({holds}), so not a "
+                          f"directory made by `prefetchd keys` {made_by}")
+    raise ConfigError(f"--curve-dir {directory}: no {name} in it ({holds}): choose a client "
+                      f"certificate with --client NAME, one of {', '.join(clients)}")
 
 
 # ----------------------------------------------------------------------------- status
@@ -142,7 +157,8 @@ def format_status(st):
         lines = [f"serve front {front['endpoint']} (pid {front['pid']}), hints "
                  f"{'on' if front['hints'] else 'off'}, queued {front['queued']}, "
                  f"models {', '.join(front['models'])}",
-                 "counters " + ", ".join(f"{k} {v}" for k, v in sorted(front["counters"].items()))]
+                 "counters " + (", ".join(f"{k} {v}" for k, v in sorted(front["counters"].items()))
+                                or "none yet")]
         for w in st["workers"]:
             lines.append(f"worker {w['index']}: pid {w['pid']}, {'ready' if w['ready'] else 'starting'}, "
                          f"in flight {w['inflight']}, served {w['served']}, failed {w['failed']}, "
@@ -225,9 +241,11 @@ def _watermark(text):
             value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
         except ValueError:
             return text              # a size string: the daemon parses it, as the config does
-    if not 0 <= value < float("inf"):
+    if not math.isfinite(value) or value < 0:
+        # nan, inf and 1e400 (inf) were told "not negative"
         raise UsageError(f"ctl set-watermarks: {text!r}: expected bytes, a size (2GiB) or a "
-                         f"fraction (90% or 0.9), not negative")
+                         f"fraction (90% or 0.9): "
+                         + ("a finite number" if not math.isfinite(value) else "not negative"))
     return value
 
 
@@ -247,21 +265,25 @@ def cmd_keys(args):
         print(f"client {c}: {os.path.join(directory, c + '.key_secret')}, authorized in "
               f"{os.path.join(directory, AUTHORIZED_DIR)}")
     print(f"serve with:   daemon.serve('tcp://127.0.0.1:5555', curve_keys_dir={directory!r})")
-    print(f"connect with: prefetchd status --endpoint tcp://127.0.0.1:5555 --curve-dir {directory}")
+    for c in clients:
+        pick = "" if c == "client" else f" --client {c}"
+        print(f"connect with: prefetchd status --endpoint tcp://127.0.0.1:5555 --curve-dir "
+              f"{directory}{pick}")
     return 0
 
 
-def _check_client_name(name):
+def _check_client_name(name, where="keys: argument --client"):
     """A client name becomes DIR/<name>.key_secret: a plain name, never a path."""
     from ..control.keys import SERVER_SECRET
     seps = {os.sep, os.altsep or os.sep, "/"}
     if not name or name in (".", "..") or any(sep in name for sep in seps) or "\0" in name:
-        raise UsageError(f"keys: argument --client: {name!r}: a client name must be a plain "
+        raise UsageError(f"{where}: {name!r}: a client name must be a plain "
                          f"name (no path separator, not '.' or '..', not empty): its "
                          f"certificate is DIR/NAME.key_secret")
     if name + ".key_secret" == SERVER_SECRET:
-        raise UsageError(f"keys: argument --client: {name!r} is the server's certificate; "
+        raise UsageError(f"{where}: {name!r} is the server's certificate; "
                          f"choose another client name")
+    return name
 
 
 def _check_keys_dir(directory):

@@ -107,6 +107,11 @@ def cmd_config(args):
     if args.action == "validate":
         from .serve import config_path, serve_table
         serve_table(config_path(args))         # [serve]: what `prefetchd serve` would refuse
+        if config.endpoint:                    # what the daemon's control server would refuse
+            from types import SimpleNamespace
+
+            from ..control.server_options import resolve
+            resolve(SimpleNamespace(config=config), config.endpoint)
         print("configuration OK")
     else:
         emit(config.as_dict(), args.json)

@@ -30,6 +30,19 @@ def _size(text):
     return size(text)
 
 
+def _ip_address(text):
+    """An IP address literal or localhost, as the [prefetchd] metrics_addr takes (a host name
+    failed only once the workers were up, in the exporter, naming no setting)."""
+    import ipaddress
+    if text == "localhost":
+        return text
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an IP address (e.g. 127.0.0.1, ::1, "
+                                         f"0.0.0.0)") from None
+
+
 # Each option's parser: its flag's argparse type, and the check of its [serve] value from a
 # config file, which is read as the flag's text is and named by key and file (it went
 # unchecked: `workers = "two"` failed in a worker's traceback, and `heartbeat_timeout = 0`
@@ -38,7 +51,7 @@ _PARSERS = {"workers": positive_int, "models": positive_int, "hidden": positive_
             "layers": positive_int, "batch": positive_int, "seq": positive_int,
             "lookahead": positive_int, "max_batch_size": positive_int, "request_timeout": seconds,
             "heartbeat_timeout": seconds, "start_timeout": seconds, "max_queue_delay_ms": _milliseconds,
-            "metrics_port": port, "model_bytes": _size, "budget": budget}
+            "metrics_port": port, "metrics_addr": _ip_address, "model_bytes": _size, "budget": budget}
 _FILE_SWITCHES = ("hints", "shared_host")     # the rest are text: endpoint, model, store, ...
 
 
@@ -90,7 +103,7 @@ def register(sub):
                         "weights before the server gives up (180)")
     p.add_argument("--metrics-port", type=_PARSERS["metrics_port"],
                    help="export the front's and all workers' metrics on this port (0: any free one)")
-    p.add_argument("--metrics-addr", help="address of the metrics port (default: the config's "
+    p.add_argument("--metrics-addr", type=_PARSERS["metrics_addr"], help="address of the metrics port (default: the config's "
                                           "metrics_addr or $PREFETCHD_METRICS_ADDR, else 127.0.0.1)")
     p.set_defaults(func=cmd_serve)
 
@@ -131,7 +144,15 @@ def serve_table(path):
     if unknown:
         raise ConfigError(f"[serve] {unknown[0]}: unknown setting (from file {path}); known: "
                           f"{', '.join(SERVE_DEFAULTS)}")
-    return {key: _from_file(key, value, path) for key, value in table.items()}
+    values = {key: _from_file(key, value, path) for key, value in table.items()}
+    if "endpoint" in values:          # refused by the front as it started; validate said OK
+        from ..control.endpoints import resolve_endpoint
+        from ..serve.front_sockets import FRONT_REMOTE_HINT
+        try:
+            resolve_endpoint(values["endpoint"], "serve", bind=True, remote_hint=FRONT_REMOTE_HINT)
+        except ConfigError as e:
+            raise ConfigError(f"[serve] endpoint (from file {path}): {e}") from None
+    return values
 
 
 def serve_options(args):

@@ -245,6 +245,11 @@ class ConnectionGuard:
         if fd in self._live:
             self._last[fd] = time.monotonic()
 
+    def shut(self, fd):
+        """Shut down connection `fd` now (its client may no longer be served); 1 if it was."""
+        self._release(fd)
+        return self._drop(fd)
+
     def _gone(self, fd):
         self._accepted = [item for item in self._accepted if item[0] != fd]
         self._handshakes.discard(fd)

@@ -38,6 +38,10 @@ class GuardedListening:
         """A request arrived on connection `fd` (zmq.Frame.get(zmq.SRCFD) of its first frame)."""
         self.guard.saw(fd)
 
+    def shut(self, fd):
+        """Shut down connection `fd` (zmq.SRCFD of a request), if it is still the one accepted."""
+        return self.guard.shut(fd)
+
     def poll_items(self):
         """The guard's monitor sockets, for the I/O loop's poll."""
         return self.guard.poll_items()

@@ -1,9 +1,12 @@
 """CURVE keys of the control plane: the certificate layout `prefetchd keys DIR`
 makes, loading keys, and the server side of CURVE (a ZAP authenticator that
-admits only the public keys in DIR/authorized_clients)."""
+admits only the public keys in DIR/authorized_clients, re-read when they change:
+AuthorizedKeys)."""
 import logging
 import os
 import shutil
+import threading
+import time
 
 import zmq
 import zmq.auth
@@ -50,14 +53,92 @@ def check_server_keys(directory):
                           f"(create it with `prefetchd keys {directory}`)")
 
 
+class AuthorizedKeys:
+    """The public keys of DIR/authorized_clients/*.key, as they are now: a key removed
+    there is refused and one added is admitted without a restart (they were read once, at
+    the server's start). The ZAP thread asks `callback` at every CURVE handshake, which
+    reads the directory again (a listing and a stat per file: handshakes are few); the
+    server's I/O thread asks `allows` at every request, which looks again when the
+    directory's mtime changed and at least once a second (a key file rewritten in place
+    leaves the directory's mtime alone)."""
+
+    RECHECK = 1.0                         # seconds between full looks on the request path
+
+    def __init__(self, directory):
+        self.directory = directory
+        self._lock = threading.Lock()
+        self._keys = frozenset()
+        self._listing = self._dir_stamp = None
+        self._checked = 0.0
+        self.refresh()
+
+    def _stamp(self):
+        try:
+            st = os.stat(self.directory)
+            return st.st_ino, st.st_mtime_ns
+        except OSError:
+            return None
+
+    def _list(self):
+        try:
+            with os.scandir(self.directory) as entries:
+                return tuple(sorted((e.name, e.inode(), e.stat().st_mtime_ns, e.stat().st_size)
+                                    for e in entries if e.name.endswith(".key") and e.is_file()))
+        except OSError as e:
+            return str(e)
+
+    def refresh(self, full=True):
+        """Read the keys again if the directory changed (`full=False`: only if its mtime
+        changed or RECHECK seconds passed since the last look)."""
+        now, stamp = time.monotonic(), self._stamp()
+        if not full and stamp == self._dir_stamp and now - self._checked < self.RECHECK:
+            return
+        with self._lock:
+            self._dir_stamp, self._checked = stamp, now
+            listing = self._list()
+            if listing == self._listing:
+                return
+            keys = set()
+            if isinstance(listing, str):
+                _auth_log.error("authorized clients: cannot read %s (%s): no client is "
+                                "admitted", self.directory, listing)
+            for name, *_ in () if isinstance(listing, str) else listing:
+                try:
+                    public, _ = zmq.auth.load_certificate(os.path.join(self.directory, name))
+                except (OSError, ValueError) as e:
+                    _auth_log.warning("authorized clients: %s is not a certificate (%s); "
+                                      "not admitted", name, e)
+                    continue
+                if public:
+                    keys.add(public)
+            if self._listing is not None:
+                _auth_log.info("authorized clients: %s changed; %d keys admitted now",
+                               self.directory, len(keys))
+            self._keys, self._listing = frozenset(keys), listing
+
+    def callback(self, domain, key):
+        """ZAP (pyzmq's credentials provider): is the z85 `key` authorized now?"""
+        self.refresh()
+        return key in self._keys
+
+    def allows(self, user_id):
+        """Is a request's client, by its ZAP User-Id (the z85 public key), still authorized?"""
+        self.refresh(full=False)
+        return (user_id or "").encode() in self._keys
+
+
+_auth_log = logging.getLogger("prefetchd.control.auth")
+
+
 def start_authenticator(ctx, directory):
-    """(authenticator, (public, secret)) of a CURVE server using `directory`."""
+    """(authenticator, (public, secret), AuthorizedKeys) of a CURVE server using `directory`."""
     from zmq.auth.thread import ThreadAuthenticator
     public, secret = zmq.auth.load_certificate(os.path.join(directory, SERVER_SECRET))
-    auth = ThreadAuthenticator(ctx, log=logging.getLogger("prefetchd.control.auth"))
+    authorized = AuthorizedKeys(os.path.join(directory, AUTHORIZED_DIR))
+    auth = ThreadAuthenticator(ctx, log=_auth_log)
     auth.start()
-    auth.configure_curve(domain=ZAP_DOMAIN, location=os.path.join(directory, AUTHORIZED_DIR))
-    return auth, (public, secret)
+    auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=authorized)
+    return auth, (public, secret), authorized
 
 
 def make_curve_server(sock, curve):

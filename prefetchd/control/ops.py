@@ -6,7 +6,8 @@ in), and `owner` is the peer's identity. It returns the reply's result, or a
 Deferred when the daemon answers with a future (the server parks the request).
 It must not block. Validators raise BadArguments (reply BAD_REQUEST) for values
 of the wrong type or out of range, so that no number too large for the daemon's
-arithmetic ever reaches it.
+arithmetic ever reaches it; an argument the op does not declare is refused the same
+way, naming it and the ones the op takes (as the serve front does), never ignored.
 """
 import concurrent.futures
 import logging
@@ -16,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..core import patterns
+from ..core.registry import MAX_NAME_BYTES
 from .codes import BadArguments
 
 log = logging.getLogger("prefetchd.control.ops")
@@ -42,7 +44,18 @@ class Op:
     handler: object
     args: dict = field(default_factory=dict)     # name -> (validator(key, value), default)
 
-    def validate(self, raw):
+    def check_known(self, op, raw):
+        """BadArguments naming any argument of `raw` this op does not take (a misspelled
+        `patern` or `leese` was silently ignored), and the ones it does."""
+        unknown = [k for k in raw if k not in self.args]
+        if unknown:
+            raise BadArguments(f"unknown argument {', '.join(repr(k[:64]) for k in unknown[:8])}; "
+                               f"{op} takes {', '.join(self.args) or 'none'}")
+
+    def validate(self, raw, op="this op"):
+        """The declared arguments, checked and with defaults filled in; an argument it does
+        not declare is refused (check_known)."""
+        self.check_known(op, raw)
         out = {}
         for key, (check, default) in self.args.items():
             value = raw.get(key)
@@ -100,20 +113,38 @@ def glob(key, value):
     return value
 
 
+def _shown(name, chars=64):
+    """A name as a message shows it: at most `chars` characters (one was echoed back whole)."""
+    return repr(name) if len(name) <= chars else f"{name[:chars]!r}... ({len(name)} characters)"
+
+
 def name_list(key, value):
+    """Tensor names; one that no tensor can have (empty, a NUL, over the store's key limit,
+    not UTF-8) is BAD_REQUEST, not an UNKNOWN_TENSOR that echoed it whole."""
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
         raise BadArguments(f"'{key}' must be a string or a list of strings")
+    for i, name in enumerate(value):
+        try:
+            size = len(name.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise BadArguments(f"'{key}'[{i}] {_shown(name)} is not valid UTF-8") from None
+        why = ("is empty" if not name else "contains a NUL character" if "\0" in name else
+               f"is {size} bytes; a tensor name is at most {MAX_NAME_BYTES}" if size > MAX_NAME_BYTES else None)
+        if why:
+            raise BadArguments(f"'{key}'[{i}] {_shown(name) + ' ' if name else ''}{why}")
     return value
 
 
 def lease_ids(key, value):
+    """A list of lease ids, each once: a repeated id is the same lease (unpin [id, id]
+    released it, then failed on the second, already gone)."""
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not value or not all(isinstance(i, str) for i in value):
         raise BadArguments(f"'{key}' must be a lease id or a list of them")
-    return value
+    return list(dict.fromkeys(value))
 
 
 def watermark(key, value):

@@ -99,7 +99,7 @@ class Server(RouterEndpoint):
                                             max_connections, max_connections_per_peer, fd_reserve)
         self.leases = LeaseTable(daemon.unpin, self.counters)
         self._loop = IOLoop(self, f"prefetchd-server-{self.name}")
-        self._auth = None
+        self._auth = self._authorized = None
         # Hand-off from other threads (appends are atomic); the loop drains them in tick().
         self._completions = collections.deque()
         self._events = EventFeed(self.counters, self._loop.wake, self.name)
@@ -162,7 +162,7 @@ class Server(RouterEndpoint):
     def setup(self, ctx):
         curve = None
         if self.curve_keys_dir:
-            self._auth, curve = keys.start_authenticator(ctx, self.curve_keys_dir)
+            self._auth, curve, self._authorized = keys.start_authenticator(ctx, self.curve_keys_dir)
         self._router = self._make_socket(ctx, zmq.ROUTER, hwm=self.hwm, curve=curve)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.maxmsgsize = 4 * self.max_message_size + 64
@@ -175,7 +175,8 @@ class Server(RouterEndpoint):
         self.events_endpoint = self._pub.last_endpoint.decode()
 
     def poll_items(self):
-        return [(self._router, self._handle)] + self.connections.poll_items()
+        # CURVE: Frames (no copy) so that _handle reads whose key sent them (User-Id).
+        return [(self._router, self._handle, self._authorized is None)] + self.connections.poll_items()
 
     def tick(self):
         self.connections.tick()
@@ -203,7 +204,7 @@ class Server(RouterEndpoint):
     def release(self):
         if self._auth is not None:
             self._auth.stop()
-            self._auth = None
+            self._auth = self._authorized = None
 
     # -- what ops call (I/O thread)
 
@@ -220,6 +221,7 @@ class Server(RouterEndpoint):
                 "outstanding": len(self._pending), "max_outstanding": self.max_outstanding,
                 "leases": len(self.leases), "curve": bool(self.curve_keys_dir),
                 "busy": c.busy, "malformed": c.malformed, "timeouts": c.timeouts,
+                "requests_revoked": c.revoked,
                 "replies_unroutable": c.replies_unroutable, "replies_dropped": c.replies_dropped,
                 "events_published": c.events_published, "events_dropped": c.events_dropped,
                 "leases_granted": c.leases_granted, "leases_expired": c.leases_expired,
@@ -229,6 +231,14 @@ class Server(RouterEndpoint):
     # -- requests
 
     def _handle(self, frames):
+        if self._authorized is not None:
+            if not self._authorized.allows(frames[0].get("User-Id")):
+                # Its key left authorized_clients since it connected: never answered, and
+                # its connection shut down (a reconnect meets ZAP, which refuses it).
+                self.counters.revoked += 1
+                self.connections.shut(frames[0].get(zmq.SRCFD))
+                return
+            frames = [f.bytes for f in frames]
         envelope, payload = P.split_envelope(frames)
         total = sum(len(f) for f in payload)
         if total > self.max_message_size + 64 and payload and payload[0] == P.MAGIC:
@@ -255,7 +265,7 @@ class Server(RouterEndpoint):
                               f"{len(self._pending)} requests outstanding; retry later")
             return
         try:
-            outcome = spec.handler(self, spec.validate(args), owner)
+            outcome = spec.handler(self, spec.validate(args, op), owner)
         except BadArguments as e:
             self._reply_error(envelope, rid, P.BAD_REQUEST, f"{op}: {e}")
             return

@@ -72,10 +72,7 @@ def _spec_of(ops, op, args, tensors):
     spec = ops.get(op)
     if spec is None:
         raise BadArguments(f"unknown op {op[:64]!r}; known: {', '.join(sorted(ops))}")
-    unknown = [k for k in args if k not in spec.args]
-    if unknown:
-        raise BadArguments(f"unknown argument {', '.join(repr(k[:64]) for k in unknown[:8])}; "
-                           f"{op} takes {', '.join(spec.args) or 'none'}")
+    spec.check_known(op, args)
     if tensors and op not in TENSOR_OPS:
         raise BadArguments(f"{len(tensors)} frames after the body; only "
                            f"{' and '.join(TENSOR_OPS)} carry tensors")
@@ -197,7 +194,7 @@ class Front(FrontSockets):
         rid, op, args, timeout = request
         try:
             spec = _spec_of(self._ops, op, args, tensors)
-            spec.handler(envelope, rid, spec.validate(args), timeout, tensors)
+            spec.handler(envelope, rid, spec.validate(args, op), timeout, tensors)
         except BadArguments as e:
             self._reply_error(envelope, rid, P.BAD_REQUEST, f"{op}: {e}")
         except Exception as e:    # a defect here must not leave the request unanswered

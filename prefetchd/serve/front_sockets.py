@@ -44,16 +44,34 @@ def hold_store(store_dir):
     the holder if another front has it. Worker stores are named by index and generation
     (`worker-0-1`), so a second server on the same --store took the first one's names, and
     removed a directory the first one's worker was reading."""
+    path = os.path.join(store_dir, SERVE_LOCK)
+    while True:
+        try:
+            os.makedirs(store_dir, mode=0o700, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise ConfigError(f"--store {store_dir}: cannot use it: {e.strerror}") from None
+        holder = lock_or_holder(fd)
+        if holder is not None:
+            raise ConfigError(f"--store {store_dir}: in use by another prefetchd serve (pid {holder}); "
+                              f"give each server a --store of its own")
+        # A front that stops unlinks its lock file (release_store); one opened just before
+        # that is no lock any more: take the file now at the path.
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def release_store(store_dir, fd):
+    """Give up hold_store's lock on `store_dir` and remove its file (while still holding it)."""
     try:
-        os.makedirs(store_dir, mode=0o700, exist_ok=True)
-        fd = os.open(os.path.join(store_dir, SERVE_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        raise ConfigError(f"--store {store_dir}: cannot use it: {e.strerror}") from None
-    holder = lock_or_holder(fd)
-    if holder is not None:
-        raise ConfigError(f"--store {store_dir}: in use by another prefetchd serve (pid {holder}); give each "
-                          f"server a --store of its own")
-    return fd
+        os.unlink(os.path.join(store_dir, SERVE_LOCK))
+    except OSError:
+        pass
+    os.close(fd)
 
 
 class FrontSockets(RouterEndpoint):
@@ -84,6 +102,7 @@ class FrontSockets(RouterEndpoint):
         self._closed = False
         self._shared = None           # (owner, its store) of the shared host tier, with --shared-host
         self._store_lock = None       # hold_store's descriptor while started
+        self._made_store = False      # start() made the --store directory (removed by close())
         self._tag = f"{name}-{tag}"
         # The clients' socket takes connections from anyone who can reach it: bounded
         # like the daemon's server (prefetchd.control.connections), so a flood of them
@@ -108,6 +127,7 @@ class FrontSockets(RouterEndpoint):
         if self._owns_store:
             self.spec = self.spec.with_temporary_store()
             self._pool.spec = self.spec
+        self._made_store = self._owns_store or not os.path.exists(self.spec.store_dir)
         try:
             self._store_lock = hold_store(self.spec.store_dir)
         except BaseException:
@@ -144,7 +164,14 @@ class FrontSockets(RouterEndpoint):
             raise self._start_error
         if self.metrics_port is not None:
             from .metrics import start_front_exporter
-            self._exporter = start_front_exporter(self, self.metrics_addr, self.metrics_port)
+            try:
+                self._exporter = start_front_exporter(self, self.metrics_addr, self.metrics_port)
+            except BaseException:
+                # A busy port: stop the workers, remove the sockets, the lock and the worker
+                # stores (all were left, and a client of the dead front's socket waited out
+                # its timeout).
+                self.close(10)
+                raise
             self.metrics_port = self._exporter.port
         log.info("prefetchd serve: %d workers ready; front on %s", self.n_workers, self.endpoint)
 
@@ -164,7 +191,15 @@ class FrontSockets(RouterEndpoint):
         if self._owns_store:
             shutil.rmtree(self.spec.store_dir, ignore_errors=True)
         if self._store_lock is not None:
-            os.close(self._store_lock)
+            if not self._owns_store:
+                release_store(self.spec.store_dir, self._store_lock)
+                if self._made_store:        # made by start(): removed if nothing else is there
+                    try:
+                        os.rmdir(self.spec.store_dir)
+                    except OSError:
+                        pass
+            else:
+                os.close(self._store_lock)
             self._store_lock = None
 
     def _stop_shared(self):

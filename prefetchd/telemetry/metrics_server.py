@@ -9,6 +9,7 @@ starts one and warns loudly when the address is not loopback.
 """
 import collections
 import contextlib
+import errno
 import gzip
 import ipaddress
 import logging
@@ -63,9 +64,11 @@ class MetricsServer:
             self._listener.close()
             # The bare "[Errno 98] Address already in use" named neither port nor setting.
             where = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+            fix = ("the metrics_addr setting, or --metrics-addr: an address of this machine"
+                   if e.errno == errno.EADDRNOTAVAIL else
+                   "the metrics_port setting, or --metrics-port: choose a free port, or 0 for any free one")
             raise OSError(e.errno, f"metrics exporter: cannot listen on {where}: "
-                                   f"{e.strerror} (the metrics_port setting, or --metrics-port: "
-                                   f"choose a free port, or 0 for any free one)") from e
+                                   f"{e.strerror} ({fix})") from e
         self._listener.setblocking(False)
         self.server_address = self._listener.getsockname()
         self._wake_r, self._wake_w = socket.socketpair()

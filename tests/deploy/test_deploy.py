@@ -146,6 +146,40 @@ def test_kubernetes_example(tmp_path):
     _check_serve_command(container["args"], config)
 
 
+def _quantity(text):
+    """Bytes of a Kubernetes memory quantity (binary suffixes)."""
+    m = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", text)
+    assert m, text
+    return int(m.group(1)) << {None: 0, "Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40}[m.group(2)]
+
+
+PROCESS_ALLOWANCE = 1 << 30      # the front, and each worker (MindSpore imported: ~0.4 GiB)
+
+
+def test_kubernetes_memory_limit_holds_every_workers_budgets(tmp_path):
+    """The budgets are per worker (each worker's daemon loads [prefetchd]): the limit was
+    one worker's device_budget + host_budget, described as the pod's, with --workers=2."""
+    from prefetchd.serve.spec import worker_config
+    docs = {d["kind"]: d for d in yaml_documents(KUBE)}
+    (container,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    config = tmp_path / "prefetchd.toml"
+    config.write_text(docs["ConfigMap"]["data"]["prefetchd.toml"])
+    args = _serve_parser().parse_args(container["args"])
+    spec = _check_serve_command(container["args"], config)
+    workers = args.workers
+    daemons = [worker_config(spec, i, str(tmp_path / f"w{i}")) for i in range(workers)]
+    tiers = sum(d.device_budget + (0 if spec.shared_host else d.host_budget) for d in daemons)
+    if spec.shared_host:
+        tiers += Config.load(str(config), env={}).host_budget
+    needed = tiers + (workers + 1) * PROCESS_ALLOWANCE
+    resources = container["resources"]
+    limit = _quantity(resources["limits"]["memory"])
+    assert limit >= needed, (f"memory limit {resources['limits']['memory']} < {needed / 2**30:.1f} GiB "
+                             f"for {workers} workers")
+    assert _quantity(resources["requests"]["memory"]) == limit
+    assert limit < needed + (2 << 30), "far more than the budgets need: update the comment's sums"
+
+
 # -- example configs
 
 EXAMPLES = sorted((DEPLOY / "examples").glob("*.toml"))

@@ -550,6 +550,17 @@ def test_front_exports_batch_size_and_queue_time_per_model(front_families):
     assert total >= 1 and buckets["1.0"] >= 1          # one request alone: a batch of 1 row
 
 
+def test_the_deploy_readme_says_which_series_carry_a_daemon_label(front_families):
+    """A front's scrape: every worker daemon's series has `daemon`, the front's own
+    (prefetchd_serve_*) have none, and deploy/README.md says so (it said every metric had one)."""
+    without = {n for n, f in ours(front_families).items() if any("daemon" not in x.labels for x in f.samples)}
+    assert without and all(n.startswith(("prefetchd_serve_", "prefetchd_shared_host_")) for n in without), without
+    assert any(not n.startswith("prefetchd_serve_") for n in ours(front_families))      # the workers'
+    text = " ".join((ROOT / "deploy" / "README.md").read_text().split())
+    assert "and carry a `daemon` label" not in text
+    assert "A serve front's own series carry none" in text and "`prefetchd_serve_*`" in text
+
+
 def test_dashboard_panels_name_their_metrics_which_exist(daemon, front_families):
     """Every panel's metrics exist: a daemon's exporter for the daemon panels, a `prefetchd
     serve` front's (prefetchd_serve_*) for the serving ones."""

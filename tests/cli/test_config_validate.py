@@ -1,0 +1,74 @@
+"""`prefetchd config validate` says OK only for a file the daemons and `prefetchd serve`
+read as written: a misspelled table, keys a [prefetchd] table makes the reader skip,
+and [serve] or control-plane values that `serve` or a daemon later refuses were
+"configuration OK". The real command, in subprocesses."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ENV
+
+
+def run(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "prefetchd.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120, env=dict(ENV, XDG_RUNTIME_DIR=str(cwd)))
+
+
+def error_line(out):
+    lines = [x for x in out.stderr.splitlines() if x.startswith("prefetchd: error: ")]
+    assert out.returncode == 1 and len(lines) == 1, (out.returncode, out.stderr)
+    return lines[0]
+
+
+BAD = [
+    ("misspelled table", '[prefetch]\ndevice_budget = "1KiB"\n',
+     ["unknown table [prefetch]", "did you mean [prefetchd]?"]),
+    ("top-level keys beside [prefetchd]", 'device_budget = "1KiB"\n[prefetchd]\nlookahead = 3\n',
+     ["device_budget outside the [prefetchd] table", "move it into [prefetchd]"]),
+    ("[serve] endpoint", '[serve]\nendpoint = "foo://x"\n',
+     ["[serve] endpoint (from file", "expected ipc://[path] or tcp://host:port"]),
+    ("[serve] remote endpoint", '[serve]\nendpoint = "tcp://0.0.0.0:9"\n',
+     ["[serve] endpoint (from file", "loopback"]),
+    ("[serve] metrics_addr", '[serve]\nmetrics_addr = "not-an-ip"\n',
+     ["[serve] metrics_addr (from file", "'not-an-ip' is not an IP address"]),
+    ("allow_remote without keys", '[prefetchd]\nallow_remote = true\nendpoint = "tcp://0.0.0.0:5555"\n',
+     ["allow_remote without curve_keys_dir"]),
+]
+
+
+@pytest.mark.parametrize("what, text, says", BAD, ids=[b[0] for b in BAD])
+def test_validate_refuses_what_is_ignored_or_refused_later(tmp_path, what, text, says):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    line = error_line(run("config", "validate", "--config", str(path), cwd=tmp_path))
+    assert "configuration OK" not in line
+    for needle in says:
+        assert needle in line, line
+    if "[serve]" in what:                 # serve refuses it the same way, before a worker starts
+        out = run("serve", "--config", str(path), "--workers", "1", "--store", str(tmp_path / "s"),
+                  cwd=tmp_path)
+        assert error_line(out) == line
+        assert not (tmp_path / "s").exists()
+    elif "table" in what or "top-level" in what:   # and so does every reader of the file
+        assert error_line(run("config", "show", "--config", str(path), cwd=tmp_path)) == line
+
+
+@pytest.mark.parametrize("text", [
+    'lookahead = 3\n[serve]\nworkers = 2\n',                      # flat daemon settings + [serve]
+    '[prefetchd]\nlookahead = 3\n[serve]\nendpoint = "ipc://x.sock"\nmetrics_addr = "0.0.0.0"\n',
+    '[prefetchd]\nendpoint = "tcp://127.0.0.1:5555"\n',
+])
+def test_validate_still_passes_good_files(tmp_path, text):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    out = run("config", "validate", "--config", str(path), cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "configuration OK", out.stderr
+
+
+def test_the_deploy_example_validates(tmp_path):
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = run("config", "validate", "--config", os.path.join(repo, "deploy/examples/serve-config.toml"),
+              cwd=tmp_path)
+    assert out.returncode == 0, out.stderr

@@ -1,0 +1,93 @@
+"""`prefetchd serve` that cannot finish starting removes everything it made: with its
+--metrics-port taken it exited 1 but left its front socket, its work socket,
+.prefetchd-serve.lock and the worker stores behind, and a `prefetchd status` of that
+socket then waited out its whole timeout. A bad `[serve] metrics_addr` is refused
+naming the setting before anything starts. The real command, in subprocesses."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from helpers import ENV
+
+SMALL = ["--workers", "1", "--models", "1", "--hidden", "64", "--layers", "2", "--seq", "8"]
+
+
+def run(args, env, timeout=180):
+    return subprocess.run([sys.executable, "-m", "prefetchd.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def processes_with(env_value):
+    """Pids of live processes whose environment holds `env_value` (this test's runtime dir)."""
+    needle = env_value.encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def test_a_busy_metrics_port_leaves_nothing_behind(tmp_path):
+    run_dir, store = tmp_path / "run", tmp_path / "sstore"
+    run_dir.mkdir(mode=0o700)
+    env = dict(ENV, XDG_RUNTIME_DIR=str(run_dir))
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    busy = holder.getsockname()[1]
+    try:
+        out = run(["serve", "--endpoint", "ipc://leak.sock", *SMALL, "--metrics-port", str(busy),
+                   "--store", str(store)], env)
+    finally:
+        holder.close()
+    assert out.returncode == 1, out.stderr[-2000:]
+    error = next(x for x in out.stderr.splitlines() if x.startswith("prefetchd: error: "))
+    assert f"127.0.0.1:{busy}" in error and "--metrics-port" in error and "Address already in use" in error
+    sockets = run_dir / "prefetchd"
+    assert sorted(os.listdir(sockets)) == [], os.listdir(sockets)        # front and work sockets
+    assert not store.exists(), sorted(os.listdir(store))                  # lock and worker-0-*
+    assert processes_with(str(run_dir)) == []                             # its worker too
+
+    t0 = time.monotonic()
+    out = run(["status", "--endpoint", "ipc://leak.sock", "--timeout", "3"], env, timeout=60)
+    assert out.returncode == 1 and "does not exist" in out.stderr, out.stderr
+    assert time.monotonic() - t0 < 2.5, "status waited for a front that is gone"
+
+
+def test_a_store_that_was_there_keeps_what_was_in_it(tmp_path):
+    run_dir, store = tmp_path / "run", tmp_path / "mine"
+    run_dir.mkdir(mode=0o700)
+    store.mkdir()
+    (store / "notes.txt").write_text("the user's\n")
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    try:
+        out = run(["serve", "--endpoint", "ipc://leak2.sock", *SMALL, "--metrics-port",
+                   str(holder.getsockname()[1]), "--store", str(store)],
+                  dict(ENV, XDG_RUNTIME_DIR=str(run_dir)))
+    finally:
+        holder.close()
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert sorted(os.listdir(store)) == ["notes.txt"]
+
+
+def test_a_bad_serve_metrics_addr_names_the_setting_before_starting(tmp_path):
+    config = tmp_path / "serve.toml"
+    config.write_text('[serve]\nmetrics_addr = "not-an-ip"\nmetrics_port = 0\n')
+    store = tmp_path / "never"
+    out = run(["serve", "--config", str(config), *SMALL, "--store", str(store)],
+              dict(ENV, XDG_RUNTIME_DIR=str(tmp_path)), timeout=60)
+    assert out.returncode == 1, out.stderr
+    line = next(x for x in out.stderr.splitlines() if x.startswith("prefetchd: error: "))
+    assert "[serve] metrics_addr" in line and str(config) in line and "not an IP address" in line, line
+    assert not store.exists()
+    out = run(["serve", "--metrics-addr", "nope", *SMALL], ENV, timeout=60)
+    assert out.returncode == 2 and "--metrics-addr" in out.stderr and "not an IP address" in out.stderr
