@@ -40,6 +40,7 @@ class RouterEndpoint:
     def __init__(self, max_message_size):
         self.max_message_size = max_message_size
         self.counters = RouterCounters()
+        self.on_unroutable = None     # fn(envelope): a reply found its client gone (optional)
         self._router = None
         self._ipc_files = []
 
@@ -84,6 +85,8 @@ class RouterEndpoint:
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
                 self.counters.replies_unroutable += 1
+                if self.on_unroutable is not None:
+                    self.on_unroutable(envelope)
             else:                                   # EAGAIN: the peer's queue is full
                 self.counters.replies_dropped += 1
             return False

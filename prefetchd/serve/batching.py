@@ -81,6 +81,15 @@ class Batcher:
             return True
         return False
 
+    def abandon(self, identity):
+        """Drop the queued jobs of the client whose routing identity is `identity` (a reply to
+        it found it gone: nobody will take theirs); returns how many, now done."""
+        gone = [j for q in self._queues.values() for j in q if j.envelope[0] == identity]
+        for job in gone:
+            self.remove(job)
+            job.done = True
+        return len(gone)
+
     def drain(self):
         jobs = [j for q in self._queues.values() for j in q]
         self._queues.clear()

@@ -5,8 +5,13 @@ outputs split back into each part's rows.
     job    {"model", "kind": "infer"|"generate", "parts": [{"inputs": [headers]}],
             "max_new_tokens": N (generate)}
     frames the parts' input frames, part after part
-    result {"outputs": [[headers] per part], "batch": rows, "compute_seconds"}
-           plus the output frames, part after part
+    result {"outputs": [[headers] or None per part], "errors": {part index: {"code",
+            "reason"}} (the parts that failed), "ran": [rows of the forward each part's
+            outputs came from], "forwards": [rows of each forward run], "batch": rows,
+            "compute_seconds"} plus the output frames of the parts that succeeded
+
+A part's failure is its own: when a joined forward raises, each part runs alone, so
+one request's bad input (a model that raises on NaN) fails that request only.
 
 The front checked every header against the model's signature; the frames are
 checked again here (prefetchd.serve.wire) because a worker trusts no bytes it
@@ -17,7 +22,9 @@ import time
 
 import numpy as np
 
+from ..control import protocol as P
 from ..control.codes import BadArguments
+from ..errors import StorageError
 from .servable import output_arrays
 from .wire import decode_arrays, encode_arrays
 
@@ -63,7 +70,9 @@ def _split_all(outs, rows, axis):
 
 def _alike(split, alone):
     """Whether a joined batch's split outputs are what each part computes alone (floats up to
-    the rounding a different batch size brings)."""
+    the rounding a different batch size brings: relative to the output's own scale, since an
+    element near zero carries the rounding of the large ones it was summed from; rows that
+    depend on each other differ by far more)."""
     for mine, theirs in zip(split, alone):
         if len(mine) != len(theirs):
             return False
@@ -71,8 +80,10 @@ def _alike(split, alone):
             if a.shape != b.shape or a.dtype != b.dtype:
                 return False
             if a.dtype.kind in "fc":
-                rtol, atol = (2e-2, 1e-3) if a.dtype.itemsize <= 2 else (1e-4, 1e-6)
-                if not np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
+                tolerance = 2e-2 if a.dtype.itemsize <= 2 else 1e-4
+                finite = np.abs(b[np.isfinite(b)])
+                scale = float(finite.max()) if finite.size else 0.0
+                if not np.allclose(a, b, rtol=tolerance, atol=tolerance * scale + 1e-12, equal_nan=True):
                     return False
             elif not np.array_equal(a, b):
                 return False
@@ -96,39 +107,78 @@ def _same_bytes(a, b):
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
+class Outcomes:
+    """Each part's outputs or error, the rows of the forward each came from, and the forwards run."""
+
+    def __init__(self, n):
+        self.outputs, self.errors, self.ran, self.forwards = [None] * n, {}, [0] * n, []
+
+    def alone(self, servable, parts, rows, indices=None):
+        for i in range(len(parts)) if indices is None else indices:
+            self.forwards.append(rows[i])
+            try:
+                self.outputs[i], self.ran[i] = output_arrays(servable.forward(*parts[i])), rows[i]
+            except Exception as e:       # noqa: BLE001 - this part's own error, replied to its client
+                self.errors[i] = error_reply(e)
+
+    def joined(self, split, rows):
+        self.outputs, self.ran = split, [sum(rows)] * len(rows)
+
+
+def error_reply(e, worker=None):
+    """{"code", "reason"} a client gets for an exception raised running its request."""
+    if isinstance(e, BadArguments):
+        return {"code": P.BAD_REQUEST, "reason": str(e)}
+    log.warning("worker %s: request failed", worker if worker is not None else "?", exc_info=e)
+    # A weight that failed its checksum or could not be read is the store's fault, and says so
+    # (STORAGE); anything else raised inside the model is the server's.
+    code = P.STORAGE if isinstance(e, StorageError) else P.INTERNAL
+    return {"code": code, "reason": f"worker {worker}: {e}" if worker is not None else str(e)}
+
+
 def _forward_parts(model, parts, rows):
-    """Each part's outputs. A joined forward's outputs are cut along output_batch_axis only
+    """Each part's Outcomes. A joined forward's outputs are cut along output_batch_axis only
     for a model whose first JOIN_CHECKS joined batches of distinct requests were cut into
     what each part computes alone: an output whose rows are on another axis, or that has
     none (a state, a fixed vector), whose size there happens to equal the batch's rows, would
     be cut with no error. A model that fails a check runs its requests one at a time from
     then on. Identical requests (warm-up or health-check traffic) prove nothing about rows
-    that depend on each other (batch statistics), so they run alone and do not count."""
+    that depend on each other (batch statistics), so they run alone and do not count. A
+    joined forward that raises runs each part alone: the failure is one part's own."""
     servable = model.servable
+    done = Outcomes(len(parts))
     if len(parts) == 1 or model.joins is False:
-        return [output_arrays(servable.forward(*p)) for p in parts]
+        done.alone(servable, parts, rows)
+        return done
     axis = getattr(servable, "output_batch_axis", 0)
-    outs = output_arrays(servable.forward(*_join(servable, parts)))
+    try:
+        outs = output_arrays(servable.forward(*_join(servable, parts)))
+    except Exception:                    # noqa: BLE001 - whose input was it? each runs alone
+        done.alone(servable, parts, rows)
+        return done
+    done.forwards.append(sum(rows))
     try:
         split = _split_all(outs, rows, axis)
     except SplitError:
         split = None
     if model.joins is None:
-        alone = [output_arrays(servable.forward(*p)) for p in parts]
-        if split is not None and _alike(split, alone):
+        done.alone(servable, parts, rows)
+        if split is not None and not done.errors and _alike(split, done.outputs):
             model.join_checks += _distinct(parts)
             model.joins = True if model.join_checks >= JOIN_CHECKS else None
-        else:
+        elif not done.errors:
             model.joins = False
             log.warning("model %s: its outputs do not split into each request's rows along axis %s (shapes "
                         "%s joined, %s alone), or its rows depend on each other (batch statistics); its "
                         "requests run one at a time from now on (a servable object's output_batch_axis "
                         "says where the rows are)", model.name, axis,
-                        [list(o.shape) for o in outs], [list(o.shape) for o in alone[0]])
-        return alone
+                        [list(o.shape) for o in outs], [list(o.shape) for o in done.outputs[0]])
+        return done
     if split is None:            # checked once, and the shapes changed since: never guess
-        return [output_arrays(servable.forward(*p)) for p in parts]
-    return split
+        done.alone(servable, parts, rows)
+    else:
+        done.joined(split, rows)
+    return done
 
 
 def _check_output_sizes(arrays, max_bytes):
@@ -154,14 +204,25 @@ def run_batch(model, job, frames, max_bytes):
     rows = [_rows(servable, p) for p in parts]
     if job.get("kind") == "generate":       # (batch, N) new ids: the rows are axis 0
         batched = _join(servable, parts)
-        per_part = _split_all([np.asarray(servable.generate(batched[0], int(job["max_new_tokens"])))], rows, 0)
+        done = Outcomes(len(parts))
+        done.joined(_split_all([np.asarray(servable.generate(batched[0], int(job["max_new_tokens"])))],
+                               rows, 0), rows)
+        done.forwards.append(sum(rows))
     else:
-        per_part = _forward_parts(model, parts, rows)
+        done = _forward_parts(model, parts, rows)
     headers, out_frames = [], []
-    for arrays in per_part:
-        _check_output_sizes(arrays, max_bytes)
+    for i, arrays in enumerate(done.outputs):
+        if i not in done.errors:
+            try:
+                _check_output_sizes(arrays, max_bytes)
+            except BadArguments as e:
+                done.errors[i] = error_reply(e)
+        if i in done.errors:
+            headers.append(None)
+            continue
         h, f = encode_arrays(arrays)
         headers.append(h)
         out_frames.extend(f)
-    return ({"outputs": headers, "batch": sum(rows),
+    return ({"outputs": headers, "errors": {str(i): e for i, e in done.errors.items()}, "ran": done.ran,
+             "forwards": done.forwards, "batch": sum(rows),
              "compute_seconds": time.perf_counter() - started}, out_frames)

@@ -111,6 +111,7 @@ class Front(FrontSockets):
         self._models = {}              # name -> ModelInfo, from the first worker's READY
         self._batcher = Batcher(max_batch_size, max_queue_delay_ms / 1000.0)
         self._deadlines = Deadlines()
+        self.on_unroutable = lambda envelope: self.counters.update(abandoned=self._batcher.abandon(envelope[0]))
         self._request_fd = -1          # the connection of the request being handled (_on_request)
         self._heartbeats = Heartbeats(heartbeat_interval, heartbeat_timeout)
         self._batch_ids = itertools.count(1)
@@ -261,7 +262,6 @@ class Front(FrontSockets):
             return
         hs = self.histograms.setdefault(model, {"batch_size": Histogram(BATCH_BUCKETS),
                                                 "queue_seconds": Histogram(QUEUE_BUCKETS)})
-        hs["batch_size"].observe(batch.rows)
         for job in jobs:
             job.batch = batch
             hs["queue_seconds"].observe(now - job.received)
@@ -297,16 +297,21 @@ class Front(FrontSockets):
                 self._fail(job, doc.get("code", P.INTERNAL), doc.get("reason", ""))
             return
         s.served += 1
-        now, r = time.monotonic(), doc["result"]
-        at = 0
-        for job, headers in zip(batch.jobs, r["outputs"]):
-            frames, at = out_frames[at:at + len(headers)], at + len(headers)
+        now, r, at = time.monotonic(), doc["result"], 0
+        for rows in r["forwards"]:          # the forwards it ran: joined, or one per request
+            self.histograms[batch.model]["batch_size"].observe(rows)
+        for i, (job, headers) in enumerate(zip(batch.jobs, r["outputs"])):
+            error = r["errors"].get(str(i))
+            frames, at = ([], at) if error else (out_frames[at:at + len(headers)], at + len(headers))
             if job.done:
                 continue                    # timed out already
+            if error:                       # this request's own failure, not its batch-mates'
+                self._fail(job, error["code"], error["reason"])
+                continue
             job.done = True
             self._send(job.envelope, P.encode_ok(job.rid, {
                 "model": batch.model, "worker": r["worker"], "pid": r["pid"], "outputs": headers,
-                "batch_size": r["batch"], "compute_seconds": r["compute_seconds"],
+                "batch_size": r["ran"][i], "compute_seconds": r["compute_seconds"],
                 "queue_seconds": batch.sent - job.received, "seconds": now - job.received,
                 "hinted": batch.hinted}, frames))
 

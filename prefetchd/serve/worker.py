@@ -29,10 +29,9 @@ import time
 
 import zmq
 
-from ..errors import ConfigError, StorageError
+from ..errors import ConfigError
 from ..control import protocol as P
-from ..control.codes import BadArguments
-from .execute import run_batch
+from .execute import error_reply, run_batch
 from .servable import ServedModel
 from .spec import ServeSpec, build_weight_set, worker_config
 
@@ -146,17 +145,13 @@ def _run(models, job_id, body, frames, index, max_bytes):
     try:
         job = P.loads(body)
         result, out = run_batch(models[job["model"]], job, frames, max_bytes)
+        for error in result["errors"].values():
+            if error["code"] != P.BAD_REQUEST:
+                error["reason"] = f"worker {index}: {error['reason']}"
         result.update(worker=index, pid=os.getpid())
         return [job_id, P.dumps({"ok": True, "result": result}), *out]
-    except BadArguments as e:
-        reply = {"ok": False, "code": P.BAD_REQUEST, "reason": str(e)}
     except Exception as e:  # noqa: BLE001 - the front answers the client
-        log.exception("worker %d: request failed", index)
-        # A weight that failed its checksum or could not be read is the store's fault, and
-        # says so (STORAGE); anything else raised inside the model is the server's.
-        code = P.STORAGE if isinstance(e, StorageError) else P.INTERNAL
-        reply = {"ok": False, "code": code, "reason": f"worker {index}: {e}"}
-    return [job_id, P.dumps(reply)]
+        return [job_id, P.dumps({"ok": False, **error_reply(e, index)})]
 
 
 def _exit_if_orphaned(parent_pid):
