@@ -326,8 +326,8 @@ class Front(FrontSockets):
         self._status.on_death(s)
         if self._pool.none_alive():
             why = s.start_error or f"it ended ({s.exit_how}) before it was ready, with no error to report"
-            self._start_error = RuntimeError(f"prefetchd serve: no worker could be started: worker {s.index}: "
-                                             f"{why} (--debug shows its traceback)")
+            self._start_error = RuntimeError(f"prefetchd serve: no worker could be started{' again' if self._models else ''}: "
+                                             f"worker {s.index}: {why} (--debug shows its traceback)")
             self._ready_event.set()
 
     def _replace_hung(self, s):

@@ -214,7 +214,9 @@ class FrontSockets(RouterEndpoint):
 
     def serve_forever(self, stop=None):
         """Run until SIGINT/SIGTERM (for the CLI), or until `stop` (an Event the caller's own
-        signal handlers set) is set."""
+        signal handlers set) is set. Raises RuntimeError once no worker is left that could
+        serve (each failed to start again MAX_START_FAILURES times, or respawn is off): a
+        supervisor (systemd, Kubernetes) then sees the failure and restarts the server."""
         if stop is None:
             stop = threading.Event()
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -224,11 +226,13 @@ class FrontSockets(RouterEndpoint):
         except ShutdownError:
             log.info("prefetchd serve: stopped by a signal before its workers were ready")
             return
-        try:
-            while not stop.wait(0.5) and self._loop.running:
+        try:        # (a _start_error set while serving: every worker gave up; see Front._on_death)
+            while not stop.wait(0.5) and self._loop.running and self._start_error is None:
                 pass
         finally:
             self.close()
+        if self._start_error is not None:    # a server with no worker left: say why and exit 1
+            raise self._start_error
 
     def __enter__(self):
         return self.start()

@@ -201,6 +201,32 @@ def test_a_worker_respawned_after_a_new_stage_is_refused_not_served_other_weight
         stop_serve(proc)
 
 
+def test_a_server_whose_last_worker_gave_up_exits_saying_why(tmp_path, staged):
+    """With one worker, a restage and its death left the front up with no worker: status said
+    'starting', every request waited out its timeout, and nothing was logged as an error. The
+    server now stops (exit 1, one line saying why), so its supervisor restarts it."""
+    import mindspore as ms
+    store, other = str(tmp_path / "store"), str(tmp_path / "other.ckpt")
+    _stage(staged["ckpt"], store)
+    ms.save_checkpoint(demo_model(seed=STAGED_SEED + 1, spec=ServeSpec(models=1, **SMALL))[0], other)
+    endpoint = f"ipc://{tmp_path}/serve.sock"
+    proc = start_serve(endpoint, ["--checkpoint-store", store, *SERVE_SMALL], _env(), workers=1)
+    try:
+        with Client(endpoint, timeout=5) as c:
+            pid = c.status()["workers"][0]["pid"]
+        _stage(other, store)
+        os.kill(pid, signal.SIGKILL)
+        code = proc.wait(120)
+        err = _log_so_far(proc)
+        assert code == 1, err[-3000:]
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("prefetchd: error: ") and "prefetchd serve: no worker could be started again" in last \
+            and "replaced it since the server started" in last, err[-3000:]
+    finally:
+        if proc.poll() is None:
+            stop_serve(proc)
+
+
 def _log_so_far(proc):
     """stderr read so far, without blocking (the server is still running)."""
     os.set_blocking(proc.stderr.fileno(), False)
