@@ -269,9 +269,14 @@ def cmd_serve(args):
                   metrics_addr=o["metrics_addr"], max_batch_size=o["max_batch_size"],
                   max_queue_delay_ms=o["max_queue_delay_ms"],
                   heartbeat_timeout=o["heartbeat_timeout"], start_timeout=o["start_timeout"])
-    print(f"prefetchd serve: starting {o['workers']} workers; front on {front.endpoint}"
-          + (f"; metrics on {o['metrics_addr']}:{o['metrics_port']}"
-             if o["metrics_port"] is not None else ""), file=sys.stderr)
+    print(f"prefetchd serve: starting {o['workers']} workers", file=sys.stderr)   # where: once ready
     if not stop.is_set():
-        front.serve_forever(stop)
+        front.serve_forever(stop, on_ready=_say_ready)
     return 0
+
+
+def _say_ready(front):
+    metrics = f"; metrics on http://{front.metrics_addr}:{front.metrics_port}/metrics" \
+        if front.metrics_port is not None else ""
+    print(f"prefetchd serve: ready: {front.n_workers} workers; front on {front.endpoint}{metrics}",
+          file=sys.stderr, flush=True)

@@ -212,7 +212,7 @@ class FrontSockets(RouterEndpoint):
         """The shared host tier's status (prefetchd.sharedhost), or None without one."""
         return self._shared[0].status() if self._shared is not None else None
 
-    def serve_forever(self, stop=None):
+    def serve_forever(self, stop=None, on_ready=None):
         """Run until SIGINT/SIGTERM (for the CLI), or until `stop` (an Event the caller's own
         signal handlers set) is set. Raises RuntimeError once no worker is left that could
         serve (each failed to start again MAX_START_FAILURES times, or respawn is off): a
@@ -226,6 +226,8 @@ class FrontSockets(RouterEndpoint):
         except ShutdownError:
             log.info("prefetchd serve: stopped by a signal before its workers were ready")
             return
+        if on_ready is not None:
+            on_ready(self)           # the endpoint and metrics port bound (a port 0 is known now)
         try:        # (a _start_error set while serving: every worker gave up; see Front._on_death)
             while not stop.wait(0.5) and self._loop.running and self._start_error is None:
                 pass

@@ -91,3 +91,28 @@ def test_a_bad_serve_metrics_addr_names_the_setting_before_starting(tmp_path):
     assert not store.exists()
     out = run(["serve", "--metrics-addr", "nope", *SMALL], ENV, timeout=60)
     assert out.returncode == 2 and "--metrics-addr" in out.stderr and "not an IP address" in out.stderr
+
+
+def test_serve_says_which_ports_it_bound_when_asked_for_any(tmp_path):
+    """`--endpoint tcp://127.0.0.1:0 --metrics-port 0` printed 'tcp://127.0.0.1:*' and ':0' and
+    never the ports it listened on. Once ready it says them, and both answer there."""
+    import re
+    import urllib.request
+    from helpers import stop_serve
+    from prefetchd.control import Client
+    proc = subprocess.Popen([sys.executable, "-m", "prefetchd.cli", "serve", "--endpoint", "tcp://127.0.0.1:0",
+                             "--metrics-port", "0", *SMALL, "--store", str(tmp_path / "s")],
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline, ready = time.monotonic() + 180, None
+        while ready is None and time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stderr.readline()
+            ready = re.search(r"ready: 1 workers; front on (tcp://127\.0\.0\.1:\d+); "
+                              r"metrics on (http://127\.0\.0\.1:\d+/metrics)", line)
+        assert ready, "no ready line naming the ports bound"
+        with Client(ready.group(1), timeout=10) as c:
+            assert c.ping()["pong"]
+        with urllib.request.urlopen(ready.group(2), timeout=10) as reply:
+            assert b"prefetchd_serve_" in reply.read()
+    finally:
+        stop_serve(proc)
