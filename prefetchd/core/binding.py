@@ -132,8 +132,9 @@ class Binding:
 
 def check_layout_kept(rec, method, args, kwargs):
     """PrefetchdError, before MindSpore applies it, for a write that would change a managed
-    tensor's shape or dtype: the daemon's memory and write-back are laid out for them (a
-    Parameter casts a value of another dtype itself; a plain Tensor takes it on)."""
+    tensor's shape or dtype: the daemon's memory and write-back are laid out for them
+    (Parameter.set_data casts a value of another dtype itself; assign_value, and a plain
+    Tensor, take it on)."""
     if method == "set_dtype":
         wanted = args[0] if args else kwargs.get("data_type")
         if dtypes.MINDSPORE_CKPT.get(str(wanted)) == rec.dtype.name:
@@ -143,8 +144,8 @@ def check_layout_kept(rec, method, args, kwargs):
         value = args[0] if args else kwargs.get("data", kwargs.get("value"))
         shape = tuple(int(d) for d in getattr(value, "shape", np.shape(value)))
         dtype = getattr(value, "dtype", None)
-        same_dtype = framework.is_parameter(rec.target) or dtype is None or \
-            dtypes.MINDSPORE_CKPT.get(str(dtype), str(dtype)) == rec.dtype.name
+        casts = method == "set_data" and framework.is_parameter(rec.target)  # assign_value takes it on
+        same_dtype = casts or dtype is None or dtypes.MINDSPORE_CKPT.get(str(dtype), str(dtype)) == rec.dtype.name
         if shape == tuple(rec.shape) and same_dtype:
             return
         got = f"shape {list(shape)}" + (f" of {dtype}" if dtype is not None else "")

@@ -396,7 +396,7 @@ def test_mindspore_jit_of_an_offloaded_model_is_refused_outside_its_forward(ms, 
 
 
 @pytest.mark.parametrize("write", ["set_data_transposed", "set_data_wider", "assign_value_wider",
-                                   "set_dtype"])
+                                   "assign_value_int32", "assign_value_float16", "set_dtype"])
 def test_a_write_that_changes_a_weights_layout_is_refused_before_it_changes_anything(ms, tmp_path, x, write):
     """The refusal came after MindSpore had applied the write: the Parameter kept the new
     shape in memory the daemon does not manage, and the model computed something else; a
@@ -411,6 +411,9 @@ def test_a_write_that_changes_a_weights_layout_is_refused_before_it_changes_anyt
         do = {"set_data_transposed": lambda: weight.set_data(ms.Tensor(values.reshape(128, 32))),
               "set_data_wider": lambda: weight.set_data(ms.Tensor(np.zeros((64, 96), np.float32))),
               "assign_value_wider": lambda: weight.assign_value(ms.Tensor(np.zeros((96, 64), np.float32))),
+              # A Parameter's assign_value takes the value's dtype (its set_data casts).
+              "assign_value_int32": lambda: weight.assign_value(ms.Tensor(values.astype(np.int32))),
+              "assign_value_float16": lambda: weight.assign_value(ms.Tensor(values.astype(np.float16))),
               "set_dtype": lambda: weight.set_dtype(ms.float16)}[write]
         with pytest.raises((PrefetchdError, NotResidentError)):     # not resident: refused as a read
             do()
