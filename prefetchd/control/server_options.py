@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from . import keys, protocol as P
-from .endpoints import join_tcp, resolve_endpoint, split_tcp
+from .endpoints import IPC_PATH_MAX, join_tcp, resolve_endpoint, split_tcp
 
 log = logging.getLogger("prefetchd.control.server")
 
@@ -52,7 +52,12 @@ def resolve(daemon, endpoint, *, events_endpoint=None, max_message_size=None, cu
 
 def _events_beside(endpoint):
     stem = endpoint[:-5] if endpoint.endswith(".sock") else endpoint
-    return stem + "-events.sock"
+    events = stem + "-events.sock"
+    if len(events[len("ipc://"):].encode()) > IPC_PATH_MAX:     # libzmq's bind said only "ipc path ..."
+        raise ConfigError(f"endpoint {endpoint!r}: its events socket {events[len('ipc://'):]} is longer than "
+                          f"{IPC_PATH_MAX} bytes; use a shorter name or directory (for prefetchd serve's "
+                          f"workers: a shorter $XDG_RUNTIME_DIR), or set events_endpoint")
+    return events
 
 
 def ipc_socket_files(endpoint):

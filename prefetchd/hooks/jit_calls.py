@@ -3,14 +3,23 @@
 `mindspore.jit(model)` returns the model's construct compiled, bound to the model:
 calling it runs the graph without `Cell.__call__`, so none of prefetchd's hooks
 run, and the graph read the weights of units not resident, unmapped: SIGSEGV.
-Every jit call goes through MindSpore's `_JitExecutor.__call__` with the cell as
-its `obj`; `watch` wraps that once, and for a cell of an offloaded model it
-refuses the call when no pass of that model runs on this thread (a @jit block
-called by the model's forward is the supported way: its unit is pinned by then)
-and one of the cell's weights is not resident. Inside `daemon.use([...])` of all
-its weights, the same call runs.
+`watch` wraps MindSpore's two ways in once:
+
+- ast mode (the default): every call goes through `_JitExecutor.__call__`, with the
+  cell as its `obj`, or no obj for a function (`@jit def f(x): return model[0](x)`:
+  then the cells the function's code names, as globals or in its closure, count);
+- trace mode (`capture_mode="trace"`): the function `_jit_trace` makes, called with
+  the cell as its first argument (the first call traces through the cells' own
+  calls; later ones run the graph alone).
+
+For a cell of an offloaded model, the call is refused when no pass of that model
+runs on this thread (a @jit block called by the model's forward is the supported
+way: its unit is pinned by then) and one of the cell's weights is not resident.
+Inside `daemon.use([...])` of all its weights, the same call runs.
 """
+import functools
 import threading
+import types
 import weakref
 
 from .. import guard
@@ -47,6 +56,52 @@ def check_jit_call(cell):
             f"@jit-compiled), or run this inside `with daemon.use([...])` of its weights")
 
 
+def _named_cells(fn):
+    """The objects a function's code names as globals or holds in its closure (its cells)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    found = [fn.__globals__.get(name) for name in code.co_names]
+    found += [c.cell_contents for c in fn.__closure__ or () if c.cell_contents is not None]
+    return [obj for obj in found if obj is not None and _is_watched(obj)]
+
+
+def _is_watched(obj):
+    try:
+        return obj in _watched
+    except TypeError:            # unhashable: no cell
+        return False
+
+
+def _check_executor(executor):
+    if executor.obj is not None:
+        check_jit_call(executor.obj)
+    else:
+        for cell in _named_cells(executor.fn):
+            check_jit_call(cell)
+
+
+def _traced(original):
+    """mindspore.graph.jit_trace's `_jit_trace`, whose functions check their cell first."""
+    def make(jit_config):
+        wrap = original(jit_config)
+
+        def wrap_func(fn):
+            out = wrap(fn)
+            inner = out.__func__ if isinstance(out, types.MethodType) else out
+            if not callable(inner):
+                return out
+
+            @functools.wraps(inner)
+            def call(*args, **kwargs):
+                if _watched and args and _is_watched(args[0]):
+                    check_jit_call(args[0])
+                return inner(*args, **kwargs)
+            return types.MethodType(call, out.__self__) if isinstance(out, types.MethodType) else call
+        return wrap_func
+    return make
+
+
 def _install():
     global _installed
     with _install_lock:
@@ -56,9 +111,10 @@ def _install():
         original = api._JitExecutor.__call__
 
         def call(self, *args, **kwargs):
-            if self.obj is not None and _watched:
-                check_jit_call(self.obj)
+            if _watched:
+                _check_executor(self)
             return original(self, *args, **kwargs)
         call.__wrapped__ = original
         api._JitExecutor.__call__ = call
+        api._jit_trace = _traced(api._jit_trace)
         _installed = True

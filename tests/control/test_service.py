@@ -466,3 +466,15 @@ def test_cli_status_ctl_keys(served, tmp_path, capsys):
     keys = tmp_path / "keys"
     assert main(["keys", str(keys), "--client", "alice"]) == 0
     assert (keys / "server.key_secret").exists() and (keys / "authorized_clients" / "alice.key").exists()
+
+
+def test_an_events_socket_path_over_the_limit_is_refused_naming_it(tmp_path, make_daemon):
+    """The control endpoint's path fit sun_path, the events socket made beside it did not, and
+    libzmq's bind failed with only 'ipc path "..."' (a serve worker under a long
+    $XDG_RUNTIME_DIR could not start, saying nothing of why)."""
+    base = f"{tmp_path}/"
+    if len(base) > 90:
+        pytest.skip("tmp_path itself is too long to build the case")
+    path = base + "c" * (104 - len(base) - len(".sock")) + ".sock"          # 104 bytes: fits
+    with pytest.raises(ConfigError, match=r"events socket .*-events\.sock is longer than 107 bytes"):
+        make_daemon(endpoint=f"ipc://{path}")

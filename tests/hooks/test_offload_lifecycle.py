@@ -383,7 +383,11 @@ def test_mindspore_jit_of_an_offloaded_model_is_refused_outside_its_forward(ms, 
     with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "j")) as daemon:
         handle = prefetchd.offload(model, daemon, lookahead=1)
         model(x)
-        for compiled in (ms.jit(model), ms.jit(model[1])):
+        @ms.jit
+        def calls_a_block(a):          # a function: the cells its code names count
+            return model[1](a)
+        for compiled in (ms.jit(model), ms.jit(model[1]), ms.jit(model, capture_mode="trace"),
+                         calls_a_block):
             with pytest.raises(PrefetchdError, match="runs its graph without the cell's hooks"):
                 compiled(x)
         np.testing.assert_array_equal(model(x).asnumpy(), expected)    # the model is untouched

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from helpers import ENV
 
 SMALL = ["--workers", "1", "--models", "1", "--hidden", "64", "--layers", "2", "--seq", "8"]
@@ -17,6 +19,19 @@ SMALL = ["--workers", "1", "--models", "1", "--hidden", "64", "--layers", "2", "
 def run(args, env, timeout=180):
     return subprocess.run([sys.executable, "-m", "prefetchd.cli", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
+
+
+@pytest.fixture
+def short_dir():
+    """A private runtime directory with a short path: the workers' ipc socket paths under
+    pytest's tmp_path (pytest-of-root/pytest-NNN/test_...) could pass sun_path's 107 bytes."""
+    import pathlib
+    import shutil
+    import tempfile
+    path = pathlib.Path(tempfile.mkdtemp(prefix="pfd-"))
+    path.chmod(0o700)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def processes_with(env_value):
@@ -34,9 +49,8 @@ def processes_with(env_value):
     return found
 
 
-def test_a_busy_metrics_port_leaves_nothing_behind(tmp_path):
-    run_dir, store = tmp_path / "run", tmp_path / "sstore"
-    run_dir.mkdir(mode=0o700)
+def test_a_busy_metrics_port_leaves_nothing_behind(tmp_path, short_dir):
+    run_dir, store = short_dir, tmp_path / "sstore"
     env = dict(ENV, XDG_RUNTIME_DIR=str(run_dir))
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
@@ -61,9 +75,8 @@ def test_a_busy_metrics_port_leaves_nothing_behind(tmp_path):
     assert time.monotonic() - t0 < 2.5, "status waited for a front that is gone"
 
 
-def test_a_store_that_was_there_keeps_what_was_in_it(tmp_path):
-    run_dir, store = tmp_path / "run", tmp_path / "mine"
-    run_dir.mkdir(mode=0o700)
+def test_a_store_that_was_there_keeps_what_was_in_it(tmp_path, short_dir):
+    run_dir, store = short_dir, tmp_path / "mine"
     store.mkdir()
     (store / "notes.txt").write_text("the user's\n")
     holder = socket.socket()
