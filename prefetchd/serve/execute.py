@@ -113,8 +113,8 @@ class Outcomes:
     def __init__(self, n):
         self.outputs, self.errors, self.ran, self.forwards = [None] * n, {}, [0] * n, []
 
-    def alone(self, servable, parts, rows, indices=None):
-        for i in range(len(parts)) if indices is None else indices:
+    def alone(self, servable, parts, rows):
+        for i in range(len(parts)):
             self.forwards.append(rows[i])
             try:
                 self.outputs[i], self.ran[i] = output_arrays(servable.forward(*parts[i])), rows[i]
