@@ -4,6 +4,10 @@ moment one is answered, until `requests` have been sent and answered.
 
 A request is an `infer` (the arrays `inputs`, prefetchd.serve.wire) or, with
 `max_new_tokens`, a `generate` of that many tokens for the prompt `inputs[0]`.
+Float inputs are varied per request (VARIANTS seeded versions): the front joins a
+model's requests only once joined batches of distinct requests split right, and
+identical requests run alone (docs/control-plane.md), so a load of one repeated
+input would measure unbatched serving while calling it batched.
 Every reply is checked: an infer's outputs must have one row per input row, a
 generate's tokens must be (rows, max_new_tokens); a reply that is not counts as
 an error ("BAD_OUTPUT"), so a phase that "completed" really answered every
@@ -12,10 +16,23 @@ request with its own rows.
 import random
 import time
 
+import numpy as np
+
 from ..serve.wire import decode_arrays, encode_arrays
 
 BAD_OUTPUT = "BAD_OUTPUT"
 NO_REPLY = "NO_REPLY"
+VARIANTS = 16
+
+
+def _variants(inputs, seed):
+    """[(headers, buffers)] of VARIANTS versions of `inputs` (floats moved by seeded noise;
+    integer inputs, prompts, as they are)."""
+    rng = np.random.default_rng(seed)
+    if not all(np.issubdtype(a.dtype, np.floating) for a in inputs):
+        return [encode_arrays(inputs)]
+    return [encode_arrays([(a + rng.standard_normal(a.shape)).astype(a.dtype) for a in inputs])
+            for _ in range(VARIANTS)]
 
 
 def percentile(values, q):
@@ -53,7 +70,7 @@ def run_load(endpoint, models, requests, concurrency, hint, inputs, seed=0, time
     rng = random.Random(seed)
     op = "infer" if max_new_tokens is None else "generate"
     rows = inputs[0].shape[0]
-    headers, buffers = encode_arrays(inputs)
+    variants = _variants(inputs, seed)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
@@ -64,6 +81,7 @@ def run_load(endpoint, models, requests, concurrency, hint, inputs, seed=0, time
         while sent < requests or outstanding:
             while sent < requests and len(outstanding) < concurrency:
                 rid = P.new_rid(sent)
+                headers, buffers = variants[sent % len(variants)]
                 body = {"model": rng.choice(models), "inputs": headers, "hint": hint}
                 if max_new_tokens is not None:
                     body["max_new_tokens"] = max_new_tokens

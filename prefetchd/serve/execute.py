@@ -147,8 +147,8 @@ def _forward_parts(model, parts, rows):
     joined forward that raises runs each part alone: the failure is one part's own."""
     servable = model.servable
     done = Outcomes(len(parts))
-    if len(parts) == 1 or model.joins is False:
-        done.alone(servable, parts, rows)
+    if len(parts) == 1 or model.joins is False or (model.joins is None and not _distinct(parts)):
+        done.alone(servable, parts, rows)       # (identical parts: a joined forward checks nothing)
         return done
     axis = getattr(servable, "output_batch_axis", 0)
     try:
@@ -164,7 +164,7 @@ def _forward_parts(model, parts, rows):
     if model.joins is None:
         done.alone(servable, parts, rows)
         if split is not None and not done.errors and _alike(split, done.outputs):
-            model.join_checks += _distinct(parts)
+            model.join_checks += 1                # (parts distinct: identical ones ran alone above)
             model.joins = True if model.join_checks >= JOIN_CHECKS else None
         elif not done.errors:
             model.joins = False
