@@ -100,3 +100,14 @@ def exits(seed=0):
     """A factory that calls sys.exit (argparse in a model library does): not an Exception."""
     import sys
     sys.exit(f"no such checkpoint for seed {seed}")
+
+
+def sleepy_front(store_dir, endpoint, name, **options):
+    """A started in-process prefetchd.serve.Front of one worker serving `sleepy`, one
+    request per batch (the tests' front for queueing, timeouts and connections)."""
+    from prefetchd.serve import Front, ServeSpec
+    spec = ServeSpec(models=1, model="tests.serve._servables:sleepy", model_bytes_hint=80,
+                     budget=1 << 20, store_dir=str(store_dir))
+    options = {"request_timeout": 60.0, **options}
+    return Front(endpoint, workers=1, spec=spec, name=name, max_batch_size=1, max_queue_delay_ms=1,
+                 **options).start()

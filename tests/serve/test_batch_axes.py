@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from prefetchd.config import ConfigError
-from prefetchd.control.codes import BadArguments
 from prefetchd.serve import TensorSpec
 from prefetchd.serve.execute import run_batch
 from prefetchd.serve.servable import ServedModel, as_servable

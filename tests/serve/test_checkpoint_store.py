@@ -173,16 +173,23 @@ def _stage(ckpt, store):
     assert out.returncode == 0, out.stderr
 
 
-def test_a_worker_respawned_after_a_new_stage_is_refused_not_served_other_weights(tmp_path, staged):
-    """`prefetchd stage` of another checkpoint into the served store, then a worker death: the
-    respawned worker linked the new files and served other weights than the other worker
-    under the same model name, with no warning. It is refused now; the others serve on."""
+def _serving_a_store_with_another_checkpoint(tmp_path, staged, workers):
+    """A real `prefetchd serve` of a store staged from the staged checkpoint, and another
+    checkpoint to stage into that store while it serves: (proc, endpoint, store, other)."""
     import mindspore as ms
     store, other = str(tmp_path / "store"), str(tmp_path / "other.ckpt")
     _stage(staged["ckpt"], store)
     ms.save_checkpoint(demo_model(seed=STAGED_SEED + 1, spec=ServeSpec(models=1, **SMALL))[0], other)
     endpoint = f"ipc://{tmp_path}/serve.sock"
-    proc = start_serve(endpoint, ["--checkpoint-store", store, *SERVE_SMALL], _env(), workers=2)
+    proc = start_serve(endpoint, ["--checkpoint-store", store, *SERVE_SMALL], _env(), workers=workers)
+    return proc, endpoint, store, other
+
+
+def test_a_worker_respawned_after_a_new_stage_is_refused_not_served_other_weights(tmp_path, staged):
+    """`prefetchd stage` of another checkpoint into the served store, then a worker death: the
+    respawned worker linked the new files and served other weights than the other worker
+    under the same model name, with no warning. It is refused now; the others serve on."""
+    proc, endpoint, store, other = _serving_a_store_with_another_checkpoint(tmp_path, staged, workers=2)
     try:
         with Client(endpoint, timeout=2) as c, ServeClient(endpoint, timeout=60) as sc:
             def workers():
@@ -205,12 +212,7 @@ def test_a_server_whose_last_worker_gave_up_exits_saying_why(tmp_path, staged):
     """With one worker, a restage and its death left the front up with no worker: status said
     'starting', every request waited out its timeout, and nothing was logged as an error. The
     server now stops (exit 1, one line saying why), so its supervisor restarts it."""
-    import mindspore as ms
-    store, other = str(tmp_path / "store"), str(tmp_path / "other.ckpt")
-    _stage(staged["ckpt"], store)
-    ms.save_checkpoint(demo_model(seed=STAGED_SEED + 1, spec=ServeSpec(models=1, **SMALL))[0], other)
-    endpoint = f"ipc://{tmp_path}/serve.sock"
-    proc = start_serve(endpoint, ["--checkpoint-store", store, *SERVE_SMALL], _env(), workers=1)
+    proc, endpoint, store, other = _serving_a_store_with_another_checkpoint(tmp_path, staged, workers=1)
     try:
         with Client(endpoint, timeout=5) as c:
             pid = c.status()["workers"][0]["pid"]

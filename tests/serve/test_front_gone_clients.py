@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from helpers import ENV
-from prefetchd.serve import Client, Front, ServeSpec
+from _servables import sleepy_front
+from prefetchd.serve import Client
 
 QUEUED, SLEEP = 30, 0.4       # the gone client's backlog: 12 s of the worker's time
 
@@ -33,11 +34,8 @@ VANISHING = textwrap.dedent("""
 
 @pytest.fixture
 def front(tmp_path):
-    spec = ServeSpec(models=1, model="tests.serve._servables:sleepy", model_bytes_hint=80,
-                     budget=1 << 20, store_dir=str(tmp_path / "store"))
-    f = Front(f"ipc://{tmp_path}/gone-{secrets.token_hex(2)}.sock", workers=1, spec=spec,
-              request_timeout=60.0, name=f"gone{os.getpid()}", max_batch_size=1,
-              max_queue_delay_ms=1).start()
+    f = sleepy_front(tmp_path / "store", f"ipc://{tmp_path}/gone-{secrets.token_hex(2)}.sock",
+                     f"gone{os.getpid()}")
     yield f
     f.close(10)
 

@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from prefetchd.serve import Client, Front, ServeSpec
+from _servables import sleepy_front
+from prefetchd.serve import Client
 
 SLEEP = 0.8
 REQUESTS = 5                  # 1 worker x 2 in flight: 3 wait in the front's queue
@@ -26,11 +27,8 @@ def _thread_cpu_seconds(thread):
 
 @pytest.fixture(scope="module")
 def front(tmp_path_factory):
-    spec = ServeSpec(models=1, model="tests.serve._servables:sleepy", model_bytes_hint=80,
-                     budget=1 << 20, store_dir=str(tmp_path_factory.mktemp("idle-store")))
-    f = Front(f"ipc://idle-{os.getpid()}-{secrets.token_hex(2)}.sock", workers=1, spec=spec,
-              request_timeout=60.0, name=f"idle{os.getpid()}", max_batch_size=1,
-              max_queue_delay_ms=1).start()
+    f = sleepy_front(tmp_path_factory.mktemp("idle-store"), f"ipc://idle-{os.getpid()}-{secrets.token_hex(2)}.sock",
+                     f"idle{os.getpid()}")
     yield f
     f.close(10)
 

@@ -11,13 +11,12 @@ import sys
 import textwrap
 import time
 
-import numpy as np
 import pytest
 
-from helpers import ENV, wait_until
+from helpers import ENV
 from prefetchd.control import Client as ControlClient
 from prefetchd.control import RequestTimeout
-from prefetchd.serve import Front, ServeSpec
+from _servables import sleepy_front
 from prefetchd.serve.front_sockets import IDLE_EVICT_AFTER
 
 CAP = 6
@@ -42,11 +41,8 @@ HOLDER = textwrap.dedent("""
 
 @pytest.fixture
 def front(tmp_path):
-    spec = ServeSpec(models=1, model="tests.serve._servables:sleepy", model_bytes_hint=80,
-                     budget=1 << 20, store_dir=str(tmp_path / "store"))
-    f = Front(f"ipc://{tmp_path}/held-{secrets.token_hex(2)}.sock", workers=1, spec=spec,
-              request_timeout=REQUEST_TIMEOUT, name=f"held{os.getpid()}", max_batch_size=1,
-              max_queue_delay_ms=1, max_connections=CAP).start()
+    f = sleepy_front(tmp_path / "store", f"ipc://{tmp_path}/held-{secrets.token_hex(2)}.sock",
+                     f"held{os.getpid()}", request_timeout=REQUEST_TIMEOUT, max_connections=CAP)
     yield f
     f.close(10)
 
