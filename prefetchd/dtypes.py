@@ -71,19 +71,38 @@ def store_meta(shape, dtype):
     return json.dumps({"shape": [int(d) for d in shape], "dtype": name_of(dtype)}).encode()
 
 
-def meta_layout(meta):
-    """(shape tuple, dtype name) that a store entry's metadata (store_meta's JSON) records,
-    or None when it records none or something else (older entries: then only sizes compare)."""
+def parse_meta(meta):
+    """(shape tuple, dtype name) that store_meta's JSON `meta` records; ValueError saying what
+    else it is."""
     import json
     try:
-        doc = json.loads(bytes(meta or b"").decode())
+        doc = json.loads(bytes(meta).decode())
         shape, name = doc["shape"], doc["dtype"]
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        return None
-    if not isinstance(shape, list) or name not in ITEMSIZE or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        return None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"meta is not prefetchd tensor metadata ({type(e).__name__}: {e})") from None
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise ValueError(f"meta shape {shape!r} is not a list of non-negative integers")
+    if name not in ITEMSIZE:
+        raise ValueError(f"meta dtype {name!r} has no numpy equivalent")
     return tuple(shape), name
+
+
+def meta_layout(meta):
+    """parse_meta's (shape, dtype name), or None when `meta` records none or something else
+    (older entries: then only sizes compare)."""
+    try:
+        return parse_meta(meta) if meta else None
+    except ValueError:
+        return None
+
+
+def known_name(dtype):
+    """The prefetchd name of `dtype`, or its str() when prefetchd has none (to compare and name)."""
+    try:
+        return name_of(dtype)
+    except TypeError:
+        return str(dtype)
 
 
 def numpy_dtype(name):

@@ -137,7 +137,7 @@ def check_layout_kept(rec, method, args, kwargs):
     Tensor, take it on)."""
     if method == "set_dtype":
         wanted = args[0] if args else kwargs.get("data_type")
-        if dtypes.MINDSPORE_CKPT.get(str(wanted)) == rec.dtype.name:
+        if dtypes.known_name(wanted) == rec.dtype.name:
             return
         got = f"dtype {wanted}"
     else:
@@ -145,7 +145,7 @@ def check_layout_kept(rec, method, args, kwargs):
         shape = tuple(int(d) for d in getattr(value, "shape", np.shape(value)))
         dtype = getattr(value, "dtype", None)
         casts = method == "set_data" and framework.is_parameter(rec.target)  # assign_value takes it on
-        same_dtype = casts or dtype is None or dtypes.MINDSPORE_CKPT.get(str(dtype), str(dtype)) == rec.dtype.name
+        same_dtype = casts or dtype is None or dtypes.known_name(dtype) == rec.dtype.name
         if shape == tuple(rec.shape) and same_dtype:
             return
         got = f"shape {list(shape)}" + (f" of {dtype}" if dtype is not None else "")

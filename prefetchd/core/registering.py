@@ -61,10 +61,7 @@ def _checked_layout(name, shape, dtype):
 
 def _check_target(name, target, shape, dtype_name):
     """A target of another shape or dtype would be bound to bytes laid out for this one."""
-    try:
-        have = (tuple(int(d) for d in target.shape), dtypes.name_of(target.dtype))
-    except TypeError:
-        have = (tuple(target.shape), str(target.dtype))
+    have = (tuple(int(d) for d in target.shape), dtypes.known_name(target.dtype))
     if have != (shape, dtype_name):
         raise ValueError(f"register_remote({name!r}): target is shape {list(have[0])} of {have[1]}, the "
                          f"tensor registered is shape {list(shape)} of {dtype_name}: pass a target of that "

@@ -45,7 +45,6 @@ prefetchd.hooks.refusals; the copies of outputs that are views of a unit's weigh
 import contextlib
 import functools
 import logging
-import threading
 import weakref
 
 from . import registration, refusals
@@ -251,7 +250,7 @@ class Offloaded(refusals.NotCopyable):
         return output
 
     def _end_pass(self, cell, inputs, output):
-        if self.turn.holder == threading.get_ident():
+        if self.turn.held_here():
             try:   # a forward that raised still pins its units: another model may need the room
                 self._pins.release_all(None)
                 self._abandon_pass()

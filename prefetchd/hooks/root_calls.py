@@ -56,7 +56,7 @@ class _RootCellCall:
         self._held = threading.local()      # per thread: how many of its calls pinned them
 
     def before(self, cell, inputs):
-        if self._turn.holder == threading.get_ident():
+        if self._turn.held_here():
             return                          # inside the model's pass: the root is pinned
         self._session.acquire(self._records, auto_fetch=True, unit=self._name)
         self._held.depth = getattr(self._held, "depth", 0) + 1

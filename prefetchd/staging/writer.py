@@ -1,5 +1,4 @@
 """Writing tensors into a store, and the per-entry metadata they carry there."""
-import json
 
 import numpy as np
 
@@ -30,19 +29,13 @@ def meta_fields(info):
         raise StagingError(f"{where}: has no tensor metadata (prefetchd 0.1.0 builds before this fix wrote none "
                            f"with the weights a daemon wrote back); stage the checkpoint again")
     try:
-        meta = json.loads(bytes(info["meta"]).decode())
-        shape, name = meta["shape"], meta["dtype"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise StagingError(f"{where}: meta is not prefetchd tensor metadata ({type(e).__name__}: {e})") from None
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                              for d in shape):
-        raise StagingError(f"{where}: meta shape {shape!r} is not a list of non-negative integers")
-    if name not in dtypes.ITEMSIZE:
-        raise StagingError(f"{where}: meta dtype {name!r} has no numpy equivalent")
+        shape, name = dtypes.parse_meta(info["meta"])
+    except ValueError as e:
+        raise StagingError(f"{where}: {e}") from None
     if "nbytes" in info and info["nbytes"] != dtypes.nbytes(shape, name):
-        raise StagingError(f"{where}: holds {info['nbytes']} bytes, meta shape {shape} of {name} "
+        raise StagingError(f"{where}: holds {info['nbytes']} bytes, meta shape {list(shape)} of {name} "
                            f"needs {dtypes.nbytes(shape, name)}")
-    return tuple(shape), name
+    return shape, name
 
 
 def _byte_size(data):
