@@ -43,11 +43,11 @@ _OWNERS = {}                   # id(framework tensor) -> the Registry managing i
 _OWNERS_LOCK = threading.Lock()
 
 
-def managing_daemon(tensor, other_than=None):
-    """The name of the live daemon (not `other_than`'s registry) that manages `tensor`, or None."""
+def managing_daemon(tensor):
+    """The name of the live daemon that manages `tensor`, or None."""
     with _OWNERS_LOCK:
         owner = _OWNERS.get(id(tensor))
-    return None if owner is None or owner is other_than else owner.daemon_name
+    return None if owner is None else owner.daemon_name
 
 
 class Registry:

@@ -121,14 +121,16 @@ def warn_unlisted_cells(model):
                             "nn.CellDict", where, len(held), kind)
 
 
-
 class NotCopyable:
     """An offloaded model's handle (`model._prefetchd`) holds its daemon's memory and hooks:
     `copy.deepcopy(model)` or pickling inside `daemon.use([...])` (outside it, the weights
     refuse) reached it and failed with "cannot pickle 'prefetchd._native.Arena'"."""
 
     def __deepcopy__(self, memo):
-        raise PrefetchdError(NOT_COPYABLE[0].upper() + NOT_COPYABLE[1:])
+        raise PrefetchdError(_NOT_COPYABLE)
 
     def __reduce_ex__(self, protocol):
-        raise PrefetchdError(NOT_COPYABLE[0].upper() + NOT_COPYABLE[1:])
+        raise PrefetchdError(_NOT_COPYABLE)
+
+
+_NOT_COPYABLE = NOT_COPYABLE[0].upper() + NOT_COPYABLE[1:]

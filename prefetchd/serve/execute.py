@@ -110,8 +110,9 @@ def _same_bytes(a, b):
 class Outcomes:
     """Each part's outputs or error, the rows of the forward each came from, and the forwards run."""
 
-    def __init__(self, n):
+    def __init__(self, n, worker):
         self.outputs, self.errors, self.ran, self.forwards = [None] * n, {}, [0] * n, []
+        self.worker = worker           # its index, named in the errors' reasons
 
     def alone(self, servable, parts, rows):
         for i in range(len(parts)):
@@ -119,7 +120,7 @@ class Outcomes:
             try:
                 self.outputs[i], self.ran[i] = output_arrays(servable.forward(*parts[i])), rows[i]
             except Exception as e:       # noqa: BLE001 - this part's own error, replied to its client
-                self.errors[i] = error_reply(e)
+                self.errors[i] = error_reply(e, self.worker)
 
     def joined(self, split, rows):
         self.outputs, self.ran = split, [sum(rows)] * len(rows)
@@ -136,7 +137,7 @@ def error_reply(e, worker=None):
     return {"code": code, "reason": f"worker {worker}: {e}" if worker is not None else str(e)}
 
 
-def _forward_parts(model, parts, rows):
+def _forward_parts(model, parts, rows, worker):
     """Each part's Outcomes. A joined forward's outputs are cut along output_batch_axis only
     for a model whose first JOIN_CHECKS joined batches of distinct requests were cut into
     what each part computes alone: an output whose rows are on another axis, or that has
@@ -146,7 +147,7 @@ def _forward_parts(model, parts, rows):
     that depend on each other (batch statistics), so they run alone and do not count. A
     joined forward that raises runs each part alone: the failure is one part's own."""
     servable = model.servable
-    done = Outcomes(len(parts))
+    done = Outcomes(len(parts), worker)
     if len(parts) == 1 or model.joins is False or (model.joins is None and not _distinct(parts)):
         done.alone(servable, parts, rows)       # (identical parts: a joined forward checks nothing)
         return done
@@ -190,8 +191,8 @@ def _check_output_sizes(arrays, max_bytes):
                                f"the server's max_tensor_bytes of {max_bytes}: send fewer rows")
 
 
-def run_batch(model, job, frames, max_bytes):
-    """(result, output frames) of one batch job for `model` (a ServedModel)."""
+def run_batch(model, job, frames, max_bytes, worker=None):
+    """(result, output frames) of one batch job for `model` (a ServedModel) on worker `worker`."""
     started = time.perf_counter()
     servable = model.servable
     parts, at = [], 0
@@ -204,19 +205,19 @@ def run_batch(model, job, frames, max_bytes):
     rows = [_rows(servable, p) for p in parts]
     if job.get("kind") == "generate":       # (batch, N) new ids: the rows are axis 0
         batched = _join(servable, parts)
-        done = Outcomes(len(parts))
+        done = Outcomes(len(parts), worker)
         done.joined(_split_all([np.asarray(servable.generate(batched[0], int(job["max_new_tokens"])))],
                                rows, 0), rows)
         done.forwards.append(sum(rows))
     else:
-        done = _forward_parts(model, parts, rows)
+        done = _forward_parts(model, parts, rows, worker)
     headers, out_frames = [], []
     for i, arrays in enumerate(done.outputs):
         if i not in done.errors:
             try:
                 _check_output_sizes(arrays, max_bytes)
             except BadArguments as e:
-                done.errors[i] = error_reply(e)
+                done.errors[i] = error_reply(e, worker)
         if i in done.errors:
             headers.append(None)
             continue

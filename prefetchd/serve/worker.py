@@ -144,10 +144,7 @@ def _run(models, job_id, body, frames, index, max_bytes):
     """The reply frames of one job (see prefetchd.serve.execute)."""
     try:
         job = P.loads(body)
-        result, out = run_batch(models[job["model"]], job, frames, max_bytes)
-        for error in result["errors"].values():
-            if error["code"] != P.BAD_REQUEST:
-                error["reason"] = f"worker {index}: {error['reason']}"
+        result, out = run_batch(models[job["model"]], job, frames, max_bytes, worker=index)
         result.update(worker=index, pid=os.getpid())
         return [job_id, P.dumps({"ok": True, "result": result}), *out]
     except Exception as e:  # noqa: BLE001 - the front answers the client
