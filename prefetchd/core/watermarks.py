@@ -9,11 +9,12 @@ checks: it fired on an ordinary lowering), while new reservations already keep t
 the new one. The request resolves once the new watermarks are in force. If they
 cannot be (nothing in flight is left to free bytes: a write-back failed, compute
 pinned tensors since), it fails with BudgetError naming what holds the bytes, and
-the old watermarks stay. A later change supersedes one still under way.
+the old watermarks stay. A change made while one is under way replaces its watermarks, and
+the earlier request settles with it (resolved, or failed, with the later one).
 
 Scheduler thread only, under the daemon's lock.
 """
-from ..errors import BudgetError, PrefetchdError
+from ..errors import BudgetError
 
 
 class WatermarkChanges:
@@ -21,7 +22,7 @@ class WatermarkChanges:
         self._memory = memory
         self._outcomes = outcomes
         self._transfers = transfers        # truthy while any transfer is in flight
-        self._pending = None               # (request, the (high, low) in force before it)
+        self._pending = None               # ([requests], the (high, low) in force before the first)
 
     def start(self, req):
         """Handle a WATERMARKS request: args (high, low) in bytes."""
@@ -32,14 +33,9 @@ class WatermarkChanges:
             self._outcomes.fail(req, BudgetError(
                 f"high watermark {high} bytes is below the {pinned} bytes pinned by compute"))
             return
-        before = memory.in_force
-        if self._pending is not None:
-            earlier, before = self._pending
-            self._outcomes.fail(earlier, PrefetchdError(
-                f"set_watermarks{earlier.args} was superseded by set_watermarks{req.args} before "
-                f"the device tier got under it"))
+        waiting, before = self._pending if self._pending is not None else ([], memory.in_force)
         memory.high, memory.low = high, low      # new reservations keep to these from now on
-        self._pending = (req, before)
+        self._pending = (waiting + [req], before)
         memory.make_room(0, demand=True)
         self.settle()
 
@@ -52,25 +48,28 @@ class WatermarkChanges:
         if memory.used() > memory.high and not self._transfers and not memory.unfenced:
             memory.make_room(0, demand=True)     # victims freed up since (an unpin)
         if memory.used() <= memory.high:
-            req, _ = self._pending
+            waiting, _ = self._pending
             self._pending = None
             memory.in_force = (memory.high, memory.low)
-            self._outcomes.resolve(req)
+            for req in waiting:
+                self._outcomes.resolve(req)
         elif not self._transfers and not memory.unfenced:
-            req, (high, low) = self._pending
+            waiting, (high, low) = self._pending
             self._pending = None
-            target = memory.high
-            memory.high, memory.low = high, low
-            self._outcomes.fail(req, BudgetError(
-                f"high watermark {target} bytes cannot be reached: {memory.used()} bytes stay in use "
+            error = BudgetError(
+                f"high watermark {memory.high} bytes cannot be reached: {memory.used()} bytes stay in use "
                 f"({memory.pinned_bytes()} pinned{_held_by_failed_writebacks(memory)}); the "
-                f"watermarks stay at high {high}, low {low} bytes"))
+                f"watermarks stay at high {high}, low {low} bytes")
+            memory.high, memory.low = high, low
+            for req in waiting:
+                self._outcomes.fail(req, error)
 
     def cancel(self, error):
         if self._pending is not None:
-            req, _ = self._pending
+            waiting, _ = self._pending
             self._pending = None
-            self._outcomes.fail(req, error)
+            for req in waiting:
+                self._outcomes.fail(req, error)
 
 
 def _held_by_failed_writebacks(memory):

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from prefetchd.errors import BudgetError, PrefetchdError
+from prefetchd.errors import BudgetError
 
 KiB = 1024
 
@@ -69,13 +69,13 @@ def test_a_lowering_that_cannot_be_reached_fails_and_keeps_the_old_watermarks(ma
             assert (t.asnumpy() == i).all()
 
 
-def test_a_later_change_supersedes_one_under_way(make_daemon, ms):
+def test_a_change_made_while_one_is_under_way_settles_both(make_daemon, ms):
+    """The earlier request failed as 'superseded' (the random-interleavings test caught it: two
+    threads setting the same watermarks). It now settles with the later change."""
     daemon, _ = _dirty_daemon(make_daemon, ms)
     first = daemon.set_watermarks("1MiB", "512KiB")
     second = daemon.set_watermarks(1.0, 0.9)
     second.result(30)
-    if first.exception(30) is not None:                # it may have been reached first
-        with pytest.raises(PrefetchdError, match="superseded by set_watermarks"):
-            first.result()
+    first.result(30)
     device = daemon.status()["device"]
     assert device["high_watermark"] == 4 << 20 and device["used"] <= device["high_watermark"]
