@@ -241,9 +241,16 @@ class ConnectionGuard:
             self.gates.saw(frames[1].decode(errors="replace"), fd)
 
     def saw(self, fd):
-        """A request arrived on connection `fd` (zmq.Frame.get(zmq.SRCFD) of its first frame)."""
+        """A request arrived on connection `fd` (zmq.Frame.get(zmq.SRCFD) of its first frame).
+        False if the guard dropped that connection: answer nothing on it. A connection and its
+        first request can be ready in one poll, the request seen first; answered then, a
+        client beyond the budget was served once before its drop landed, by chance."""
+        if fd not in self._live:
+            self.settle()                # what was accepted, first
         if fd in self._live:
             self._last[fd] = time.monotonic()
+            return True
+        return fd not in self._doomed
 
     def shut(self, fd):
         """Shut down connection `fd` now (its client may no longer be served); 1 if it was."""

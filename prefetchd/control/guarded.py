@@ -35,8 +35,9 @@ class GuardedListening:
         self.guard.watch(sock, curve)
 
     def saw(self, fd):
-        """A request arrived on connection `fd` (zmq.Frame.get(zmq.SRCFD) of its first frame)."""
-        self.guard.saw(fd)
+        """A request arrived on connection `fd` (zmq.Frame.get(zmq.SRCFD) of its first frame);
+        False if that connection is dropped (the request is not to be answered)."""
+        return self.guard.saw(fd)
 
     def shut(self, fd):
         """Shut down connection `fd` (zmq.SRCFD of a request), if it is still the one accepted."""

@@ -188,9 +188,8 @@ class Front(FrontSockets):
         envelope = [f.bytes for f in frames[:n]]
         head, tensors = [f.bytes for f in frames[n:n + 3]], frames[n + 3:]
         self._request_fd = frames[0].get(zmq.SRCFD)     # for the Job (its connection is then busy)
-        self.connections.saw(self._request_fd)
-        request = self._decode(envelope, head)
-        if request is None:
+        request = self._decode(envelope, head) if self.connections.saw(self._request_fd) else None
+        if request is None:           # undecodable (answered), or its connection dropped (not)
             return
         rid, op, args, timeout = request
         try:
