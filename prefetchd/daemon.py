@@ -274,6 +274,7 @@ class Daemon:
         return self._submit(Request(Kind.WATERMARKS, (), RequestFuture(), args=(high_b, low_b)))
 
     def mark_dirty(self, tensors):
+        self.check_open()         # closed, nothing would write back what the caller wrote
         for rec in self._records_of(tensors):
             self._binding.on_user_write(rec, "mark_dirty")
 

@@ -90,6 +90,8 @@ def test_use_after_close_is_refused(store_dir, make_param):
         d.prefetch(h)
     with pytest.raises(ShutdownError):
         d.register(make_param(values(2), "v"))
+    with pytest.raises(ShutdownError, match="after close"):    # the write could not be kept
+        d.mark_dirty(h)
     d.close()   # idempotent
 
 
