@@ -10,8 +10,8 @@ outputs split back into each part's rows.
             outputs came from], "forwards": [rows of each forward run], "batch": rows,
             "compute_seconds"} plus the output frames of the parts that succeeded
 
-A part's failure is its own: when a joined forward raises, each part runs alone, so
-one request's bad input (a model that raises on NaN) fails that request only.
+A part's failure is its own: when a joined forward or generate raises, each part runs
+alone, so one request's bad input (a model that raises on NaN) fails that request only.
 
 The front checked every header against the model's signature; the frames are
 checked again here (prefetchd.serve.wire) because a worker trusts no bytes it
@@ -114,11 +114,13 @@ class Outcomes:
         self.outputs, self.errors, self.ran, self.forwards = [None] * n, {}, [0] * n, []
         self.worker = worker           # its index, named in the errors' reasons
 
-    def alone(self, servable, parts, rows):
+    def alone(self, servable, parts, rows, run=None):
+        """Run each part by itself: `run(part)` -> its outputs (a forward unless given)."""
+        run = run or (lambda part: output_arrays(servable.forward(*part)))
         for i in range(len(parts)):
             self.forwards.append(rows[i])
             try:
-                self.outputs[i], self.ran[i] = output_arrays(servable.forward(*parts[i])), rows[i]
+                self.outputs[i], self.ran[i] = run(parts[i]), rows[i]
             except Exception as e:       # noqa: BLE001 - this part's own error, replied to its client
                 self.errors[i] = error_reply(e, self.worker)
 
@@ -182,6 +184,27 @@ def _forward_parts(model, parts, rows, worker):
     return done
 
 
+def _generate_parts(servable, parts, rows, max_new_tokens, worker):
+    """Each part's Outcomes of one joined generate ((batch, N) new ids: the rows are axis 0).
+    A joined generate that raises runs each part alone, as a forward does: one prompt that
+    makes the model raise fails its own request, not its batch-mates'."""
+    done = Outcomes(len(parts), worker)
+
+    def generate(part):
+        return [np.asarray(servable.generate(part[0], max_new_tokens))]
+    if len(parts) == 1:
+        done.alone(servable, parts, rows, generate)
+        return done
+    try:
+        split = _split_all(generate(_join(servable, parts)), rows, 0)
+    except Exception:                    # noqa: BLE001 - whose prompt was it? each runs alone
+        done.alone(servable, parts, rows, generate)
+        return done
+    done.joined(split, rows)
+    done.forwards.append(sum(rows))
+    return done
+
+
 def _check_output_sizes(arrays, max_bytes):
     """A reply's tensors are bounded as a request's are (per tensor): one over it is refused
     here, saying so, not shipped for the client to refuse as if its request were bad."""
@@ -203,12 +226,8 @@ def run_batch(model, job, frames, max_bytes, worker=None):
     if at != len(frames):
         raise BadArguments(f"{len(frames) - at} frames beyond the parts' inputs")
     rows = [_rows(servable, p) for p in parts]
-    if job.get("kind") == "generate":       # (batch, N) new ids: the rows are axis 0
-        batched = _join(servable, parts)
-        done = Outcomes(len(parts), worker)
-        done.joined(_split_all([np.asarray(servable.generate(batched[0], int(job["max_new_tokens"])))],
-                               rows, 0), rows)
-        done.forwards.append(sum(rows))
+    if job.get("kind") == "generate":
+        done = _generate_parts(servable, parts, rows, int(job["max_new_tokens"]), worker)
     else:
         done = _forward_parts(model, parts, rows, worker)
     headers, out_frames = [], []

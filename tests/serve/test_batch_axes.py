@@ -171,6 +171,41 @@ def test_a_request_whose_input_makes_the_model_raise_fails_alone(mindspore_cpu):
     assert _batch.last["ran"] == [1, 2, 0, 4]               # each ran alone: its own rows
 
 
+def test_a_prompt_that_makes_generate_raise_fails_alone(mindspore_cpu):
+    """A joined generate that raised failed every request in the batch with one prompt's
+    error. Its parts now run alone after it raises, as a forward's do."""
+    ms = mindspore_cpu
+
+    class Echo:                                   # a servable object with generate
+        cell = ms.nn.Dense(2, 2)
+        inputs = [TensorSpec((None, 3), "int64", name="input_ids")]
+
+        def forward(self, ids):
+            return ids
+
+        def generate(self, ids, max_new_tokens):
+            if (ids < 0).any():
+                raise ValueError("a negative token id")
+            return np.repeat(ids[:, -1:] + 1, max_new_tokens, axis=1)
+    model = ServedModel("m0", as_servable(Echo(), "t:f"), handle=None, hints=[])
+    requests = [[np.full((1 + i % 2, 3), i, np.int64)] for i in range(4)]
+    requests[1][0][0, 0] = -1
+    parts, frames = [], []
+    for arrays in requests:
+        headers, buffers = encode_arrays(arrays)
+        parts.append({"inputs": headers})
+        frames.extend(buffers)
+    result, out = run_batch(model, {"model": "m0", "kind": "generate", "parts": parts,
+                                    "max_new_tokens": 2}, frames, 1 << 20)
+    assert list(result["errors"]) == ["1"] and "a negative token id" in result["errors"]["1"]["reason"]
+    assert result["ran"] == [1, 0, 1, 2] and result["forwards"] == [1, 2, 1, 2]    # each alone
+    at = 0
+    for i in (0, 2, 3):
+        (got,) = decode_arrays(result["outputs"][i], out[at:at + 1], what="output")
+        at += 1
+        np.testing.assert_array_equal(got, np.full((len(requests[i][0]), 2), i + 1, np.int64))
+
+
 def test_a_model_whose_rows_are_independent_keeps_joining_despite_rounding(mindspore_cpu):
     """The check that joined outputs split into each request's own compared each element
     with an absolute tolerance of 1e-6: the logits of prefetchd's own tiny LM (up to ~10,
