@@ -165,16 +165,20 @@ def parse_name(value, key):
     return name
 
 
-def _parse_ip(value, key):
-    """An IP address literal (or "localhost"): a host name would be resolved, and could
-    fail, only when the exporter starts."""
-    text = _optional_str(value, key)
-    if text is None or text == "localhost":
-        return text
+def ip_literal(text):
+    """An IP address literal or "localhost" (a host name would fail only in the exporter)."""
     try:
-        return str(ipaddress.ip_address(text))
+        return text if text == "localhost" else str(ipaddress.ip_address(text))
     except ValueError:
-        raise ConfigError(f"{key}: {text!r} is not an IP address (e.g. 127.0.0.1, ::1, 0.0.0.0)") from None
+        raise ValueError(f"{text!r} is not an IP address (e.g. 127.0.0.1, ::1, 0.0.0.0)") from None
+
+
+def _parse_ip(value, key):
+    text = _optional_str(value, key)
+    try:
+        return None if text is None else ip_literal(text)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 _HOST_RE = re.compile(r"^(\*|[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*)$")

@@ -33,14 +33,11 @@ def _size(text):
 def _ip_address(text):
     """An IP address literal or localhost, as the [prefetchd] metrics_addr takes (a host name
     failed only once the workers were up, in the exporter, naming no setting)."""
-    import ipaddress
-    if text == "localhost":
-        return text
+    from ..config import ip_literal
     try:
-        return str(ipaddress.ip_address(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an IP address (e.g. 127.0.0.1, ::1, "
-                                         f"0.0.0.0)") from None
+        return ip_literal(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 # Each option's parser: its flag's argparse type, and the check of its [serve] value from a
