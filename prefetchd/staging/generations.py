@@ -28,6 +28,7 @@ import json
 import mmap
 import os
 import shutil
+import stat
 import time
 
 from ..backend.base import open_store
@@ -91,7 +92,7 @@ def stage_checkpoint(path, store_dir, progress=False, *, config=None, progress_i
         store_dir, parent, base, work = store_place(store_dir)
         with stage_lock(parent, base):
             remove_leftovers(parent, base)
-            store_lock = None
+            store_lock, swapped = None, False
             try:
                 store_lock = hold_store_lock(store_dir)
                 previous = link_current(store_dir, work)
@@ -99,10 +100,11 @@ def stage_checkpoint(path, store_dir, progress=False, *, config=None, progress_i
                 report = stage_into(work, checkpoint, config, progress, progress_interval, progress_stream,
                                      generation=previous.get("generation", 0) + 1, source=str(path))
                 swap_in(work, store_dir, parent, base)
+                swapped = True
             finally:
                 shutil.rmtree(work, ignore_errors=True)
                 if store_lock is not None:
-                    os.close(store_lock)
+                    store_lock.release(swapped)
     finally:
         checkpoint.close()
     seconds = time.monotonic() - started
@@ -182,12 +184,14 @@ def _read_back(store, staged, source, generation):
 
 
 def link_current(store_dir, work):
-    """Hard-link the current generation's files into a fresh `work`; returns its index document."""
-    os.mkdir(work)
+    """Hard-link the current generation's files into a fresh `work` (the store directory's
+    mode, 0700 for a new one); returns its index document."""
+    os.mkdir(work, 0o700)
     if not os.path.exists(store_dir):
         return {}
     if not os.path.isdir(store_dir):
         raise StagingError(f"{store_dir}: the store path exists and is not a directory")
+    os.chmod(work, stat.S_IMODE(os.stat(store_dir).st_mode))
     if os.path.ismount(store_dir):
         raise StagingError(f"{store_dir}: is a mount point; stage into a directory inside it "
                            f"(a generation is swapped in by renaming)")
@@ -210,20 +214,49 @@ def _link_files(src, dst, top=True):
         os.link(entry.path, os.path.join(dst, entry.name), follow_symlinks=False)
 
 
+class StoreLock:
+    """The store's own FileStore lock (`.pfd-lock`), held by a stage (see hold_store_lock)."""
+
+    def __init__(self, fd, store_dir, made):
+        self.fd, self.store_dir, self.made = fd, store_dir, made
+
+    def release(self, swapped):
+        """Let go; a store directory this stage made and did not swap a generation into goes
+        too (nothing else wrote there: the lock kept every daemon out)."""
+        os.close(self.fd)
+        if self.made and not swapped:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+
 def hold_store_lock(store_dir):
-    """Take the store's own FileStore lock (None if it has none yet): refuse if a daemon has it open,
-    and keep any from opening the generation being replaced until the swap is done."""
+    """Take the store's own FileStore lock (a StoreLock; None where the path is not a
+    directory: link_current says so): refuse if a daemon has it open, and keep any from
+    opening the store until the swap is done. The lock file is made if the store has none
+    yet (a store no daemon opened since its stage), and a store directory that does not
+    exist yet is made here (mode 0700, as a FileStore makes one), so that the lock covers
+    the store from the start: a daemon that opened the path during the stage made the
+    directory or the lock itself and wrote its tensors there, and the swap then retired
+    that directory with them, deleted."""
+    made = False
     try:
-        fd = os.open(os.path.join(store_dir, _STORE_LOCK), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        os.mkdir(store_dir, 0o700)
+        made = True
+    except (FileExistsError, FileNotFoundError, NotADirectoryError):
+        pass                          # there already; or its parent is not there (link_current says so)
+    except OSError as e:
+        raise StagingError(f"{store_dir}: cannot make the store directory: {e.strerror}") from None
+    try:
+        fd = os.open(os.path.join(store_dir, _STORE_LOCK),
+                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except (FileNotFoundError, NotADirectoryError):
-        return None                   # no store yet, or not a directory (link_current says so)
+        return None                   # not a directory (link_current says so)
     except OSError as e:
         raise StagingError(f"{store_dir}: cannot open its lock {_STORE_LOCK}: {e.strerror}") from None
     holder = lock_or_holder(fd)
     if holder is not None:
-        raise StagingError(f"{store_dir}: in use by pid {holder} (a daemon has this store open); "
-                           f"close it before staging into it")
-    return fd
+        raise StagingError(f"{store_dir}: in use by pid {holder} (a daemon has this store open, or "
+                           f"another stage writes it); close it before staging into it")
+    return StoreLock(fd, store_dir, made)
 
 
 def lock_or_holder(fd):
@@ -274,6 +307,7 @@ class stage_lock:
     """One stager per store directory (flock on a sibling lock file); refuses instead of waiting."""
 
     def __init__(self, parent, base):
+        self.store_dir = os.path.join(parent, base)
         self.path = os.path.join(parent, f".{base}.stage-lock")
 
     def __enter__(self):
@@ -282,7 +316,7 @@ class stage_lock:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self.fd)
-            raise StagingError(f"{self.path[:-len('.stage-lock')]}: another `prefetchd stage` is writing "
+            raise StagingError(f"{self.store_dir}: another `prefetchd stage` is writing "
                                f"this store (lock {self.path})") from None
         return self
 

@@ -209,17 +209,23 @@ def stage_sharded(source, store_dir, *, spec=None, world_size=None, progress=Fal
                 if os.path.exists(os.path.join(root, f".rank_{rank}.stage-lock")):
                     rank_stages.enter_context(stage_lock(root, f"rank_{rank}"))
                 remove_leftovers(root, f"rank_{rank}")
-        os.mkdir(work)
-        locks = []
+        os.mkdir(work, 0o700)
+        locks, swapped = [], False
+        # A root made here, and each rank directory (hold_store_lock), so that the ranks'
+        # locks keep daemons out of them from the start; removed again if the stage fails.
+        root_made = not os.path.exists(root)
+        if root_made:
+            os.mkdir(root, 0o700)
         try:
             config = config or Config.load()
             generation = (previous or {}).get("generation", 0) + 1
             ranks = {}
-            for rank, make in enumerate(sources):
-                rank_dir = os.path.join(root, f"rank_{rank}")
-                lock = hold_store_lock(rank_dir)
+            for rank in range(world_size):         # every rank's, before any is staged
+                lock = hold_store_lock(os.path.join(root, f"rank_{rank}"))
                 if lock is not None:
                     locks.append(lock)
+            for rank, make in enumerate(sources):
+                rank_dir = os.path.join(root, f"rank_{rank}")
                 rank_work = os.path.join(work, f"rank_{rank}")
                 link_current(rank_dir, rank_work)
                 reader = make()
@@ -237,10 +243,14 @@ def stage_sharded(source, store_dir, *, spec=None, world_size=None, progress=Fal
             _write_shards(work, {"format": SHARDS_FORMAT, "world_size": world_size, "generation": generation,
                                  "source": str(source), "spec": described, "ranks": ranks})
             swap_in(work, root, parent, base)
+            swapped = True
         finally:
             shutil.rmtree(work, ignore_errors=True)
             for lock in locks:
-                os.close(lock)
+                lock.release(swapped)
+            if root_made and not swapped:
+                with contextlib.suppress(OSError):
+                    os.rmdir(root)                 # empty once its rank directories went
     seconds = time.monotonic() - started
     total = sum(r["bytes"] for r in ranks.values())
     return {"checkpoint": str(source), "store": root, "world_size": world_size, "generation": generation,

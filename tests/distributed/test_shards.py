@@ -63,6 +63,30 @@ def test_a_split_checkpoint_gives_each_rank_its_slices(tmp_path):
         assert report["ranks"][str(r)]["bytes"] == sum(a.nbytes for a in held.values())
 
 
+def test_a_daemon_opening_a_rank_store_during_a_sharded_stage_is_refused(tmp_path, monkeypatch):
+    """A new root's rank directories were made only by the swap: a daemon that opened
+    ROOT/rank_1 meanwhile made it and wrote there, and the swap deleted what it wrote. Every
+    rank's lock is now held, its directory made, before any rank is staged."""
+    from prefetchd import _native
+    from prefetchd.staging import shards
+    src = tmp_path / "whole.safetensors"
+    write_safetensors(src, WHOLE)
+    seen = []
+
+    def stage_into(*args, **kwargs):
+        try:
+            _native.FileStore(str(tmp_path / "store" / "rank_1")).close()
+            seen.append("opened")
+        except _native.StoreInUse as e:
+            seen.append(str(e))
+        return real(*args, **kwargs)
+    real = shards.stage_into
+    monkeypatch.setattr(shards, "stage_into", stage_into)
+    stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)
+    assert len(seen) == 2 and all(f"in use by pid {os.getpid()}" in e for e in seen), seen
+    assert set(read_store(str(tmp_path / "store" / "rank_1"))) == set(WHOLE)
+
+
 def test_per_rank_checkpoints_in_mindsporess_layout_stage_one_store_each(tmp_path):
     for r in (0, 1, 2):
         (tmp_path / "ckpt" / f"rank_{r}").mkdir(parents=True)

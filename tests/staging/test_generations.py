@@ -78,7 +78,7 @@ def test_a_second_stager_of_the_same_store_is_refused(tmp_path):
     write_safetensors(str(tmp_path / "a.safetensors"), {"x": np.ones(4, np.float32)})
     with open(tmp_path / ".store.stage-lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        with pytest.raises(StagingError, match="another `prefetchd stage` is writing this store"):
+        with pytest.raises(StagingError, match=f"^{store}: another `prefetchd stage` is writing this store"):
             stage_checkpoint(str(tmp_path / "a.safetensors"), store)
     assert stage_checkpoint(str(tmp_path / "a.safetensors"), store)["tensors"] == 1
 
@@ -93,12 +93,50 @@ def test_a_daemon_refused_during_a_stage_names_the_stage_not_the_locks_last_hold
     earlier = subprocess.run([sys.executable, "-c", "import sys; from prefetchd import _native; "
                               "_native.FileStore(sys.argv[1]).close()", store], env=ENV, timeout=120)
     assert earlier.returncode == 0                       # its pid stays in the lock file
-    fd = hold_store_lock(store)                          # what a stage holds while it swaps
+    lock = hold_store_lock(store)                        # what a stage holds while it swaps
     try:
         with pytest.raises(_native.StoreInUse, match=f"in use by pid {os.getpid()} "):
             _native.FileStore(store)
     finally:
-        os.close(fd)
+        lock.release(swapped=False)
+
+
+@pytest.mark.parametrize("store_exists", [False, True])
+def test_a_daemon_opening_the_store_during_a_stage_is_refused(tmp_path, monkeypatch, store_exists):
+    """A store path that did not exist when the stage began was not locked: a daemon opened
+    it meanwhile, made the directory, wrote its tensor there, and the swap retired that
+    directory with the tensor, deleted. The stage now holds the lock of the path from the
+    start, made or not."""
+    from prefetchd.staging import generations
+    store = str(tmp_path / "store")
+    write_safetensors(str(tmp_path / "a.safetensors"), {"x": np.ones(4, np.float32)})
+    if store_exists:
+        stage_checkpoint(str(tmp_path / "a.safetensors"), store)
+    seen = []
+
+    def stage_into(*args, **kwargs):                     # a daemon opens the store mid-stage
+        try:
+            _native.FileStore(store).close()
+            seen.append("opened")
+        except _native.StoreInUse as e:
+            seen.append(str(e))
+        return real(*args, **kwargs)
+    real = generations.stage_into
+    monkeypatch.setattr(generations, "stage_into", stage_into)
+    stage_checkpoint(str(tmp_path / "a.safetensors"), store)
+    assert len(seen) == 1 and f"in use by pid {os.getpid()}" in seen[0], seen
+    assert assert_index_matches_store(store) == {"x": ((4,), "float32", 1.0)}
+    if not store_exists:
+        assert os.stat(store).st_mode & 0o777 == 0o700        # as a FileStore makes one
+
+
+def test_a_failed_first_stage_leaves_no_store_directory(tmp_path):
+    store = tmp_path / "store"
+    write_safetensors(str(tmp_path / "b.safetensors"), {"x": np.full(4, 2, np.float32)},
+                      metadata={"crc_num": "12345"})
+    with pytest.raises(StagingError, match="crc_num"):
+        stage_checkpoint(str(tmp_path / "b.safetensors"), str(store))
+    assert not store.exists()
 
 
 def test_a_store_open_in_a_daemon_is_refused_and_its_quarantine_is_kept(tmp_path):
