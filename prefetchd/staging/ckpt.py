@@ -10,12 +10,11 @@ zlib CRC-32 of everything before it as 10 big-endian bytes; it is verified
 after the last tensor (a consumer that must not keep unverified data, like
 `stage_checkpoint`, commits only once iteration has ended cleanly).
 """
-import mmap
 import zlib
 
 from .. import dtypes
 from .checks import name_problem, shape_problem, shown
-from .mapped import MappedCheckpoint, close_quietly, forget
+from .source import CheckpointReader, buffer
 from .protobuf import WireError, as_int64, fields, varint
 
 CRC_MARK = b"crc_num"
@@ -39,7 +38,7 @@ class _Tensor:
         return dtypes.nbytes(self.shape, self.dtype)
 
 
-class MindSporeCheckpoint(MappedCheckpoint):
+class MindSporeCheckpoint(CheckpointReader):
     """Iterator of (name, shape, numpy dtype, buffer) over a .ckpt, one tensor in RAM at a time.
 
     The whole structure is checked when it is opened (StagingError naming the
@@ -57,7 +56,7 @@ class MindSporeCheckpoint(MappedCheckpoint):
         self._scan()
 
     def _scan(self):
-        mm, size = self._mm, len(self._mm)
+        mm, size = self._file, len(self._file)
         self._body_end, self._expected_crc = size, None
         if size >= CRC_TRAILER and mm[size - CRC_TRAILER:size - 10] == CRC_MARK:
             self._body_end = size - CRC_TRAILER
@@ -102,7 +101,7 @@ class MindSporeCheckpoint(MappedCheckpoint):
 
     def _value(self, span, at):
         """(name, dims tuple, prefetchd dtype name, content (offset, length)) of one Checkpoint.value."""
-        mm = self._mm
+        mm = self._file
         name = tensor = None
         for f, w, v, _ in fields(mm, span[0], span[0] + span[1]):
             if f == 1 and w == 2:
@@ -151,36 +150,37 @@ class MindSporeCheckpoint(MappedCheckpoint):
 
     # ------------------------------------------------------------ data
     def _stream(self):
-        mm = self._mm
-        view = memoryview(mm)
         crc, pos = 0, 0
-        try:
-            for t in self._entries:
-                if self._expected_crc is not None:    # every byte, protobuf framing included
-                    crc = zlib.crc32(view[pos:t.end], crc)
-                    pos = t.end
-                dtype = dtypes.numpy_dtype(t.dtype)
-                if len(t.slices) == 1:
-                    off, n = t.slices[0]
-                    yield t.name, t.shape, dtype, view[off:off + n]
-                else:
-                    yield t.name, t.shape, dtype, self._assemble(view, t)
-                forget(mm, t.start, t.end - t.start)
-            if self._expected_crc is not None:
-                crc = zlib.crc32(view[pos:self._body_end], crc)
-                if crc != self._expected_crc:
-                    self._fail(f"crc_num trailer says CRC-32 {self._expected_crc:#010x}, the content has "
-                               f"{crc:#010x}: the file is damaged")
-        finally:
-            view.release()
-            close_quietly(mm)
+        for t in self._entries:
+            data, crc, pos = self._read(t, crc, pos)
+            yield t.name, t.shape, dtypes.numpy_dtype(t.dtype), data
+        if self._expected_crc is not None:
+            crc = self._crc_of(pos, self._body_end, crc)
+            if crc != self._expected_crc:
+                self._fail(f"crc_num trailer says CRC-32 {self._expected_crc:#010x}, the content has "
+                           f"{crc:#010x}: the file is damaged")
 
-    def _assemble(self, view, t):
-        """A sliced parameter's pieces copied into one anonymous mapping (freed once unreferenced)."""
-        whole = mmap.mmap(-1, t.nbytes)
-        filled = 0
+    def _read(self, t, crc, pos):
+        """(t's bytes, its slices read one after the other into one buffer, the CRC-32 and the
+        position it has reached): with a crc_num trailer, every byte counts, the protobuf
+        framing between the slices included."""
+        data, filled = buffer(t.nbytes), 0
         for off, n in t.slices:
-            whole[filled:filled + n] = view[off:off + n]
-            forget(self._mm, off, n)
-            filled += n
-        return memoryview(whole)
+            if self._expected_crc is not None:
+                crc = self._crc_of(pos, off, crc)
+            piece = data[filled:filled + n]
+            self._file.read_into(piece, off)
+            if self._expected_crc is not None:
+                crc = zlib.crc32(piece, crc)
+            filled, pos = filled + n, off + n
+        if self._expected_crc is not None:
+            crc = self._crc_of(pos, t.end, crc)
+        return data, crc, t.end
+
+    def _crc_of(self, start, end, crc):
+        """The CRC-32 carried on over the file's bytes [start, end) (framing: a few bytes)."""
+        while start < end:
+            n = min(end - start, 1 << 20)
+            crc = zlib.crc32(self._file[start:start + n], crc)
+            start += n
+        return crc

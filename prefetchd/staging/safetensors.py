@@ -9,7 +9,7 @@ import zlib
 
 from .. import dtypes
 from .checks import name_problem, shape_problem, shown
-from .mapped import MappedCheckpoint, close_quietly, forget
+from .source import CheckpointReader, buffer
 
 HEADER_LIMIT = 100 << 20   # the safetensors format's own cap on the JSON header
 
@@ -34,7 +34,7 @@ def _unique_keys(pairs):
     return obj
 
 
-class SafetensorsCheckpoint(MappedCheckpoint):
+class SafetensorsCheckpoint(CheckpointReader):
     """Iterator of (name, shape, numpy dtype, memoryview) over a .safetensors file.
 
     The header is validated entirely on open (StagingError naming the file,
@@ -49,7 +49,7 @@ class SafetensorsCheckpoint(MappedCheckpoint):
         self._entries, self._expected_crc = self._scan()
 
     def _scan(self):
-        mm = self._mm
+        mm = self._file
         if len(mm) < 8:
             self._fail(f"{len(mm)} bytes is too short for a safetensors header")
         n = int.from_bytes(mm[:8], "little")
@@ -143,19 +143,13 @@ class SafetensorsCheckpoint(MappedCheckpoint):
                            f"of tensor {shown(prev[0])}, {[prev[3] - base, prev[4] - base]}")
 
     def _stream(self):
-        mm = self._mm
-        view = memoryview(mm)
         crc = 0
-        try:
-            for name, shape, dtype, start, end in self._entries:
-                data = view[start:end]
-                if self._expected_crc is not None:
-                    crc = zlib.crc32(data, zlib.crc32(name.encode(), crc))
-                yield name, shape, dtypes.numpy_dtype(dtype), data
-                forget(mm, start, end - start)
-            if self._expected_crc is not None and crc != self._expected_crc:
-                self._fail(f"__metadata__.crc_num is {self._expected_crc}, the tensors' CRC-32 is {crc}: "
-                           f"the file is damaged")
-        finally:
-            view.release()
-            close_quietly(mm)
+        for name, shape, dtype, start, end in self._entries:
+            data = buffer(end - start)
+            self._file.read_into(data, start)
+            if self._expected_crc is not None:
+                crc = zlib.crc32(data, zlib.crc32(name.encode(), crc))
+            yield name, shape, dtypes.numpy_dtype(dtype), data
+        if self._expected_crc is not None and crc != self._expected_crc:
+            self._fail(f"__metadata__.crc_num is {self._expected_crc}, the tensors' CRC-32 is {crc}: "
+                       f"the file is damaged")

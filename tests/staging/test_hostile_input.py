@@ -195,3 +195,37 @@ def test_a_failed_write_is_one_line_naming_the_file_and_keeps_the_old_generation
     assert message.endswith("the store keeps generation 1") and "\n" not in message
     native_faults.clear_faults()
     assert read_index(store)["generation"] == 1 and sorted(read_index(store)["tensors"]) == ["a"]
+
+
+SHRINK = """
+import os, sys
+from prefetchd.staging import StagingError, iter_checkpoint
+path = sys.argv[1]
+reader = iter_checkpoint(path)                 # its structure read; then the file is overwritten
+os.truncate(path, os.path.getsize(path) // 2)
+try:
+    for name, shape, dtype, data in reader:
+        bytes(data[-1:])                       # as the stage's writer reads it
+    print("no error")
+except StagingError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("kind", ["ckpt", "safetensors"])
+def test_a_checkpoint_that_shrinks_while_it_is_read_is_refused(tmp_path, ms, kind):
+    """A file overwritten in place while it was staged (save_checkpoint to the same path): the
+    reader mapped it, and the pages past its new end raised SIGBUS, the stage process killed
+    without a word. It is read with pread now: a short read is an error naming the file."""
+    path = str(tmp_path / f"w.{kind}")
+    big = np.arange(1 << 18, dtype=np.float32)
+    if kind == "ckpt":
+        ms.save_checkpoint([{"name": "a", "data": ms.Tensor(big)}, {"name": "b", "data": ms.Tensor(big)}], path)
+    else:
+        write_safetensors(path, {"a": big, "b": big})
+    size = os.path.getsize(path)
+    out = subprocess.run([sys.executable, "-c", SHRINK, path], capture_output=True, text=True, timeout=120,
+                         cwd=REPO)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.startswith(f"refused: {path}: the file ends at byte {size // 2} now, it had {size} "
+                                 f"bytes when staging began"), out.stdout
