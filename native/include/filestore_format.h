@@ -31,7 +31,8 @@ inline bool ends_with(const std::string &s, const char *suf) {
 inline size_t header_size_for(size_t key, size_t meta, size_t n_ext) {
     return round_up(kFixed + key + meta + 4 * n_ext + 4, kDirectAlign);
 }
-inline size_t n_extents(uint64_t nbytes, uint64_t ext) { return ext ? size_t((nbytes + ext - 1) / ext) : 0; }
+// (Without nbytes + ext - 1: a header's values are read from disk, and must not wrap.)
+inline size_t n_extents(uint64_t nbytes, uint64_t ext) { return ext ? size_t(nbytes / ext + (nbytes % ext != 0)) : 0; }
 
 // Header bytes (padded to its size) for an entry whose crcs are filled in.
 std::string encode_header(const Entry &e);

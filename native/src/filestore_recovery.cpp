@@ -230,6 +230,9 @@ std::shared_ptr<Entry> FileStore::parse_file(const std::string &name, std::strin
         if (nex) memcpy(e->crcs.data(), &h[kFixed + klen + mlen], 4 * nex);
         e->header_size = hsize;
         e->path = dir_ + "/" + name;
+        // Bounded by the file before any arithmetic on it (a crafted nbytes near 2^64 wrapped the
+        // checks below into agreeing, and a bogus newest version won over the real one).
+        if (e->nbytes > uint64_t(st.st_size)) { why = "data size beyond the file"; e.reset(); break; }
         if (e->extent_size == 0 || n_extents(e->nbytes, e->extent_size) != nex) { why = "bad extent table"; e.reset(); break; }
         if (!valid_utf8(e->key)) { why = "key is not valid UTF-8"; e.reset(); break; }
         uint64_t want = hsize + round_up(e->nbytes, kDirectAlign);

@@ -28,6 +28,8 @@ def name_problem(name):
         return "name cannot be encoded as UTF-8 (a lone surrogate)"
     if size == 0:
         return "name is empty (a store key needs 1 to 1024 bytes)"
+    if "\0" in name:
+        return "name contains a NUL character (a daemon could never register it)"
     if size > MAX_KEY_BYTES:
         return f"name is {size} bytes of UTF-8; a store key holds at most {MAX_KEY_BYTES}"
     return None

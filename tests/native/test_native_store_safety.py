@@ -309,3 +309,30 @@ def test_header_key_that_is_not_utf8_is_quarantined(tmp_path):
         assert s.keys() == [] and s.quarantined[0]["reason"] == "key is not valid UTF-8"
     finally:
         s.close()
+
+
+def test_a_header_whose_sizes_wrap_is_quarantined_and_the_real_version_kept(tmp_path):
+    """A header (its checksum right) with nbytes 2^64-1 and no extents: n_extents and the
+    expected file size wrapped around to agree with it, so a bogus newer version of 'w' was
+    taken as intact, and recovery unlinked the real one."""
+    import struct
+    d = str(tmp_path)
+    write_and_close(d, "w", b"REAL" * 1000)
+    key = b"w"
+    fixed = bytearray(56)
+    fixed[0:4] = b"PFD1"
+    struct.pack_into("<IIIQQQIII", fixed, 4, 1, 4096, len(key), 2**64 - 1, 0x7000, 1 << 20, 0, 0, 0)
+    body = bytes(fixed) + key
+    body += n.crc32c(body).to_bytes(4, "little")
+    bogus = os.path.join(d, f"w-{'0' * 32}.{0x7000:016x}.pfd")
+    with open(bogus, "wb") as f:
+        f.write(body + b"\0" * (4096 - len(body)))
+    s = n.FileStore(d)
+    try:
+        [q] = s.quarantined
+        assert q["path"] == bogus and q["reason"] == "data size beyond the file", q
+        out = bytearray(4000)
+        s.read_sync("w", out)
+        assert out == b"REAL" * 1000 and s.info("w")["nbytes"] == 4000
+    finally:
+        s.close()

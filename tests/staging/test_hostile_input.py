@@ -78,6 +78,7 @@ def test_a_ckpt_with_a_hundred_thousand_dims_is_refused_in_linear_time(tmp_path,
     (b'{"\\ud800": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', "name cannot be encoded as UTF-8"),
     ({"": entry()}, "tensor '': name is empty"),
     ({"k" * 2000: entry()}, "name is 2000 bytes of UTF-8; a store key holds at most 1024"),
+    ({"a\0b": entry()}, "tensor 'a\\x00b': name contains a NUL character"),
     ({"w": entry(dtype=["F32"])}, "tensor 'w': dtype ['F32'] has no numpy equivalent"),
     ({"w": entry(dtype="F8_E5M2")}, "tensor 'w': dtype 'F8_E5M2' has no numpy equivalent"),
     ({"w": entry(shape=[2 ** 40, 2 ** 40])}, "tensor 'w': shape [1099511627776, 1099511627776] overflows"),
@@ -92,7 +93,7 @@ def test_a_ckpt_with_a_hundred_thousand_dims_is_refused_in_linear_time(tmp_path,
     ({"__metadata__": {"crc_num": True}, "w": entry()}, "__metadata__.crc_num True is not a CRC-32"),
     ({"__metadata__": {"crc_num": 1.5}, "w": entry()}, "__metadata__.crc_num 1.5 is not a CRC-32"),
     ({"__metadata__": {"crc_num": str(2 ** 32)}, "w": entry()}, "crc_num 4294967296 is not a CRC-32"),
-], ids=["deep-list", "deep-entry", "non-utf8", "surrogate", "empty-name", "long-name", "dtype-list",
+], ids=["deep-list", "deep-entry", "non-utf8", "surrogate", "empty-name", "long-name", "nul-name", "dtype-list",
         "dtype-unknown", "product-overflow", "overflow-with-zero", "rank", "metadata-list", "duplicate",
         "crc-infinity", "crc-1e400", "crc-bool", "crc-float", "crc-out-of-range"])
 def test_hostile_safetensors_headers_are_one_line_naming_the_file(tmp_path, header, field):
@@ -103,10 +104,11 @@ def test_hostile_safetensors_headers_are_one_line_naming_the_file(tmp_path, head
 @pytest.mark.parametrize("value, field", [
     (ckpt_value("", [6], "Float32", F32), "tensor '': name is empty"),
     (ckpt_value("n" * 1500, [6], "Float32", F32), "name is 1500 bytes of UTF-8"),
+    (ckpt_value("a\0b", [6], "Float32", F32), "name contains a NUL character"),
     (ckpt_value("w", [2 ** 62, 2 ** 62, 0], "Float32", b""), "tensor 'w': shape [4611686018427387904, "
                                                            "4611686018427387904, 0] overflows"),
     (ckpt_value("w", [1] * 33, "Float32", F32[:4]), "tensor 'w': shape has 33 dimensions"),
-], ids=["empty-name", "long-name", "overflow", "rank"])
+], ids=["empty-name", "long-name", "nul-name", "overflow", "rank"])
 def test_hostile_ckpt_values_are_one_line_naming_the_file(tmp_path, ms, value, field):
     path = str(tmp_path / "bad.ckpt")
     with open(path, "wb") as f:
