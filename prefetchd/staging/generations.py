@@ -121,7 +121,11 @@ def store_place(store_dir):
     parent, base = os.path.split(store_dir)
     if not base:
         raise StagingError(f"{store_dir}: a filesystem root cannot be a store directory")
-    os.makedirs(parent, exist_ok=True)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        why = "a path in it is not a directory" if isinstance(e, FileExistsError) else e.strerror or e
+        raise StagingError(f"{store_dir}: cannot make the directory it goes in, {parent}: {why}") from None
     return store_dir, parent, base, os.path.join(parent, f".{base}.staging-{os.getpid()}")
 
 
@@ -311,7 +315,11 @@ class stage_lock:
         self.path = os.path.join(parent, f".{base}.stage-lock")
 
     def __enter__(self):
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise StagingError(f"{self.store_dir}: cannot open the stage lock {self.path} beside it: "
+                               f"{e.strerror or e}") from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -231,3 +231,13 @@ def test_a_checkpoint_that_shrinks_while_it_is_read_is_refused(tmp_path, ms, kin
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     assert out.stdout.startswith(f"refused: {path}: the file ends at byte {size // 2} now, it had {size} "
                                  f"bytes when staging began"), out.stdout
+
+
+def test_a_store_path_that_cannot_be_made_is_one_line(tmp_path):
+    """Under a file, the stage said `[Errno 17] File exists: ...`, the errno's own words."""
+    (tmp_path / "afile").write_bytes(b"x")
+    path = safetensors(tmp_path / "w.safetensors", {"w": entry()}, bytes(4))
+    with pytest.raises(StagingError) as info:
+        stage_checkpoint(path, str(tmp_path / "afile" / "store"))
+    assert str(info.value) == (f"{tmp_path}/afile/store: cannot make the directory it goes in, "
+                               f"{tmp_path}/afile: a path in it is not a directory")
