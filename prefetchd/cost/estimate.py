@@ -140,15 +140,20 @@ class PassEstimator:
     def _timed_compute(self):
         """Per-unit compute seconds (trace order) of the timed pass once compute reached all
         its fences, else None (tried again after the next pass). None, too, for a pass that
-        ran other units than the trace's, or not in its order (a resync)."""
+        ran other units than the trace's, or not in its order (a resync). The units are timed
+        as they are released, and a unit whose cells run apart (an embedding's positions and
+        a final norm, pinned from the first to the last) is released after the ones between:
+        its order is the one its kernels were dispatched in (the pass was never timed)."""
         clock = self._clock
         if clock is None or not clock.reached():
             return None
         self._clock, names = None, self._clock_names
         dispatch_ns, fence_ns = clock.stop()
-        if tuple(names) != tuple(name for name, _ in self._units):
+        trace = tuple(name for name, _ in self._units)
+        if tuple(name for _, name in sorted(zip(dispatch_ns, names))) != trace:
             return None
-        seconds = cost_model.compute_seconds_from_fences(dispatch_ns, fence_ns)
+        timed = dict(zip(names, cost_model.compute_seconds_from_fences(dispatch_ns, fence_ns)))
+        seconds = [timed[name] for name in trace]
         # The mean of a kind, not its median: a pipelined pass has no one-off costs to drop,
         # and fences passed together give one unit its neighbours' time (the sum is right).
         return cost_model.pooled(seconds, [kind for _, kind in self._units], statistic=statistics.fmean)
