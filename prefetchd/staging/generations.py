@@ -145,7 +145,7 @@ def stage_into(work, checkpoint, config, progress, interval, stream, generation,
             raise StagingError(f"{source}: {e}") from None
         except NativeError as e:             # a write failed (ENOSPC, EIO, EFBIG): its message names the key
             raise StagingError(f"{source}: writing the new generation failed ({e}); nothing was swapped "
-                               f"in, the store keeps generation {generation - 1}") from None
+                               f"in, {_kept(generation)}") from None
         _read_back(store, staged, source, generation)
         index = {}
         for key in store.keys():             # exactly what this generation holds
@@ -180,11 +180,16 @@ def _read_back(store, staged, source, generation):
                 store.read_sync(name, buf, verify=True)
             except NativeError as e:
                 raise StagingError(f"{source}: tensor {name!r} read back wrong from the new generation "
-                                   f"({e}); nothing was swapped in, the store keeps generation "
-                                   f"{generation - 1}") from None
+                                   f"({e}); nothing was swapped in, {_kept(generation)}") from None
             buf.madvise(mmap.MADV_DONTNEED)     # one tensor's pages in RAM at a time
     finally:
         buf.close()
+
+
+def _kept(generation):
+    """What a failed stage of `generation` left (generation 0: no stage made the store before)."""
+    return f"the store keeps generation {generation - 1}" if generation > 1 else \
+        "the store is as it was before (none, if there was none)"
 
 
 def link_current(store_dir, work):
@@ -226,10 +231,10 @@ class StoreLock:
 
     def release(self, swapped):
         """Let go; a store directory this stage made and did not swap a generation into goes
-        too (nothing else wrote there: the lock kept every daemon out)."""
-        os.close(self.fd)
+        first (nothing else wrote there: the lock kept every daemon out, until it is let go)."""
         if self.made and not swapped:
             shutil.rmtree(self.store_dir, ignore_errors=True)
+        os.close(self.fd)
 
 
 def hold_store_lock(store_dir):

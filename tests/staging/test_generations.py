@@ -130,13 +130,27 @@ def test_a_daemon_opening_the_store_during_a_stage_is_refused(tmp_path, monkeypa
         assert os.stat(store).st_mode & 0o777 == 0o700        # as a FileStore makes one
 
 
-def test_a_failed_first_stage_leaves_no_store_directory(tmp_path):
+def test_a_failed_first_stage_leaves_no_store_directory(tmp_path, monkeypatch):
+    """...and removes it while it still holds its lock: let go first, a daemon could open the
+    directory in between, write there, and lose what it wrote to the removal."""
+    from prefetchd.staging import generations
     store = tmp_path / "store"
     write_safetensors(str(tmp_path / "b.safetensors"), {"x": np.full(4, 2, np.float32)},
                       metadata={"crc_num": "12345"})
+    seen, real = [], generations.shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if str(path) == str(store):               # a daemon opens the store just then
+            try:
+                _native.FileStore(str(store)).close()
+                seen.append("opened")
+            except _native.StoreInUse:
+                seen.append("refused")
+        return real(path, *args, **kwargs)
+    monkeypatch.setattr(generations.shutil, "rmtree", rmtree)
     with pytest.raises(StagingError, match="crc_num"):
         stage_checkpoint(str(tmp_path / "b.safetensors"), str(store))
-    assert not store.exists()
+    assert seen == ["refused"] and not store.exists()
 
 
 def test_a_store_open_in_a_daemon_is_refused_and_its_quarantine_is_kept(tmp_path):
