@@ -233,14 +233,14 @@ def run_batch(model, job, frames, max_bytes, worker=None):
     headers, out_frames = [], []
     for i, arrays in enumerate(done.outputs):
         if i not in done.errors:
-            try:
+            try:       # outputs too large, or that the wire cannot carry: this part's own error
                 _check_output_sizes(arrays, max_bytes)
-            except BadArguments as e:
+                h, f = encode_arrays(arrays)
+            except (BadArguments, TypeError, ValueError) as e:
                 done.errors[i] = error_reply(e, worker)
         if i in done.errors:
             headers.append(None)
             continue
-        h, f = encode_arrays(arrays)
         headers.append(h)
         out_frames.extend(f)
     return ({"outputs": headers, "errors": {str(i): e for i, e in done.errors.items()}, "ran": done.ran,

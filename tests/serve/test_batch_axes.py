@@ -206,6 +206,33 @@ def test_a_prompt_that_makes_generate_raise_fails_alone(mindspore_cpu):
         np.testing.assert_array_equal(got, np.full((len(requests[i][0]), 2), i + 1, np.int64))
 
 
+def test_an_output_the_wire_cannot_carry_fails_its_own_request_only(mindspore_cpu):
+    """A generate that returned None (an object array) for one prompt: its batch-mates were
+    computed right, alone, and their answers dropped with it, all failed INTERNAL."""
+    ms = mindspore_cpu
+
+    class Odd:
+        cell = ms.nn.Dense(2, 2)
+        inputs = [TensorSpec((None, 3), "int64", name="input_ids")]
+
+        def forward(self, ids):
+            return ids
+
+        def generate(self, ids, max_new_tokens):
+            return None if (ids == 13).any() else ids[:, -1:] + np.arange(1, max_new_tokens + 1)
+    model = ServedModel("m0", as_servable(Odd(), "t:f"), handle=None, hints=[])
+    parts, frames = [], []
+    for value in (5, 13, 20):
+        headers, buffers = encode_arrays([np.full((1, 3), value, np.int64)])
+        parts.append({"inputs": headers})
+        frames.extend(buffers)
+    result, out = run_batch(model, {"model": "m0", "kind": "generate", "parts": parts,
+                                    "max_new_tokens": 2}, frames, 1 << 20)
+    assert list(result["errors"]) == ["1"] and "not carried on the wire" in result["errors"]["1"]["reason"]
+    assert [decode_arrays(result["outputs"][i], out[j:j + 1], what="output")[0].tolist()
+            for i, j in ((0, 0), (2, 1))] == [[[6, 7]], [[21, 22]]]
+
+
 def test_a_model_whose_rows_are_independent_keeps_joining_despite_rounding(mindspore_cpu):
     """The check that joined outputs split into each request's own compared each element
     with an absolute tolerance of 1e-6: the logits of prefetchd's own tiny LM (up to ~10,
