@@ -16,6 +16,9 @@ constexpr char kMagic[4] = {'P', 'F', 'D', '1'};
 constexpr uint32_t kFormat = 1;
 constexpr size_t kFixed = 56;  // fixed header fields before key/meta/crc table
 constexpr size_t kMaxMeta = 64 << 10;
+// Versions count writes from 1; a header above this one was not written by a FileStore (and
+// the next version after it would wrap to 0, older than every file: writes lost).
+constexpr uint64_t kMaxVersion = uint64_t(1) << 62;
 constexpr const char *kProbePrefix = ".pfd-probe-";
 
 template <class T> void put(std::string &b, size_t at, T v) { memcpy(&b[at], &v, sizeof(T)); }

@@ -214,6 +214,7 @@ std::shared_ptr<Entry> FileStore::parse_file(const std::string &name, std::strin
             break;
         }
         if (hsize > h.size()) {
+            if (hsize > uint64_t(st.st_size)) { why = "truncated header"; break; }  // before allocating it
             h.resize(hsize);
             if (full_io(false, fd, &h[0], hsize, 0) != ssize_t(hsize)) { why = "truncated header"; break; }
         }
@@ -233,6 +234,12 @@ std::shared_ptr<Entry> FileStore::parse_file(const std::string &name, std::strin
         // Bounded by the file before any arithmetic on it (a crafted nbytes near 2^64 wrapped the
         // checks below into agreeing, and a bogus newest version won over the real one).
         if (e->nbytes > uint64_t(st.st_size)) { why = "data size beyond the file"; e.reset(); break; }
+        const uint64_t named = version_in_name(name);
+        if (e->version >= kMaxVersion || (named != 0 && named != e->version)) {
+            why = "version " + std::to_string(e->version) + " is not one a store writes, or not its file name's";
+            e.reset();
+            break;
+        }
         if (e->extent_size == 0 || n_extents(e->nbytes, e->extent_size) != nex) { why = "bad extent table"; e.reset(); break; }
         if (!valid_utf8(e->key)) { why = "key is not valid UTF-8"; e.reset(); break; }
         uint64_t want = hsize + round_up(e->nbytes, kDirectAlign);
@@ -284,7 +291,7 @@ RecoveryReport FileStore::recover(bool verify_data) {
     uint64_t max_version = 0;
     for (auto &n : names) {
         if (n.rfind(kProbePrefix, 0) == 0 || n == kLockName) continue;  // a live probe; the lock
-        max_version = std::max(max_version, version_in_name(n));
+        if (version_in_name(n) < kMaxVersion) max_version = std::max(max_version, version_in_name(n));
         std::string path = dir_ + "/" + n;
         if (ends_with(n, ".tmp")) {
             if (writing_.count(path)) continue;  // our own write in progress

@@ -311,6 +311,77 @@ def test_header_key_that_is_not_utf8_is_quarantined(tmp_path):
         s.close()
 
 
+def _planted(d, key, version, data, name_version=None):
+    """A .pfd file a FileStore did not write, whose header checksum (and extent checksums,
+    one extent) are right: `version` in the header, `name_version` in its name."""
+    import struct
+    crcs = [n.crc32c(data)]
+    fixed = bytearray(56)
+    body_len = 56 + len(key) + 4 * len(crcs) + 4
+    hsize = (body_len + 4095) // 4096 * 4096
+    fixed[0:4] = b"PFD1"
+    struct.pack_into("<IIIQQQIII", fixed, 4, 1, hsize, len(key), len(data), version, 1 << 20, len(crcs), 0,
+                     n.crc32c(data))
+    body = bytes(fixed) + key + b"".join(c.to_bytes(4, "little") for c in crcs)
+    body += n.crc32c(body).to_bytes(4, "little")
+    path = os.path.join(d, f"{key.decode()}-{'0' * 32}.{name_version or version:016x}.pfd")
+    with open(path, "wb") as f:
+        f.write(body + b"\0" * (-len(body) % 4096) + data + b"\0" * (-len(data) % 4096))
+    return path
+
+
+@pytest.mark.parametrize("version, name_version", [(2**64 - 1, None), (2**64 - 1, 0x7000), (0x7001, 0x7000)])
+def test_a_version_no_store_writes_is_quarantined_and_later_writes_kept(tmp_path, version, name_version):
+    """A planted file at version 2^64-1 (its checksums right) won over the real one, which was
+    unlinked, and the next version wrapped to 0: every later write of the key was older than it,
+    and lost while write_sync said it succeeded."""
+    d = str(tmp_path)
+    write_and_close(d, "w", b"REAL" * 1000)
+    bogus = _planted(d, b"w", version, b"FAKE" * 1000, name_version=name_version)
+    s = n.FileStore(d)
+    try:
+        [q] = s.quarantined
+        assert q["path"] == bogus and "is not one a store writes, or not its file name's" in q["reason"], q
+        out = bytearray(4000)
+        s.read_sync("w", out)
+        assert out == b"REAL" * 1000
+        s.write_sync("w", b"NEW!" * 1000)
+    finally:
+        s.close()
+    s = n.FileStore(d)
+    try:
+        out = bytearray(4000)
+        s.read_sync("w", out)
+        assert out == b"NEW!" * 1000
+    finally:
+        s.close()
+
+
+def test_a_header_size_beyond_its_file_is_not_allocated(tmp_path):
+    """n_extents of 2^27 in a 4 KiB file: the header buffer was sized from it (512 MiB, and
+    16 GiB at 2^32) before the file was found too short."""
+    import resource
+    import struct
+    d = str(tmp_path)
+    nex = 1 << 27
+    fixed = bytearray(4096)                 # only its sizes are read before the allocation
+    fixed[0:4] = b"PFD1"
+    struct.pack_into("<IIIQQQIII", fixed, 4, 1, (56 + 1 + 4 * nex + 4 + 4095) // 4096 * 4096, 1, 0, 1, 1 << 20,
+                     nex, 0, 0)
+    fixed[56:57] = b"w"
+    bogus = os.path.join(d, f"w-{'0' * 32}.{1:016x}.pfd")
+    with open(bogus, "wb") as f:
+        f.write(fixed)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    s = n.FileStore(d)
+    try:
+        [q] = s.quarantined
+        assert q["path"] == bogus and q["reason"] == "truncated header", q
+    finally:
+        s.close()
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 128 << 10     # KiB
+
+
 def test_a_header_whose_sizes_wrap_is_quarantined_and_the_real_version_kept(tmp_path):
     """A header (its checksum right) with nbytes 2^64-1 and no extents: n_extents and the
     expected file size wrapped around to agree with it, so a bogus newer version of 'w' was
