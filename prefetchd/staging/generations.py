@@ -20,6 +20,7 @@ The steps (store_place, stage_lock, remove_leftovers, hold_store_lock,
 link_current, stage_into, swap_in) are public: `shards` builds several rank stores with
 them and swaps their parent directory in one step instead.
 """
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -226,14 +227,19 @@ def _link_files(src, dst, top=True):
 class StoreLock:
     """The store's own FileStore lock (`.pfd-lock`), held by a stage (see hold_store_lock)."""
 
-    def __init__(self, fd, store_dir, made):
-        self.fd, self.store_dir, self.made = fd, store_dir, made
+    def __init__(self, fd, store_dir, made, lock_made):
+        self.fd, self.store_dir, self.made, self.lock_made = fd, store_dir, made, lock_made
 
     def release(self, swapped):
-        """Let go; a store directory this stage made and did not swap a generation into goes
-        first (nothing else wrote there: the lock kept every daemon out, until it is let go)."""
+        """Let go; a store directory, or lock file, this stage made and did not swap a generation
+        into goes first (nothing else wrote there: the lock kept every daemon out, until it is
+        let go). A lock file left in a directory the stage refused (a sharded root) blocked every
+        later `stage --shard` of it, as a file that is no rank store."""
         if self.made and not swapped:
             shutil.rmtree(self.store_dir, ignore_errors=True)
+        elif self.lock_made and not swapped:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.store_dir, _STORE_LOCK))
         os.close(self.fd)
 
 
@@ -254,9 +260,14 @@ def hold_store_lock(store_dir):
         pass                          # there already; or its parent is not there (link_current says so)
     except OSError as e:
         raise StagingError(f"{store_dir}: cannot make the store directory: {e.strerror}") from None
+    lock_made = False
     try:
-        fd = os.open(os.path.join(store_dir, _STORE_LOCK),
-                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(os.path.join(store_dir, _STORE_LOCK), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            fd = os.open(os.path.join(store_dir, _STORE_LOCK),
+                         os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            lock_made = True
     except (FileNotFoundError, NotADirectoryError):
         return None                   # not a directory (link_current says so)
     except OSError as e:
@@ -265,7 +276,7 @@ def hold_store_lock(store_dir):
     if holder is not None:
         raise StagingError(f"{store_dir}: in use by pid {holder} (a daemon has this store open, or "
                            f"another stage writes it); close it before staging into it")
-    return StoreLock(fd, store_dir, made)
+    return StoreLock(fd, store_dir, made, lock_made)
 
 
 def lock_or_holder(fd):

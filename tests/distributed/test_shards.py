@@ -10,7 +10,8 @@ import pytest
 
 from helpers import ENV, REPO
 from prefetchd import Config
-from prefetchd.staging import INDEX_FILE, SHARDS_FILE, StagingError, read_index, stage_sharded
+from prefetchd.staging import (INDEX_FILE, SHARDS_FILE, StagingError, read_index, stage_checkpoint,
+                               stage_sharded)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "staging"))
 from ckpt_files import write_safetensors  # noqa: E402
@@ -85,6 +86,19 @@ def test_a_daemon_opening_a_rank_store_during_a_sharded_stage_is_refused(tmp_pat
     stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)
     assert len(seen) == 2 and all(f"in use by pid {os.getpid()}" in e for e in seen), seen
     assert set(read_store(str(tmp_path / "store" / "rank_1"))) == set(WHOLE)
+
+
+def test_a_plain_stage_refused_at_a_sharded_root_leaves_nothing_there(tmp_path):
+    """It left the store lock file it had made in the root, and every later `stage --shard`
+    refused the root for holding '.pfd-lock', which is no rank store."""
+    src = tmp_path / "whole.safetensors"
+    write_safetensors(src, WHOLE)
+    stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)
+    before = sorted(os.listdir(tmp_path / "store"))
+    with pytest.raises(StagingError, match="holds a subdirectory 'rank_0'"):
+        stage_checkpoint(str(src), str(tmp_path / "store"))
+    assert sorted(os.listdir(tmp_path / "store")) == before
+    assert stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)["generation"] == 2
 
 
 def test_per_rank_checkpoints_in_mindsporess_layout_stage_one_store_each(tmp_path):
