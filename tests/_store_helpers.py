@@ -35,6 +35,23 @@ def write_and_close(d, key, data):
     return path
 
 
+def read_key(store, key):
+    """The bytes `store` holds for `key` (read and checked, all of them)."""
+    out = bytearray(store.info(key)["nbytes"])
+    store.read_sync(key, out)
+    return bytes(out)
+
+
+def daemon_open_meets(store_dir):
+    """What a daemon opening `store_dir` now meets: "opened" (it opened and closed it), or the
+    StoreInUse refusal's message."""
+    try:
+        n.FileStore(str(store_dir)).close()
+        return "opened"
+    except n.StoreInUse as e:
+        return str(e)
+
+
 def _mounted(d, fstype, options=None):
     """Mount a fresh `fstype` at d for the test (skipped where mounting is not allowed)."""
     os.mkdir(d)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from helpers import ENV, REPO
+from _store_helpers import daemon_open_meets
 from prefetchd import Config
 from prefetchd.staging import (INDEX_FILE, SHARDS_FILE, StagingError, read_index, stage_checkpoint,
                                stage_sharded)
@@ -68,18 +69,13 @@ def test_a_daemon_opening_a_rank_store_during_a_sharded_stage_is_refused(tmp_pat
     """A new root's rank directories were made only by the swap: a daemon that opened
     ROOT/rank_1 meanwhile made it and wrote there, and the swap deleted what it wrote. Every
     rank's lock is now held, its directory made, before any rank is staged."""
-    from prefetchd import _native
     from prefetchd.staging import shards
     src = tmp_path / "whole.safetensors"
     write_safetensors(src, WHOLE)
     seen = []
 
     def stage_into(*args, **kwargs):
-        try:
-            _native.FileStore(str(tmp_path / "store" / "rank_1")).close()
-            seen.append("opened")
-        except _native.StoreInUse as e:
-            seen.append(str(e))
+        seen.append(daemon_open_meets(tmp_path / "store" / "rank_1"))
         return real(*args, **kwargs)
     real = shards.stage_into
     monkeypatch.setattr(shards, "stage_into", stage_into)

@@ -2,6 +2,7 @@
 quarantines instead of deleting, the last good version kept until the new one is verified."""
 import os
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -9,7 +10,7 @@ import textwrap
 import pytest
 
 n = pytest.importorskip("prefetchd._native")
-from _store_helpers import ENV, REPO, data_offset, flip_byte, write_and_close
+from _store_helpers import ENV, REPO, data_offset, flip_byte, read_key, write_and_close
 
 pytestmark = pytest.mark.usefixtures("native_faults")     # no injected fault outlives a test
 
@@ -286,9 +287,7 @@ def test_intact_new_version_wins_after_a_crash_before_verify(tmp_path):
     s = n.FileStore(d)
     try:
         assert s.info("w")["path"] == new_path and s.recovery_report["removed_old"] == 1
-        out = bytearray(100000)
-        s.read_sync("w", out)
-        assert out == b"NEW!" * 25000
+        assert read_key(s, "w") == b"NEW!" * 25000
     finally:
         s.close()
 
@@ -311,22 +310,21 @@ def test_header_key_that_is_not_utf8_is_quarantined(tmp_path):
         s.close()
 
 
-def _planted(d, key, version, data, name_version=None):
-    """A .pfd file a FileStore did not write, whose header checksum (and extent checksums,
-    one extent) are right: `version` in the header, `name_version` in its name."""
-    import struct
-    crcs = [n.crc32c(data)]
+def _fixed_header(key, hsize, nbytes, version, n_ext, data_crc=0):
+    """A .pfd header's fixed fields and key, as a FileStore writes them (its format is
+    native/include/filestore_format.h: 56 bytes, then the key, meta, extent CRCs, the CRC)."""
     fixed = bytearray(56)
-    body_len = 56 + len(key) + 4 * len(crcs) + 4
-    hsize = (body_len + 4095) // 4096 * 4096
     fixed[0:4] = b"PFD1"
-    struct.pack_into("<IIIQQQIII", fixed, 4, 1, hsize, len(key), len(data), version, 1 << 20, len(crcs), 0,
-                     n.crc32c(data))
-    body = bytes(fixed) + key + b"".join(c.to_bytes(4, "little") for c in crcs)
-    body += n.crc32c(body).to_bytes(4, "little")
-    path = os.path.join(d, f"{key.decode()}-{'0' * 32}.{name_version or version:016x}.pfd")
+    struct.pack_into("<IIIQQQIII", fixed, 4, 1, hsize, len(key), nbytes, version, 1 << 20, n_ext, 0, data_crc)
+    return bytes(fixed) + key
+
+
+def _plant(d, key, name_version, header, data=b""):
+    """Write a .pfd file a FileStore did not write: `header` (CRC32C appended, padded), `data`."""
+    header += n.crc32c(header).to_bytes(4, "little")
+    path = os.path.join(d, f"{key.decode()}-{'0' * 32}.{name_version:016x}.pfd")
     with open(path, "wb") as f:
-        f.write(body + b"\0" * (-len(body) % 4096) + data + b"\0" * (-len(data) % 4096))
+        f.write(header + b"\0" * (-len(header) % 4096) + data + b"\0" * (-len(data) % 4096))
     return path
 
 
@@ -337,22 +335,21 @@ def test_a_version_no_store_writes_is_quarantined_and_later_writes_kept(tmp_path
     and lost while write_sync said it succeeded."""
     d = str(tmp_path)
     write_and_close(d, "w", b"REAL" * 1000)
-    bogus = _planted(d, b"w", version, b"FAKE" * 1000, name_version=name_version)
+    data = b"FAKE" * 1000                  # its extent checksummed right too
+    crc = n.crc32c(data)
+    bogus = _plant(d, b"w", name_version or version,
+                   _fixed_header(b"w", 4096, len(data), version, 1, crc) + crc.to_bytes(4, "little"), data)
     s = n.FileStore(d)
     try:
         [q] = s.quarantined
         assert q["path"] == bogus and "is not one a store writes, or not its file name's" in q["reason"], q
-        out = bytearray(4000)
-        s.read_sync("w", out)
-        assert out == b"REAL" * 1000
+        assert read_key(s, "w") == b"REAL" * 1000
         s.write_sync("w", b"NEW!" * 1000)
     finally:
         s.close()
     s = n.FileStore(d)
     try:
-        out = bytearray(4000)
-        s.read_sync("w", out)
-        assert out == b"NEW!" * 1000
+        assert read_key(s, "w") == b"NEW!" * 1000
     finally:
         s.close()
 
@@ -361,17 +358,9 @@ def test_a_header_size_beyond_its_file_is_not_allocated(tmp_path):
     """n_extents of 2^27 in a 4 KiB file: the header buffer was sized from it (512 MiB, and
     16 GiB at 2^32) before the file was found too short."""
     import resource
-    import struct
     d = str(tmp_path)
-    nex = 1 << 27
-    fixed = bytearray(4096)                 # only its sizes are read before the allocation
-    fixed[0:4] = b"PFD1"
-    struct.pack_into("<IIIQQQIII", fixed, 4, 1, (56 + 1 + 4 * nex + 4 + 4095) // 4096 * 4096, 1, 0, 1, 1 << 20,
-                     nex, 0, 0)
-    fixed[56:57] = b"w"
-    bogus = os.path.join(d, f"w-{'0' * 32}.{1:016x}.pfd")
-    with open(bogus, "wb") as f:
-        f.write(fixed)
+    nex = 1 << 27                           # only the header's sizes are read before the allocation
+    bogus = _plant(d, b"w", 1, _fixed_header(b"w", (56 + 1 + 4 * nex + 4 + 4095) // 4096 * 4096, 0, 1, nex))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     s = n.FileStore(d)
     try:
@@ -386,24 +375,13 @@ def test_a_header_whose_sizes_wrap_is_quarantined_and_the_real_version_kept(tmp_
     """A header (its checksum right) with nbytes 2^64-1 and no extents: n_extents and the
     expected file size wrapped around to agree with it, so a bogus newer version of 'w' was
     taken as intact, and recovery unlinked the real one."""
-    import struct
     d = str(tmp_path)
     write_and_close(d, "w", b"REAL" * 1000)
-    key = b"w"
-    fixed = bytearray(56)
-    fixed[0:4] = b"PFD1"
-    struct.pack_into("<IIIQQQIII", fixed, 4, 1, 4096, len(key), 2**64 - 1, 0x7000, 1 << 20, 0, 0, 0)
-    body = bytes(fixed) + key
-    body += n.crc32c(body).to_bytes(4, "little")
-    bogus = os.path.join(d, f"w-{'0' * 32}.{0x7000:016x}.pfd")
-    with open(bogus, "wb") as f:
-        f.write(body + b"\0" * (4096 - len(body)))
+    bogus = _plant(d, b"w", 0x7000, _fixed_header(b"w", 4096, 2**64 - 1, 0x7000, 0))
     s = n.FileStore(d)
     try:
         [q] = s.quarantined
         assert q["path"] == bogus and q["reason"] == "data size beyond the file", q
-        out = bytearray(4000)
-        s.read_sync("w", out)
-        assert out == b"REAL" * 1000 and s.info("w")["nbytes"] == 4000
+        assert read_key(s, "w") == b"REAL" * 1000 and s.info("w")["nbytes"] == 4000
     finally:
         s.close()

@@ -14,6 +14,7 @@ from prefetchd import _native
 from prefetchd.staging import INDEX_FILE, StagingError, read_index, read_meta, stage_checkpoint
 from ckpt_files import write_safetensors
 from helpers import ENV
+from _store_helpers import daemon_open_meets
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -115,11 +116,7 @@ def test_a_daemon_opening_the_store_during_a_stage_is_refused(tmp_path, monkeypa
     seen = []
 
     def stage_into(*args, **kwargs):                     # a daemon opens the store mid-stage
-        try:
-            _native.FileStore(store).close()
-            seen.append("opened")
-        except _native.StoreInUse as e:
-            seen.append(str(e))
+        seen.append(daemon_open_meets(store))
         return real(*args, **kwargs)
     real = generations.stage_into
     monkeypatch.setattr(generations, "stage_into", stage_into)
@@ -141,16 +138,12 @@ def test_a_failed_first_stage_leaves_no_store_directory(tmp_path, monkeypatch):
 
     def rmtree(path, *args, **kwargs):
         if str(path) == str(store):               # a daemon opens the store just then
-            try:
-                _native.FileStore(str(store)).close()
-                seen.append("opened")
-            except _native.StoreInUse:
-                seen.append("refused")
+            seen.append(daemon_open_meets(store))
         return real(path, *args, **kwargs)
     monkeypatch.setattr(generations.shutil, "rmtree", rmtree)
     with pytest.raises(StagingError, match="crc_num"):
         stage_checkpoint(str(tmp_path / "b.safetensors"), str(store))
-    assert seen == ["refused"] and not store.exists()
+    assert len(seen) == 1 and f"in use by pid {os.getpid()}" in seen[0] and not store.exists(), seen
 
 
 def test_a_store_open_in_a_daemon_is_refused_and_its_quarantine_is_kept(tmp_path):
