@@ -56,14 +56,14 @@ class MindSporeCheckpoint(CheckpointReader):
         self._scan()
 
     def _scan(self):
-        mm, size = self._file, len(self._file)
+        src, size = self._file, len(self._file)
         self._body_end, self._expected_crc = size, None
-        if size >= CRC_TRAILER and mm[size - CRC_TRAILER:size - 10] == CRC_MARK:
+        if size >= CRC_TRAILER and src[size - CRC_TRAILER:size - 10] == CRC_MARK:
             self._body_end = size - CRC_TRAILER
-            self._expected_crc = int.from_bytes(mm[size - 10:size], "big")
+            self._expected_crc = int.from_bytes(src[size - 10:size], "big")
         entries, seen, current = [], {}, None
         try:
-            for field, wire, value, at in fields(mm, 0, self._body_end):
+            for field, wire, value, at in fields(src, 0, self._body_end):
                 if field != 1 or wire != 2:
                     self._fail(f"byte {at}: protobuf field {field} (wire type {wire}) where a "
                                f"Checkpoint.value belongs: not a MindSpore checkpoint")
@@ -101,12 +101,12 @@ class MindSporeCheckpoint(CheckpointReader):
 
     def _value(self, span, at):
         """(name, dims tuple, prefetchd dtype name, content (offset, length)) of one Checkpoint.value."""
-        mm = self._file
+        src = self._file
         name = tensor = None
-        for f, w, v, _ in fields(mm, span[0], span[0] + span[1]):
+        for f, w, v, _ in fields(src, span[0], span[0] + span[1]):
             if f == 1 and w == 2:
                 try:
-                    name = bytes(mm[v[0]:v[0] + v[1]]).decode()
+                    name = src[v[0]:v[0] + v[1]].decode()
                 except UnicodeDecodeError:
                     self._fail(f"byte {at}: value tag (parameter name) is not UTF-8")
             elif f == 2 and w == 2:
@@ -121,16 +121,16 @@ class MindSporeCheckpoint(CheckpointReader):
         if tensor is None:
             self._fail(f"tensor {name!r}: value without a tensor")
         dims, type_name, content = [], None, (tensor[0], 0)
-        for f, w, v, _ in fields(mm, tensor[0], tensor[0] + tensor[1]):
+        for f, w, v, _ in fields(src, tensor[0], tensor[0] + tensor[1]):
             if f == 1 and w == 0:
                 dims.append(as_int64(v))
             elif f == 1 and w == 2:                # packed dims
                 p, stop = v[0], v[0] + v[1]
                 while p < stop:
-                    d, p = varint(mm, p, stop)
+                    d, p = varint(src, p, stop)
                     dims.append(as_int64(d))
             elif f == 2 and w == 2:
-                type_name = bytes(mm[v[0]:v[0] + v[1]]).decode(errors="replace")
+                type_name = src[v[0]:v[0] + v[1]].decode(errors="replace")
             elif f == 3 and w == 2:
                 content = v
         for i, d in enumerate(dims):

@@ -49,16 +49,16 @@ class SafetensorsCheckpoint(CheckpointReader):
         self._entries, self._expected_crc = self._scan()
 
     def _scan(self):
-        mm = self._file
-        if len(mm) < 8:
-            self._fail(f"{len(mm)} bytes is too short for a safetensors header")
-        n = int.from_bytes(mm[:8], "little")
-        if n > len(mm) - 8 or n > HEADER_LIMIT:
-            self._fail(f"header length {n} runs past the end of the file ({len(mm)} bytes)")
-        header = self._parse_header(bytes(mm[8:8 + n]))
+        src = self._file
+        if len(src) < 8:
+            self._fail(f"{len(src)} bytes is too short for a safetensors header")
+        n = int.from_bytes(src[:8], "little")
+        if n > len(src) - 8 or n > HEADER_LIMIT:
+            self._fail(f"header length {n} runs past the end of the file ({len(src)} bytes)")
+        header = self._parse_header(src[8:8 + n])
         if not isinstance(header, dict):
             self._fail(f"header is a JSON {type(header).__name__}, not an object")
-        base, size = 8 + n, len(mm)
+        base, size = 8 + n, len(src)
         meta = header.get("__metadata__", {})
         if not isinstance(meta, dict):
             self._fail(f"__metadata__ is a JSON {type(meta).__name__}, not an object")

@@ -41,10 +41,12 @@ class SourceFile:
         except OSError as e:
             raise StagingError(f"{path}: cannot read: {e.strerror or e}") from None
         st = os.fstat(self.fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+        if not stat.S_ISREG(st.st_mode):
             self.close()
-            raise _not_regular(path, st.st_mode) if not stat.S_ISREG(st.st_mode) \
-                else StagingError(f"{path}: file is empty")
+            raise _not_regular(path, st.st_mode)
+        if st.st_size == 0:
+            self.close()
+            raise StagingError(f"{path}: file is empty")
         self.size = st.st_size
         self._chunk_at, self._chunk = -1, b""
 
@@ -65,7 +67,7 @@ class SourceFile:
     def _pread(self, offset, length):
         data = os.pread(self.fd, length, offset) if length else b""
         if len(data) != length:
-            self._shrank(offset + len(data))
+            self._shrank()
         return data
 
     def read_into(self, buffer, offset):
@@ -75,12 +77,12 @@ class SourceFile:
             while done < len(view):
                 got = os.preadv(self.fd, [view[done:]], offset + done)
                 if got == 0:
-                    self._shrank(offset + done)
+                    self._shrank()
                 done += got
         finally:
             view.release()
 
-    def _shrank(self, at):
+    def _shrank(self):
         now = os.fstat(self.fd).st_size
         raise StagingError(f"{self.path}: the file ends at byte {now} now, it had {self.size} bytes when "
                            f"staging began (changed while it was read: stage a file nothing is writing)")
