@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 from .config import Config
 from .errors import ConfigError
+from .backend.base import SHARDS_FILE, STORE_SUFFIX
+from .staging import INDEX_FILE
 from .staging.shards import read_shards
 
 
@@ -114,16 +116,38 @@ def _endpoint(endpoint, info):
     return f"{m.group(1)}{port}"
 
 
-def check_sharded_store(root, info):
-    """Refuse a sharded store staged for another world size (one line naming both)."""
-    doc = read_shards(root)            # None: not staged by `stage --shard` (the rank dirs are the user's)
-    if doc is None:
-        return None
-    world = doc["world_size"]
-    if world != info.world_size:
-        raise ConfigError(f"store {root} was staged for {world} ranks, this job has {info.world_size} "
-                          f"(stage it again with --ranks {info.world_size})")
-    return doc
+def _holds_tensors(directory):
+    """Whether `directory` is a plain store with tensors: a staged index, or a daemon's
+    `.pfd` files. (A lone lock file is a store that holds nothing: no rank's data is lost.)"""
+    try:
+        with os.scandir(directory) as entries:
+            return any(e.name == INDEX_FILE or e.name.endswith(STORE_SUFFIX) for e in entries)
+    except OSError:                     # missing or unreadable: opening it as a store says why
+        return False
+
+
+def rank_store(root, info):
+    """`root/rank_<N>`, this rank's store, after refusing a root no rank can read: a sharded
+    store staged for another world size or without this rank's directory, or a plain store
+    (staged or written without --shard: its tensors are the whole model's, and a rank_N made
+    inside it would start empty). A root that is neither is the user's: the rank's daemon
+    makes its directory."""
+    place = os.path.join(root, f"rank_{info.rank}")
+    doc = read_shards(root)
+    if doc is not None:
+        world = doc["world_size"]
+        if world != info.world_size:
+            raise ConfigError(f"store {root} was staged for {world} ranks, this job has {info.world_size} "
+                              f"(stage it again with --ranks {info.world_size})")
+        if not os.path.isdir(place):
+            raise ConfigError(f"store {root} is staged for {world} ranks but has no {place} (removed, or "
+                              f"not a directory); stage it again with `prefetchd stage --shard`")
+        return place
+    if _holds_tensors(root):
+        raise ConfigError(f"store {root} is a plain store (no {SHARDS_FILE}): a rank reads its shard from "
+                          f"{root}/rank_N; stage the model with `prefetchd stage --shard`, or run it "
+                          f"without ranks")
+    return place
 
 
 def rank_config(config=None, info=None, **overrides):
@@ -153,8 +177,7 @@ def rank_config(config=None, info=None, **overrides):
                "name": f"{config.name}.rank{info.rank}",
                "endpoint": _endpoint(config.endpoint, info)}
     if config.store_dir is not None:
-        check_sharded_store(config.store_dir, info)
-        changes["store_dir"] = os.path.join(config.store_dir, f"rank_{info.rank}")
+        changes["store_dir"] = rank_store(config.store_dir, info)
     if config.trace is not None:
         changes["trace"] = _suffixed(config.trace, info.rank)
     if config.metrics_port:              # 0: any free port, never a collision

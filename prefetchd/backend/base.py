@@ -158,6 +158,10 @@ def copy_rate():
 # What `prefetchd stage --shard` writes at the root of a sharded store (staging/shards.py):
 # the root holds rank_N/ stores, and is not a store itself.
 SHARDS_FILE = "prefetchd-shards.json"
+# A FileStore's flock file in its directory: held while a daemon (or a stage) has the store open.
+STORE_LOCK = ".pfd-lock"
+# The ending of a FileStore's tensor files (`<name>-<hash>.<version>.pfd`, flat in its directory).
+STORE_SUFFIX = ".pfd"
 
 
 def open_store(config):

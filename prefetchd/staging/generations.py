@@ -32,7 +32,7 @@ import shutil
 import stat
 import time
 
-from ..backend.base import open_store
+from ..backend.base import STORE_LOCK, open_store
 from .errors import StagingError
 from .progress import Progress
 from .readers import iter_checkpoint
@@ -43,7 +43,6 @@ INDEX_FORMAT = 1
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 _PROBE_PREFIX = ".pfd-probe-"
-_STORE_LOCK = ".pfd-lock"         # a FileStore's flock: held while a daemon has the store open
 _QUARANTINE = "quarantine"        # files a FileStore's recovery could not use, kept for people
 _PAGE = mmap.PAGESIZE
 
@@ -218,7 +217,7 @@ def _link_files(src, dst, top=True):
                 continue
             raise StagingError(f"{src}: holds a subdirectory {entry.name!r}; "
                                f"a store directory holds only prefetchd files")
-        if top and (entry.name in (INDEX_FILE, INDEX_FILE + ".tmp", _STORE_LOCK) or entry.name.endswith(".tmp")
+        if top and (entry.name in (INDEX_FILE, INDEX_FILE + ".tmp", STORE_LOCK) or entry.name.endswith(".tmp")
                     or entry.name.startswith(_PROBE_PREFIX)):
             continue
         os.link(entry.path, os.path.join(dst, entry.name), follow_symlinks=False)
@@ -239,7 +238,7 @@ class StoreLock:
             shutil.rmtree(self.store_dir, ignore_errors=True)
         elif self.lock_made and not swapped:
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(self.store_dir, _STORE_LOCK))
+                os.unlink(os.path.join(self.store_dir, STORE_LOCK))
         os.close(self.fd)
 
 
@@ -263,15 +262,15 @@ def hold_store_lock(store_dir):
     lock_made = False
     try:
         try:
-            fd = os.open(os.path.join(store_dir, _STORE_LOCK), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(os.path.join(store_dir, STORE_LOCK), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
-            fd = os.open(os.path.join(store_dir, _STORE_LOCK),
+            fd = os.open(os.path.join(store_dir, STORE_LOCK),
                          os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             lock_made = True
     except (FileNotFoundError, NotADirectoryError):
         return None                   # not a directory (link_current says so)
     except OSError as e:
-        raise StagingError(f"{store_dir}: cannot open its lock {_STORE_LOCK}: {e.strerror}") from None
+        raise StagingError(f"{store_dir}: cannot open its lock {STORE_LOCK}: {e.strerror}") from None
     holder = lock_or_holder(fd)
     if holder is not None:
         raise StagingError(f"{store_dir}: in use by pid {holder} (a daemon has this store open, or "

@@ -1,9 +1,11 @@
 """prefetchd.ranks: the rank from msrun's environment, a rank's own config, and the rank in
 status, metrics and `prefetchd status` (a real Daemon, a real control socket)."""
 import os
+import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from helpers import ENV, REPO
@@ -119,3 +121,35 @@ def test_rank_settings_that_contradict_the_launcher_are_refused(tmp_path, monkey
         rank_config(Config.load(env=env))
     agreeing = {**env, "PREFETCHD_RANK": "0"}
     assert rank_config(Config.load(env=agreeing)).store_dir == str(tmp_path / "s" / "rank_0")
+
+
+def test_a_rank_job_on_a_plain_store_or_a_missing_shard_is_refused_naming_the_directory(tmp_path, ms):
+    """A plain store's tensors are the whole model's: a rank_N made inside it would start empty and
+    fail later on the first parameter (UnknownTensorError), leaving a directory the next plain stage
+    of that store refuses. A sharded store without this rank's directory fails the same way."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "staging"))
+    from ckpt_files import write_safetensors
+    from prefetchd.staging import stage_checkpoint, stage_sharded
+    src = tmp_path / "whole.safetensors"
+    write_safetensors(src, {"w": np.arange(8, dtype=np.float32).reshape(2, 4)})
+    staged, written, sharded = (str(tmp_path / name) for name in ("staged", "written", "sharded"))
+    stage_checkpoint(str(src), staged)
+    with Daemon(store_dir=written, device_budget="4MiB") as daemon:       # a daemon's own .pfd files
+        daemon.register(ms.Tensor(np.ones(4, np.float32)), "w", tier="remote")
+    for plain in (staged, written):
+        before = sorted(os.listdir(plain))
+        with pytest.raises(ConfigError, match=rf"store {plain} is a plain store .*{plain}/rank_N.*--shard"):
+            rank_config(Config.load(env={}, store_dir=plain), RankInfo(0, 2, 0, "argument"))
+        assert sorted(os.listdir(plain)) == before
+    stage_sharded(str(src), sharded, spec="w=0", world_size=2)
+    shutil.rmtree(os.path.join(sharded, "rank_1"))
+    assert rank_config(Config.load(env={}, store_dir=sharded),
+                       RankInfo(0, 2, 0, "argument")).store_dir == os.path.join(sharded, "rank_0")
+    with pytest.raises(ConfigError, match=rf"staged for 2 ranks but has no {sharded}/rank_1"):
+        rank_config(Config.load(env={}, store_dir=sharded), RankInfo(1, 2, 1, "argument"))
+    # A directory that is no store yet, or holds only a lock file, is the user's: each rank makes its own.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / ".pfd-lock").touch()
+    assert rank_config(Config.load(env={}, store_dir=str(fresh)),
+                       RankInfo(1, 2, 1, "argument")).store_dir == str(fresh / "rank_1")
