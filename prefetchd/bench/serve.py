@@ -147,8 +147,8 @@ def _phases(s, fronts, inputs, prompt):
 
 def _warm(s, fronts, inputs, prompt):
     """One batched and one unbatched round per front: every worker has run every shape, and
-    has checked its joined batches (JOIN_CHECKS of distinct requests: until then it runs
-    them one at a time too, so a measured phase would not be batched serving)."""
+    has checked its joined batches, forwards and generates (JOIN_CHECKS of distinct requests:
+    until then it runs them one at a time too, so a measured phase would not be batched serving)."""
     from ..serve.execute import JOIN_CHECKS
     top = max(s["concurrency"])
     for role in ("resident", "offloaded"):
@@ -158,8 +158,9 @@ def _warm(s, fronts, inputs, prompt):
             progress(f"warm {role} max_batch_size {mbs}", run_load(
                 fronts[role].endpoint, ["m0"], batched if mbs > 1 else 2, top, False, inputs, seed=99))
     fronts["generate"].max_batch_size = MAX_BATCH
-    progress("warm generate", run_load(fronts["generate"].endpoint, ["m0"], 4, 4, False, [prompt],
-                                        seed=99, max_new_tokens=s["new_tokens"]))
+    progress("warm generate", run_load(
+        fronts["generate"].endpoint, ["m0"], max(s["rounds"], 2 * JOIN_CHECKS) * top, top, False, [prompt],
+        seed=99, max_new_tokens=s["new_tokens"]))
     progress("warm hints", run_load(fronts["hints"].endpoint, ["m0", "m1", "m2"], 3 * s["workers"],
                                      2 * s["workers"], False, inputs, seed=99))
 

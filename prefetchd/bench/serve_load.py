@@ -4,7 +4,7 @@ moment one is answered, until `requests` have been sent and answered.
 
 A request is an `infer` (the arrays `inputs`, prefetchd.serve.wire) or, with
 `max_new_tokens`, a `generate` of that many tokens for the prompt `inputs[0]`.
-Float inputs are varied per request (VARIANTS seeded versions): the front joins a
+Inputs are varied per request (VARIANTS seeded versions): the front joins a
 model's requests only once joined batches of distinct requests split right, and
 identical requests run alone (docs/control-plane.md), so a load of one repeated
 input would measure unbatched serving while calling it batched.
@@ -26,13 +26,15 @@ VARIANTS = 16
 
 
 def _variants(inputs, seed):
-    """[(headers, buffers)] of VARIANTS versions of `inputs` (floats moved by seeded noise;
-    integer inputs, prompts, as they are)."""
+    """[(headers, buffers)] of VARIANTS versions of `inputs`: floats moved by seeded noise,
+    integers (prompts) shuffled, so every id stays one the model takes."""
     rng = np.random.default_rng(seed)
-    if not all(np.issubdtype(a.dtype, np.floating) for a in inputs):
-        return [encode_arrays(inputs)]
-    return [encode_arrays([(a + rng.standard_normal(a.shape)).astype(a.dtype) for a in inputs])
-            for _ in range(VARIANTS)]
+
+    def varied(a):
+        if np.issubdtype(a.dtype, np.floating):
+            return (a + rng.standard_normal(a.shape)).astype(a.dtype)
+        return rng.permutation(a.reshape(-1)).reshape(a.shape)
+    return [encode_arrays([varied(a) for a in inputs]) for _ in range(VARIANTS)]
 
 
 def percentile(values, q):

@@ -114,9 +114,8 @@ class Outcomes:
         self.outputs, self.errors, self.ran, self.forwards = [None] * n, {}, [0] * n, []
         self.worker = worker           # its index, named in the errors' reasons
 
-    def alone(self, servable, parts, rows, run=None):
-        """Run each part by itself: `run(part)` -> its outputs (a forward unless given)."""
-        run = run or (lambda part: output_arrays(servable.forward(*part)))
+    def alone(self, parts, rows, run):
+        """Run each part by itself: `run(part)` -> its outputs."""
         for i in range(len(parts)):
             self.forwards.append(rows[i])
             try:
@@ -139,70 +138,64 @@ def error_reply(e, worker=None):
     return {"code": code, "reason": f"worker {worker}: {e}" if worker is not None else str(e)}
 
 
-def _forward_parts(model, parts, rows, worker):
-    """Each part's Outcomes. A joined forward's outputs are cut along output_batch_axis only
-    for a model whose first JOIN_CHECKS joined batches of distinct requests were cut into
-    what each part computes alone: an output whose rows are on another axis, or that has
-    none (a state, a fixed vector), whose size there happens to equal the batch's rows, would
-    be cut with no error. A model that fails a check runs its requests one at a time from
-    then on. Identical requests (warm-up or health-check traffic) prove nothing about rows
-    that depend on each other (batch statistics), so they run alone and do not count. A
-    joined forward that raises runs each part alone: the failure is one part's own."""
-    servable = model.servable
+def _run_parts(model, kind, run, parts, rows, axis, worker):
+    """Each part's Outcomes of one batch of `kind` ("infer" or "generate"); `run(arrays)` -> a
+    call's output arrays. The joined call's outputs are cut along `axis` only for a model whose
+    first JOIN_CHECKS joined batches of distinct requests were cut into what each part computes
+    alone: an output whose rows are on another axis, or that has none (a state, a fixed
+    vector), whose size there happens to equal the batch's rows, would be cut with no error,
+    and a generate that reorders its rows would hand clients each other's tokens. A model
+    that fails a check runs that kind of call one request at a time from then on. Identical
+    requests (warm-up or health-check traffic) prove nothing about rows that depend on each
+    other (batch statistics), so they run alone and do not count. A joined call that raises
+    runs each part alone: the failure is one part's own."""
+    check = model.joins[kind]
     done = Outcomes(len(parts), worker)
-    if len(parts) == 1 or model.joins is False or (model.joins is None and not _distinct(parts)):
-        done.alone(servable, parts, rows)       # (identical parts: a joined forward checks nothing)
+    if len(parts) == 1 or check.verdict is False or (check.verdict is None and not _distinct(parts)):
+        done.alone(parts, rows, run)             # (identical parts: a joined call checks nothing)
         return done
-    axis = getattr(servable, "output_batch_axis", 0)
     try:
-        outs = output_arrays(servable.forward(*_join(servable, parts)))
+        outs = run(_join(model.servable, parts))
     except Exception:                    # noqa: BLE001 - whose input was it? each runs alone
-        done.alone(servable, parts, rows)
+        done.alone(parts, rows, run)
         return done
     done.forwards.append(sum(rows))
     try:
         split = _split_all(outs, rows, axis)
     except SplitError:
         split = None
-    if model.joins is None:
-        done.alone(servable, parts, rows)
+    if check.verdict is None:
+        done.alone(parts, rows, run)
         if split is not None and not done.errors and _alike(split, done.outputs):
-            model.join_checks += 1                # (parts distinct: identical ones ran alone above)
-            model.joins = True if model.join_checks >= JOIN_CHECKS else None
+            check.checks += 1                 # (parts distinct: identical ones ran alone above)
+            check.verdict = True if check.checks >= JOIN_CHECKS else None
         elif not done.errors:
-            model.joins = False
-            log.warning("model %s: its outputs do not split into each request's rows along axis %s (shapes "
-                        "%s joined, %s alone), or its rows depend on each other (batch statistics); its "
-                        "requests run one at a time from now on (a servable object's output_batch_axis "
-                        "says where the rows are)", model.name, axis,
-                        [list(o.shape) for o in outs], [list(o.shape) for o in done.outputs[0]])
+            check.verdict = False
+            log.warning("model %s: its %s outputs do not split into each request's rows along axis %s "
+                        "(shapes %s joined, %s alone), or its rows depend on each other (batch statistics, "
+                        "a reordering); its %s requests run one at a time from now on (a servable "
+                        "object's output_batch_axis says where a forward's rows are)", model.name, kind,
+                        axis, [list(o.shape) for o in outs], [list(o.shape) for o in done.outputs[0]], kind)
         return done
     if split is None:            # checked once, and the shapes changed since: never guess
-        done.alone(servable, parts, rows)
+        done.alone(parts, rows, run)
     else:
         done.joined(split, rows)
     return done
 
 
-def _generate_parts(servable, parts, rows, max_new_tokens, worker):
-    """Each part's Outcomes of one joined generate ((batch, N) new ids: the rows are axis 0).
-    A joined generate that raises runs each part alone, as a forward does: one prompt that
-    makes the model raise fails its own request, not its batch-mates'."""
-    done = Outcomes(len(parts), worker)
+def _forward_parts(model, parts, rows, worker):
+    """Each part's Outcomes of a forward, its outputs split along the servable's output_batch_axis."""
+    servable = model.servable
+    return _run_parts(model, "infer", lambda arrays: output_arrays(servable.forward(*arrays)), parts, rows,
+                      getattr(servable, "output_batch_axis", 0), worker)
 
-    def generate(part):
-        return [np.asarray(servable.generate(part[0], max_new_tokens))]
-    if len(parts) == 1:
-        done.alone(servable, parts, rows, generate)
-        return done
-    try:
-        split = _split_all(generate(_join(servable, parts)), rows, 0)
-    except Exception:                    # noqa: BLE001 - whose prompt was it? each runs alone
-        done.alone(servable, parts, rows, generate)
-        return done
-    done.joined(split, rows)
-    done.forwards.append(sum(rows))
-    return done
+
+def _generate_parts(model, parts, rows, max_new_tokens, worker):
+    """Each part's Outcomes of a generate ((batch, N) new ids: the rows are axis 0)."""
+    servable = model.servable
+    return _run_parts(model, "generate", lambda arrays: [np.asarray(servable.generate(arrays[0], max_new_tokens))],
+                      parts, rows, 0, worker)
 
 
 def _check_output_sizes(arrays, max_bytes):
@@ -227,7 +220,7 @@ def run_batch(model, job, frames, max_bytes, worker=None):
         raise BadArguments(f"{len(frames) - at} frames beyond the parts' inputs")
     rows = [_rows(servable, p) for p in parts]
     if job.get("kind") == "generate":
-        done = _generate_parts(servable, parts, rows, int(job["max_new_tokens"]), worker)
+        done = _generate_parts(model, parts, rows, int(job["max_new_tokens"]), worker)
     else:
         done = _forward_parts(model, parts, rows, worker)
     headers, out_frames = [], []

@@ -18,7 +18,7 @@ one); a servable object's `output_batch_axis` may say otherwise, and is required
 where the inputs batch along different axes (a guess there could hand a request
 another request's rows).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -78,6 +78,15 @@ def output_arrays(out):
 
 
 @dataclass
+class JoinCheck:
+    """Whether one kind of call's joined outputs split into each request's own
+    (prefetchd.serve.execute): `verdict` None while untried or unsettled, after `checks`
+    joined batches of distinct requests that did; True or False once settled."""
+    verdict: bool | None = None
+    checks: int = 0
+
+
+@dataclass
 class ServedModel:
     """A model a worker serves: its servable, its offload handle, and the names of its
     first parameters (what a prefetch hint for it loads)."""
@@ -85,8 +94,8 @@ class ServedModel:
     servable: object
     handle: object
     hints: list
-    joins: bool | None = None    # its outputs split per request (prefetchd.serve.execute): None untried
-    join_checks: int = 0         # joined batches of distinct requests that split right so far
+    # Per kind of call ("infer", "generate"): whether its joined outputs split per request.
+    joins: dict = field(default_factory=lambda: {"infer": JoinCheck(), "generate": JoinCheck()})
 
     def describe(self):
         """What the front needs to check and batch requests for it (sent in READY)."""

@@ -8,7 +8,7 @@ import pytest
 from prefetchd.config import ConfigError
 from prefetchd.serve import TensorSpec
 from prefetchd.serve.execute import run_batch
-from prefetchd.serve.servable import ServedModel, as_servable
+from prefetchd.serve.servable import JoinCheck, ServedModel, as_servable
 from prefetchd.serve.wire import decode_arrays, encode_arrays
 
 
@@ -57,7 +57,7 @@ def test_rows_on_axis_1_come_back_to_their_own_request(mindspore_cpu):
         for (x,), (answer,) in zip(requests, _batch(model, requests)):
             assert answer.shape == (4, 2, 8)
             np.testing.assert_allclose(answer, cell(ms.Tensor(x)).asnumpy(), rtol=1e-6, atol=1e-6)
-    assert model.joins is True
+    assert model.joins["infer"].verdict is True
 
 
 def _with_state(ms, extra):
@@ -96,7 +96,7 @@ def test_an_output_that_does_not_split_per_request_runs_requests_alone(mindspore
             assert [a.shape for a in answers] == [w.shape for w in want]
             for a, w in zip(answers, want):
                 assert np.array_equal(a, w)
-    assert model.joins is False
+    assert model.joins["infer"].verdict is False
 
 
 def test_identical_requests_do_not_vouch_for_a_model_whose_rows_depend_on_each_other(mindspore_cpu):
@@ -116,12 +116,12 @@ def test_identical_requests_do_not_vouch_for_a_model_whose_rows_depend_on_each_o
     same[0, 0] = np.nan                  # NaN != NaN: identical requests must still count as identical
     for _ in range(4):
         _batch(model, [[same], [same]])
-    assert model.joins is None and model.join_checks == 0
+    assert model.joins["infer"] == JoinCheck()
     for _ in range(3):
         requests = [[rng.standard_normal((2, 4)).astype(np.float32)] for _ in range(2)]
         for (x,), (answer,) in zip(requests, _batch(model, requests)):
             np.testing.assert_allclose(answer, cell(ms.Tensor(x)).asnumpy(), rtol=1e-6, atol=1e-6)
-    assert model.joins is False
+    assert model.joins["infer"].verdict is False
 
 
 def test_inputs_batching_along_different_axes_need_the_servable_to_say(mindspore_cpu):
@@ -244,7 +244,42 @@ def test_a_model_whose_rows_are_independent_keeps_joining_despite_rounding(minds
     rng = np.random.default_rng(0)
     for _ in range(3):
         _batch(model, [[rng.integers(0, 64, (1, 6)).astype(np.int64)] for _ in range(8)])
-    assert model.joins is True
+    assert model.joins["infer"].verdict is True
     assert _batch.last["ran"] == [1] * 8 and _batch.last["forwards"] == [8] + [1] * 8   # checked: ran alone
     _batch(model, [[rng.integers(0, 64, (1, 6)).astype(np.int64)] for _ in range(8)])
     assert _batch.last["forwards"] == [8] and _batch.last["ran"] == [8] * 8     # one forward now
+
+
+def test_a_generate_that_reorders_its_rows_never_hands_a_client_anothers_tokens(mindspore_cpu):
+    """A joined generate's output was split by rows with no check: a servable whose batched
+    generate returns its rows in another order (here reversed) gave each client another's
+    tokens. Joined generates are now checked against each prompt alone, as forwards are, and
+    on their own: a model whose forwards join may still generate one request at a time."""
+    ms = mindspore_cpu
+
+    class Reversing:
+        cell = ms.nn.Dense(2, 2)
+        inputs = [TensorSpec((None, 3), "int64", name="input_ids")]
+
+        def forward(self, ids):
+            return ids * 2
+
+        def generate(self, ids, max_new_tokens):
+            new = ids[:, -1:] + np.arange(1, max_new_tokens + 1)
+            return new[::-1]                          # right alone (one row), wrong joined
+    model = ServedModel("m0", as_servable(Reversing(), "t:f"), handle=None, hints=[])
+    for round_ in range(5):
+        parts, frames = [], []
+        for value in (10 * round_, 10 * round_ + 5):
+            headers, buffers = encode_arrays([np.full((1, 3), value, np.int64)])
+            parts.append({"inputs": headers})
+            frames.extend(buffers)
+        result, out = run_batch(model, {"model": "m0", "kind": "generate", "parts": parts,
+                                        "max_new_tokens": 2}, frames, 1 << 20)
+        got = [decode_arrays(result["outputs"][i], out[i:i + 1], what="output")[0].tolist() for i in (0, 1)]
+        assert got == [[[10 * round_ + 1, 10 * round_ + 2]], [[10 * round_ + 6, 10 * round_ + 7]]]
+        assert result["ran"] == [1, 1]
+    assert model.joins["generate"].verdict is False
+    for _ in range(3):                                # its forwards still join once checked
+        _batch(model, [[np.full((1, 3), v, np.int64)] for v in (1, 2)])
+    assert model.joins["infer"].verdict is True
