@@ -118,7 +118,20 @@ class Scheduler:
         """Queue `request` for the scheduler thread; returns its future (core/inbox.py)."""
         if request.future is not None:
             request.future.settled_by = self      # (core/waits.py: who must not wait for it)
+        if request.kind is Kind.UNPIN:
+            self._guard_released(request.recs)
         return self.inbox.submit(request)
+
+    def _guard_released(self, recs):
+        """Guard, on the unpinning thread, each offloaded model's tensor whose last pin an unpin
+        gives up: until this thread applies the unpin, a Python-level write would be taken
+        outside any forward (mindspore.load_param_into_net right after a forward set the
+        root's weights, and was refused only at the first evicted one). A pin taken meanwhile
+        tracks it again (Binding.bind_for_compute); _unpin guards it again, harmlessly."""
+        with self.lock:
+            for rec in recs:
+                if rec.pins == 1 and rec.guard_unpinned:
+                    self.guard(rec)
 
     def hit(self, recs):
         """A prefetch of recs that needs no request: True if every one is resident (any

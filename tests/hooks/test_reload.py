@@ -156,6 +156,38 @@ class _RootFirst(Net):
         return super().construct(x * self.scale)
 
 
+def test_a_write_right_after_an_unpin_is_refused_before_the_scheduler_applies_it(ms, make_daemon, monkeypatch):
+    """The refusal of a write outside a forward came from the scheduler thread, when it applied
+    the last unpin: a write in between (mindspore.load_param_into_net right after a forward;
+    CI saw it once) was taken for the root's `scale`, then refused at the first evicted block,
+    leaving a model of neither checkpoint. Every unpin (a unit's release, the end of
+    daemon.use) goes through Scheduler.submit; the scheduler is held back here so the window
+    is wide."""
+    from prefetchd.core.requests import Kind
+    x = ms.Tensor(np.random.default_rng(1).standard_normal((4, 128), dtype=np.float32))
+    model = _RootFirst(ms)
+    want = model(x).asnumpy()
+    daemon = make_daemon(device_budget=4 * UNIT_BLOCKS, host_budget=2 * UNIT_BLOCKS)
+    prefetchd.offload(model, daemon, lookahead=1)
+    model(x)
+    scheduler = daemon._core
+    unpin, hold, held = scheduler._requests[Kind.UNPIN], threading.Event(), threading.Event()
+
+    def late_unpin(req):
+        if hold.is_set():
+            held.wait(10)
+        unpin(req)
+    monkeypatch.setitem(scheduler._requests, Kind.UNPIN, late_unpin)
+    try:
+        with daemon.use([model.scale]):
+            hold.set()
+        with pytest.raises(PrefetchdError, match=r"refused set_data.*'scale'"):
+            model.scale.set_data(ms.Tensor(np.zeros(128, np.float32)))
+    finally:
+        held.set()
+    np.testing.assert_array_equal(model(x).asnumpy(), want)
+
+
 def test_a_refused_write_outside_the_forward_changes_nothing(ms, make_daemon, tmp_path):
     """Writes outside a forward were taken while the weight happened to be resident (the
     root) and refused at the first evicted one: mindspore.load_param_into_net (or
