@@ -25,6 +25,7 @@ from .config import Config
 from .errors import ConfigError
 from .backend.base import SHARDS_FILE, STORE_SUFFIX
 from .staging import INDEX_FILE
+from .staging.errors import StagingError
 from .staging.shards import read_shards
 
 
@@ -102,8 +103,8 @@ def _suffixed(path, rank):
 
 
 def _endpoint(endpoint, info):
-    if endpoint is None:
-        return None
+    if endpoint is None or endpoint == "ipc://":
+        return endpoint                 # ipc:// is <runtime dir>/<name>.sock: the name carries the rank
     if endpoint.startswith("ipc://"):
         m = _IPC_SOCK.match(endpoint)
         return f"{m.group(1)}.rank{info.rank}{m.group(2) or ''}"
@@ -116,38 +117,56 @@ def _endpoint(endpoint, info):
     return f"{m.group(1)}{port}"
 
 
-def _holds_tensors(directory):
-    """Whether `directory` is a plain store with tensors: a staged index, or a daemon's
-    `.pfd` files. (A lone lock file is a store that holds nothing: no rank's data is lost.)"""
+def _entries(root):
+    """The names in a store root ([] where it does not exist yet: the rank's daemon makes it)."""
     try:
-        with os.scandir(directory) as entries:
-            return any(e.name == INDEX_FILE or e.name.endswith(STORE_SUFFIX) for e in entries)
-    except OSError:                     # missing or unreadable: opening it as a store says why
-        return False
+        return os.listdir(root)
+    except FileNotFoundError:
+        return []
+    except NotADirectoryError:
+        raise ConfigError(f"store_dir {root}: is not a directory") from None
+    except OSError as e:     # unlisted, a plain store's tensors would go unseen: refuse, not guess
+        raise ConfigError(f"store_dir {root}: cannot list it ({e.strerror}), so whether it is a sharded "
+                          f"or a plain store is unknown") from None
 
 
 def rank_store(root, info):
     """`root/rank_<N>`, this rank's store, after refusing a root no rank can read: a sharded
-    store staged for another world size or without this rank's directory, or a plain store
-    (staged or written without --shard: its tensors are the whole model's, and a rank_N made
-    inside it would start empty). A root that is neither is the user's: the rank's daemon
-    makes its directory."""
+    store staged for another world size, or whose rank_<N> is missing, not its own directory
+    (a symbolic link could be another rank's shard) or holds no index; a plain store (staged
+    or written without --shard: its tensors are the whole model's, and a rank_N made inside it
+    would start empty). A root that is neither is the user's: the rank's daemon makes its
+    directory."""
     place = os.path.join(root, f"rank_{info.rank}")
-    doc = read_shards(root)
-    if doc is not None:
-        world = doc["world_size"]
+    entries = _entries(root)
+    if SHARDS_FILE in entries:
+        try:
+            world = read_shards(root)["world_size"]
+        except StagingError as e:
+            raise ConfigError(str(e)) from None
         if world != info.world_size:
             raise ConfigError(f"store {root} was staged for {world} ranks, this job has {info.world_size} "
                               f"(stage it again with --ranks {info.world_size})")
-        if not os.path.isdir(place):
-            raise ConfigError(f"store {root} is staged for {world} ranks but has no {place} (removed, or "
-                              f"not a directory); stage it again with `prefetchd stage --shard`")
+        if os.path.islink(place) or not os.path.isdir(place):
+            what = "a symbolic link" if os.path.islink(place) else "removed, or not a directory"
+            raise ConfigError(f"store {root} is staged for {world} ranks but has no {place} ({what}); "
+                              f"stage it again with `prefetchd stage --shard`")
+        if not os.path.exists(os.path.join(place, INDEX_FILE)):
+            raise ConfigError(f"store {root} is staged for {world} ranks but {place} holds no {INDEX_FILE} "
+                              f"(emptied?); stage it again with `prefetchd stage --shard`")
         return place
-    if _holds_tensors(root):
+    if any(name == INDEX_FILE or name.endswith(STORE_SUFFIX) for name in entries):
         raise ConfigError(f"store {root} is a plain store (no {SHARDS_FILE}): a rank reads its shard from "
                           f"{root}/rank_N; stage the model with `prefetchd stage --shard`, or run it "
                           f"without ranks")
     return place
+
+
+def _is_ranks(config):
+    """Whether `config` is a rank's already (rank_config's result): its name and store carry the rank."""
+    return (config.name.endswith(f".rank{config.rank}")
+            and (config.store_dir is None or os.path.basename(os.path.normpath(config.store_dir))
+                 == f"rank_{config.rank}"))
 
 
 def rank_config(config=None, info=None, **overrides):
@@ -159,8 +178,8 @@ def rank_config(config=None, info=None, **overrides):
     elif overrides:
         config = config.replace(**overrides)
     if config.rank is not None:
-        if config.name.endswith(f".rank{config.rank}"):
-            return config                # already a rank's config: its paths carry the rank
+        if _is_ranks(config):
+            return config
         if info is None:                 # rank/world_size given as settings (file, PREFETCHD_RANK)
             found = detect()
             if found is not None and (found.rank, found.world_size) != (config.rank, config.world_size):
@@ -173,8 +192,9 @@ def rank_config(config=None, info=None, **overrides):
     info = detect() if info is None else info
     if info is None:
         return config
+    suffix = f".rank{info.rank}"         # (a name that has it already keeps one)
     changes = {"rank": info.rank, "world_size": info.world_size,
-               "name": f"{config.name}.rank{info.rank}",
+               "name": config.name if config.name.endswith(suffix) else config.name + suffix,
                "endpoint": _endpoint(config.endpoint, info)}
     if config.store_dir is not None:
         changes["store_dir"] = rank_store(config.store_dir, info)

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from ..backend.base import SHARDS_FILE
+from ..backend.base import SHARDS_FILE, STORE_LOCK
 from .errors import StagingError
 from .generations import (hold_store_lock, link_current, remove_leftovers, stage_into, stage_lock,
                           store_place, swap_in, fsync_dir)
@@ -49,7 +49,8 @@ def read_shards(root):
         return None
     except (OSError, ValueError) as e:
         raise StagingError(f"{root}/{SHARDS_FILE}: unreadable ({e})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("world_size"), int):
+    world = doc.get("world_size") if isinstance(doc, dict) else None
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise StagingError(f"{root}/{SHARDS_FILE}: not a prefetchd shards document (no world_size)")
     return doc
 
@@ -220,8 +221,13 @@ def stage_sharded(source, store_dir, *, spec=None, world_size=None, progress=Fal
             config = config or Config.load()
             generation = (previous or {}).get("generation", 0) + 1
             ranks = {}
-            for rank in range(world_size):         # every rank's, before any is staged
-                lock = hold_store_lock(os.path.join(root, f"rank_{rank}"))
+            stores = [os.path.join(root, f"rank_{r}") for r in range(world_size)]
+            if previous is None:
+                # Not sharded yet, the root could be opened as a plain store: its lock keeps
+                # daemons out too, until the swap puts SHARDS_FILE there (open_store refuses that).
+                stores.insert(0, root)
+            for store in stores:                   # every rank's, before any is staged
+                lock = hold_store_lock(store)
                 if lock is not None:
                     locks.append(lock)
             for rank, make in enumerate(sources):
@@ -268,19 +274,19 @@ def _check_root(root, world_size):
     if os.path.ismount(root):
         raise StagingError(f"{root}: is a mount point; stage into a directory inside it")
     entries = set(os.listdir(root))
-    if not entries:
-        return None
     doc = read_shards(root)
-    if doc is None:
-        raise StagingError(f"{root}: holds files but no {SHARDS_FILE}: not a sharded store; stage a sharded "
-                           f"model into a new directory")
-    if doc["world_size"] != world_size:
+    if doc is not None and doc["world_size"] != world_size:
         raise StagingError(f"{root}: a sharded store of {doc['world_size']} ranks; staging {world_size} ranks "
                            f"needs a new directory")
-    ours = {SHARDS_FILE} | {f"rank_{r}" for r in range(world_size)}
+    # Not sharded yet, it may hold what ranks' daemons or plain stages of single ranks made
+    # (rank_N stores, their stage locks, the root's own lock file), all taken into the first
+    # generation; anything else is not ours to replace.
+    ours = {SHARDS_FILE} | {f"rank_{r}" for r in range(world_size)} | (set() if doc else {STORE_LOCK})
     stray = sorted(e for e in entries - ours if not _plain_stage_sibling(e, world_size))
     if stray:
-        raise StagingError(f"{root}: holds {stray[0]!r}, which is neither a rank store nor {SHARDS_FILE}")
+        what = "a rank store" if doc else f"a rank store of {world_size} ranks"
+        raise StagingError(f"{root}: holds {stray[0]!r}, which is neither {what} nor {SHARDS_FILE}"
+                           + ("" if doc else ": not a sharded store; stage a sharded model into a new directory"))
     return doc
 
 

@@ -153,3 +153,64 @@ def test_a_rank_job_on_a_plain_store_or_a_missing_shard_is_refused_naming_the_di
     (fresh / ".pfd-lock").touch()
     assert rank_config(Config.load(env={}, store_dir=str(fresh)),
                        RankInfo(1, 2, 1, "argument")).store_dir == str(fresh / "rank_1")
+
+
+def test_a_sharded_store_whose_rank_directory_is_a_link_or_emptied_is_refused(tmp_path):
+    """A rank_1 that is a link to rank_0 gave rank 1 rank 0's shard (wrong weights, no error);
+    an emptied rank_1 failed later, on the job's first parameter."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "staging"))
+    from ckpt_files import write_safetensors
+    from prefetchd.staging import SHARDS_FILE, stage_sharded
+    src = tmp_path / "whole.safetensors"
+    write_safetensors(src, {"w": np.arange(8, dtype=np.float32).reshape(2, 4)})
+    root = tmp_path / "sharded"
+    stage_sharded(str(src), str(root), spec="w=0", world_size=2)
+    config = Config.load(env={}, store_dir=str(root))
+    shutil.rmtree(root / "rank_1")
+    os.symlink("rank_0", root / "rank_1")
+    with pytest.raises(ConfigError, match=rf"has no {root}/rank_1 \(a symbolic link\)"):
+        rank_config(config, RankInfo(1, 2, 1, "argument"))
+    os.unlink(root / "rank_1")
+    (root / "rank_1").mkdir()
+    with pytest.raises(ConfigError, match=rf"{root}/rank_1 holds no prefetchd-index.json"):
+        rank_config(config, RankInfo(1, 2, 1, "argument"))
+    (root / SHARDS_FILE).write_text('{"format": 1, "world_size": true}')       # not a world of 1
+    with pytest.raises(ConfigError, match="not a prefetchd shards document"):
+        rank_config(config, RankInfo(0, 1, 0, "argument"))
+
+
+def test_rank_config_refuses_a_root_it_cannot_read_and_keeps_the_default_endpoint(tmp_path, monkeypatch):
+    """An unlistable plain store was taken for the user's directory (a rank_N made inside it,
+    found empty); a store path that is a file got a StagingError about prefetchd-shards.json;
+    the default endpoint `ipc://` (the runtime dir's <name>.sock) raised AttributeError."""
+    info = RankInfo(1, 2, 1, "argument")
+    assert rank_config(Config.load(env={}, endpoint="ipc://"), info).endpoint == "ipc://"
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=rf"store_dir {tmp_path}/file: is not a directory"):
+        rank_config(Config.load(env={}, store_dir=str(tmp_path / "file")), info)
+    locked = str(tmp_path / "locked")
+    os.mkdir(locked)
+    listdir = os.listdir
+
+    def unlistable(path="."):        # what a 0300 directory gives a user who is not root
+        if str(path) == locked:
+            raise PermissionError(13, "Permission denied", path)
+        return listdir(path)
+    monkeypatch.setattr(os, "listdir", unlistable)
+    with pytest.raises(ConfigError, match=rf"store_dir {locked}: cannot list it \(Permission denied\)"):
+        rank_config(Config.load(env={}, store_dir=locked), info)
+    assert os.listdir(tmp_path) and listdir(locked) == []
+
+
+def test_a_name_that_ends_like_a_ranks_does_not_skip_the_store_checks(tmp_path, ms):
+    """With rank settings, a daemon named 'job.rank0' was taken for rank_config's own result:
+    the plain store root was returned unchanged and opened as rank 0's shard."""
+    plain = str(tmp_path / "plain")
+    with Daemon(store_dir=plain, device_budget="4MiB") as daemon:
+        daemon.register(ms.Tensor(np.ones(4, np.float32)), "w", tier="remote")
+    env = {"PREFETCHD_RANK": "0", "PREFETCHD_WORLD_SIZE": "2", "PREFETCHD_NAME": "job.rank0"}
+    with pytest.raises(ConfigError, match="is a plain store"):
+        rank_config(Config.load(env=env, store_dir=plain))
+    fresh = rank_config(Config.load(env=env, store_dir=str(tmp_path / "fresh")))
+    assert (fresh.name, fresh.store_dir) == ("job.rank0", str(tmp_path / "fresh" / "rank_0"))
+    assert rank_config(fresh) is fresh

@@ -263,3 +263,47 @@ def test_a_plain_stage_of_one_rank_does_not_block_the_next_sharded_stage(tmp_pat
     (tmp_path / "store" / "notes.txt").write_text("mine")
     with pytest.raises(StagingError, match="holds 'notes.txt'"):
         stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC, world_size=2)
+
+
+@pytest.mark.parametrize("before", ["lock file", "empty rank dir", "plain stage of rank 1"])
+def test_a_first_sharded_stage_takes_a_root_holding_only_what_ranks_made(tmp_path, monkeypatch, before):
+    """`rank_config` leaves a root that holds no tensors to the user (each rank's daemon makes
+    its rank_N there), and docs/distributed.md has a machine stage its own ranks with the plain
+    verb (--store ROOT/rank_N): `stage --shard` then refused that root ("holds files but no
+    prefetchd-shards.json"). A root lock file, rank_N stores and their stage locks are taken
+    into the first generation; a daemon opening the root as a plain store meanwhile is refused."""
+    from prefetchd.staging import shards
+    from prefetchd.backend.base import STORE_LOCK
+    src = tmp_path / "whole.safetensors"
+    write_safetensors(src, WHOLE)
+    root = tmp_path / "store"
+    root.mkdir()
+    if before == "lock file":
+        (root / STORE_LOCK).touch()
+    elif before == "empty rank dir":
+        (root / "rank_1").mkdir()
+    else:
+        one = tmp_path / "one.safetensors"
+        write_safetensors(one, {"extra": np.arange(3, dtype=np.float32)})
+        stage_checkpoint(str(one), str(root / "rank_1"))
+    seen = []
+    real = shards.stage_into
+
+    def stage_into(*args, **kwargs):
+        seen.append(daemon_open_meets(root))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(shards, "stage_into", stage_into)
+    report = stage_sharded(str(src), str(root), spec=SPEC, world_size=2)
+    assert report["generation"] == 1 and seen and all(f"in use by pid {os.getpid()}" in e for e in seen), seen
+    assert json.load(open(root / SHARDS_FILE))["world_size"] == 2
+    for r in (0, 1):
+        held = set(read_store(str(root / f"rank_{r}")))
+        assert held == set(WHOLE) | ({"extra"} if before == "plain stage of rank 1" and r == 1 else set())
+    # What no rank made is still refused, and a rank beyond the world is no rank store.
+    for name, make in (("notes.txt", lambda p: p.write_text("mine")), ("rank_2", lambda p: p.mkdir())):
+        other = tmp_path / f"other-{name}"
+        other.mkdir()
+        make(other / name)
+        with pytest.raises(StagingError, match=rf"holds '{name}', which is neither a rank store of 2 ranks"):
+            stage_sharded(str(src), str(other), spec=SPEC, world_size=2)
+        assert os.listdir(other) == [name]
