@@ -42,7 +42,7 @@ def ensure_private_dir(path):
     return path
 
 
-def check_private_dir(path):
+def check_private_dir(path, hint="e.g. ipc://name.sock for the runtime directory"):
     """Refuse a directory the user named for an ipc socket unless it is ours and not
     group/world-writable: anyone who can write there could replace our socket file
     with theirs. Unlike `ensure_private_dir` it never changes the directory."""
@@ -52,12 +52,11 @@ def check_private_dir(path):
         raise ConfigError(f"endpoint directory {path} is not a directory")
     if st.st_uid != os.getuid():
         raise ConfigError(f"endpoint directory {path} belongs to uid {st.st_uid}, not to us "
-                          f"({os.getuid()}); put the socket in a directory of our own "
-                          f"(e.g. ipc://name.sock for the runtime directory)")
+                          f"({os.getuid()}); put the socket in a directory of our own ({hint})")
     if stat.S_IMODE(st.st_mode) & 0o022:
         raise ConfigError(f"endpoint directory {path} is group- or world-writable "
                           f"(mode {stat.S_IMODE(st.st_mode):o}); put the socket in a private "
-                          f"directory (e.g. ipc://name.sock for the runtime directory)")
+                          f"directory ({hint})")
     return path
 
 
@@ -157,12 +156,7 @@ def bind(sock, address):
         _bind_tcp(sock, address)
         return None
     path = address[len("ipc://"):]
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        os.makedirs(os.path.dirname(parent), exist_ok=True)
-        ensure_private_dir(parent)
-    else:
-        check_private_dir(parent)
+    private_socket_dir(path)
     if os.path.exists(path) and listener_at(path):      # else a dead server's file: libzmq replaces it
         raise ConfigError(f"endpoint {address}: another server is listening there")
     old = os.umask(0o177)
@@ -173,10 +167,22 @@ def bind(sock, address):
     return path, os.stat(path).st_ino
 
 
-def listener_at(path):
-    """True if a unix socket at `path` accepted a connect, False if it refused it (nobody
-    listens), None if the connect said neither (no such file, no permission, a timeout)."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+def private_socket_dir(path, hint="e.g. ipc://name.sock for the runtime directory"):
+    """Make the directory of socket file `path` (0700) if it is missing, else refuse one that
+    is not private (check_private_dir): anyone who can write there could replace the socket."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        os.makedirs(os.path.dirname(parent), exist_ok=True)
+        ensure_private_dir(parent)
+    else:
+        check_private_dir(parent, hint)
+
+
+def listener_at(path, kind=socket.SOCK_STREAM):
+    """True if a unix socket at `path` accepted a connect (of a `kind` socket: the listener's
+    own type), False if it refused it (nobody listens), None if the connect said neither (no
+    such file, no permission, a timeout)."""
+    probe = socket.socket(socket.AF_UNIX, kind)
     try:
         probe.settimeout(0.5)
         probe.connect(path)

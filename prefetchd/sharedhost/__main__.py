@@ -22,7 +22,11 @@ def main(argv=None):
         budget = parse_size(args.budget, "--budget")
     except ConfigError as e:
         ap.error(str(e))
-    owner = SharedHostOwner(args.socket, args.store, budget).start()
+    from .. import _native
+    try:
+        owner = SharedHostOwner(args.socket, args.store, budget).start()
+    except (ConfigError, OSError, _native.NativeError) as e:     # one line, as every refusal
+        ap.exit(1, f"{ap.prog}: error: {e}\n")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -28,6 +28,8 @@ import socket
 import struct
 import threading
 
+from ..control.endpoints import listener_at, private_socket_dir
+from ..errors import ConfigError
 from . import policy, wire
 from .blocks import SharedBlock, segment_size, shmem_huge_mode
 from .table import BlockTable
@@ -78,6 +80,18 @@ class SharedHostOwner:
 
     # -- lifecycle
     def start(self):
+        """Listen on the socket path: its directory private (made 0700 if missing; a group- or
+        world-writable one refused), a live owner's socket there refused (replacing it would
+        leave that owner running unreachable), a dead one's replaced. ConfigError if refused."""
+        try:
+            private_socket_dir(self.path, "e.g. a directory of its own, mode 0700")
+            if listener_at(self.path, socket.SOCK_SEQPACKET):
+                raise ConfigError(f"shared host socket {self.path}: another owner is listening there")
+        except BaseException:
+            self.store.close()           # (its lock: the store is free for another owner)
+            self._wake_r.close()
+            self._wake_w.close()
+            raise
         try:
             os.unlink(self.path)
         except FileNotFoundError:

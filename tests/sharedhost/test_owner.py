@@ -328,3 +328,48 @@ def test_a_daemons_trace_reaches_the_owner(owner, src, tmp_path):
             assert np.array_equal(np.frombuffer(recs[0].home, np.float32, N), values("t0"))
     finally:
         d.close(10)
+
+
+def test_the_owners_socket_goes_in_a_private_directory_and_never_over_a_live_owner(tmp_path, src):
+    """docs/shared-host.md: "the socket is 0600 in a private directory". A missing directory
+    killed the owner with a FileNotFoundError traceback, a world-writable one was taken, and a
+    second owner unlinked a live owner's socket and bound its own: both said READY, the first
+    ran on unreachable."""
+    from prefetchd.errors import ConfigError
+    path = str(tmp_path / "run" / "sub" / "h.sock")
+    first = SharedHostOwner(path, link_store(src, str(tmp_path / "own")), 64 << 20).start()
+    try:
+        assert os.stat(tmp_path / "run" / "sub").st_mode & 0o777 == 0o700
+        second_store = link_store(src, str(tmp_path / "own2"))
+        with pytest.raises(ConfigError, match="another owner is listening there"):
+            SharedHostOwner(path, second_store, 64 << 20).start()
+        c = SharedHostClient(path)                      # the first still answers
+        try:
+            grant = c.acquire(*_ident(src, "t1"))
+            np.testing.assert_array_equal(_read(grant), values("t1"))
+            c.release("t1", grant.version)
+        finally:
+            c.close()
+        _native.FileStore(second_store).close()         # the refused owner let its store go
+    finally:
+        first.close()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(ConfigError, match=r"is group- or world-writable \(mode 777\)"):
+        SharedHostOwner(str(shared / "h.sock"), link_store(src, str(tmp_path / "own3")), 64 << 20).start()
+    assert os.listdir(shared) == []
+
+
+def test_the_standalone_owner_says_why_it_cannot_start_in_one_line(tmp_path, src):
+    import subprocess
+    import sys
+    from helpers import ENV, REPO
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    out = subprocess.run([sys.executable, "-m", "prefetchd.sharedhost", "--socket", str(shared / "h.sock"),
+                          "--store", link_store(src, str(tmp_path / "own")), "--budget", "8MiB"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO, env=ENV)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("python -m prefetchd.sharedhost: error: ") and "world-writable" in out.stderr
