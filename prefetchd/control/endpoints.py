@@ -12,52 +12,15 @@ The runtime dir is $XDG_RUNTIME_DIR/prefetchd, else /tmp/prefetchd-<uid>, 0700.
 import ipaddress
 import os
 import random
-import socket
-import stat
 
 import zmq
 
 from ..errors import ConfigError
+from ..socket_dirs import ensure_private_dir, listener_at, private_socket_dir
 
 IPC_PATH_MAX = 107          # sun_path is 108 bytes with the terminating NUL
 PICKED_PORT_TRIES = 64      # random ports outside the ephemeral range tried before the kernel picks
 LOWEST_PICKED_PORT = 10000
-
-
-def ensure_private_dir(path):
-    """Create `path` as a 0700 directory, or check that the existing one is ours and
-    make it private (the runtime directory is ours to fix)."""
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"endpoint directory {path} exists and is not a directory")
-    if st.st_uid != os.getuid():
-        raise ConfigError(f"endpoint directory {path} belongs to uid {st.st_uid}, not to us "
-                          f"({os.getuid()}); refusing to put a socket there")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(path, 0o700)
-    return path
-
-
-def check_private_dir(path, hint="e.g. ipc://name.sock for the runtime directory"):
-    """Refuse a directory the user named for an ipc socket unless it is ours and not
-    group/world-writable: anyone who can write there could replace our socket file
-    with theirs. Unlike `ensure_private_dir` it never changes the directory."""
-    real = os.path.realpath(path)
-    st = os.stat(real)
-    if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"endpoint directory {path} is not a directory")
-    if st.st_uid != os.getuid():
-        raise ConfigError(f"endpoint directory {path} belongs to uid {st.st_uid}, not to us "
-                          f"({os.getuid()}); put the socket in a directory of our own ({hint})")
-    if stat.S_IMODE(st.st_mode) & 0o022:
-        raise ConfigError(f"endpoint directory {path} is group- or world-writable "
-                          f"(mode {stat.S_IMODE(st.st_mode):o}); put the socket in a private "
-                          f"directory ({hint})")
-    return path
 
 
 def runtime_dir():
@@ -165,34 +128,6 @@ def bind(sock, address):
     finally:
         os.umask(old)
     return path, os.stat(path).st_ino
-
-
-def private_socket_dir(path, hint="e.g. ipc://name.sock for the runtime directory"):
-    """Make the directory of socket file `path` (0700) if it is missing, else refuse one that
-    is not private (check_private_dir): anyone who can write there could replace the socket."""
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        os.makedirs(os.path.dirname(parent), exist_ok=True)
-        ensure_private_dir(parent)
-    else:
-        check_private_dir(parent, hint)
-
-
-def listener_at(path, kind=socket.SOCK_STREAM):
-    """True if a unix socket at `path` accepted a connect (of a `kind` socket: the listener's
-    own type), False if it refused it (nobody listens), None if the connect said neither (no
-    such file, no permission, a timeout)."""
-    probe = socket.socket(socket.AF_UNIX, kind)
-    try:
-        probe.settimeout(0.5)
-        probe.connect(path)
-    except ConnectionRefusedError:
-        return False
-    except OSError:
-        return None
-    finally:
-        probe.close()
-    return True
 
 
 def _bind_tcp(sock, address):

@@ -23,7 +23,7 @@ import os
 import secrets
 import stat
 
-from .endpoints import listener_at
+from ..socket_dirs import listener_at
 
 PREFIX = "ipc://"
 HIDDEN = ".{name}.paused-"

@@ -18,10 +18,11 @@ from ..config import ConfigError
 from ..errors import ShutdownError
 from ..control import protocol as P
 from ..control.connections import DEFAULT_MAX_CONNECTIONS
-from ..control.endpoints import ensure_private_dir, resolve_endpoint, runtime_dir
+from ..control.endpoints import resolve_endpoint, runtime_dir
 
 from ..control.guarded import GuardedListening
 from ..control.router import RouterEndpoint
+from ..socket_dirs import ensure_private_dir
 from ..staging.generations import lock_or_holder, read_index
 from .leftovers import remove_leftovers
 from .spec import check_checkpoint_store

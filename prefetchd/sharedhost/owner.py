@@ -28,8 +28,8 @@ import socket
 import struct
 import threading
 
-from ..control.endpoints import listener_at, private_socket_dir
 from ..errors import ConfigError
+from ..socket_dirs import listener_at, private_socket_dir
 from . import policy, wire
 from .blocks import SharedBlock, segment_size, shmem_huge_mode
 from .table import BlockTable
@@ -46,6 +46,31 @@ class _Conn:
         self.leases = collections.Counter()      # (key, version) -> leases held
         self.trace = None
         self.hits = self.fills = self.refused = 0
+
+
+def _listening_socket(path):
+    """A SEQPACKET socket listening at `path`: its directory private (made 0700 if missing; a
+    group- or world-writable one refused), a live owner's socket there refused (replacing it
+    would leave that owner running unreachable), a dead one's replaced; bound 0600."""
+    private_socket_dir(path, "e.g. a directory of its own, mode 0700")
+    if listener_at(path, socket.SOCK_SEQPACKET):
+        raise ConfigError(f"shared host socket {path}: another owner is listening there")
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        os.umask(old)
+    sock.listen(64)
+    sock.setblocking(False)
+    return sock
 
 
 class SharedHostOwner:
@@ -80,30 +105,14 @@ class SharedHostOwner:
 
     # -- lifecycle
     def start(self):
-        """Listen on the socket path: its directory private (made 0700 if missing; a group- or
-        world-writable one refused), a live owner's socket there refused (replacing it would
-        leave that owner running unreachable), a dead one's replaced. ConfigError if refused."""
+        """Listen (_listening_socket) and serve; ConfigError if the socket path is refused."""
         try:
-            private_socket_dir(self.path, "e.g. a directory of its own, mode 0700")
-            if listener_at(self.path, socket.SOCK_SEQPACKET):
-                raise ConfigError(f"shared host socket {self.path}: another owner is listening there")
+            self._listen = _listening_socket(self.path)
         except BaseException:
             self.store.close()           # (its lock: the store is free for another owner)
             self._wake_r.close()
             self._wake_w.close()
             raise
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        self._listen = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        old = os.umask(0o177)
-        try:
-            self._listen.bind(self.path)
-        finally:
-            os.umask(old)
-        self._listen.listen(64)
-        self._listen.setblocking(False)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listen, selectors.EVENT_READ, "listen")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")

@@ -12,7 +12,7 @@ import zmq
 from prefetchd.control import protocol as P
 from prefetchd.errors import ConfigError
 from prefetchd.control import Client, RequestTimeout, Server, create_keys, runtime_dir
-from prefetchd.control.endpoints import ensure_private_dir
+from prefetchd.socket_dirs import ensure_private_dir
 from prefetchd.control.keys import AUTHORIZED_DIR
 
 
