@@ -13,7 +13,8 @@ request id, and completes each future with the reply's outputs (read-only views
 of the received frames) or the error the reply names (ServiceError with .code,
 BusyError, RequestTimeout); a completed infer future's `.reply` is the reply
 document (worker, batch_size, queue_seconds, seconds...). Every future completes: a reply, an error, its
-timeout (RequestTimeout), or ShutdownError when the client closes.
+timeout (RequestTimeout), or ShutdownError when the client closes; `cancel()` returns
+False (a request sent is the server's to run).
 """
 import collections
 import concurrent.futures
@@ -32,6 +33,15 @@ from ..errors import ShutdownError
 from .wire import DEFAULT_MAX_TENSOR_BYTES, decode_arrays, encode_arrays
 
 __all__ = ["Client"]
+
+
+def _running_future():
+    """A Future already running: `cancel()` returns False, as it must for a request that is
+    sent (the server runs it anyway). A pending one could be cancelled, and the I/O loop then
+    crashed setting its timeout (InvalidStateError), failing every other request."""
+    future = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()
+    return future
 
 
 class Client:
@@ -63,7 +73,7 @@ class Client:
     def submit_generate(self, model, input_ids, max_new_tokens=16, timeout=None):
         f = self._submit("generate", {"model": model, "max_new_tokens": int(max_new_tokens)},
                          [input_ids], timeout)
-        out = concurrent.futures.Future()
+        out = _running_future()
 
         def done(d):
             if d.exception() is not None:
@@ -103,7 +113,7 @@ class Client:
         if total > self.max_tensor_bytes:   # else: refused, or dropped unanswered, after the timeout
             raise BadArguments(f"{op}: the inputs are {total} bytes, over max_tensor_bytes "
                                f"{self.max_tensor_bytes} (the server's limit by default); send fewer rows")
-        future = concurrent.futures.Future()
+        future = _running_future()
         rid = P.new_rid(next(self._counter))
         # The front gives up a little before we do, so a slow request is answered TIMEOUT.
         frames = P.encode_request(rid, op, dict(args, inputs=headers),

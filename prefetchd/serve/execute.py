@@ -103,6 +103,17 @@ def _distinct(parts):
                for p in parts[1:])
 
 
+def _rows_distinct(outputs, axis):
+    """Whether every row (along `axis`, across all the parts' outputs) differs from every
+    other by its bytes: only then would a joined call that moved rows be seen."""
+    rows = []
+    for outs in outputs:
+        n = outs[0].shape[axis] if outs and outs[0].ndim > axis else 0
+        for r in range(n):
+            rows.append(b"".join(np.take(o, r, axis=axis).tobytes() if o.ndim > axis else b"" for o in outs))
+    return len(set(rows)) == len(rows)
+
+
 def _same_bytes(a, b):
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
@@ -167,8 +178,11 @@ def _run_parts(model, kind, run, parts, rows, axis, worker):
     if check.verdict is None:
         done.alone(parts, rows, run)
         if split is not None and not done.errors and _alike(split, done.outputs):
-            check.checks += 1                 # (parts distinct: identical ones ran alone above)
-            check.verdict = True if check.checks >= JOIN_CHECKS else None
+            # Only rows whose outputs all differ show a reordering: distinct prompts whose
+            # tokens coincide passed three checks of a generate that reversed its rows.
+            if _rows_distinct(done.outputs, axis):
+                check.checks += 1
+                check.verdict = True if check.checks >= JOIN_CHECKS else None
         elif not done.errors:
             check.verdict = False
             log.warning("model %s: its %s outputs do not split into each request's rows along axis %s "
@@ -194,8 +208,21 @@ def _forward_parts(model, parts, rows, worker):
 def _generate_parts(model, parts, rows, max_new_tokens, worker):
     """Each part's Outcomes of a generate ((batch, N) new ids: the rows are axis 0)."""
     servable = model.servable
-    return _run_parts(model, "generate", lambda arrays: [np.asarray(servable.generate(arrays[0], max_new_tokens))],
-                      parts, rows, 0, worker)
+
+    def generate(arrays):
+        return [_new_tokens(servable.generate(arrays[0], max_new_tokens), arrays[0], max_new_tokens)]
+    return _run_parts(model, "generate", generate, parts, rows, 0, worker)
+
+
+def _new_tokens(out, prompt, n):
+    """A generate's result as what the wire promises, (prompt rows, n) int64; anything else is
+    the servable's fault (INTERNAL), not an answer: prompt + new ids, floats, a row short."""
+    tokens = np.asarray(out)
+    if tokens.shape != (prompt.shape[0], n) or tokens.dtype.kind not in "iu":
+        raise ValueError(f"the model's generate returned {list(tokens.shape)} of {tokens.dtype} for "
+                         f"{prompt.shape[0]} prompt rows: a servable's generate returns the new token ids, "
+                         f"(rows, max_new_tokens={n}) integers")
+    return tokens.astype(np.int64, copy=False)
 
 
 def _check_output_sizes(arrays, max_bytes):

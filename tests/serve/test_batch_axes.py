@@ -228,7 +228,9 @@ def test_an_output_the_wire_cannot_carry_fails_its_own_request_only(mindspore_cp
         frames.extend(buffers)
     result, out = run_batch(model, {"model": "m0", "kind": "generate", "parts": parts,
                                     "max_new_tokens": 2}, frames, 1 << 20)
-    assert list(result["errors"]) == ["1"] and "not carried on the wire" in result["errors"]["1"]["reason"]
+    # (None is refused as no token ids before the wire would refuse it: "dtype object is not
+    # carried on the wire", which did not say whose fault it was.)
+    assert list(result["errors"]) == ["1"] and "returns the new token ids" in result["errors"]["1"]["reason"]
     assert [decode_arrays(result["outputs"][i], out[j:j + 1], what="output")[0].tolist()
             for i, j in ((0, 0), (2, 1))] == [[[6, 7]], [[21, 22]]]
 
@@ -283,3 +285,75 @@ def test_a_generate_that_reorders_its_rows_never_hands_a_client_anothers_tokens(
     for _ in range(3):                                # its forwards still join once checked
         _batch(model, [[np.full((1, 3), v, np.int64)] for v in (1, 2)])
     assert model.joins["infer"].verdict is True
+
+
+def _generate_batch(model, prompts, n=2):
+    """run_batch of one generate job for `prompts`: (each answer or its error, the result)."""
+    parts, frames = [], []
+    for p in prompts:
+        headers, buffers = encode_arrays([p])
+        parts.append({"inputs": headers})
+        frames.extend(buffers)
+    result, out = run_batch(model, {"model": "m0", "kind": "generate", "parts": parts, "max_new_tokens": n},
+                            frames, 1 << 20)
+    answers, at = [], 0
+    for i in range(len(prompts)):
+        if str(i) in result["errors"]:
+            answers.append(result["errors"][str(i)])
+            continue
+        answers.append(decode_arrays(result["outputs"][i], out[at:at + 1], what="output")[0])
+        at += 1
+    return answers, result
+
+
+def test_a_check_whose_rows_all_give_the_same_tokens_proves_nothing(mindspore_cpu):
+    """Distinct prompts whose tokens coincide passed all three checks of a generate that
+    reverses its rows (probe Q): from then on every client got another's tokens."""
+    ms = mindspore_cpu
+
+    class Reversing:
+        cell = ms.nn.Dense(2, 2)
+        inputs = [TensorSpec((None, 3), "int64", name="input_ids")]
+
+        def forward(self, ids):
+            return ids
+
+        def generate(self, ids, max_new_tokens):
+            new = ids[:, -1:] // 100 + np.arange(1, max_new_tokens + 1)     # ids < 100: all the same
+            return new[::-1]
+    model = ServedModel("m0", as_servable(Reversing(), "t:f"), handle=None, hints=[])
+    for round_ in range(4):
+        prompts = [np.full((1, 3), v, np.int64) for v in (round_, round_ + 10)]
+        answers, _ = _generate_batch(model, prompts)
+        assert [a.tolist() for a in answers] == [[[1, 2]], [[1, 2]]]
+        assert model.joins["generate"] == JoinCheck()          # inconclusive: not counted
+    prompts = [np.full((1, 3), v, np.int64) for v in (100, 500)]
+    answers, _ = _generate_batch(model, prompts)
+    assert [a.tolist() for a in answers] == [[[2, 3]], [[6, 7]]]
+    assert model.joins["generate"].verdict is False
+
+
+def test_a_generate_that_returns_other_than_new_token_ids_fails_its_request(mindspore_cpu):
+    """A servable object's generate result went to the client as it was: prompt + new ids
+    (1, 9) for max_new_tokens 4, floats, a 0-d array. The wire promises (batch, N) int64."""
+    ms = mindspore_cpu
+
+    class Odd:
+        cell = ms.nn.Dense(2, 2)
+        inputs = [TensorSpec((None, 3), "int64", name="input_ids")]
+
+        def forward(self, ids):
+            return ids
+
+        def generate(self, ids, max_new_tokens):
+            kind = int(ids[0, 0])
+            new = np.tile(np.arange(max_new_tokens), (len(ids), 1))
+            return {0: new.astype(np.int32), 1: np.concatenate([ids, new], axis=1),
+                    2: new.astype(np.float32), 3: np.int64(5)}[kind]
+    model = ServedModel("m0", as_servable(Odd(), "t:f"), handle=None, hints=[])
+    for kind in range(4):
+        (answer,), _ = _generate_batch(model, [np.full((1, 3), kind, np.int64)], n=4)
+        if kind == 0:                                       # int32 ids: given as int64
+            assert answer.dtype == np.int64 and answer.tolist() == [[0, 1, 2, 3]]
+        else:
+            assert answer["code"] == "INTERNAL" and "returns the new token ids" in answer["reason"], answer

@@ -60,6 +60,22 @@ def test_close_fails_every_outstanding_future(tmp_path):
         c.submit("m0", np.zeros((1, 4), np.float32))
 
 
+def test_a_cancelled_future_does_not_crash_the_client(tmp_path):
+    """cancel() succeeded on a pending future, and at its timeout the I/O loop crashed
+    (InvalidStateError): every other future failed "client closed" and later ones never
+    completed. A request sent is the server's to run: cancel() now says False."""
+    with Client(_nobody(tmp_path)) as c:
+        f = c.submit("m0", np.zeros((1, 4), np.float32), timeout=0.5)
+        g = c.submit_generate("m0", np.zeros((1, 4), np.int64), max_new_tokens=2, timeout=0.5)
+        other = c.submit("m0", np.zeros((1, 4), np.float32), timeout=1.0)
+        assert f.cancel() is False and g.cancel() is False
+        for future in (f, g, other):
+            with pytest.raises(RequestTimeout):
+                future.result(5)
+        with pytest.raises(RequestTimeout):                # the loop still serves
+            c.infer("m0", np.zeros((1, 4), np.float32), timeout=0.3)
+
+
 def _session_blocks():
     """The serve command, the Python client and the shell lines of the documented session."""
     text = open(os.path.join(REPO, "docs", "control-plane.md")).read()
