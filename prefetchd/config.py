@@ -374,9 +374,9 @@ class Config:
             raise ConfigError(f"high_watermark: {high} bytes exceeds device_budget {self.device_budget}")
         if low > high:
             raise ConfigError(f"low_watermark: {low} bytes is above high_watermark {high}")
-        if (self.rank is None) != (self.world_size is None):
-            raise ConfigError(f"rank and world_size are set together (rank {self.rank}, "
-                              f"world_size {self.world_size})")
+        if (self.rank is None) != (self.world_size is None):   # "key:" first: load() names its origin
+            key, other = ("rank", "world_size") if self.world_size is None else ("world_size", "rank")
+            raise ConfigError(f"{key}: {getattr(self, key)} is set without {other}; the two are set together")
         if self.rank is not None and not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank: {self.rank} is outside the world of {self.world_size} ranks")
         object.__setattr__(self, "low_watermark", low)

@@ -39,9 +39,10 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
     not_loaded = [name for name in params if name not in parameter_dict]
     unused = [name for name in parameter_dict if name not in params]
     if strict_load and (not_loaded or unused):
+        missing = [f"{_names(not_loaded)} of the net's parameters have no value in the dict"] if not_loaded else []
+        extra = [f"{_names(unused)} of the dict's names are no parameter of the net"] if unused else []
         raise PrefetchdError(f"prefetchd.load_param_into_net(strict_load=True) refused, nothing loaded: "
-                             f"{_names(not_loaded)} of the net have no value, {_names(unused)} of the "
-                             f"dict are not parameters of the net")
+                             f"{'; '.join(missing + extra)}")
     todo = [(params[name], value) for name, value in parameter_dict.items() if name in params]
     for param, value in todo:
         _check(param, value)

@@ -64,9 +64,14 @@ def test_a_rank_given_as_settings_gets_its_own_paths_too(tmp_path):
     assert rank_config(config) is config
 
 
-def test_config_refuses_half_a_rank():
-    with pytest.raises(ConfigError, match="set together"):
+def test_config_refuses_half_a_rank(tmp_path):
+    with pytest.raises(ConfigError, match=r"^rank: 0 is set without world_size; .*set together \(from argument\)$"):
         Config.load(env={}, rank=0)
+    (tmp_path / "rank.toml").write_text("[prefetchd]\nrank = 1\n")    # says where it came from
+    with pytest.raises(ConfigError, match=rf"rank: 1 is set without world_size.*\(from file {tmp_path}/rank.toml\)"):
+        Config.load(str(tmp_path / "rank.toml"), env={})
+    with pytest.raises(ConfigError, match=r"world_size: 2 is set without rank.*\(from env PREFETCHD_WORLD_SIZE\)"):
+        Config.load(env={"PREFETCHD_WORLD_SIZE": "2"})
     with pytest.raises(ConfigError, match="outside the world"):
         Config.load(env={}, rank=2, world_size=2)
 
