@@ -31,6 +31,25 @@ def _batch(model, requests, max_bytes=1 << 30):
     return answers
 
 
+def _generate_batch(model, prompts, n=2):
+    """run_batch of one generate job for `prompts`: (each answer or its error, the result)."""
+    parts, frames = [], []
+    for p in prompts:
+        headers, buffers = encode_arrays([p])
+        parts.append({"inputs": headers})
+        frames.extend(buffers)
+    result, out = run_batch(model, {"model": "m0", "kind": "generate", "parts": parts, "max_new_tokens": n},
+                            frames, 1 << 20)
+    answers, at = [], 0
+    for i in range(len(prompts)):
+        if str(i) in result["errors"]:
+            answers.append(result["errors"][str(i)])
+            continue
+        answers.append(decode_arrays(result["outputs"][i], out[at:at + 1], what="output")[0])
+        at += 1
+    return answers, result
+
+
 def _time_major(ms):
     """A cell over (time, batch, features) inputs: the rows are on axis 1."""
     class TimeMajor(ms.nn.Cell):
@@ -188,22 +207,13 @@ def test_a_prompt_that_makes_generate_raise_fails_alone(mindspore_cpu):
                 raise ValueError("a negative token id")
             return np.repeat(ids[:, -1:] + 1, max_new_tokens, axis=1)
     model = ServedModel("m0", as_servable(Echo(), "t:f"), handle=None, hints=[])
-    requests = [[np.full((1 + i % 2, 3), i, np.int64)] for i in range(4)]
-    requests[1][0][0, 0] = -1
-    parts, frames = [], []
-    for arrays in requests:
-        headers, buffers = encode_arrays(arrays)
-        parts.append({"inputs": headers})
-        frames.extend(buffers)
-    result, out = run_batch(model, {"model": "m0", "kind": "generate", "parts": parts,
-                                    "max_new_tokens": 2}, frames, 1 << 20)
+    prompts = [np.full((1 + i % 2, 3), i, np.int64) for i in range(4)]
+    prompts[1][0, 0] = -1
+    answers, result = _generate_batch(model, prompts)
     assert list(result["errors"]) == ["1"] and "a negative token id" in result["errors"]["1"]["reason"]
     assert result["ran"] == [1, 0, 1, 2] and result["forwards"] == [1, 2, 1, 2]    # each alone
-    at = 0
     for i in (0, 2, 3):
-        (got,) = decode_arrays(result["outputs"][i], out[at:at + 1], what="output")
-        at += 1
-        np.testing.assert_array_equal(got, np.full((len(requests[i][0]), 2), i + 1, np.int64))
+        np.testing.assert_array_equal(answers[i], np.full((len(prompts[i]), 2), i + 1, np.int64))
 
 
 def test_an_output_the_wire_cannot_carry_fails_its_own_request_only(mindspore_cpu):
@@ -221,18 +231,11 @@ def test_an_output_the_wire_cannot_carry_fails_its_own_request_only(mindspore_cp
         def generate(self, ids, max_new_tokens):
             return None if (ids == 13).any() else ids[:, -1:] + np.arange(1, max_new_tokens + 1)
     model = ServedModel("m0", as_servable(Odd(), "t:f"), handle=None, hints=[])
-    parts, frames = [], []
-    for value in (5, 13, 20):
-        headers, buffers = encode_arrays([np.full((1, 3), value, np.int64)])
-        parts.append({"inputs": headers})
-        frames.extend(buffers)
-    result, out = run_batch(model, {"model": "m0", "kind": "generate", "parts": parts,
-                                    "max_new_tokens": 2}, frames, 1 << 20)
+    answers, result = _generate_batch(model, [np.full((1, 3), value, np.int64) for value in (5, 13, 20)])
     # (None is refused as no token ids before the wire would refuse it: "dtype object is not
     # carried on the wire", which did not say whose fault it was.)
-    assert list(result["errors"]) == ["1"] and "returns the new token ids" in result["errors"]["1"]["reason"]
-    assert [decode_arrays(result["outputs"][i], out[j:j + 1], what="output")[0].tolist()
-            for i, j in ((0, 0), (2, 1))] == [[[6, 7]], [[21, 22]]]
+    assert list(result["errors"]) == ["1"] and "returns the new token ids" in answers[1]["reason"]
+    assert [answers[0].tolist(), answers[2].tolist()] == [[[6, 7]], [[21, 22]]]
 
 
 def test_a_model_whose_rows_are_independent_keeps_joining_despite_rounding(mindspore_cpu):
@@ -271,39 +274,14 @@ def test_a_generate_that_reorders_its_rows_never_hands_a_client_anothers_tokens(
             return new[::-1]                          # right alone (one row), wrong joined
     model = ServedModel("m0", as_servable(Reversing(), "t:f"), handle=None, hints=[])
     for round_ in range(5):
-        parts, frames = [], []
-        for value in (10 * round_, 10 * round_ + 5):
-            headers, buffers = encode_arrays([np.full((1, 3), value, np.int64)])
-            parts.append({"inputs": headers})
-            frames.extend(buffers)
-        result, out = run_batch(model, {"model": "m0", "kind": "generate", "parts": parts,
-                                        "max_new_tokens": 2}, frames, 1 << 20)
-        got = [decode_arrays(result["outputs"][i], out[i:i + 1], what="output")[0].tolist() for i in (0, 1)]
-        assert got == [[[10 * round_ + 1, 10 * round_ + 2]], [[10 * round_ + 6, 10 * round_ + 7]]]
+        v = 10 * round_
+        answers, result = _generate_batch(model, [np.full((1, 3), v, np.int64), np.full((1, 3), v + 5, np.int64)])
+        assert [a.tolist() for a in answers] == [[[v + 1, v + 2]], [[v + 6, v + 7]]]
         assert result["ran"] == [1, 1]
     assert model.joins["generate"].verdict is False
     for _ in range(3):                                # its forwards still join once checked
         _batch(model, [[np.full((1, 3), v, np.int64)] for v in (1, 2)])
     assert model.joins["infer"].verdict is True
-
-
-def _generate_batch(model, prompts, n=2):
-    """run_batch of one generate job for `prompts`: (each answer or its error, the result)."""
-    parts, frames = [], []
-    for p in prompts:
-        headers, buffers = encode_arrays([p])
-        parts.append({"inputs": headers})
-        frames.extend(buffers)
-    result, out = run_batch(model, {"model": "m0", "kind": "generate", "parts": parts, "max_new_tokens": n},
-                            frames, 1 << 20)
-    answers, at = [], 0
-    for i in range(len(prompts)):
-        if str(i) in result["errors"]:
-            answers.append(result["errors"][str(i)])
-            continue
-        answers.append(decode_arrays(result["outputs"][i], out[at:at + 1], what="output")[0])
-        at += 1
-    return answers, result
 
 
 def test_a_check_whose_rows_all_give_the_same_tokens_proves_nothing(mindspore_cpu):
