@@ -50,6 +50,21 @@ def _generate_batch(model, prompts, n=2):
     return answers, result
 
 
+def _generating(ms, generate):
+    """A ServedModel of a servable object whose generate is `generate(ids, max_new_tokens)`
+    (its forward gives the ids back)."""
+    class Generating:
+        cell = ms.nn.Dense(2, 2)
+        inputs = [TensorSpec((None, 3), "int64", name="input_ids")]
+
+        def forward(self, ids):
+            return ids
+
+        def generate(self, ids, max_new_tokens):
+            return generate(ids, max_new_tokens)
+    return ServedModel("m0", as_servable(Generating(), "t:f"), handle=None, hints=[])
+
+
 def _time_major(ms):
     """A cell over (time, batch, features) inputs: the rows are on axis 1."""
     class TimeMajor(ms.nn.Cell):
@@ -195,18 +210,11 @@ def test_a_prompt_that_makes_generate_raise_fails_alone(mindspore_cpu):
     error. Its parts now run alone after it raises, as a forward's do."""
     ms = mindspore_cpu
 
-    class Echo:                                   # a servable object with generate
-        cell = ms.nn.Dense(2, 2)
-        inputs = [TensorSpec((None, 3), "int64", name="input_ids")]
-
-        def forward(self, ids):
-            return ids
-
-        def generate(self, ids, max_new_tokens):
-            if (ids < 0).any():
-                raise ValueError("a negative token id")
-            return np.repeat(ids[:, -1:] + 1, max_new_tokens, axis=1)
-    model = ServedModel("m0", as_servable(Echo(), "t:f"), handle=None, hints=[])
+    def generate(ids, max_new_tokens):
+        if (ids < 0).any():
+            raise ValueError("a negative token id")
+        return np.repeat(ids[:, -1:] + 1, max_new_tokens, axis=1)
+    model = _generating(ms, generate)
     prompts = [np.full((1 + i % 2, 3), i, np.int64) for i in range(4)]
     prompts[1][0, 0] = -1
     answers, result = _generate_batch(model, prompts)
@@ -221,16 +229,9 @@ def test_an_output_the_wire_cannot_carry_fails_its_own_request_only(mindspore_cp
     computed right, alone, and their answers dropped with it, all failed INTERNAL."""
     ms = mindspore_cpu
 
-    class Odd:
-        cell = ms.nn.Dense(2, 2)
-        inputs = [TensorSpec((None, 3), "int64", name="input_ids")]
-
-        def forward(self, ids):
-            return ids
-
-        def generate(self, ids, max_new_tokens):
-            return None if (ids == 13).any() else ids[:, -1:] + np.arange(1, max_new_tokens + 1)
-    model = ServedModel("m0", as_servable(Odd(), "t:f"), handle=None, hints=[])
+    def generate(ids, max_new_tokens):
+        return None if (ids == 13).any() else ids[:, -1:] + np.arange(1, max_new_tokens + 1)
+    model = _generating(ms, generate)
     answers, result = _generate_batch(model, [np.full((1, 3), value, np.int64) for value in (5, 13, 20)])
     # (None is refused as no token ids before the wire would refuse it: "dtype object is not
     # carried on the wire", which did not say whose fault it was.)
@@ -262,17 +263,10 @@ def test_a_generate_that_reorders_its_rows_never_hands_a_client_anothers_tokens(
     on their own: a model whose forwards join may still generate one request at a time."""
     ms = mindspore_cpu
 
-    class Reversing:
-        cell = ms.nn.Dense(2, 2)
-        inputs = [TensorSpec((None, 3), "int64", name="input_ids")]
-
-        def forward(self, ids):
-            return ids * 2
-
-        def generate(self, ids, max_new_tokens):
-            new = ids[:, -1:] + np.arange(1, max_new_tokens + 1)
-            return new[::-1]                          # right alone (one row), wrong joined
-    model = ServedModel("m0", as_servable(Reversing(), "t:f"), handle=None, hints=[])
+    def generate(ids, max_new_tokens):
+        new = ids[:, -1:] + np.arange(1, max_new_tokens + 1)
+        return new[::-1]                          # right alone (one row), wrong joined
+    model = _generating(ms, generate)
     for round_ in range(5):
         v = 10 * round_
         answers, result = _generate_batch(model, [np.full((1, 3), v, np.int64), np.full((1, 3), v + 5, np.int64)])
@@ -289,17 +283,10 @@ def test_a_check_whose_rows_all_give_the_same_tokens_proves_nothing(mindspore_cp
     reverses its rows (probe Q): from then on every client got another's tokens."""
     ms = mindspore_cpu
 
-    class Reversing:
-        cell = ms.nn.Dense(2, 2)
-        inputs = [TensorSpec((None, 3), "int64", name="input_ids")]
-
-        def forward(self, ids):
-            return ids
-
-        def generate(self, ids, max_new_tokens):
-            new = ids[:, -1:] // 100 + np.arange(1, max_new_tokens + 1)     # ids < 100: all the same
-            return new[::-1]
-    model = ServedModel("m0", as_servable(Reversing(), "t:f"), handle=None, hints=[])
+    def generate(ids, max_new_tokens):
+        new = ids[:, -1:] // 100 + np.arange(1, max_new_tokens + 1)     # ids < 100: all the same
+        return new[::-1]
+    model = _generating(ms, generate)
     for round_ in range(4):
         prompts = [np.full((1, 3), v, np.int64) for v in (round_, round_ + 10)]
         answers, _ = _generate_batch(model, prompts)
@@ -316,19 +303,12 @@ def test_a_generate_that_returns_other_than_new_token_ids_fails_its_request(mind
     (1, 9) for max_new_tokens 4, floats, a 0-d array. The wire promises (batch, N) int64."""
     ms = mindspore_cpu
 
-    class Odd:
-        cell = ms.nn.Dense(2, 2)
-        inputs = [TensorSpec((None, 3), "int64", name="input_ids")]
-
-        def forward(self, ids):
-            return ids
-
-        def generate(self, ids, max_new_tokens):
-            kind = int(ids[0, 0])
-            new = np.tile(np.arange(max_new_tokens), (len(ids), 1))
-            return {0: new.astype(np.int32), 1: np.concatenate([ids, new], axis=1),
-                    2: new.astype(np.float32), 3: np.int64(5)}[kind]
-    model = ServedModel("m0", as_servable(Odd(), "t:f"), handle=None, hints=[])
+    def generate(ids, max_new_tokens):
+        kind = int(ids[0, 0])
+        new = np.tile(np.arange(max_new_tokens), (len(ids), 1))
+        return {0: new.astype(np.int32), 1: np.concatenate([ids, new], axis=1),
+                2: new.astype(np.float32), 3: np.int64(5)}[kind]
+    model = _generating(ms, generate)
     for kind in range(4):
         (answer,), _ = _generate_batch(model, [np.full((1, 3), kind, np.int64)], n=4)
         if kind == 0:                                       # int32 ids: given as int64
