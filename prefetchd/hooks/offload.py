@@ -59,7 +59,7 @@ from . import jit_calls
 from .pass_turn import PassTurn
 from .passes import RecordingPass, StreamingPass
 from .root_calls import hook_root_cells
-from .planner import plan_units
+from .planner import fitting_plan
 from .trace_cursor import ROOT, TraceCursor
 from .units import Pins, Unit, cell_name, first_tensor
 from .views import ViewCopies
@@ -96,15 +96,15 @@ class Offloaded(refusals.NotCopyable):
         self.auto_fetch = config.auto_fetch if auto_fetch is None else bool(auto_fetch)
         self._owns_daemon = owns_daemon
         self._high = daemon.status()["device"]["high_watermark"]
-        # Everything that can be refused is refused before anything is registered.
-        self._plan = plan_units(model, self._high, self.lookahead, units=units, no_split=no_split,
-                                block_bytes=daemon.backend.block_bytes)
-        # The refusal's suggested device_budget assumes this daemon's high-watermark fraction:
-        # the default's own where it is the default (the ratio of int(budget * 0.95) to the
-        # budget is a hair under 0.95, and named a budget a byte too high).
-        if self._high != int(config.device_budget * DEFAULT_HIGH_FRACTION):
-            self._plan.high_fraction = self._high / config.device_budget
-        self._plan.check_fits()
+        # Everything that can be refused is refused before anything is registered. The refusal's
+        # suggested device_budget assumes this daemon's high-watermark fraction: the default's
+        # own where it is the default (the ratio of int(budget * 0.95) to the budget is a hair
+        # under 0.95, and named a budget a byte too high).
+        fraction = (None if self._high == int(config.device_budget * DEFAULT_HIGH_FRACTION)
+                    else self._high / config.device_budget)
+        self._plan, self._estimator.lookahead = fitting_plan(
+            model, self._high, self.lookahead, auto=lookahead == "auto", high_fraction=fraction,
+            units=units, no_split=no_split, block_bytes=daemon.backend.block_bytes)
         log.info("prefetchd.offload(%s):\n%s", type(model).__name__, self._plan.format_table())
         self._register(checkpoint)
         self._session = daemon.compute_session(owner=id(self))   # per-unit calls, this model's trace

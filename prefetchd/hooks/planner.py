@@ -181,6 +181,25 @@ class Plan:
         return "\n".join(lines)
 
 
+def fitting_plan(model, high_watermark, lookahead, *, auto, high_fraction=None, **planning):
+    """(plan, lookahead) of plan_units at `lookahead`, or BudgetError where its units cannot fit
+    (check_fits); with `auto` ("auto": the cost model picks the lookahead later, from what the
+    budget allows), at the largest lookahead up to the given one that fits: a budget where only
+    lookahead 0 fits was refused for a lookahead nobody chose. high_fraction: the daemon's high
+    watermark over its budget, where it is not the default's (the refusal's suggested budget)."""
+    while True:
+        plan = plan_units(model, high_watermark, lookahead, **planning)
+        if high_fraction is not None:
+            plan.high_fraction = high_fraction
+        try:
+            plan.check_fits()
+            return plan, lookahead
+        except BudgetError:
+            if not auto or lookahead == 0:
+                raise
+            lookahead -= 1
+
+
 def plan_units(model, high_watermark, lookahead, units=None, no_split=(), block_bytes=None):
     """Plan `model`'s units for a device tier whose high watermark is `high_watermark` bytes.
     block_bytes: fn(nbytes) -> what a tensor of nbytes reserves on the device (the backend's

@@ -452,6 +452,45 @@ def test_lookahead_auto_is_chosen_by_the_cost_model_from_the_first_pass(make_dae
     assert daemon.status()["device"]["peak"] <= daemon.status()["device"]["high_watermark"]
 
 
+def test_lookahead_auto_plans_at_a_smaller_lookahead_where_only_that_fits(make_daemon, ms, tmp_path):
+    """"auto" planned its units at the config's lookahead (2) before the cost model ran, and a
+    budget where only lookahead 0 fits was refused with the lookahead-0 budget named in the
+    message. It now plans at the largest lookahead that fits, and the cost model picks from there."""
+    from prefetchd.errors import BudgetError
+
+    class Block(ms.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = ms.nn.Dense(128, 512), ms.nn.Dense(512, 128)
+
+        def construct(self, x):
+            return x + self.fc2(ms.ops.tanh(self.fc1(x)))
+
+    class Net(ms.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.layers = ms.nn.CellList([Block() for _ in range(4)])
+
+        def construct(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+    x = ms.Tensor(np.ones((4, 128), np.float32))
+    model = Net()
+    want = model(x).asnumpy()
+    daemon = make_daemon(device_budget=300_000)     # one Dense of 263 KB fits at a time: lookahead 0
+    with pytest.raises(BudgetError, match="lookahead 0"):
+        prefetchd.offload(Net(), daemon, lookahead=2)
+    handle = prefetchd.offload(model, daemon, lookahead="auto")
+    assert handle.lookahead == 0
+    for _ in range(3):
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
+    assert daemon.status()["device"]["peak"] <= 300_000
+    with pytest.raises(BudgetError):                 # where nothing fits, "auto" is refused still
+        prefetchd.offload(Net(), make_daemon(device_budget=200_000, store_dir=str(tmp_path / "small")),
+                          lookahead="auto")
+
+
 def fence_clocks():
     """The timing threads alive now (prefetchd.cost.model.FenceClock)."""
     return {t for t in threading.enumerate() if t.name == "prefetchd-fence-clock"}
