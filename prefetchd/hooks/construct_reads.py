@@ -327,10 +327,10 @@ def _resolve(root, chain):
         elif step == ANY_ITEM:
             for label, item in _items(obj):
                 follow(item, expr + label, i + 1)
-        elif step == ANY_ATTR:
+        elif step == ANY_ATTR:           # named as what the getattr may return, not as a read of ours
             if isinstance(obj, ms.nn.Cell):
                 for label, item in _attributes(obj):
-                    follow(item, expr + label, i + 1)
+                    follow(item, f"getattr({expr}, <a computed name>) as {expr}{label}", i + 1)
         elif isinstance(step, str) and isinstance(obj, dict):
             if step in obj:
                 follow(obj[step], f"{expr}[{step!r}]", i + 1)

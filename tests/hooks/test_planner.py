@@ -395,6 +395,9 @@ def test_direct_reads_follow_names_bound_to_sub_cells_helpers_and_methods(ms):
     assert reads(loop_var) == ["k.weight", "q.weight"]
     assert reads(helper) == ["v.bias", "v.weight"]
     assert reads(computed_getattr) == ["k.weight", "out.weight", "q.weight", "v.weight"]
+    # Named as what the getattr may return: a refusal said "self.q.weight", which the code never reads.
+    assert ("getattr(self, <a computed name>) as self.q.weight" in
+            [expr for expr, _ in direct_reads(reader(computed_getattr))])
     assert reads(assigned) == ["out.weight"]
     assert reads(method_of_a_sub_cell) == ["proj.scale"]     # proj.fc is called: its hooks run
     assert reads(through_a_property) == ["k.weight", "q.weight"]
