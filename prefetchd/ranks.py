@@ -147,8 +147,9 @@ def rank_store(root, info):
         if world != info.world_size:
             raise ConfigError(f"store {root} was staged for {world} ranks, this job has {info.world_size} "
                               f"(stage it again with --ranks {info.world_size})")
-        if os.path.islink(place) or not os.path.isdir(place):
-            what = "a symbolic link" if os.path.islink(place) else "removed, or not a directory"
+        link = os.path.islink(place)
+        if link or not os.path.isdir(place):
+            what = "a symbolic link" if link else "removed, or not a directory"
             raise ConfigError(f"store {root} is staged for {world} ranks but has no {place} ({what}); "
                               f"stage it again with `prefetchd stage --shard`")
         if not os.path.exists(os.path.join(place, INDEX_FILE)):

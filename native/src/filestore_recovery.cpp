@@ -291,7 +291,8 @@ RecoveryReport FileStore::recover(bool verify_data) {
     uint64_t max_version = 0;
     for (auto &n : names) {
         if (n.rfind(kProbePrefix, 0) == 0 || n == kLockName) continue;  // a live probe; the lock
-        if (version_in_name(n) < kMaxVersion) max_version = std::max(max_version, version_in_name(n));
+        const uint64_t named = version_in_name(n);
+        if (named < kMaxVersion) max_version = std::max(max_version, named);
         std::string path = dir_ + "/" + n;
         if (ends_with(n, ".tmp")) {
             if (writing_.count(path)) continue;  // our own write in progress

@@ -103,7 +103,7 @@ class Offloaded(refusals.NotCopyable):
         fraction = (None if self._high == int(config.device_budget * DEFAULT_HIGH_FRACTION)
                     else self._high / config.device_budget)
         self._plan, self._estimator.lookahead = fitting_plan(
-            model, self._high, self.lookahead, auto=lookahead == "auto", high_fraction=fraction,
+            model, self._high, self.lookahead, auto=self._estimator.auto, high_fraction=fraction,
             units=units, no_split=no_split, block_bytes=daemon.backend.block_bytes)
         log.info("prefetchd.offload(%s):\n%s", type(model).__name__, self._plan.format_table())
         self._register(checkpoint)

@@ -13,6 +13,9 @@ from prefetchd import Config, Daemon
 from prefetchd.errors import ConfigError
 from prefetchd.ranks import RankInfo, detect, rank_config
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "staging"))
+from ckpt_files import write_safetensors  # noqa: E402
+
 # What msrun --worker_num 2 --local_worker_num 2 exported to its second worker (printed by a
 # script run under msrun on this machine; docs/distributed.md).
 MSRUN_RANK1 = {"RANK_SIZE": "2", "RANK_ID": "1", "MS_WORKER_NUM": "2", "MS_ROLE": "MS_WORKER",
@@ -132,8 +135,6 @@ def test_a_rank_job_on_a_plain_store_or_a_missing_shard_is_refused_naming_the_di
     """A plain store's tensors are the whole model's: a rank_N made inside it would start empty and
     fail later on the first parameter (UnknownTensorError), leaving a directory the next plain stage
     of that store refuses. A sharded store without this rank's directory fails the same way."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "staging"))
-    from ckpt_files import write_safetensors
     from prefetchd.staging import stage_checkpoint, stage_sharded
     src = tmp_path / "whole.safetensors"
     write_safetensors(src, {"w": np.arange(8, dtype=np.float32).reshape(2, 4)})
@@ -163,8 +164,6 @@ def test_a_rank_job_on_a_plain_store_or_a_missing_shard_is_refused_naming_the_di
 def test_a_sharded_store_whose_rank_directory_is_a_link_or_emptied_is_refused(tmp_path):
     """A rank_1 that is a link to rank_0 gave rank 1 rank 0's shard (wrong weights, no error);
     an emptied rank_1 failed later, on the job's first parameter."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "staging"))
-    from ckpt_files import write_safetensors
     from prefetchd.staging import SHARDS_FILE, stage_sharded
     src = tmp_path / "whole.safetensors"
     write_safetensors(src, {"w": np.arange(8, dtype=np.float32).reshape(2, 4)})
