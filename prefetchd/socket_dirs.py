@@ -17,9 +17,9 @@ def ensure_private_dir(path):
         pass
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"endpoint directory {path} exists and is not a directory")
+        raise ConfigError(f"socket directory {path} exists and is not a directory")
     if st.st_uid != os.getuid():
-        raise ConfigError(f"endpoint directory {path} belongs to uid {st.st_uid}, not to us "
+        raise ConfigError(f"socket directory {path} belongs to uid {st.st_uid}, not to us "
                           f"({os.getuid()}); refusing to put a socket there")
     if stat.S_IMODE(st.st_mode) & 0o077:
         os.chmod(path, 0o700)
@@ -33,12 +33,12 @@ def check_private_dir(path, hint="e.g. ipc://name.sock for the runtime directory
     real = os.path.realpath(path)
     st = os.stat(real)
     if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"endpoint directory {path} is not a directory")
+        raise ConfigError(f"socket directory {path} is not a directory")
     if st.st_uid != os.getuid():
-        raise ConfigError(f"endpoint directory {path} belongs to uid {st.st_uid}, not to us "
+        raise ConfigError(f"socket directory {path} belongs to uid {st.st_uid}, not to us "
                           f"({os.getuid()}); put the socket in a directory of our own ({hint})")
     if stat.S_IMODE(st.st_mode) & 0o022:
-        raise ConfigError(f"endpoint directory {path} is group- or world-writable "
+        raise ConfigError(f"socket directory {path} is group- or world-writable "
                           f"(mode {stat.S_IMODE(st.st_mode):o}); put the socket in a private "
                           f"directory ({hint})")
     return path
