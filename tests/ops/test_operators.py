@@ -9,21 +9,9 @@ import prefetchd
 from prefetchd import ops
 from prefetchd.errors import NotResidentError, StorageError, UseAfterFreeError
 
+from .conftest import tensor
+
 DTYPES = [np.float32, np.float16, np.int8, np.int64]
-
-
-def tensor(ms, array):
-    return ms.Tensor(np.ascontiguousarray(array))
-
-
-@pytest.fixture(autouse=True)
-def ops_store(tmp_path, monkeypatch):
-    """A fresh operator runtime with its store under tmp_path."""
-    monkeypatch.setenv("PREFETCHD_STORE_DIR", str(tmp_path))
-    monkeypatch.setenv("PREFETCHD_DEVICE_BUDGET", "768MiB")
-    monkeypatch.setattr(ops, "_runtime", None)
-    yield
-    ops._runtime = None
 
 
 # ---------------------------------------------------------------- CopyToDevice / CopyToHost
