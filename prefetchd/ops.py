@@ -302,7 +302,8 @@ def set_data(x, value):
 def update_to_remote(x, sync=False):
     """Write x's device replica to the remote tier; both replicas are valid afterwards."""
     e = _unmanaged(x, "update_to_remote")
-    array = np.ascontiguousarray(_values(x, e, "update_to_remote"))
+    values = _values(x, e, "update_to_remote")
+    array = np.ascontiguousarray(values)      # (at least 1-d: the layout is values')
     rt = runtime()
     key = e.remote_key or f"{_SCRATCH_PREFIX}{uuid.uuid4().hex}"
     crc = _native.crc32c(array)
@@ -310,7 +311,7 @@ def update_to_remote(x, sync=False):
         rt.store.write_sync(key, array, array.nbytes, b"")
     except _native.NativeError as err:
         raise StorageError(f"update_to_remote({e.label!r}) failed; the device replica is intact: {err}") from err
-    e.remote_key, e.remote_crc, e.remote_layout = key, crc, (array.shape, array.dtype)
+    e.remote_key, e.remote_crc, e.remote_layout = key, crc, (values.shape, values.dtype)
     return x
 
 

@@ -65,7 +65,7 @@ def test_the_memory_goes_back_when_the_last_reference_dies(ms):
     assert rt.device.used == used - N * 4
 
 
-@pytest.mark.parametrize("change", ["dtype", "grow", "shrink", "reshape"])
+@pytest.mark.parametrize("change", ["dtype", "grow", "shrink", "reshape", "0-dim"])
 def test_update_to_device_restores_the_layout_the_replica_was_written_with(ms, change):
     x = ops.copy_to_device(tensor(ms, np.arange(6, dtype=np.float32)))
     ops.update_to_remote(x)
@@ -74,8 +74,9 @@ def test_update_to_device_restores_the_layout_the_replica_was_written_with(ms, c
     new = {"dtype": np.arange(6, dtype=np.int32).reshape(2, 3) * 1000 + 1,
            "grow": np.arange(100_000, dtype=np.float64),
            "shrink": np.array([1.5, 2.5], np.float16),
-           "reshape": np.arange(6, dtype=np.float32).reshape(3, 2)}[change]
-    x.assign_value(tensor(ms, new))
+           "reshape": np.arange(6, dtype=np.float32).reshape(3, 2),
+           "0-dim": np.array(3.25, np.float32)}[change]
+    x.assign_value(ms.Tensor(new))
     ops.update_to_remote(x)
     ops.detach(x)
     ops.update_to_device(x)
