@@ -6,6 +6,8 @@ BadArguments naming the tensor; nothing is queued then.
 """
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..control.codes import BadArguments
 from .tensor_spec import TensorSpec
 from .wire import check_headers, check_sizes, view_arrays
@@ -36,8 +38,17 @@ def admit(info, kind, headers, frames, max_bytes, max_new_tokens=None):
         raise BadArguments(f"{len(described)} inputs, the model takes {len(info.inputs)}")
     for i, (spec, (dtype, shape)) in enumerate(zip(info.inputs, described)):
         spec.check(i, dtype, shape)
+    if kind == "generate":
+        for i, (_, shape) in enumerate(described):
+            if 0 in shape:
+                raise BadArguments(f"input {i}: shape {list(shape)} is empty: generate needs a prompt "
+                                   f"of at least one token per row")
     check_sizes(described, frames, max_bytes)
-    if any(spec.high is not None for spec in info.inputs):
+    # Values are read here when a bound is to be checked or a bool input could hold other
+    # bytes than 0 and 1 (view_arrays refuses those): left to the worker, one such
+    # request failed every request joined into its batch.
+    if any(spec.high is not None for spec in info.inputs) or \
+            any(dtype == np.bool_ for dtype, _ in described):
         for i, (spec, a) in enumerate(zip(info.inputs, view_arrays(described, frames))):
             spec.check_values(i, a)
     rows = {shape[spec.batch_axis] for spec, (_, shape) in zip(info.inputs, described)

@@ -31,6 +31,12 @@ class Job:
     batch: object = None         # the Batch that carries it, once sent
     done: bool = False           # answered (reply, error or timeout)
 
+    def finish(self):
+        """Mark it answered and let go of its input frames and its batch: the deadline heap
+        keeps an answered job until its deadline, and job and batch refer to each other,
+        so its inputs (up to the request size limit) lived until a full gc ran."""
+        self.done, self.frames, self.batch = True, [], None
+
 
 @dataclass(eq=False)
 class Batch:
@@ -87,7 +93,7 @@ class Batcher:
         gone = [j for q in self._queues.values() for j in q if j.envelope[0] == identity]
         for job in gone:
             self.remove(job)
-            job.done = True
+            job.finish()
         return len(gone)
 
     def drain(self):

@@ -178,7 +178,7 @@ class Front(FrontSockets):
     # -- replies
 
     def _fail(self, job, code, reason):
-        job.done = True
+        job.finish()
         self._reply_error(job.envelope, job.rid, code, reason)
 
     # -- clients: the op table
@@ -195,11 +195,11 @@ class Front(FrontSockets):
         try:
             spec = _spec_of(self._ops, op, args, tensors)
             spec.handler(envelope, rid, spec.validate(args, op), timeout, tensors)
-        except BadArguments as e:
-            self._reply_error(envelope, rid, P.BAD_REQUEST, f"{op}: {e}")
+        except BadArguments as e:     # (a client's op is cut: a 5000-character one hid the reason)
+            self._reply_error(envelope, rid, P.BAD_REQUEST, f"{op[:64]}: {e}")
         except Exception as e:    # a defect here must not leave the request unanswered
             log.exception("prefetchd serve: %s request failed", op[:64])
-            self._reply_error(envelope, rid, P.INTERNAL, f"{op}: internal error ({type(e).__name__})")
+            self._reply_error(envelope, rid, P.INTERNAL, f"{op[:64]}: internal error ({type(e).__name__})")
 
     def _op_ping(self, envelope, rid, args, timeout, tensors):
         self._send(envelope, P.encode_ok(rid, {
@@ -214,8 +214,8 @@ class Front(FrontSockets):
             if model in self.spec.model_names():
                 self._reply_error(envelope, rid, P.BUSY, "no worker has started yet")
                 return
-            raise BadArguments(f"unknown model {str(model)[:64]!r}; "
-                               f"models: {', '.join(self.spec.model_names())}")
+            raise BadArguments((f"unknown model {str(model)[:64]!r}" if model is not None else "needs 'model'")
+                               + f"; models: {', '.join(self.spec.model_names())}")
         if args["inputs"] is None:
             raise BadArguments("needs 'inputs': a {dtype, shape} header per tensor frame")
         rows, key = admit(info, kind, args["inputs"], tensors, self.spec.max_tensor_bytes,
@@ -307,7 +307,7 @@ class Front(FrontSockets):
             if error:                       # this request's own failure, not its batch-mates'
                 self._fail(job, error["code"], error["reason"])
                 continue
-            job.done = True
+            job.finish()
             self._send(job.envelope, P.encode_ok(job.rid, {
                 "model": batch.model, "worker": r["worker"], "pid": r["pid"], "outputs": headers,
                 "batch_size": r["ran"][i], "compute_seconds": r["compute_seconds"],

@@ -102,6 +102,8 @@ def test_generation_refusals(client):
         client.generate("m0", _ids(0, 1, 60), max_new_tokens=10)
     with pytest.raises(ServiceError, match="max_new_tokens"):
         client.generate("m0", _ids(0, 1, 3), max_new_tokens=0)
+    with pytest.raises(ServiceError, match=r"BAD_REQUEST.*\[2, 0\] is empty: generate needs a prompt"):
+        client.generate("m0", np.zeros((2, 0), np.int64), max_new_tokens=2)   # was INTERNAL
     assert client.generate("m0", _ids(0, 1, 3), max_new_tokens=2).shape == (1, 2)
 
 

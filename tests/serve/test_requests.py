@@ -155,6 +155,9 @@ def test_hostile_headers_and_frames_are_refused_and_serving_goes_on(front, clien
 def test_other_refusals(front, client):
     assert "needs 'inputs'" in _raw(front, {"model": "m0"})["reason"]
     assert "unknown model" in _raw(front, {"model": "m9", "inputs": []})["reason"]
+    assert _raw(front, {"inputs": []})["reason"].startswith("infer: needs 'model'; models: m0")
+    doc = _raw(front, {}, op="x" * 5000)          # the reason was 5000 characters of the op
+    assert doc["code"] == P.BAD_REQUEST and len(doc["reason"]) < 400 and "unknown op" in doc["reason"], doc
     doc = _raw(front, {}, [GOOD], op="ping")
     assert doc["code"] == P.BAD_REQUEST and "carry tensors" in doc["reason"]
     doc = _raw(front, {"model": "m0", "inputs": [{"dtype": "float32", "shape": [1, *SHAPE]}],
