@@ -11,6 +11,7 @@ invariants it keeps are in docs/design.md.
 import atexit
 import contextlib
 import logging
+import os
 import threading
 import time
 import weakref
@@ -38,6 +39,33 @@ from .telemetry.timeline import Timeline
 log = logging.getLogger("prefetchd")
 
 live_daemons = weakref.WeakSet()   # started, not yet closed: what prefetchd.tier() consults
+
+
+def _refusal(daemon):
+    """Why `daemon` takes no more requests: closed, or it is a forked child's copy."""
+    if daemon._state == "forked":
+        return (f"prefetchd daemon {daemon.config.name!r} belongs to process {daemon._forked_from}; this "
+                f"process is a fork of it, where its scheduler thread does not run, so every call would "
+                f"wait for good. Start a Daemon in the child instead, and run MindSpore in processes "
+                f"started with the 'spawn' method (MindSpore does not compute in a forked child either)")
+    return (f"prefetchd daemon {daemon.config.name!r} is closed: cannot schedule new "
+            f"requests after close() (a model offloaded to it cannot run any more)")
+
+
+def _forked_child():
+    """os.fork() copied the daemons but not their threads: a call that waits for the
+    scheduler would wait for good (flush, prefetch().result(), use, handle.close()). The
+    copies refuse every request from now on, are left out of the at-exit close and the
+    dropped-daemon finalizer (both wait for that thread, and locks held at the fork), and
+    get fresh locks of their own."""
+    for daemon in list(live_daemons):
+        daemon._forked_from, daemon._state = os.getppid(), "forked"
+        daemon._lock = type(daemon._lock)()
+        daemon._finalizer.detach()
+    live_daemons.clear()
+
+
+os.register_at_fork(after_in_child=_forked_child)
 
 
 @atexit.register
@@ -141,7 +169,7 @@ class Daemon:
         timeout = self.config.shutdown_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         with self._lock:
-            if self._state == "closed":
+            if self._state in ("closed", "forked"):     # (a fork's copy: nothing of it runs here)
                 return
             first = self._state != "closing"
             started = self._core is not None
@@ -178,8 +206,7 @@ class Daemon:
             raise ShutdownError(self._closed_message())
 
     def _closed_message(self):
-        return (f"prefetchd daemon {self.config.name!r} is closed: cannot schedule new "
-                f"requests after close() (a model offloaded to it cannot run any more)")
+        return _refusal(self)
 
     def _submit(self, request):
         self.check_open()                  # before start(): say so (there is no core yet)
