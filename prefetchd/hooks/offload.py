@@ -38,9 +38,8 @@ trace position and is counted. Hooks do not fire under graph mode, so
 offload() refuses it. A pass that runs none of the units (embeddings only)
 is fine; the first pass that runs some records the trace.
 
-What offload() and an offloaded model refuse, with the messages, is in
-prefetchd.hooks.refusals; the copies of outputs that are views of a unit's weights
-(found in the recording pass) in prefetchd.hooks.views.ViewCopies.
+What offload() and an offloaded model refuse, with the messages, is in prefetchd.hooks.refusals;
+the copies of outputs that are views of a unit's weights (found when recording) in views.ViewCopies.
 """
 import contextlib
 import functools
@@ -214,6 +213,9 @@ class Offloaded(refusals.NotCopyable):
     def _before_model(self, cell, inputs):
         self._compiled_later.refuse_compiled_holders()
         self.turn.take()                     # (the same thread: a nested call runs through)
+        if self.closed:                      # closed while this forward waited for the turn
+            self.turn.give()
+            raise refusals.closed_refused(self.model, self.daemon.config.name)
         self._pins.release_all(None)          # a pass that raised midway left pins behind
         self._compiled_later.drop_probes_under_compiled()
         for unit in self.units:
@@ -337,10 +339,9 @@ class Offloaded(refusals.NotCopyable):
 
     # ---------------------------------------------------------------- teardown and refusals
     def close(self):
-        """Wait for a forward running on another thread to end (refused inside this model's own
-        forward), remove the hooks, give the weights back to the daemon (memory, the store files
-        it wrote) and close an owned daemon. The model refuses to run from then on. Called again,
-        it retries giving back the weights something still pinned the first time."""
+        """Wait for another thread's forward to end (refused inside this model's own), remove the hooks,
+        give the weights back to the daemon (memory, the store files it wrote), close an owned daemon; the
+        model refuses to run from then on. Called again, it gives back what was still pinned the first time."""
         if self.closed:
             self._given_back = self._given_back or registration.unregister(self.daemon, [self.root, *self.units])
             return

@@ -126,7 +126,10 @@ def unregister(daemon, units):
     not grow with every model it streamed. False where that is refused (a daemon.use() block
     pins one now): they stay registered, said once in a WARNING, until a later close() or
     the daemon's. True once they are gone (or the daemon is)."""
-    records = list({id(r): r for u in units for r in u.records}.values())
+    # Records already forgotten (index None) are left out: a close() interrupted after the
+    # scheduler had unregistered them (Ctrl-C in the wait) failed every later close() with
+    # "not registered", and said the weights stayed.
+    records = list({id(r): r for u in units for r in u.records if r.index is not None}.values())
     if not records or daemon.closed:
         return True
     try:
