@@ -92,6 +92,12 @@ class PassEstimator:
         timer, self._timer = self._timer, None
         if timer is None:
             return
+        try:
+            self._estimate_from(timer, units, root_bytes, tier, stall_seconds, high_watermark)
+        finally:                # (after stop(), a no-op; a Ctrl-C before it left its thread waiting)
+            timer.close()
+
+    def _estimate_from(self, timer, units, root_bytes, tier, stall_seconds, high_watermark):
         self._units = tuple((u.name, unit_kind(u.cells, u.params)) for u in units)
         backend = self.daemon.backend
         contended = bool(backend.copy_contention)

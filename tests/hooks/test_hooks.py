@@ -696,3 +696,22 @@ def test_a_route_the_recording_pass_did_not_take_becomes_the_trace(ms, store_dir
         assert handle.stats()["retraces"] == 1
         assert [names[i] for i in handle.trace[1:]] == [f"experts.{e}.{d}" for e in (2, 3, 4, 5) for d in (0, 1)]
         handle.close()
+
+
+def test_an_interrupt_as_the_recording_pass_ends_leaves_no_timing_thread(make_daemon, reference, monkeypatch):
+    """A Ctrl-C while the recording pass's estimate was worked out (before its clock was
+    stopped) left that clock's thread waiting for good: one leaked per interrupted pass."""
+    from prefetchd.cost import estimate
+    x, want, _ = reference
+    before = fence_clocks()
+    model, handle, daemon = offloaded(make_daemon, 0.3, lookahead=1)
+
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(estimate, "checksum_rate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(model(x).asnumpy(), want)
+    handle.close()
+    assert_no_new_fence_clocks(before)
