@@ -44,9 +44,8 @@ the copies of outputs that are views of a unit's weights (found when recording) 
 import contextlib
 import functools
 import logging
-import weakref
 
-from . import registration, refusals
+from . import backward, registration, refusals
 from ..backend import framework
 from ..daemon import Daemon
 from ..errors import PrefetchdError, ShutdownError
@@ -149,10 +148,8 @@ class Offloaded(refusals.NotCopyable):
         self._handles.append(model.register_forward_hook(self._after_model))
         # always_call: MindSpore runs it when the forward or another hook raised, too.
         self._handles.append(model.register_forward_hook(self._end_pass, always_call=True))
-        # Fires before any backward kernel of the model runs (its output's gradient comes first).
-        self._backward = model.register_backward_pre_hook(functools.partial(refusals.refuse_backward, model))
-        self._handles.append(self._backward)
-        self._on_daemon_close = _let_go_when_the_daemon_closes(self)
+        self._backward = None          # the first forward under a gradient registers it
+        self._on_daemon_close = backward.let_go_when_the_daemon_closes(self)
 
     def _hook_unit_cell(self, cell):
         self._handles.append(cell.register_forward_pre_hook(self._before_unit))
@@ -213,6 +210,8 @@ class Offloaded(refusals.NotCopyable):
     def _before_model(self, cell, inputs):
         self._compiled_later.refuse_compiled_holders()
         self.turn.take()                     # (the same thread: a nested call runs through)
+        if self._backward is None and framework.recording_grad():
+            self._backward = backward.refuse_backward(self)
         if self.closed:                      # closed while this forward waited for the turn
             self.turn.give()
             raise refusals.closed_refused(self.model, self.daemon.config.name)
@@ -378,24 +377,6 @@ def _unit_of(by_cell, cell):
                              f"after offload() (e.g. by mindspore.amp.auto_mixed_precision); change the "
                              f"model before offload()")
     return unit
-
-
-def _let_go_when_the_daemon_closes(handle):
-    """When `handle`'s daemon closes, the model lets go of MindSpore's backward-hook cycle (see
-    Offloaded.close), so a model its user drops is collected, and with it the daemon and its
-    64 GiB reservation: the README's `with Daemon(...)` never calls handle.close(), and every
-    model streamed so was kept for good. Its forward hooks stay (removing them could cut
-    across a forward running now); they refuse to run on a closed daemon. Returns the key."""
-    attachments = handle.daemon.attachments
-    ref = weakref.ref(handle, attachments.forget)     # a collected handle is forgotten
-
-    def let_go():
-        h = ref()
-        if h is not None and not h.closed:
-            h._backward.remove()
-            framework.release_backward_pre_hook(h.model)
-    attachments.on_close(ref, let_go)
-    return ref
 
 
 def offload(model, daemon=None, lookahead=None, units=None, auto_fetch=None, *, tier="remote",

@@ -76,3 +76,12 @@ def test_a_native_read_the_guard_cannot_see_still_says_why_before_the_process_di
     run = run_child("stack", tmp_path)
     assert run.returncode == -11, (run.returncode, run.stdout, run.stderr[-2000:])
     assert NATIVE_LINE in run.stderr, run.stderr[-2000:]
+
+
+def test_a_frozen_backbone_under_a_trained_head_is_not_refused(tmp_path):
+    """Under ops.stop_gradient no backward of the model runs: the head's gradients are
+    computed and the forward under the gradient gives the resident answer."""
+    run = run_child("frozen_backbone", tmp_path)
+    assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-2000:])
+    assert "frozen backbone: head gradients computed\nno error\n" in run.stdout, run.stdout
+    assert run.stdout.endswith("ok\n"), run.stdout
