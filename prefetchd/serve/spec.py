@@ -13,11 +13,11 @@ MindSpore's `no_init_parameters()` (so a large model's weights never need to
 exist in RAM), and every parameter is served from the store under its own
 name, which must match the checkpoint's. One weight set, m0, is served then.
 """
-import dataclasses
+
 import importlib
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import ENV_PREFIX, Config
 from ..errors import ConfigError
@@ -166,6 +166,19 @@ def build_weight_set(spec, seed):
         made = factory(seed=seed, **kwargs)
     from .servable import as_servable
     return as_servable(made, spec.model)
+
+
+def sized(spec):
+    """(spec, its first weight set or None). A custom model's default budget is a share of
+    one weight set, which only building it can tell: without --model-bytes or a staged
+    store the demo model's size stood in (a 32 MiB model was refused a 19 MiB budget).
+    Builds the first weight set when it must; the worker offloads that one."""
+    given_size = isinstance(spec.budget, int) and not isinstance(spec.budget, bool)
+    if spec.is_demo() or spec.model_bytes_hint or spec.checkpoint_store or given_size:
+        return spec, None
+    first = build_weight_set(spec, spec.seed)
+    nbytes = sum(int(p.nbytes) for p in first.cell.get_parameters())
+    return replace(spec, model_bytes_hint=max(nbytes, 1)), first
 
 
 def demo_model(seed=0, spec=None):

@@ -33,7 +33,7 @@ from ..errors import ConfigError
 from ..control import protocol as P
 from .execute import error_reply, run_batch
 from .servable import ServedModel
-from .spec import ServeSpec, build_weight_set, worker_config
+from .spec import ServeSpec, build_weight_set, sized, worker_config
 
 log = logging.getLogger("prefetchd.serve.worker")
 
@@ -57,8 +57,9 @@ def first_parameters(cell, max_bytes):
     return names
 
 
-def build_models(spec, daemon):
-    """{name: ServedModel}: one weight set per model name, offloaded through `daemon`.
+def build_models(spec, daemon, first=None):
+    """{name: ServedModel}: one weight set per model name, offloaded through `daemon`
+    (`first`: the first one, built already by spec.sized).
 
     The one place that decides what a worker runs (prefetchd.serve.servable).
     """
@@ -66,7 +67,7 @@ def build_models(spec, daemon):
 
     models = {}
     for i, name in enumerate(spec.model_names()):
-        servable = build_weight_set(spec, spec.seed + i)
+        servable = first if i == 0 and first is not None else build_weight_set(spec, spec.seed + i)
         cell = servable.cell
         if not spec.checkpoint_store:    # the store's names are the checkpoint's: keep them
             cell.update_parameters_name(f"{name}.")
@@ -184,9 +185,10 @@ def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, p
     try:
         try:
             store = worker_store(spec, index, generation)
+            spec, first = sized(spec)
             daemon = Daemon(worker_config(spec, index, store)).start()
             daemon.serve(control_endpoint)
-            models = build_models(spec, daemon)
+            models = build_models(spec, daemon, first)
         except BaseException as e:  # noqa: BLE001 - said once, by the front, in one line (sys.exit too)
             log.debug("worker %d could not start", index, exc_info=True)
             failure.send(f"{type(e).__name__}: {e}")

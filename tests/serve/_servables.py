@@ -111,3 +111,12 @@ def sleepy_front(store_dir, endpoint, name, **options):
     options = {"request_timeout": 60.0, **options}
     return Front(endpoint, workers=1, spec=spec, name=name, max_batch_size=1, max_queue_delay_ms=1,
                  **options).start()
+
+
+def wide(seed=0):
+    """One nn.Dense(2048, 4096): 32 MiB of weights, above the demo model's 19 MiB default
+    budget that a custom model's default used to be."""
+    import mindspore as ms
+    from mindspore import nn
+    ms.set_seed(seed)
+    return nn.Dense(2048, 4096), [TensorSpec((None, 2048), "float32", 0, "x")]

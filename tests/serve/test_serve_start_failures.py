@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from helpers import ENV
@@ -129,3 +130,40 @@ def test_serve_says_which_ports_it_bound_when_asked_for_any(tmp_path):
             assert b"prefetchd_serve_" in reply.read()
     finally:
         stop_serve(proc)
+
+
+def test_a_custom_models_default_budget_is_a_share_of_its_own_weights(tmp_path):
+    """Without --budget or --model-bytes the demo model's size (19 MiB) stood in for a custom
+    model's, and a 32 MiB one was refused ('device_budget >= 32MiB'). The worker now builds
+    the first weight set and takes 150% of it."""
+    import mindspore as ms
+
+    from prefetchd.serve import Client, Front, ServeSpec
+    from tests.serve._servables import wide
+    spec = ServeSpec(models=1, model="tests.serve._servables:wide", store_dir=str(tmp_path / "store"))
+    x = np.random.default_rng(0).standard_normal((2, 2048)).astype(np.float32)
+    cell, _ = wide(seed=spec.seed)
+    want = cell(ms.Tensor(x)).asnumpy()
+    endpoint = f"ipc://{tmp_path}/wide.sock"
+    with Front(endpoint, workers=1, spec=spec, name=f"wide{os.getpid()}").start() as front:
+        with Client(front.endpoint, timeout=120) as client:
+            np.testing.assert_array_equal(client.infer("m0", x)[0], want)
+        budget = _status(front.endpoint)["workers"][0]["daemon"]["device"]["capacity"]
+    assert budget == int(1.5 * (2048 * 4096 + 4096) * 4), budget
+
+
+def _status(endpoint):
+    import zmq
+
+    from prefetchd.control import protocol as P
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(endpoint)
+        sock.send_multipart(P.encode_request(b"status!!", "status", {}, 10, []))
+        assert sock.poll(15_000), "no reply"
+        _, doc, _ = P.decode_reply(sock.recv_multipart(), tensors=True)
+        return doc["result"]
+    finally:
+        ctx.destroy(linger=0)
