@@ -39,7 +39,8 @@ class ExplicitRequests:
         for rec in req.recs:
             if rec.pins:
                 self._outcomes.fail(req, PinnedError(
-                    f"cannot evict {rec.name!r}: it is pinned ({rec.pins} pin(s)) by compute"))
+                    f"cannot evict {rec.name!r}: it is pinned ({rec.pins} pin(s): a running unit, a daemon.use "
+                    f"block or a control-plane lease); unpin it first"))
                 return
         pending = []
         for rec in req.recs:
