@@ -30,6 +30,7 @@ had, so no alias ever reads the next tensor's bytes. The remote replica records
 the shape and dtype it was written with; `update_to_device` restores both.
 Operators run one at a time (one process-wide lock).
 """
+import functools
 import threading
 import uuid
 import weakref
@@ -114,10 +115,10 @@ def runtime():
 def _one_at_a_time(fn):
     """Run operator `fn` under the runtime's operator lock: a free racing an
     update_to_device of the same tensor left it marked freed yet bound to a live block."""
+    @functools.wraps(fn)
     def run(*args, **kwargs):
         with runtime().op_lock:
             return fn(*args, **kwargs)
-    run.__name__, run.__qualname__, run.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
     return run
 
 

@@ -210,11 +210,11 @@ class Offloaded(refusals.NotCopyable):
     def _before_model(self, cell, inputs):
         self._compiled_later.refuse_compiled_holders()
         self.turn.take()                     # (the same thread: a nested call runs through)
-        if self._backward is None and framework.recording_grad():
-            self._backward = backward.refuse_backward(self)
         if self.closed:                      # closed while this forward waited for the turn
             self.turn.give()
             raise refusals.closed_refused(self.model, self.daemon.config.name)
+        if self._backward is None and framework.recording_grad():
+            self._backward = backward.refuse_backward(self)
         self._pins.release_all(None)          # a pass that raised midway left pins behind
         self._compiled_later.drop_probes_under_compiled()
         for unit in self.units:
