@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import prefetchd
+from helpers import wait_until
 from prefetchd import NotResidentError, PrefetchdError
 from _block_net import UNIT_BLOCKS, Net
 
@@ -171,6 +172,9 @@ def test_a_write_right_after_an_unpin_is_refused_before_the_scheduler_applies_it
     daemon = make_daemon(device_budget=4 * UNIT_BLOCKS, host_budget=2 * UNIT_BLOCKS)
     prefetchd.offload(model, daemon, lookahead=1)
     model(x)
+    # The forward's root unpin waits for its compute fence: under load it came after the use
+    # block below, which then left `scale` pinned, and the write was rightly taken (CI, once).
+    assert wait_until(lambda: daemon.status()["pinned"] == 0, timeout=30)
     scheduler = daemon._core
     unpin, hold, held = scheduler._requests[Kind.UNPIN], threading.Event(), threading.Event()
 
