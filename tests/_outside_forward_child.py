@@ -84,6 +84,10 @@ def act(case, d, net, w, x, ckpt):
         ms.value_and_grad(net, grad_position=0)(x)
     elif case == "grad_of_loss":                 # the model inside a loss: its backward comes later
         ms.grad(lambda v: (net(v) * net(v)).sum(), grad_position=0)(x)
+    elif case == "vjp":                          # its forward does not say it is recorded for a gradient
+        ms.vjp(net, x)[1](ms.ops.ones_like(x))
+    elif case == "grad_operation":
+        ms.ops.GradOperation()(net)(x)
     elif case == "frozen_backbone":              # no backward of the model runs: not refused
         head = nn.Dense(H, 1)
         loss, grads = ms.value_and_grad(lambda v: head(ops.stop_gradient(net(v))).sum(), None,

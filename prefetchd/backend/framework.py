@@ -85,13 +85,6 @@ def bind_placeholder(target, dtype):
     bind(target, np.zeros((0,), dtype=dtype))
 
 
-def recording_grad():
-    """Whether the forward running now is recorded for a gradient (mindspore.grad,
-    value_and_grad, a loss function's forward): PyNative's executor requires grad then."""
-    from mindspore.common.api import _pynative_executor
-    return _pynative_executor.requires_grad()
-
-
 def release_backward_pre_hook(cell):
     """Free what MindSpore keeps for `cell`'s backward pre-hooks once none is left.
 

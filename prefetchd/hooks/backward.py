@@ -3,9 +3,11 @@ from holding the model for good because of it.
 
 MindSpore 2.10 keeps a cell that ever had a backward pre-hook alive through a cycle its
 C++ side holds (prefetchd.backend.framework.release_backward_pre_hook): the model, its
-hooks, the handle and the daemon with its threads and address-space reservation. So the
-hook is registered only once a forward is recorded for a gradient, and let go of when
-the handle or its daemon closes.
+hooks, the handle and the daemon with its threads and address-space reservation. The
+hook is let go of when the handle or its daemon closes. (Registering it only from a
+forward recorded for a gradient would avoid the cycle for models never differentiated,
+but PyNative's requires_grad() is False in the forward of mindspore.vjp and
+ops.GradOperation, which would then run a backward over released weights.)
 """
 import functools
 import weakref
@@ -16,10 +18,7 @@ from . import refusals
 
 def refuse_backward(handle):
     """Register the model's backward pre-hook, which refuses before any backward kernel of the
-    model runs (its output's gradient comes first), from the first forward recorded for a
-    gradient: a backward pre-hook makes MindSpore keep the cell for good (a cycle through
-    C++, framework.release_backward_pre_hook), so a model dropped without handle.close()
-    kept its daemon, threads and reservation alive. Returns the hook's handle."""
+    model runs (its output's gradient comes first). Returns the hook's handle."""
     hook = handle.model.register_backward_pre_hook(functools.partial(refusals.refuse_backward, handle.model))
     handle._handles.append(hook)
     return hook
@@ -36,8 +35,9 @@ def let_go_when_the_daemon_closes(handle):
 
     def let_go():
         h = ref()
-        if h is not None and not h.closed and h._backward is not None:
+        if h is not None and not h.closed:
             h._backward.remove()
             framework.release_backward_pre_hook(h.model)
     attachments.on_close(ref, let_go)
     return ref
+

@@ -148,7 +148,7 @@ class Offloaded(refusals.NotCopyable):
         self._handles.append(model.register_forward_hook(self._after_model))
         # always_call: MindSpore runs it when the forward or another hook raised, too.
         self._handles.append(model.register_forward_hook(self._end_pass, always_call=True))
-        self._backward = None          # the first forward under a gradient registers it
+        self._backward = backward.refuse_backward(self)
         self._on_daemon_close = backward.let_go_when_the_daemon_closes(self)
 
     def _hook_unit_cell(self, cell):
@@ -213,8 +213,6 @@ class Offloaded(refusals.NotCopyable):
         if self.closed:                      # closed while this forward waited for the turn
             self.turn.give()
             raise refusals.closed_refused(self.model, self.daemon.config.name)
-        if self._backward is None and framework.recording_grad():
-            self._backward = backward.refuse_backward(self)
         self._pins.release_all(None)          # a pass that raised midway left pins behind
         self._compiled_later.drop_probes_under_compiled()
         for unit in self.units:

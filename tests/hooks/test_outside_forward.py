@@ -49,7 +49,8 @@ def test_inside_use_the_same_actions_work_and_writes_are_kept(tmp_path):
     assert "use: arrays taken inside use stay readable after the weight is evicted" in run.stdout
 
 
-@pytest.mark.parametrize("case", ["grad_input", "grad_weights", "value_and_grad", "grad_of_loss"])
+@pytest.mark.parametrize("case", ["grad_input", "grad_weights", "value_and_grad", "grad_of_loss", "vjp",
+                                  "grad_operation"])
 def test_gradients_through_an_offloaded_model_are_refused(tmp_path, case):
     """The backward would read weights released after their forward (SIGSEGV before): the
     model's backward pre-hook refuses before any backward kernel runs, and plain forwards
@@ -84,4 +85,54 @@ def test_a_frozen_backbone_under_a_trained_head_is_not_refused(tmp_path):
     run = run_child("frozen_backbone", tmp_path)
     assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-2000:])
     assert "frozen backbone: head gradients computed\nno error\n" in run.stdout, run.stdout
+    assert run.stdout.endswith("ok\n"), run.stdout
+
+
+DICT_OUTPUT = """
+import sys
+import numpy as np
+import mindspore as ms
+from mindspore import nn
+import prefetchd
+ms.set_device("CPU")
+ms.set_seed(2)
+
+class Blocks(nn.Cell):                     # a transformers-style output: a dict of tensors
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.blocks = nn.CellList([nn.Dense(256, 256) for _ in range(4)])
+
+    def construct(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return {"logits": x} if self.kind == "dict" else [x] if self.kind == "list" else ((x,), x)
+
+net = Blocks(sys.argv[2])
+x = ms.Tensor(np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32))
+with prefetchd.Daemon(device_budget=700000, store_dir=sys.argv[1]) as d:
+    prefetchd.offload(net, d, lookahead=1)
+    first = lambda out: out["logits"] if isinstance(out, dict) else out[0] if sys.argv[2] == "list" else out[0][0]
+    ref = first(net(x)).asnumpy()
+    try:
+        ms.value_and_grad(lambda v: first(net(v)).sum(), 0)(x)
+        print("not refused", flush=True)
+    except prefetchd.PrefetchdError as e:
+        print("refused:", str(e)[:70], flush=True)
+    assert np.array_equal(first(net(x)).asnumpy(), ref)
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="not covered: MindSpore's backward hook wraps a Tensor output or a "
+                   "tuple's Tensors only, so this backward runs over released weights (SIGSEGV); a "
+                   "refusal at the forward left PyNative's requires_grad() True for later plain forwards")
+@pytest.mark.parametrize("kind", ["dict", "list", "nested_tuple"])
+def test_a_gradient_through_an_output_the_backward_hook_cannot_see_is_refused(tmp_path, kind):
+    """The backward of a model returning a dict (mindone's Qwen2 ModelOutput), a list or a
+    nested tuple passes the model's backward pre-hook by (docs/daemon-api.md, not covered)."""
+    run = subprocess.run([sys.executable, "-c", DICT_OUTPUT, str(tmp_path / "s"), kind],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-2000:])
+    assert "refused: prefetchd: gradients through an offloaded model are not supported" in run.stdout, run.stdout
     assert run.stdout.endswith("ok\n"), run.stdout
