@@ -9,8 +9,8 @@ run, and the graph read the weights of units not resident, unmapped: SIGSEGV.
   cell as its `obj`, or no obj for a function (`@jit def f(x): return model[0](x)`:
   then the cells the function's code names, as globals or in its closure, count);
 - trace mode (`capture_mode="trace"`): the function `_jit_trace` makes, called with
-  the cell as its first argument (the first call traces through the cells' own
-  calls; later ones run the graph alone).
+  the cell as its first argument, or a function naming cells as above (the first call
+  traces through the cells' own calls; later ones run the graph alone).
 
 For a cell of an offloaded model, the call is refused when no pass of that model
 runs on this thread (a @jit block called by the model's forward is the supported
@@ -94,8 +94,11 @@ def _traced(original):
 
             @functools.wraps(inner)
             def call(*args, **kwargs):
-                if _watched and args and _is_watched(args[0]):
-                    check_jit_call(args[0])
+                if _watched:
+                    if args and _is_watched(args[0]):
+                        check_jit_call(args[0])
+                    for cell in _named_cells(fn):     # a function that reaches the model itself
+                        check_jit_call(cell)
                 return inner(*args, **kwargs)
             return types.MethodType(call, out.__self__) if isinstance(out, types.MethodType) else call
         return wrap_func

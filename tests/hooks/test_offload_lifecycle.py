@@ -386,8 +386,12 @@ def test_mindspore_jit_of_an_offloaded_model_is_refused_outside_its_forward(ms, 
         @ms.jit
         def calls_a_block(a):          # a function: the cells its code names count
             return model[1](a)
+
+        @ms.jit(capture_mode="trace")  # traced, it read unmapped weights (SIGSEGV), and a
+        def traces_the_model(a):       # gradient of it came back all zeros
+            return model(a).sum()
         for compiled in (ms.jit(model), ms.jit(model[1]), ms.jit(model, capture_mode="trace"),
-                         calls_a_block):
+                         calls_a_block, traces_the_model, ms.grad(traces_the_model)):
             with pytest.raises(PrefetchdError, match="runs its graph without the cell's hooks"):
                 compiled(x)
         np.testing.assert_array_equal(model(x).asnumpy(), expected)    # the model is untouched
