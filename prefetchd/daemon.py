@@ -60,7 +60,7 @@ def _forked_child():
     get fresh locks of their own."""
     for daemon in list(live_daemons):
         daemon._forked_from, daemon._state = os.getppid(), "forked"
-        daemon._lock = type(daemon._lock)()
+        daemon._lock = threading.Lock()
         daemon._finalizer.detach()
     live_daemons.clear()
 

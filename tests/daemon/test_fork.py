@@ -18,12 +18,14 @@ CHILD = textwrap.dedent("""
     x = ms.Tensor(np.ones((2, 64), np.float32))
     want = model(x).asnumpy()
     daemon = prefetchd.Daemon(device_budget=3 * 64 * 65 * 4 + (1 << 14), store_dir=sys.argv[1]).start()
+    other = prefetchd.Daemon(device_budget="1MiB", store_dir=sys.argv[1] + "-other").start()
     handle = prefetchd.offload(model, daemon, lookahead=1)
     model(x)
     absent = next(w for w in model.get_parameters() if prefetchd.tier(w)[:1] != ("device",))
     pid = os.fork()
     if pid == 0:
         for what, call in [("flush", lambda: daemon.flush().result(5)),
+                           ("other.flush", lambda: other.flush().result(5)),
                            ("prefetch", lambda: daemon.prefetch([absent]).result(5)),
                            ("use", lambda: daemon.use([absent]).__enter__()),
                            ("status", daemon.status),
@@ -41,6 +43,7 @@ CHILD = textwrap.dedent("""
     assert np.array_equal(model(x).asnumpy(), want)
     handle.close()
     daemon.close()
+    other.close()
     print("parent ok", flush=True)
 """)
 
@@ -53,6 +56,10 @@ def test_a_forked_child_gets_a_refusal_not_a_hang_and_the_parent_goes_on(tmp_pat
     refusal = "ShutdownError 0.0s prefetchd daemon 'default' belongs to process "
     for what in ("flush", "prefetch", "use"):
         assert lines.get(what, "").startswith(refusal), run.stdout
+    # the hook failed on its first daemon ('cannot create _thread.lock instances'), leaving the
+    # second running in the child: its flush waited until the timeout
+    assert lines.get("other.flush", "").startswith(refusal), run.stdout
+    assert "Exception ignored" not in run.stderr, run.stderr[-2000:]
     for what in ("status", "handle.close", "daemon.close"):     # (returning, not waiting)
         assert lines.get(what) == "ok", run.stdout
     assert lines["child"] == "status 0" and lines["parent"] == "ok", run.stdout

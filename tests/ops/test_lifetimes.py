@@ -202,3 +202,60 @@ def test_a_refused_copy_of_a_managed_tensor_leaves_no_entry_behind(ms, make_daem
         ops.copy_to_host(a)
     daemon.close()
     assert prefetchd.tier(a) == ()
+
+
+def test_update_to_device_after_mindspore_rebound_the_tensor_loads_into_it(ms):
+    """x.assign_value(C) rebinds x behind the operators; the refill went into the old block,
+    which x no longer viewed, and x kept reading C with no error."""
+    x = ops.copy_to_device(tensor(ms, np.arange(N, dtype=np.float32)))
+    ops.update_to_remote(x)
+    x.assign_value(tensor(ms, np.full(N, 7, np.float32)))
+    ops.update_to_device(x)
+    np.testing.assert_array_equal(x.asnumpy(), np.arange(N, dtype=np.float32))
+
+
+CHILD = """
+import gc, os, sys, threading, time
+import numpy as np
+import mindspore as ms
+from prefetchd import ops
+ms.set_device("CPU")
+case = sys.argv[1]
+if case == "gc":           # tensors in reference cycles, collected inside an operator
+    for i in range(3000):
+        y = ops.copy_to_device(ms.Tensor(np.arange(16, dtype=np.float32)))
+        y.selfref = y
+    print("ok", flush=True)
+else:                      # a fork while another thread is inside an operator
+    stop = threading.Event()
+    def busy():
+        t = ops.copy_to_device(ms.Tensor(np.arange(1 << 16, dtype=np.float32)))
+        while not stop.is_set():
+            ops.update_to_remote(t); ops.detach(t); ops.update_to_device(t)
+    worker = threading.Thread(target=busy)
+    worker.start()
+    time.sleep(0.5)
+    for _ in range(4):
+        pid = os.fork()
+        if pid == 0:
+            z = ops.copy_to_device(ms.Tensor(np.arange(8, dtype=np.float32)))
+            os._exit(0 if z.asnumpy()[7] == 7 else 3)
+        _, status = os.waitpid(pid, 0)
+        assert status == 0, status
+    stop.set()
+    worker.join()
+    print("ok", flush=True)
+"""
+
+
+@pytest.mark.parametrize("case", ["gc", "fork"])
+def test_operators_do_not_wait_for_good_on_their_own_locks(tmp_path, case):
+    """gc: a gc pass inside an operator's `with lock` collected a tensor whose finalizer took
+    the same (non-reentrant) lock: the process hung within 2000 iterations. fork: a child
+    forked while another thread held the operator lock waited for it in its first operator."""
+    import subprocess
+    import sys
+    env = dict(os.environ, PREFETCHD_STORE_DIR=str(tmp_path / "store"))
+    run = subprocess.run([sys.executable, "-c", CHILD, case], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert run.returncode == 0 and run.stdout == "ok\n", (run.returncode, run.stdout, run.stderr[-2000:])

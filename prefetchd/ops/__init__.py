@@ -31,74 +31,21 @@ the shape and dtype it was written with; `update_to_device` restores both.
 Operators run one at a time (one process-wide lock).
 """
 import functools
+import os
 import threading
 import uuid
 import weakref
 
 import numpy as np
 
-from . import _native, guard
-from .backend import framework
-from .errors import BudgetError, NotResidentError, PrefetchdError, StorageError, UseAfterFreeError
+from .. import _native, guard
+from ..backend import framework
+from ..errors import BudgetError, NotResidentError, PrefetchdError, StorageError, UseAfterFreeError
+from .runtime import SCRATCH_PREFIX, Entry, Runtime, bound_view, forget, held, remove_quietly
 
 __all__ = ["copy_to_device", "copy_to_host", "free", "set_data", "update_to_device",
            "update_to_remote", "detach", "tier", "CopyToDevice", "CopyToHost", "Free", "SetData",
            "UpdateToDevice", "UpdateToRemote", "Detach"]
-
-_ALIGN = 4096
-_SCRATCH_PREFIX = "ops/"
-
-
-class _Entry:
-    """What prefetchd knows about one framework tensor the operators touched."""
-
-    __slots__ = ("tier", "block", "remote_key", "remote_crc", "remote_layout", "freed", "label")
-
-    def __init__(self, label):
-        self.tier = None           # "device" | "host" | None (no local replica)
-        self.block = None          # arena or host-pool block x views
-        self.remote_key = None     # store key of the remote replica
-        self.remote_crc = None     # crc32c of the bytes written there
-        self.remote_layout = None  # (shape, numpy dtype) they were written with
-        self.freed = False
-        self.label = label
-
-
-class _Runtime:
-    """Process-wide tiers for the operators (created on first use; the store on first
-    remote use, so a store problem never refuses a copy)."""
-
-    def __init__(self):
-        from .config import Config
-        config = Config.load()
-        if config.store_dir:
-            # A store directory is locked by the one FileStore that opens it; a
-            # Daemon of this process may hold PREFETCHD_STORE_DIR, so the operators
-            # keep their replicas beside it.
-            config = config.replace(store_dir=config.store_dir.rstrip("/") + ".ops")
-        self.config = config
-        self.device = _native.Arena(config.device_budget, _ALIGN)
-        self.host = _native.HostPool(config.host_budget, _ALIGN)
-        self.stream = _native.Stream("ops")
-        self.entries = {}          # id(tensor) -> _Entry
-        self.lock = threading.Lock()       # entries
-        self.op_lock = threading.RLock()   # one operator at a time
-        self._store = None
-
-    @property
-    def store(self):
-        if self._store is None:
-            from .backend.base import open_store
-            store = open_store(self.config)   # the same I/O settings a daemon uses
-            # Remote replicas live as long as the tensor entries of the process that
-            # wrote them; any found here are an earlier process's, which nothing can
-            # name any more.
-            for key in store.keys():
-                if key.startswith(_SCRATCH_PREFIX):
-                    _remove_quietly(store, key)
-            self._store = store
-        return self._store
-
 
 _runtime = None
 _runtime_lock = threading.Lock()
@@ -108,8 +55,27 @@ def runtime():
     global _runtime
     with _runtime_lock:
         if _runtime is None:
-            _runtime = _Runtime()
+            _runtime = Runtime()
         return _runtime
+
+
+_forked_away = []     # a forked child's copy of its parent's runtime, never to be torn down
+
+
+def _forked_child():
+    """A fork copies the runtime without its copy stream's thread, and its locks as they
+    were, possibly held by a thread the child does not have: the child's first operator
+    waited for good. The child starts a runtime of its own on first use (its store is the
+    parent's, which refuses a second opener: remote operators say so); the parent's copy is
+    kept, never closed (its teardown would wait for threads that are not there)."""
+    global _runtime, _runtime_lock
+    _runtime_lock = threading.Lock()
+    if _runtime is not None:
+        _forked_away.append(_runtime)
+        _runtime = None
+
+
+os.register_at_fork(after_in_child=_forked_child)
 
 
 def _one_at_a_time(fn):
@@ -133,32 +99,17 @@ def _entry(x, create=True):
     with rt.lock:
         e = rt.entries.get(id(x))
         if e is None and create:
-            e = rt.entries[id(x)] = _Entry(getattr(x, "name", None) or f"tensor@{id(x):x}")
+            e = rt.entries[id(x)] = Entry(getattr(x, "name", None) or f"tensor@{id(x):x}")
             e.tier = "host"   # an ordinary MindSpore CPU tensor lives in framework host memory
-            weakref.finalize(x, _forget, rt, id(x))
+            weakref.finalize(x, forget, rt, id(x)).atexit = False
         return e
-
-
-def _forget(rt, key):
-    """weakref callback of a collected tensor: its entry, and its remote replica, go."""
-    with rt.lock:
-        e = rt.entries.pop(key, None)
-    if e is not None and e.remote_key is not None and rt._store is not None:
-        _remove_quietly(rt._store, e.remote_key)
-
-
-def _remove_quietly(store, key):
-    try:
-        store.remove(key)
-    except Exception:    # noqa: BLE001 - gone already, or the store closed: nothing to free
-        pass
 
 
 def _unmanaged(x, op):
     """The entry of `x` for an in-place operator, refused for a tensor a Daemon manages (an
     offloaded model's weight): `free` bound it to an empty buffer behind the daemon's back,
     and every later forward of the model failed with a shape error."""
-    from .daemon import live_daemons
+    from ..daemon import live_daemons
     _check_tensor(x)
     if any(daemon.tiers_of(x) is not None for daemon in list(live_daemons)):
         name = x.__dict__.get("_prefetchd_name") or getattr(x, "name", None) or "?"
@@ -193,36 +144,8 @@ def _alloc(pool, nbytes):
         return pool.alloc(nbytes)
     except _native.OutOfSpace as e:
         tier = "device" if pool is runtime().device else "host"
-        raise BudgetError(f"prefetchd.ops: no room for {nbytes} bytes in the {tier} tier ({e}){_held(pool)}; "
+        raise BudgetError(f"prefetchd.ops: no room for {nbytes} bytes in the {tier} tier ({e}){held(runtime(), pool)}; "
                           f"free tensors, or raise PREFETCHD_{tier.upper()}_BUDGET") from None
-
-
-def _held(pool):
-    """What of `pool` only outside references keep (blocks whose tensors let go of them)."""
-    rt = runtime()
-    device = pool is rt.device
-    with rt.lock:
-        blocks = {id(e.block): e.block for e in rt.entries.values()
-                  if e.block is not None and (e.block.offset >= 0) == device}
-    held = pool.used - sum(b.capacity if device else b.nbytes for b in blocks.values())
-    return (f"; {held} bytes of it are kept by references to tensors already freed, detached or "
-            f"reloaded (asnumpy() arrays, views, tensors sharing them): drop those") if held > 0 else ""
-
-
-def _bound_view(block, dtype, shape):
-    """A numpy view of `block` that gives the block back to its tier when it dies: when
-    nothing refers to the memory any more (the tensor bound to it, asnumpy() arrays,
-    MindSpore views and tensors sharing it all keep this array alive)."""
-    base = np.frombuffer(block, dtype=dtype, count=int(np.prod(shape, dtype=np.int64)))
-    weakref.finalize(base, _release_block, block)
-    return base.reshape(shape)
-
-
-def _release_block(block):
-    try:
-        block.release()
-    except Exception:    # noqa: BLE001 - its tier closed with the runtime: nothing to give back
-        pass
 
 
 def _new_tensor(array, tier_name):
@@ -231,7 +154,7 @@ def _new_tensor(array, tier_name):
     block = _alloc(pool, array.nbytes)
     if array.nbytes:
         rt.stream.copy(block, np.ascontiguousarray(array), array.nbytes).synchronize()
-    out = framework.mindspore().Tensor.from_numpy(_bound_view(block, array.dtype, array.shape))
+    out = framework.mindspore().Tensor.from_numpy(bound_view(block, array.dtype, array.shape))
     e = _entry(out)
     e.tier, e.block = tier_name, block
     return out
@@ -258,7 +181,7 @@ def free(x, sync=False):
     _release_local(x, e)
     e.freed = True
     if e.remote_key is not None:
-        _remove_quietly(runtime().store, e.remote_key)
+        remove_quietly(runtime().store, e.remote_key)
     e.remote_key = e.remote_crc = e.remote_layout = None
     guard.guard(x, lambda: UseAfterFreeError(e.label, "", "freed",
                                               f"tensor {e.label!r} was freed by prefetchd.ops.free()"))
@@ -294,7 +217,7 @@ def set_data(x, value):
     framework.share(x, value)
     ex.tier, ex.block, ex.freed = ev.tier, ev.block, False
     if ex.remote_key is not None:
-        _remove_quietly(runtime().store, ex.remote_key)
+        remove_quietly(runtime().store, ex.remote_key)
     ex.remote_key = ex.remote_crc = ex.remote_layout = None
     return x
 
@@ -306,7 +229,7 @@ def update_to_remote(x, sync=False):
     values = _values(x, e, "update_to_remote")
     array = np.ascontiguousarray(values)      # (at least 1-d: the layout is values')
     rt = runtime()
-    key = e.remote_key or f"{_SCRATCH_PREFIX}{uuid.uuid4().hex}"
+    key = e.remote_key or f"{SCRATCH_PREFIX}{uuid.uuid4().hex}"
     crc = _native.crc32c(array)
     try:
         rt.store.write_sync(key, array, array.nbytes, b"")
@@ -375,7 +298,7 @@ def update_to_device(x, sync=False):
     if guard.is_guarded(x):
         guard.release(x)
     framework.synchronize()          # compute dispatched on x may still read its old memory
-    framework.bind(x, _bound_view(block, dtype, shape))
+    framework.bind(x, bound_view(block, dtype, shape))
     e.tier, e.block = "device", block
     return x
 
@@ -387,8 +310,10 @@ def _refill_in_place(x, e, loaded, shape, dtype):
         return False
     rt = runtime()
     with rt.lock:
-        shared = any(other is not e and other.block is e.block for other in rt.entries.values())
-    if shared or e.block.nbytes != loaded.nbytes:
+        shared = any(other is not e and other.block is e.block for other in list(rt.entries.values()))
+    # (x may have been rebound behind the operators' back: MindSpore's assign_value)
+    viewed = framework.host_copy(x).__array_interface__["data"][0] if loaded.nbytes else e.block.address
+    if shared or e.block.nbytes != loaded.nbytes or viewed != e.block.address:
         return False
     framework.synchronize()          # compute dispatched on x may still read or write it
     if loaded.nbytes:
@@ -411,17 +336,18 @@ def tier(x):
     """
     if not framework.is_tensor(x):
         raise TypeError(f"tier() takes a mindspore Tensor or Parameter, not {type(x).__name__}")
-    from .daemon import live_daemons
+    from ..daemon import live_daemons
     for daemon in list(live_daemons):
         tiers = daemon.tiers_of(x)
         if tiers is not None:
             return tiers
-    e = _entry(x, create=False)
-    if e is not None:
-        if e.tier is not None and e.remote_key is not None and not e.freed and \
-                _remote_stale(framework.host_copy(x), e):
-            return (e.tier,)     # written since update_to_remote: the remote replica is stale
-        return _tiers(e)
+    with runtime().op_lock:      # (an operator may be changing the entry meanwhile)
+        e = _entry(x, create=False)
+        if e is not None:
+            if e.tier is not None and e.remote_key is not None and not e.freed and \
+                    _remote_stale(framework.host_copy(x), e):
+                return (e.tier,)     # written since update_to_remote: the remote replica is stale
+            return _tiers(e)
     if guard.is_managed(x):
         return ()                # its daemon closed: no replica is reachable through it
     return ("host",)
