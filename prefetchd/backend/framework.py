@@ -85,6 +85,17 @@ def bind_placeholder(target, dtype):
     bind(target, np.zeros((0,), dtype=dtype))
 
 
+def abandon_grad():
+    """Reset PyNative's gradient recording, before a refusal raised inside a forward that
+    mindspore.grad records: an exception there leaves requires_grad() True for the rest of
+    the process (plain MindSpore 2.10), every later op recorded and in-place writes made out
+    of place (a tensor sharing another's memory stopped seeing its writes). Checked:
+    clear_res() there restores both, and later gradients are right."""
+    from mindspore.common.api import _pynative_executor
+    if _pynative_executor.requires_grad():
+        _pynative_executor.clear_res()
+
+
 def release_backward_pre_hook(cell):
     """Free what MindSpore keeps for `cell`'s backward pre-hooks once none is left.
 

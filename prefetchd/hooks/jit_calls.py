@@ -23,6 +23,7 @@ import types
 import weakref
 
 from .. import guard
+from ..backend import framework
 from ..errors import PrefetchdError
 
 # cell of an offloaded model -> a weak reference to its Offloaded handle (a strong one would
@@ -48,6 +49,7 @@ def check_jit_call(cell):
         return
     absent = [p.name for p in cell.get_parameters() if guard.is_guarded(p)]
     if absent:
+        framework.abandon_grad()          # (refused inside a gradient's forward: see there)
         more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
         raise PrefetchdError(
             f"mindspore.jit over a cell of an offloaded model ({type(cell).__name__}) runs its graph "
