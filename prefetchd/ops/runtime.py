@@ -43,9 +43,9 @@ class Runtime:
         self.device = _native.Arena(config.device_budget, ALIGN)
         self.host = _native.HostPool(config.host_budget, ALIGN)
         self.stream = _native.Stream("ops")
-        self.entries = {}          # id(tensor) -> _Entry
+        self.entries = {}          # id(tensor) -> Entry
         # An RLock: a gc pass inside `with lock` may collect a tensor whose finalizer
-        # (_forget) takes it on the same thread (a plain Lock deadlocked there).
+        # (forget) takes it on the same thread (a plain Lock deadlocked there).
         self.lock = threading.RLock()      # entries
         self.op_lock = threading.RLock()   # one operator at a time
         self._store = None
@@ -105,5 +105,3 @@ def release_block(block):
         block.release()
     except Exception:    # noqa: BLE001 - its tier closed with the runtime: nothing to give back
         pass
-
-
