@@ -14,10 +14,11 @@ exist in RAM), and every parameter is served from the store under its own
 name, which must match the checkpoint's. One weight set, m0, is served then.
 """
 
+import dataclasses
 import importlib
 import os
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..config import ENV_PREFIX, Config
 from ..errors import ConfigError
@@ -178,7 +179,7 @@ def sized(spec):
         return spec, None
     first = build_weight_set(spec, spec.seed)
     nbytes = sum(int(p.nbytes) for p in first.cell.get_parameters())
-    return replace(spec, model_bytes_hint=max(nbytes, 1)), first
+    return dataclasses.replace(spec, model_bytes_hint=max(nbytes, 1)), first
 
 
 def demo_model(seed=0, spec=None):
