@@ -13,7 +13,6 @@ MindSpore's `no_init_parameters()` (so a large model's weights never need to
 exist in RAM), and every parameter is served from the store under its own
 name, which must match the checkpoint's. One weight set, m0, is served then.
 """
-
 import dataclasses
 import importlib
 import os
@@ -96,8 +95,12 @@ class ServeSpec:
         from ..demo.model import estimate_bytes
         return estimate_bytes(self.hidden, self.layers)
 
+    def budget_in_bytes(self):
+        """Whether `budget` is a size (else a share of model_bytes(), or None: the default)."""
+        return isinstance(self.budget, int) and not isinstance(self.budget, bool)
+
     def device_budget(self):
-        if isinstance(self.budget, int) and not isinstance(self.budget, bool):
+        if self.budget_in_bytes():
             return self.budget
         fraction = 1.5 if self.budget is None else self.budget
         floor = 0
@@ -174,8 +177,7 @@ def sized(spec):
     one weight set, which only building it can tell: without --model-bytes or a staged
     store the demo model's size stood in (a 32 MiB model was refused a 19 MiB budget).
     Builds the first weight set when it must; the worker offloads that one."""
-    given_size = isinstance(spec.budget, int) and not isinstance(spec.budget, bool)
-    if spec.is_demo() or spec.model_bytes_hint or spec.checkpoint_store or given_size:
+    if spec.is_demo() or spec.model_bytes_hint or spec.checkpoint_store or spec.budget_in_bytes():
         return spec, None
     first = build_weight_set(spec, spec.seed)
     nbytes = sum(int(p.nbytes) for p in first.cell.get_parameters())
