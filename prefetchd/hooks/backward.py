@@ -19,9 +19,7 @@ from . import refusals
 def refuse_backward(handle):
     """Register the model's backward pre-hook, which refuses before any backward kernel of the
     model runs (its output's gradient comes first). Returns the hook's handle."""
-    hook = handle.model.register_backward_pre_hook(functools.partial(refusals.refuse_backward, handle.model))
-    handle._handles.append(hook)
-    return hook
+    return handle.model.register_backward_pre_hook(functools.partial(refusals.refuse_backward, handle.model))
 
 
 def let_go_when_the_daemon_closes(handle):

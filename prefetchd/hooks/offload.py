@@ -149,6 +149,7 @@ class Offloaded(refusals.NotCopyable):
         # always_call: MindSpore runs it when the forward or another hook raised, too.
         self._handles.append(model.register_forward_hook(self._end_pass, always_call=True))
         self._backward = backward.refuse_backward(self)
+        self._handles.append(self._backward)
         self._on_daemon_close = backward.let_go_when_the_daemon_closes(self)
 
     def _hook_unit_cell(self, cell):
