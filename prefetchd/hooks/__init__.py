@@ -5,12 +5,21 @@ Modules, by role (imports point down this list, never up):
     offload          offload() / @offloaded and the Offloaded handle: hooks, pass lock, close, stats
     reload           load_param_into_net: new values for an offloaded model, between its passes
     registration     the planned parameters handed to the daemon, once; register_checkpoint
+    passes           the recording pass and the streamed passes the hooks drive
+    pass_turn        whose turn it is to run a pass (one thread at a time)
+    root_calls       root cells called alone, outside the model's forward
+    jit_calls        mindspore.jit(cell)(x) on a cell of an offloaded model, outside its forward
+    backward         the backward pre-hook that refuses gradients, and the Tensors it sees
+    units            units at run time and their pins
+    interrupts       Ctrl-C held off for the lines that must run together
     refusals         what offload() and an offloaded model refuse, and the messages
     compiled_later   cells compiled with mindspore.jit after offload()
     views            outputs that are views of a unit's weights, copied while it is pinned
+    outputs          a cell's output walked: its Tensors in order, rebuilt with some replaced
     parts            probes on units' parts (a unit called only through its parts)
     trace_cursor     the recorded order and where a pass is in it (no I/O)
     planner          the unit plan from the cell tree (no daemon, no side effects)
+    unit_search      the candidate units, before the root is settled
     budget_hint      the smallest device_budget a refused plan would fit under
     jit_graphs       cells a @jit method's graph runs (never units)
     construct_reads  the weight reads a construct's source makes

@@ -149,7 +149,7 @@ class Offloaded(refusals.NotCopyable):
         # always_call: MindSpore runs it when the forward or another hook raised, too.
         self._handles.append(model.register_forward_hook(self._end_pass, always_call=True))
         self._backward = backward.refuse_backward(self)
-        self._handles.append(self._backward)
+        self._handles += [self._backward, model.register_forward_hook(backward.expose_nested_outputs)]
         self._on_daemon_close = backward.let_go_when_the_daemon_closes(self)
 
     def _hook_unit_cell(self, cell):
@@ -288,7 +288,8 @@ class Offloaded(refusals.NotCopyable):
         if last:
             self._pins.release(unit, first_tensor(output), timed=timed)
             self._pass.after_release()
-        return output
+        # Called alone, outside the model's forward: a gradient through it is refused too.
+        return output if self.turn.held_here() else backward.expose_output(self.model, output)
 
     # ---------------------------------------------------------------- parts (prefetchd.hooks.parts)
     def _before_part(self, cell, inputs):

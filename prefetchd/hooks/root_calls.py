@@ -9,10 +9,13 @@ language model. There nothing pinned its weights, and every such call was refuse
 unit whose hooks fetch it on demand; a root cell gets the same: outside a pass its
 own root weights are pinned (fetched if need be) for its call and released behind
 a compute fence on its output. Inside a pass of the model the root is pinned
-already and these hooks do nothing.
+already and these hooks do nothing. The output of a call alone passes through
+the model's backward pre-hook (prefetchd.hooks.backward.expose_output): a gradient
+through it is refused, as through the model.
 """
 import threading
 
+from . import backward
 from .construct_reads import is_jit
 from .units import first_tensor
 
@@ -26,7 +29,7 @@ def hook_root_cells(model, root_records, session, turn, skip=()):
     for name, cell in _hookable(model, skip):
         records = [by_param[id(p)] for p in cell._params.values() if p is not None and id(p) in by_param]
         if records:
-            call = _RootCellCall(records, session, turn, f"root:{name}")
+            call = _RootCellCall(model, records, session, turn, f"root:{name}")
             handles.append(cell.register_forward_pre_hook(call.before))
             handles.append(cell.register_forward_hook(call.after, always_call=True))
     return handles
@@ -51,8 +54,8 @@ def _hookable(model, skip):
 class _RootCellCall:
     """The hooks of one root cell: pin its root weights for a call made outside a pass."""
 
-    def __init__(self, records, session, turn, name):
-        self._records, self._session, self._turn, self._name = records, session, turn, name
+    def __init__(self, model, records, session, turn, name):
+        self._model, self._records, self._session, self._turn, self._name = model, records, session, turn, name
         self._held = threading.local()      # per thread: how many of its calls pinned them
 
     def before(self, cell, inputs):
@@ -65,3 +68,5 @@ class _RootCellCall:
         if getattr(self._held, "depth", 0) > 0:
             self._held.depth -= 1
             self._session.release(self._records, first_tensor(output), unit=self._name)
+            return backward.expose_output(self._model, output)
+        return None

@@ -10,6 +10,10 @@ MindSpore 2.10's CPU backend has no kernel for some `mint` ops these models call
 unregistered", ...); the `cpu_mint` fixture swaps them, for the test only, for `ops` kernels
 that compute the same thing. Nothing in prefetchd is patched.
 """
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -113,3 +117,48 @@ def test_mixtral_moe_streams(cpu_mint, tmp_path):
                                                           num_key_value_heads=2, num_local_experts=4,
                                                           num_experts_per_tok=2, max_position_embeddings=64))
     stream_and_compare(model, [(token_ids(ms, 512),)], str(tmp_path / "s"), fraction=0.3, lookahead=0)
+
+
+LLAMA_GRAD = """
+import sys
+import numpy as np
+import mindspore as ms
+import pytest
+import transformers
+import prefetchd
+from _cpu_mint import patch_cpu_mint
+ms.set_device("CPU")
+patch_cpu_mint(ms, pytest.MonkeyPatch())
+from mindone.transformers import LlamaForCausalLM
+ms.set_seed(4)
+model = LlamaForCausalLM(transformers.LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128,
+                                                  num_hidden_layers=3, num_attention_heads=4,
+                                                  num_key_value_heads=2, max_position_embeddings=64))
+ids = ms.Tensor(np.random.default_rng(0).integers(1, 1024, (2, 12)).astype(np.int32))
+ref = model(ids, return_dict=True).logits.asnumpy()
+budget = int(0.6 * sum(p.nbytes for p in model.get_parameters()))
+with prefetchd.Daemon(device_budget=budget, store_dir=sys.argv[1]) as d:
+    prefetchd.offload(model, d)
+    assert np.array_equal(model(ids, return_dict=True).logits.asnumpy(), ref)
+    try:
+        ms.value_and_grad(lambda: model(ids, return_dict=True).logits.sum(), None, model.trainable_params())()
+        print("not refused", flush=True)
+    except prefetchd.PrefetchdError as e:
+        print("refused:", str(e)[:70], flush=True)
+    assert np.array_equal(model(ids, return_dict=True).logits.asnumpy(), ref)
+print("ok", flush=True)
+"""
+
+
+def test_a_gradient_through_llamas_model_output_is_refused(tmp_path):
+    """Fine-tuning code on a streamed model: the gradient of `model(ids).logits` (a
+    CausalLMOutputWithPast, an OrderedDict) ran its backward over released weights and the
+    process died (SIGSEGV). It is refused, and plain passes afterwards are unchanged. In a
+    child process, so a regression fails this test instead of the run."""
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, "-c", LLAMA_GRAD, str(tmp_path / "s")], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "GLOG_v": "3", "PYTHONPATH": path})
+    assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-2000:])
+    assert "refused: prefetchd: gradients through an offloaded model are not supported" in run.stdout, run.stdout
+    assert run.stdout.endswith("ok\n"), run.stdout

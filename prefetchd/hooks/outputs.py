@@ -1,0 +1,102 @@
+"""Walking a cell's output: its Tensors in a fixed order, and the same output with some of
+them replaced.
+
+Model outputs nest: tuples, lists, dicts (a transformers ModelOutput), namedtuples,
+dataclass instances and SimpleNamespaces, sometimes with a cycle (a parent pointer).
+`flat_tensors` numbers the Tensors in one order; `replaced` rebuilds the containers on
+the way with new Tensors at chosen positions of that order. Used for the outputs that
+are views of a unit's weights (prefetchd/hooks/views.py) and for the Tensors passed
+through the model's backward pre-hook (prefetchd/hooks/backward.py).
+"""
+import copy
+import dataclasses
+import itertools
+import types
+
+from ..backend import framework
+
+
+def flat_tensors(value, _seen=None):
+    """The tensors in `value` (nested tuples, lists, dict values, and the fields of
+    dataclass instances and SimpleNamespaces: model outputs), in a fixed order. A container
+    met again (a cycle: a parent pointer) is not walked again."""
+    ms = framework.mindspore()
+    if isinstance(value, ms.Tensor):
+        return [value]
+    items = _items(value)
+    if items is None:
+        return []
+    seen = set() if _seen is None else _seen
+    if id(value) in seen:
+        return []
+    seen.add(id(value))
+    return [t for v in items for t in flat_tensors(v, seen)]
+
+
+def _items(value):
+    """The values a container holds, in order; None for anything else."""
+    if isinstance(value, (tuple, list)):
+        return value
+    if isinstance(value, dict):
+        return list(value.values())
+    fields = _fields(value)
+    return None if fields is None else list(fields.values())
+
+
+def _fields(value):
+    """{name: value} of a dataclass instance's fields or a SimpleNamespace's attributes;
+    None for anything else (an arbitrary object is not walked: a cache may hold thousands)."""
+    if isinstance(value, types.SimpleNamespace):
+        return vars(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if hasattr(value, f.name)}
+    return None
+
+
+def replaced(output, positions, make):
+    """`output` rebuilt with make(tensor) for the Tensor at each of `positions` (of
+    flat_tensors(output)); every position when `positions` is None. Containers are
+    copied, not changed: the caller may still hold the original."""
+    wanted = None if positions is None else set(positions)
+    counter = itertools.count()
+    copies = {}                          # id(container) -> its copy
+
+    def rebuild(value):
+        if framework.is_tensor(value):
+            return make(value) if wanted is None or next(counter) in wanted else value
+        if _items(value) is None:
+            return value
+        if id(value) not in copies:
+            copies[id(value)] = value        # a cycle back to a tuple or dict being built: itself
+            copies[id(value)] = _rebuilt(value, rebuild, copies)
+        return copies[id(value)]
+
+    return rebuild(output)
+
+
+def _rebuilt(value, rebuild, copies):
+    """A copy of the container `value` holding rebuild(item) for each item. A list, dataclass
+    instance or SimpleNamespace is made, and entered in `copies`, before its items are rebuilt:
+    a cycle back to it (a parent pointer) reaches the copy."""
+    if isinstance(value, dict):       # (also a model-output class that is a dataclass too)
+        return type(value)((k, rebuild(v)) for k, v in value.items())
+    if type(value) is list:
+        new = copies[id(value)] = []
+        for v in value:
+            new.append(rebuild(v))
+        return new
+    fields = _fields(value)
+    if fields is not None:
+        new = copies[id(value)] = copy.copy(value)
+        for name, v in fields.items():
+            object.__setattr__(new, name, rebuild(v))     # (a frozen dataclass refuses setattr)
+        return new
+    items = [rebuild(v) for v in value]
+    return type(value)(items) if type(value) is tuple else _same_kind(value, items)
+
+
+def _same_kind(value, items):
+    """A namedtuple (or list subclass) rebuilt with new items."""
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*items)
+    return type(value)(items)
