@@ -1,5 +1,4 @@
-"""The daemon's optional attachments: the metrics exporter, the control-plane server,
-and what the layers above want done when it closes (an offloaded model's handle).
+"""The daemon's optional attachments: the metrics exporter and the control-plane server.
 
 The composition root (prefetchd/daemon.py) builds them from the Config; the
 scheduler core never imports either.
@@ -17,14 +16,6 @@ class Attachments:
     def __init__(self):
         self.exporter = None
         self.server = None
-        self._on_close = {}      # key -> fn(): run first when the daemon closes
-
-    def on_close(self, key, fn):
-        """Run fn() when the daemon starts closing (before its scheduler stops), once."""
-        self._on_close[key] = fn
-
-    def forget(self, key):
-        self._on_close.pop(key, None)
 
     @property
     def metrics_port(self):
@@ -40,8 +31,7 @@ class Attachments:
         return self.server
 
     def close(self, deadline, name):
-        stops = list(self._on_close.values())
-        self._on_close.clear()
+        stops = []
         if self.server is not None:
             stops.append(lambda: self.server.close(max(0.1, (deadline - time.monotonic()) / 2)))
         if self.exporter is not None:

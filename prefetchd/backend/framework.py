@@ -96,29 +96,20 @@ def abandon_grad():
         _pynative_executor.clear_res()
 
 
-def release_backward_pre_hook(cell):
-    """Free what MindSpore keeps for `cell`'s backward pre-hooks once none is left.
-
-    The first register_backward_pre_hook gives the cell a CellBackwardHook primitive
-    whose C++ side holds a closure over the primitive, and the primitive holds the
-    cell: a cycle through C++ that Python's gc cannot see, so removing the hook (its
-    handle) leaves the cell, and all it refers to, alive for good. Giving the
-    primitive a hook function that refers to nothing drops that closure; the cell
-    then forgets the primitive, as a cell that never had a backward pre-hook.
-    (MindSpore 2.10; docs/mindspore-notes.md.) A hook the cell still has is left alone.
-    """
-    prim = getattr(cell, "_cell_backward_pre_hook", None)
-    if prim is None or cell._backward_pre_hook:
-        return False
+def backward_pre_hook(cell_id, hook):
+    """A CellBackwardHook primitive whose backward pre-hook is hook(grads): a gradient
+    reaching a Tensor the primitive returned runs it before any backward kernel of what
+    made that Tensor (grad, value_and_grad, vjp, GradOperation; none runs under
+    stop_gradient). What Cell.register_backward_pre_hook builds, without the cell: its
+    hook closes over the primitive, which holds the cell, a cycle through C++ that
+    Python's gc cannot see (docs/mindspore-notes.md). `hook` here refers to what it
+    refers to, nothing more. Called with a tuple of Tensors, it returns a tuple."""
+    from collections import OrderedDict
     from mindspore._c_expression import HookType
-    prim.set_hook_fn(_pass_gradient, HookType.BackwardPreHook)
-    prim.cell = None
-    object.__setattr__(cell, "_cell_backward_pre_hook", None)
-    return True
-
-
-def _pass_gradient(grad):
-    return grad
+    from mindspore.ops.operations._inner_ops import CellBackwardHook
+    primitive = CellBackwardHook(cell_id, None, OrderedDict())   # (kept by weak reference, unused)
+    primitive.set_hook_fn(hook, HookType.BackwardPreHook)
+    return primitive
 
 
 def synchronize():

@@ -115,6 +115,8 @@ class Offloaded(refusals.NotCopyable):
         self.turn = PassTurn(model, self._abandon_pass)   # one thread's pass at a time
         self.closed = self._given_back = False
         self._install_hooks()
+        records = {id(r): r for u in [self.root, *self.units] for r in u.records}
+        self._dropped = registration.forget_when_dropped(self, list(records.values()))
 
     def _register(self, checkpoint):
         registration.drop_compiled_graphs(self.model)
@@ -130,6 +132,7 @@ class Offloaded(refusals.NotCopyable):
     def _install_hooks(self):
         model = self.model
         self._handles = []
+        self._refusal = backward.GradientRefusal(model)    # of gradients through the model
         for cell in {id(c): c for u in self.units for c in u.cells}.values():
             self._hook_unit_cell(cell)
         # Units whose own cell is never called are pinned from their parts' calls.
@@ -143,14 +146,12 @@ class Offloaded(refusals.NotCopyable):
         self._views = ViewCopies(name_of)
         self._compiled_later = CompiledLater(model, self.units, self._plan.units, self._parts, name_of)
         self._handles.append(model.register_forward_pre_hook(self._before_model))
-        self._handles += hook_root_cells(model, self.root.records, self._session, self.turn,
+        self._handles += hook_root_cells(model, self.root.records, self._session, self.turn, self._refusal,
                                          skip=self._plan.jit_cells)
         self._handles.append(model.register_forward_hook(self._after_model))
         # always_call: MindSpore runs it when the forward or another hook raised, too.
         self._handles.append(model.register_forward_hook(self._end_pass, always_call=True))
-        self._backward = backward.refuse_backward(self)
-        self._handles += [self._backward, model.register_forward_hook(backward.expose_nested_outputs)]
-        self._on_daemon_close = backward.let_go_when_the_daemon_closes(self)
+        self._handles.append(model.register_forward_hook(self._refusal.forward_hook))    # the last one
 
     def _hook_unit_cell(self, cell):
         self._handles.append(cell.register_forward_pre_hook(self._before_unit))
@@ -289,7 +290,7 @@ class Offloaded(refusals.NotCopyable):
             self._pins.release(unit, first_tensor(output), timed=timed)
             self._pass.after_release()
         # Called alone, outside the model's forward: a gradient through it is refused too.
-        return output if self.turn.held_here() else backward.expose_output(self.model, output)
+        return output if self.turn.held_here() else self._refusal.exposed(output)
 
     # ---------------------------------------------------------------- parts (prefetchd.hooks.parts)
     def _before_part(self, cell, inputs):
@@ -345,13 +346,10 @@ class Offloaded(refusals.NotCopyable):
             self._given_back = self._given_back or registration.unregister(self.daemon, [self.root, *self.units])
             return
         with self.turn.held():              # no pass of this model runs while its hooks go
-            self.daemon.attachments.forget(self._on_daemon_close)
+            self._dropped.detach()        # given back here
             for h in self._handles:
                 h.remove()
             self._handles.clear()
-            # Else MindSpore's backward-hook primitive keeps the model (and through its
-            # hooks this handle, the daemon and its 64 GiB reservation) alive for good.
-            framework.release_backward_pre_hook(self.model)
             self._parts.remove()
             self.closed = True
             self._handles.append(self.model.register_forward_pre_hook(

@@ -2,7 +2,7 @@
 
 The layer hooks (prefetchd/hooks/offload.py) call these: `refuse_managed` and
 `lookahead_count` when offload() starts, before anything is registered;
-`backward_refused` from the model's backward pre-hook, and `closed_refused`
+`backward_refused` from the model's backward pre-hook (prefetchd/hooks/backward.py), and `closed_refused`
 from the pre-hook a closed handle leaves on the model (the hooks raise what
 these return). Messages are part of the contract: tests match them.
 """
@@ -68,20 +68,15 @@ def lookahead_count(value, config, model):
     return min(count, usable)
 
 
-def backward_refused(model):
+def backward_refused(model_name):
     """A backward pass would read weights released after their forward: unmapped pages, the
     process would die. Raised before the first backward kernel; MindSpore raises it from
     grad()/value_and_grad() and recovers (a plain forward afterwards runs as before)."""
     return PrefetchdError(
         f"prefetchd: gradients through an offloaded model are not supported: this "
-        f"{type(model).__name__}'s units are released as soon as their forward ran, and the "
+        f"{model_name}'s units are released as soon as their forward ran, and the "
         f"backward pass would read their weights after that. Compute gradients on a model that is "
         f"not offloaded (prefetchd streams weights for inference)")
-
-
-def refuse_backward(model, cell, grad_output):
-    """The backward pre-hook of an offloaded model (functools.partial over the model)."""
-    raise backward_refused(model)
 
 
 def refuse_closed(model, daemon_name, cell, inputs):

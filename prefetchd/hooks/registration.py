@@ -11,9 +11,13 @@ before any parameter is registered, and a placement that fails part-way (the
 store's disk full) undoes the others (Daemon.register_all), so a refusal or a
 failure leaves the model as it was.
 With checkpoint=..., `register_checkpoint` registers every parameter from the store.
-`unregister(daemon, units)` gives it all back when the handle closes.
+`unregister(daemon, units)` gives it all back when the handle closes; `forget_when_dropped`
+when a handle is collected unclosed (its model dropped), at the daemon's next offload().
 """
+import collections
+import gc
 import logging
+import weakref
 
 import numpy as np
 
@@ -143,6 +147,46 @@ def unregister(daemon, units):
     return True
 
 
+# Per daemon: the records of its models dropped unclosed, given back at its next offload().
+# A weakref finalizer only appends to the deque (safe wherever the gc runs it); the
+# unregistering happens on the thread that calls offload().
+_dropped = weakref.WeakKeyDictionary()
+
+
+def forget_when_dropped(handle, records):
+    """When `handle` is collected unclosed (the user dropped the model, as a loop that
+    builds and offloads a model each round does), its daemon's next offload() gives
+    `records` back, as handle.close() would have. Returns the finalizer: close() detaches it.
+    `records` must not refer to the handle or the model's cells."""
+    queue = _dropped.setdefault(handle.daemon, collections.deque())
+    return weakref.finalize(handle, queue.append, records)
+
+
+def _give_back_dropped(daemon, collect=False):
+    """Unregister the weights of `daemon`'s models dropped unclosed; True if any were.
+    collect: run the gc first (a dropped model and its handle refer to each other, so
+    they wait for a gc pass; a name clash with them is worth one)."""
+    queue = _dropped.get(daemon)
+    if queue is None:
+        return False
+    if collect:
+        gc.collect()
+    gave = False
+    while queue:
+        records = [r for r in queue.popleft() if r.index is not None]
+        if not records:
+            continue
+        try:
+            daemon.unregister(records)
+        except PrefetchdError as e:       # a daemon.use block pins one now: at a later offload()
+            queue.append(records)
+            log.warning("prefetchd: a dropped model's %d weights stay in daemon %r for now: %s",
+                        len(records), daemon.config.name, e)
+            break
+        gave = True
+    return gave
+
+
 def _check_layout(p, shape, dtype_name, where):
     if tuple(shape) != tuple(p.shape):
         raise ValueError(f"{p.name!r}: {where} holds shape {tuple(shape)}, the model expects {tuple(p.shape)}")
@@ -156,14 +200,21 @@ def _check_layout(p, shape, dtype_name, where):
 
 def _refuse_taken_names(daemon, params):
     """Names are unique in one daemon: a clash is refused before any parameter is
-    registered (one found midway left the earlier ones managed, and the model stuck)."""
-    taken, seen = set(daemon.names()), set()
+    registered (one found midway left the earlier ones managed, and the model stuck).
+    Models dropped unclosed give theirs back first."""
+    params = list(params)
+    _give_back_dropped(daemon)
+    taken = set(daemon.names())
+    if any(p.name in taken for p in params) and _give_back_dropped(daemon, collect=True):
+        taken = set(daemon.names())
+    seen = set()
     for p in params:
         if p.name in taken or p.name in seen:
             raise DoubleRegisterError(
                 f"prefetchd.offload: a tensor named {p.name!r} is already registered (names are unique in "
-                f"one daemon: a second model whose parameters have the same names needs its own daemon, "
-                f"or a prefix, e.g. model.update_parameters_name('second.')); nothing was registered")
+                f"one daemon: close the handle of the model that has it, or give a second model of the "
+                f"same names its own daemon or a prefix, e.g. model.update_parameters_name('second.')); "
+                f"nothing was registered")
         seen.add(p.name)
         owner = managing_daemon(p)
         if owner is not None:

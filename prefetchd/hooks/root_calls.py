@@ -10,17 +10,16 @@ unit whose hooks fetch it on demand; a root cell gets the same: outside a pass i
 own root weights are pinned (fetched if need be) for its call and released behind
 a compute fence on its output. Inside a pass of the model the root is pinned
 already and these hooks do nothing. The output of a call alone passes through
-the model's backward pre-hook (prefetchd.hooks.backward.expose_output): a gradient
-through it is refused, as through the model.
+the model's gradient refusal (prefetchd/hooks/backward.py): a gradient through it
+is refused, as through the model.
 """
 import threading
 
-from . import backward
 from .construct_reads import is_jit
 from .units import first_tensor
 
 
-def hook_root_cells(model, root_records, session, turn, skip=()):
+def hook_root_cells(model, root_records, session, turn, refusal, skip=()):
     """Hook every cell of `model` that owns root weights (not the model itself, nor a cell
     that runs inside a compiled graph: under a @jit construct, or in `skip`, the cells a
     @jit method calls, where a hook cannot run); returns the hook handles."""
@@ -29,7 +28,7 @@ def hook_root_cells(model, root_records, session, turn, skip=()):
     for name, cell in _hookable(model, skip):
         records = [by_param[id(p)] for p in cell._params.values() if p is not None and id(p) in by_param]
         if records:
-            call = _RootCellCall(model, records, session, turn, f"root:{name}")
+            call = _RootCellCall(refusal, records, session, turn, f"root:{name}")
             handles.append(cell.register_forward_pre_hook(call.before))
             handles.append(cell.register_forward_hook(call.after, always_call=True))
     return handles
@@ -54,8 +53,8 @@ def _hookable(model, skip):
 class _RootCellCall:
     """The hooks of one root cell: pin its root weights for a call made outside a pass."""
 
-    def __init__(self, model, records, session, turn, name):
-        self._model, self._records, self._session, self._turn, self._name = model, records, session, turn, name
+    def __init__(self, refusal, records, session, turn, name):
+        self._refusal, self._records, self._session, self._turn, self._name = refusal, records, session, turn, name
         self._held = threading.local()      # per thread: how many of its calls pinned them
 
     def before(self, cell, inputs):
@@ -68,5 +67,5 @@ class _RootCellCall:
         if getattr(self._held, "depth", 0) > 0:
             self._held.depth -= 1
             self._session.release(self._records, first_tensor(output), unit=self._name)
-            return backward.expose_output(self._model, output)
+            return self._refusal.exposed(output)
         return None

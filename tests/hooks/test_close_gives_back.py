@@ -221,3 +221,45 @@ def test_close_after_the_weights_were_given_back_says_nothing_stays(ms, tmp_path
             handle.close()
         assert "stay in daemon" not in caplog.text, caplog.text
         assert daemon.names() == []
+
+
+@pytest.mark.parametrize("tier", ["remote", "host"])
+def test_models_dropped_unclosed_give_their_weights_back_at_the_next_offload(ms, tmp_path, x, tier):
+    """A loop that builds the same model each round and offloads it into one daemon, never
+    closing a handle: the second round was refused (the first model's names were still
+    registered), and every dropped model's memory and store files stayed. A dropped model's
+    weights are given back at the daemon's next offload()."""
+    store = str(tmp_path / "store")
+    with prefetchd.Daemon(device_budget=64 << 10, host_budget=1 << 20, store_dir=store) as daemon:
+        for i in range(4):
+            model = stack(ms, "m.", seed=i)              # the same names every round
+            want = model(x).asnumpy()
+            prefetchd.offload(model, daemon, lookahead=1, tier=tier)
+            for _ in range(2):
+                np.testing.assert_array_equal(model(x).asnumpy(), want)
+            assert sorted(daemon.names()) == sorted(p.name for p in model.get_parameters())
+            assert len(stems(store)) == (0 if tier == "host" else 12), files(store)
+            assert daemon.status()["host"]["used"] <= sum(p.nbytes for p in model.get_parameters()) + (64 << 10)
+
+
+def test_a_dropped_model_whose_weight_is_pinned_stays_until_a_later_offload(ms, tmp_path, x, caplog):
+    import gc
+    with prefetchd.Daemon(device_budget=64 << 10, store_dir=str(tmp_path / "s")) as daemon:
+        first = stack(ms, "a.")
+        prefetchd.offload(first, daemon, lookahead=1)
+        first(x)
+        weight = first[0][0].weight
+        with daemon.use([weight]):
+            del first
+            gc.collect()
+            with caplog.at_level(logging.WARNING, logger="prefetchd.hooks"):
+                second = stack(ms, "b.")
+                prefetchd.offload(second, daemon, lookahead=1)
+            assert "a dropped model's 12 weights stay in daemon" in caplog.text
+            assert len(daemon.names()) == 24
+            assert weight.asnumpy().shape == (64, 64)     # still readable where it is pinned
+        prefetchd.offload(stack(ms, "c."), daemon, lookahead=1)
+        assert not any(n.startswith("a.") for n in daemon.names())
+        np.testing.assert_array_equal(second(x).asnumpy(), second(x).asnumpy())
+        with pytest.raises(DaemonClosedError, match="was unregistered from its daemon"):
+            weight.asnumpy()
