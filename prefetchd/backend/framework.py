@@ -85,6 +85,21 @@ def bind_placeholder(target, dtype):
     bind(target, np.zeros((0,), dtype=dtype))
 
 
+def recording_grad():
+    """True while PyNative records ops for a gradient: in the forward of mindspore.grad,
+    value_and_grad, vjp, GradOperation (of a function or a cell), TrainOneStepCell, and of
+    a cell after set_grad(True) (checked, MindSpore 2.10)."""
+    from mindspore.common.api import _pynative_executor
+    return _pynative_executor.requires_grad()
+
+
+def copy_tensor(tensor):
+    """A copy of `tensor` in new memory. While a gradient is recorded, one the gradient flows
+    through (ops.deepcopy): Tensor.copy() is not recorded, so a gradient through the copy
+    of a weight came back all zeros, unrefused (checked, MindSpore 2.10)."""
+    return mindspore().ops.deepcopy(tensor) if recording_grad() else tensor.copy()
+
+
 def abandon_grad():
     """Reset PyNative's gradient recording, before a refusal raised inside a forward that
     mindspore.grad records: an exception there leaves requires_grad() True for the rest of

@@ -14,6 +14,14 @@ from ..errors import DaemonClosedError, NotResidentError, PrefetchdError
 from .records import State
 
 
+def _refused(rec, closed_as):
+    """The error the guard raises for `rec`'s tensor. Raised inside a function a gradient
+    records (an L2 term on a weight in a loss), it would leave PyNative recording for good,
+    and later forwards and gradients failed: the recording is abandoned first."""
+    framework.abandon_grad()
+    return _not_in_use(rec, closed_as)
+
+
 def _not_in_use(rec, closed_as):
     if rec.index is None and closed_as is None:    # forgotten: Daemon.unregister, handle.close()
         return DaemonClosedError(rec.name, "", "unregistered", (
@@ -85,7 +93,7 @@ class Binding:
     def guard(self, rec):
         """Python-level use of rec's tensor raises NotResidentError until it is bound again."""
         if rec.target is not None:
-            guards.guard(rec.target, lambda rec=rec: _not_in_use(rec, self.closed_as), rec.name)
+            guards.guard(rec.target, lambda rec=rec: _refused(rec, self.closed_as), rec.name)
 
     def placeholder(self, rec):
         """A registered tensor whose data lives elsewhere: bound to its home (which

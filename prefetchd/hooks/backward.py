@@ -1,5 +1,6 @@
 """An offloaded model's refusal of gradients: a backward pre-hook of its own, through which
-every Tensor the model outputs passes, and the output of a unit or root cell called alone.
+the outputs of the model and its units pass while a gradient is recorded, and the output of
+a unit or root cell called alone.
 
 A backward would read weights released after their forward (SIGSEGV). MindSpore runs a
 backward pre-hook before any backward kernel of what produced the Tensors that passed
@@ -24,7 +25,13 @@ from .outputs import flat_tensors, replaced
 
 
 class GradientRefusal:
-    """The model's own backward pre-hook primitive, and what passes Tensors through it."""
+    """The model's own backward pre-hook primitive, and what passes Tensors through it.
+
+    While a gradient is recorded, the output of each of the model's unit cells and the
+    model's own output pass through it: any backward reaching a unit's weights comes
+    through its output first, however the model's output is built (a container the
+    walk below does not enter included). A unit or root cell called alone, outside the
+    model's forward, passes its output through it always. A plain forward passes nothing."""
 
     def __init__(self, model):
         name = type(model).__name__
@@ -32,22 +39,30 @@ class GradientRefusal:
                                                       functools.partial(_refuse, name))
 
     def forward_hook(self, model, inputs, output):
-        """The model's last forward hook: its output, with every Tensor passed through."""
-        return self.exposed(output)
+        """The model's last forward hook."""
+        return self.exposed(output) if framework.recording_grad() else None
+
+    def unit_output(self, output, alone):
+        """The output of a unit's cell (or of a part that enters a unit): passed through
+        while a gradient is recorded, and always when the cell was called `alone`."""
+        return self.exposed(output) if alone or framework.recording_grad() else output
 
     def exposed(self, output):
         """`output` with its Tensors passed through the hook primitive, rebuilt (containers
         copied, of the same types: a ModelOutput stays one); itself when it holds none to
-        pass. A Parameter (a weight returned as it is) is not passed: the primitive's output
-        would be a second Tensor over its memory, which no guard covers (read after the
-        weight's eviction, it kills the process), and its gradient runs no backward kernel."""
+        pass, or cannot be rebuilt. A Parameter (a weight returned as it is) is not
+        passed: the primitive's output would be a second Tensor over its memory, which no
+        guard covers (read after the weight's eviction, it kills the process)."""
         tensors = flat_tensors(output)
         positions = [i for i, t in enumerate(tensors) if not (framework.is_parameter(t) or is_managed(t))]
         if not positions:
             return output
         passed = self._primitive(tuple(tensors[i] for i in positions))
         passed = iter(passed if isinstance(passed, tuple) else (passed,))
-        return replaced(output, positions, lambda tensor: next(passed))
+        try:
+            return replaced(output, positions, lambda tensor: next(passed))
+        except Exception:       # a container that will not be copied: the units' outputs passed
+            return output
 
 
 def _refuse(model_name, grads):

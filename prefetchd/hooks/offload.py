@@ -289,8 +289,7 @@ class Offloaded(refusals.NotCopyable):
         if last:
             self._pins.release(unit, first_tensor(output), timed=timed)
             self._pass.after_release()
-        # Called alone, outside the model's forward: a gradient through it is refused too.
-        return output if self.turn.held_here() else self._refusal.exposed(output)
+        return self._refusal.unit_output(output, alone=not self.turn.held_here())
 
     # ---------------------------------------------------------------- parts (prefetchd.hooks.parts)
     def _before_part(self, cell, inputs):
@@ -304,7 +303,8 @@ class Offloaded(refusals.NotCopyable):
     def _after_part(self, cell, inputs, output):
         unit = self._parts.unit_of(cell)
         if unit.parted and unit.part_depth == 1:      # an entry: its output leaves the unit
-            output = self._views.copied(unit, cell, output, self._pass.recording)
+            output = self._refusal.unit_output(self._views.copied(unit, cell, output, self._pass.recording),
+                                               alone=not self.turn.held_here())
         self._parts.ran(cell, first_tensor(output), self._pass.recording)
         return output
 

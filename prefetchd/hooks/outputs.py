@@ -75,15 +75,19 @@ def replaced(output, positions, make):
 
 
 def _rebuilt(value, rebuild, copies):
-    """A copy of the container `value` holding rebuild(item) for each item. A list, dataclass
-    instance or SimpleNamespace is made, and entered in `copies`, before its items are rebuilt:
-    a cycle back to it (a parent pointer) reaches the copy."""
-    if isinstance(value, dict):       # (also a model-output class that is a dataclass too)
-        return type(value)((k, rebuild(v)) for k, v in value.items())
-    if type(value) is list:
-        new = copies[id(value)] = []
-        for v in value:
-            new.append(rebuild(v))
+    """A copy of the container `value` holding rebuild(item) for each item. A list, dict,
+    dataclass instance or SimpleNamespace is made, and entered in `copies`, before its
+    items are rebuilt: a cycle back to it (a parent pointer) reaches the copy. Never by
+    calling a class with guessed arguments (an output class whose __init__ takes its fields
+    got a generator as its first one); a container that cannot be copied is changed in
+    place, and a tuple of a kind that cannot be rebuilt is kept as it is."""
+    if isinstance(value, (dict, list)):     # (a dict: also a model-output class, a dataclass too)
+        new = copies[id(value)] = _shallow_copy(value)
+        pairs = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
+        for key, item in pairs:
+            rebuilt = rebuild(item)
+            if rebuilt is not item:
+                new[key] = rebuilt
         return new
     fields = _fields(value)
     if fields is not None:
@@ -92,11 +96,21 @@ def _rebuilt(value, rebuild, copies):
             object.__setattr__(new, name, rebuild(v))     # (a frozen dataclass refuses setattr)
         return new
     items = [rebuild(v) for v in value]
-    return type(value)(items) if type(value) is tuple else _same_kind(value, items)
+    if type(value) is tuple:
+        return tuple(items)
+    if hasattr(value, "_make"):                           # a namedtuple
+        return value._make(items)
+    return value
 
 
-def _same_kind(value, items):
-    """A namedtuple (or list subclass) rebuilt with new items."""
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*items)
-    return type(value)(items)
+def _shallow_copy(value):
+    """copy.copy(value) if it gives the same kind of container with the same keys (a
+    defaultdict, a ModelOutput, a dict subclass); else `value` itself, to change in place."""
+    try:
+        new = copy.copy(value)
+    except Exception:
+        return value
+    same = type(new) is type(value) and len(new) == len(value)
+    if same and isinstance(value, dict):
+        same = list(new.keys()) == list(value.keys())
+    return new if same and new is not value else value

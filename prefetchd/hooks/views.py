@@ -20,6 +20,7 @@ cell, an entry part, the model for the root unit) through it.
 """
 import logging
 
+from ..backend import framework
 from .outputs import flat_tensors, replaced
 
 log = logging.getLogger("prefetchd.hooks")
@@ -70,4 +71,4 @@ def copy_positions(output, positions):
     """`output` with the tensors at `positions` (of flat_tensors) replaced by copies.
     A structure that changed since the positions were found is copied whole."""
     whole = len(flat_tensors(output)) <= max(positions)
-    return replaced(output, None if whole else positions, lambda tensor: tensor.copy())
+    return replaced(output, None if whole else positions, framework.copy_tensor)

@@ -133,15 +133,27 @@ from mindone.transformers import LlamaForCausalLM
 ms.set_seed(4)
 model = LlamaForCausalLM(transformers.LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128,
                                                   num_hidden_layers=3, num_attention_heads=4,
-                                                  num_key_value_heads=2, max_position_embeddings=64))
+                                                  num_key_value_heads=2, max_position_embeddings=64,
+                                                  tie_word_embeddings=False))
 ids = ms.Tensor(np.random.default_rng(0).integers(1, 1024, (2, 12)).astype(np.int32))
 ref = model(ids, return_dict=True).logits.asnumpy()
 budget = int(0.6 * sum(p.nbytes for p in model.get_parameters()))
+
+
+def loss():
+    return (model(ids, return_dict=True).logits ** 2).mean()
+
+
 with prefetchd.Daemon(device_budget=budget, store_dir=sys.argv[1]) as d:
     prefetchd.offload(model, d)
     assert np.array_equal(model(ids, return_dict=True).logits.asnumpy(), ref)
+    if sys.argv[2] == "weight_decay":      # reads a weight outside the forward, inside the gradient's
+        try:
+            ms.grad(lambda: loss() + (model.lm_head.weight ** 2).sum(), None, model.trainable_params())()
+        except prefetchd.NotResidentError as e:
+            print("weight decay:", str(e)[:40], flush=True)
     try:
-        ms.value_and_grad(lambda: model(ids, return_dict=True).logits.sum(), None, model.trainable_params())()
+        ms.grad(loss, None, model.trainable_params())()
         print("not refused", flush=True)
     except prefetchd.PrefetchdError as e:
         print("refused:", str(e)[:70], flush=True)
@@ -150,15 +162,20 @@ print("ok", flush=True)
 """
 
 
-def test_a_gradient_through_llamas_model_output_is_refused(tmp_path):
+@pytest.mark.parametrize("how", ["loss", "weight_decay"])
+def test_a_gradient_through_llamas_model_output_is_refused(tmp_path, how):
     """Fine-tuning code on a streamed model: the gradient of `model(ids).logits` (a
     CausalLMOutputWithPast, an OrderedDict) ran its backward over released weights and the
-    process died (SIGSEGV). It is refused, and plain passes afterwards are unchanged. In a
-    child process, so a regression fails this test instead of the run."""
+    process died (SIGSEGV). It is refused, and plain passes afterwards are unchanged.
+    weight_decay: an L2 term on a weight, refused inside the gradient's forward, left
+    PyNative recording: the next gradient and forward failed with a TypeError. In a child
+    process, so a regression fails this test instead of the run."""
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, "-c", LLAMA_GRAD, str(tmp_path / "s")], capture_output=True,
+    run = subprocess.run([sys.executable, "-c", LLAMA_GRAD, str(tmp_path / "s"), how], capture_output=True,
                          text=True, timeout=600, env={**os.environ, "GLOG_v": "3", "PYTHONPATH": path})
     assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-2000:])
     assert "refused: prefetchd: gradients through an offloaded model are not supported" in run.stdout, run.stdout
     assert run.stdout.endswith("ok\n"), run.stdout
+    if how == "weight_decay":
+        assert "\nweight decay: refused MindSpore op PowTensorScalar" in "\n" + run.stdout, run.stdout
