@@ -85,12 +85,18 @@ def bind_placeholder(target, dtype):
     bind(target, np.zeros((0,), dtype=dtype))
 
 
+_requires_grad = None     # PyNative's requires_grad, looked up once
+
+
 def recording_grad():
     """True while PyNative records ops for a gradient: in the forward of mindspore.grad,
     value_and_grad, vjp, GradOperation (of a function or a cell), TrainOneStepCell, and of
-    a cell after set_grad(True) (checked, MindSpore 2.10)."""
-    from mindspore.common.api import _pynative_executor
-    return _pynative_executor.requires_grad()
+    a cell after set_grad(True) (checked, MindSpore 2.10). Asked after every unit cell's call."""
+    global _requires_grad
+    if _requires_grad is None:
+        from mindspore.common.api import _pynative_executor
+        _requires_grad = _pynative_executor.requires_grad
+    return _requires_grad()
 
 
 def copy_tensor(tensor):
