@@ -29,40 +29,51 @@ class GradientRefusal:
 
     While a gradient is recorded, the output of each of the model's unit cells and the
     model's own output pass through it: any backward reaching a unit's weights comes
-    through its output first, however the model's output is built (a container the
-    walk below does not enter included). A unit or root cell called alone, outside the
-    model's forward, passes its output through it always. A plain forward passes nothing."""
+    through its output first, however the model's output is built. One with no Tensor to
+    pass (None, a plain object, a UserDict: the walk does not enter them) is refused there
+    and then. A unit or root cell called alone, outside the model's forward, passes its
+    output through it always. A plain forward passes nothing."""
 
     def __init__(self, model):
-        name = type(model).__name__
-        self._primitive = framework.backward_pre_hook(f"prefetchd:{name}",
-                                                      functools.partial(_refuse, name))
+        self._name = type(model).__name__
+        self._primitive = framework.backward_pre_hook(f"prefetchd:{self._name}",
+                                                      functools.partial(_refuse, self._name))
 
     def forward_hook(self, model, inputs, output):
         """The model's last forward hook."""
-        return self.exposed(output) if framework.recording_grad() else None
+        return self._watched(output, "the model") if framework.recording_grad() else None
 
-    def unit_output(self, output, alone):
-        """The output of a unit's cell (or of a part that enters a unit): passed through
+    def unit_output(self, output, unit_name, alone):
+        """The output of a unit's cell (or of a part that enters the unit): passed through
         while a gradient is recorded, and always when the cell was called `alone`."""
-        return self.exposed(output) if alone or framework.recording_grad() else output
+        if framework.recording_grad():
+            return self._watched(output, f"unit {unit_name!r}")
+        return self.exposed(output)[0] if alone else output
 
     def exposed(self, output):
-        """`output` with its Tensors passed through the hook primitive, rebuilt (containers
-        copied, of the same types: a ModelOutput stays one); itself when it holds none to
-        pass, or cannot be rebuilt. A Parameter (a weight returned as it is) is not
-        passed: the primitive's output would be a second Tensor over its memory, which no
-        guard covers (read after the weight's eviction, it kills the process)."""
+        """(`output` with its Tensors passed through the hook primitive, rebuilt: containers
+        copied, of the same types, a ModelOutput stays one; whether any was passed). A
+        Parameter (a weight returned as it is) is not passed: the primitive's output would
+        be a second Tensor over its memory, which no guard covers (read after the weight's
+        eviction, it kills the process)."""
         tensors = flat_tensors(output)
         positions = [i for i, t in enumerate(tensors) if not (framework.is_parameter(t) or is_managed(t))]
         if not positions:
-            return output
+            return output, False
         passed = self._primitive(tuple(tensors[i] for i in positions))
         passed = iter(passed if isinstance(passed, tuple) else (passed,))
         try:
-            return replaced(output, positions, lambda tensor: next(passed))
-        except Exception:       # a container that will not be copied: the units' outputs passed
-            return output
+            return replaced(output, positions, lambda tensor: next(passed)), True
+        except Exception:       # a container that will not be copied
+            return output, False
+
+    def _watched(self, output, what):
+        """Under a recorded gradient: `output` passed through, or refused now if it cannot be."""
+        output, watched = self.exposed(output)
+        if not watched:
+            framework.abandon_grad()         # (else PyNative records for good: mindspore-notes.md)
+            raise refusals.backward_refused(self._name, unseen=what)
+        return output
 
 
 def _refuse(model_name, grads):

@@ -289,7 +289,7 @@ class Offloaded(refusals.NotCopyable):
         if last:
             self._pins.release(unit, first_tensor(output), timed=timed)
             self._pass.after_release()
-        return self._refusal.unit_output(output, alone=not self.turn.held_here())
+        return self._refusal.unit_output(output, unit.name, alone=not self.turn.held_here())
 
     # ---------------------------------------------------------------- parts (prefetchd.hooks.parts)
     def _before_part(self, cell, inputs):
@@ -304,7 +304,7 @@ class Offloaded(refusals.NotCopyable):
         unit = self._parts.unit_of(cell)
         if unit.parted and unit.part_depth == 1:      # an entry: its output leaves the unit
             output = self._refusal.unit_output(self._views.copied(unit, cell, output, self._pass.recording),
-                                               alone=not self.turn.held_here())
+                                               unit.name, alone=not self.turn.held_here())
         self._parts.ran(cell, first_tensor(output), self._pass.recording)
         return output
 

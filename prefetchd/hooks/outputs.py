@@ -77,18 +77,23 @@ def replaced(output, positions, make):
 def _rebuilt(value, rebuild, copies):
     """A copy of the container `value` holding rebuild(item) for each item. A list, dict,
     dataclass instance or SimpleNamespace is made, and entered in `copies`, before its
-    items are rebuilt: a cycle back to it (a parent pointer) reaches the copy. Never by
-    calling a class with guessed arguments (an output class whose __init__ takes its fields
-    got a generator as its first one); a container that cannot be copied is changed in
-    place, and a tuple of a kind that cannot be rebuilt is kept as it is."""
+    items are rebuilt: a cycle back to it (a parent pointer) reaches the copy. A class is
+    called with the new items only where that is checked to give them back (an output class
+    whose __init__ takes its fields got a generator of pairs as its first one); a container
+    that cannot be copied is changed in place; one nothing works for is kept as it is."""
     if isinstance(value, (dict, list)):     # (a dict: also a model-output class, a dataclass too)
         new = copies[id(value)] = _shallow_copy(value)
         pairs = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
-        for key, item in pairs:
-            rebuilt = rebuild(item)
-            if rebuilt is not item:
-                new[key] = rebuilt
-        return new
+        pairs = [(key, item, rebuild(item)) for key, item in pairs]
+        try:
+            for key, item, rebuilt in pairs:
+                if rebuilt is not item:
+                    new[key] = rebuilt
+            return new
+        except Exception:                   # an immutable mapping: made again from its pairs
+            made = _made(value, [(key, rebuilt) for key, _, rebuilt in pairs]
+                         if isinstance(value, dict) else [rebuilt for _, _, rebuilt in pairs])
+            return value if made is None else made
     fields = _fields(value)
     if fields is not None:
         new = copies[id(value)] = copy.copy(value)
@@ -98,9 +103,25 @@ def _rebuilt(value, rebuild, copies):
     items = [rebuild(v) for v in value]
     if type(value) is tuple:
         return tuple(items)
-    if hasattr(value, "_make"):                           # a namedtuple
-        return value._make(items)
-    return value
+    made = _made(value, items, star=hasattr(value, "_make"))     # a namedtuple takes its fields
+    if made is not None and getattr(value, "__dict__", None):
+        made.__dict__.update(value.__dict__)          # (a subclass's instance attributes)
+    return value if made is None else made
+
+
+def _made(value, contents, star=False):
+    """type(value)(contents), or None unless that gives back the same kind of container
+    holding exactly `contents` (pairs for a mapping)."""
+    try:
+        made = type(value)(*contents) if star else type(value)(contents)
+    except Exception:
+        return None
+    if type(made) is not type(value):
+        return None
+    got = list(made.items()) if isinstance(made, dict) else list(made)
+    same = len(got) == len(contents) and all(
+        (a[0] == b[0] and a[1] is b[1]) if isinstance(made, dict) else a is b for a, b in zip(got, contents))
+    return made if same else None
 
 
 def _shallow_copy(value):

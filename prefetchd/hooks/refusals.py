@@ -68,15 +68,20 @@ def lookahead_count(value, config, model):
     return min(count, usable)
 
 
-def backward_refused(model_name):
+def backward_refused(model_name, unseen=None):
     """A backward pass would read weights released after their forward: unmapped pages, the
     process would die. Raised before the first backward kernel; MindSpore raises it from
-    grad()/value_and_grad() and recovers (a plain forward afterwards runs as before)."""
+    grad()/value_and_grad() and recovers (a plain forward afterwards runs as before).
+    unseen: what returned no Tensor the refusal could see, when it is raised in the forward."""
+    where = "" if unseen is None else (
+        f" ({unseen} returned no Tensor prefetchd could watch for a gradient, so this forward, "
+        f"recorded for one, is refused; under ops.stop_gradient, run the model outside the "
+        f"gradient's function)")
     return PrefetchdError(
         f"prefetchd: gradients through an offloaded model are not supported: this "
         f"{model_name}'s units are released as soon as their forward ran, and the "
-        f"backward pass would read their weights after that. Compute gradients on a model that is "
-        f"not offloaded (prefetchd streams weights for inference)")
+        f"backward pass would read their weights after that{where}. Compute gradients on a model "
+        f"that is not offloaded (prefetchd streams weights for inference)")
 
 
 def refuse_closed(model, daemon_name, cell, inputs):

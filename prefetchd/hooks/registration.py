@@ -228,12 +228,18 @@ def _refuse_beyond_the_host_budget(daemon, params):
     """Host-tier weights live in the host pool for good: a model it cannot hold is refused whole
     (staging them one by one stopped at the first that did not fit, the earlier ones managed
     and the model stuck). Cached replicas of the remote tier count as free: they are dropped
-    for room."""
+    for room. Models dropped unclosed give theirs back first (the gc runs if that helps)."""
     need = sum(host_block_bytes(p.nbytes) for p in params)
-    host = daemon.status()["host"]
-    free = host["budget"] - host["used"] + host["cached_bytes"]
-    if need > free:
+
+    def free():
+        host = daemon.status()["host"]
+        return host["budget"] - host["used"] + host["cached_bytes"], host["budget"]
+    room, budget = free()
+    if need > room and _give_back_dropped(daemon, collect=True):
+        room, budget = free()
+    if need > room:
         raise BudgetError(
             f"prefetchd.offload(tier='host'): the model's {len(params)} parameters need {need} bytes of host "
-            f"RAM, and the host budget has {free} of {host['budget']} bytes free; raise host_budget, or keep "
-            f"them on disk with tier='remote' (host RAM then caches what fits); nothing was registered")
+            f"RAM, and the host budget has {room} of {budget} bytes free; raise host_budget, close the "
+            f"handles of models you are done with, or keep them on disk with tier='remote' (host RAM then "
+            f"caches what fits); nothing was registered")

@@ -67,5 +67,5 @@ class _RootCellCall:
         if getattr(self._held, "depth", 0) > 0:
             self._held.depth -= 1
             self._session.release(self._records, first_tensor(output), unit=self._name)
-            return self._refusal.exposed(output)
+            return self._refusal.exposed(output)[0]
         return None

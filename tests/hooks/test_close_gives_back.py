@@ -263,3 +263,17 @@ def test_a_dropped_model_whose_weight_is_pinned_stays_until_a_later_offload(ms, 
         np.testing.assert_array_equal(second(x).asnumpy(), second(x).asnumpy())
         with pytest.raises(DaemonClosedError, match="was unregistered from its daemon"):
             weight.asnumpy()
+
+
+def test_dropped_models_give_their_host_budget_back_when_a_new_one_needs_it(ms, tmp_path, x):
+    """Rounds of models of new names on the host tier, never closed, with room for two: a
+    dropped model not yet collected held its host blocks, and the third round was refused
+    (BudgetError) though nothing used them. The gc runs, and they are given back."""
+    one = sum(p.nbytes for p in stack(ms, "probe.").get_parameters())
+    with prefetchd.Daemon(device_budget=64 << 10, host_budget=int(2.5 * one) + (1 << 16),
+                          store_dir=str(tmp_path / "s")) as daemon:
+        for i in range(6):
+            model = stack(ms, f"m{i}.", seed=i)
+            want = model(x).asnumpy()
+            prefetchd.offload(model, daemon, lookahead=1, tier="host")
+            np.testing.assert_array_equal(model(x).asnumpy(), want)

@@ -370,3 +370,140 @@ def test_outputs_the_walk_does_not_rebuild_still_run_and_their_gradient_is_refus
     the pass ends (a view of the unit's memory); Tensor.copy() is not recorded, so the
     gradient w.r.t. that weight came back all zeros, unrefused."""
     assert_gradient_refused(run_script(OTHER_OUTPUT, tmp_path, kind))
+
+
+VIEW_IN_CONTAINER = """
+import collections
+import sys
+import numpy as np
+import mindspore as ms
+from mindspore import nn, Parameter
+import prefetchd
+ms.set_device("CPU")
+
+
+class FrozenDict(dict):
+    def __setitem__(self, key, value):
+        raise TypeError("FrozenDict is immutable")
+
+
+class TupleSub(tuple):
+    pass
+
+
+class Tagged(collections.namedtuple("Tagged", "logits w")):
+    pass
+
+
+def wrap(h, w):
+    if sys.argv[2] == "frozen_dict":
+        return FrozenDict({"logits": h, "w": w})
+    if sys.argv[2] == "tuple_subclass":
+        return TupleSub((h, w))
+    out = Tagged(h, w)
+    out.meta = "kept"
+    return out
+
+
+class Net(nn.Cell):                        # returns a view of a root weight inside the container
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.CellList([nn.Dense(256, 256) for _ in range(6)])
+        self.emb = Parameter(ms.Tensor(np.ones((4, 256), np.float32)), name="emb")
+
+    def construct(self, x):
+        h = x + self.emb[0]
+        for block in self.blocks:
+            h = block(h)
+        return wrap(h, self.emb.reshape(-1))
+
+
+ms.set_seed(1)
+net = Net()
+x = ms.Tensor(np.ones((4, 256), np.float32))
+ref = net(x)
+with prefetchd.Daemon(device_budget=int(0.45 * sum(p.nbytes for p in net.get_parameters())),
+                      store_dir=sys.argv[1]) as d:
+    handle = prefetchd.offload(net, d, lookahead=1)
+    for _ in range(3):
+        out = net(x)
+        assert type(out) is type(ref) and getattr(out, "meta", None) == getattr(ref, "meta", None)
+        w = out["w"] if isinstance(out, dict) else out[1]
+        assert np.array_equal(w.asnumpy(), ref["w" if isinstance(ref, dict) else 1].asnumpy())
+    handle.close()                         # the weights are given back: the copy must not be a view
+    assert float(w.asnumpy().sum()) == 1024.0
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind", ["frozen_dict", "tuple_subclass", "namedtuple_subclass"])
+def test_a_view_of_a_weight_inside_an_unusual_container_is_copied_and_the_container_kept(tmp_path, kind):
+    """The copy of a weight's view rebuilds the container around it: a mapping refusing
+    __setitem__ failed every forward (TypeError), a tuple subclass kept the view (SIGSEGV when
+    read after the weight left), a namedtuple subclass lost its instance attributes."""
+    run = run_script(VIEW_IN_CONTAINER, tmp_path, kind)
+    assert run.returncode == 0 and run.stdout == "ok\n", (run.returncode, run.stdout, run.stderr[-2000:])
+
+
+UNSEEN_UNIT_OUTPUT = """
+import collections
+import sys
+import numpy as np
+import mindspore as ms
+from mindspore import nn, ops, Parameter
+import prefetchd
+ms.set_device("CPU")
+
+
+class Out:                                 # a plain object: the output walk does not enter it
+    def __init__(self, h):
+        self.h = h
+
+
+class Block(nn.Cell):                      # owns its weight: no sub-cell output passes the refusal
+    def __init__(self, i):
+        super().__init__()
+        self.w = Parameter(ms.Tensor(np.full((256, 256), 0.01 * (i + 1), np.float32)), name=f"w{i}")
+
+    def construct(self, x):
+        y = ops.matmul(x, self.w)
+        return collections.UserDict(h=y) if sys.argv[2] == "userdict" else Out(y)
+
+
+class Net(nn.Cell):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.CellList([Block(i) for i in range(blocks)])
+
+    def construct(self, x):
+        for block in self.blocks:
+            x = block(x)["h"] if sys.argv[2] == "userdict" else block(x).h
+        return Out(x)
+
+
+net = Net(1 if sys.argv[3] == "all_root" else 6)
+x = ms.Tensor(np.ones((2, 256), np.float32))
+ref = net(x).h.asnumpy()
+budget = sum(p.nbytes for p in net.get_parameters()) * (2 if sys.argv[3] == "all_root" else 0.45)
+with prefetchd.Daemon(device_budget=int(budget), store_dir=sys.argv[1]) as d:
+    prefetchd.offload(net, d, lookahead=1)
+    assert np.array_equal(net(x).h.asnumpy(), ref)
+    try:
+        ms.grad(lambda v: net(v).h.sum())(x)
+        print("not refused", flush=True)
+    except prefetchd.PrefetchdError as e:
+        print("refused:", str(e)[:70], flush=True)
+    assert np.array_equal(net(x).h.asnumpy(), ref)
+    g = ms.grad(lambda v: (v * v).sum())(x)            # PyNative recovered: another gradient works
+    assert np.array_equal(g.asnumpy(), 2 * x.asnumpy())
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind,units", [("plain", "units"), ("userdict", "units"), ("plain", "all_root")])
+def test_a_gradient_through_outputs_with_no_visible_tensor_is_refused_in_the_forward(tmp_path, kind, units):
+    """Blocks that return a plain object or a UserDict, and a model that returns one too:
+    no Tensor of theirs could pass through the refusal, so the backward ran over released
+    weights (SIGSEGV); an all-root model (no units) was not refused at all. A recorded
+    forward whose unit or model output has nothing to pass is refused there and then."""
+    assert_gradient_refused(run_script(UNSEEN_UNIT_OUTPUT, tmp_path, kind, units))
