@@ -61,11 +61,15 @@ class GradientRefusal:
         if not positions:
             return output, False
         passed = self._primitive(tuple(tensors[i] for i in positions))
-        passed = iter(passed if isinstance(passed, tuple) else (passed,))
+        passed = list(passed) if isinstance(passed, tuple) else [passed]
+        made = iter(passed)
         try:
-            return replaced(output, positions, lambda tensor: next(passed)), True
+            rebuilt = replaced(output, positions, lambda tensor: next(made))
         except Exception:       # a container that will not be copied
             return output, False
+        # Watched only if every passed Tensor is in the output (a container kept as it was is not).
+        found = flat_tensors(rebuilt)
+        return rebuilt, len(found) == len(tensors) and all(found[i] is t for i, t in zip(positions, passed))
 
     def _watched(self, output, what):
         """Under a recorded gradient: `output` passed through, or refused now if it cannot be."""
