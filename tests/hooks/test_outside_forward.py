@@ -175,7 +175,7 @@ def test_a_gradient_through_a_nested_output_is_refused(tmp_path, kind, how):
     """MindSpore's backward pre-hook sees a Tensor output or a tuple's own Tensors only; the
     backward of a model returning a dict (mindone's ModelOutput), a list, a nested tuple or a
     namedtuple inside a tuple ran over released weights (SIGSEGV). Their Tensors now pass
-    through the hook too (prefetchd/hooks/backward.py, expose_nested_outputs)."""
+    through the refusal too (prefetchd/hooks/backward.py, GradientRefusal)."""
     assert_gradient_refused(run_script(NESTED_OUTPUT, tmp_path, kind, how))
 
 
