@@ -56,7 +56,8 @@ def _fields(value):
 def replaced(output, positions, make):
     """`output` rebuilt with make(tensor) for the Tensor at each of `positions` (of
     flat_tensors(output)); every position when `positions` is None. Containers are
-    copied, not changed: the caller may still hold the original."""
+    copied where they can be (the caller may still hold the original); _rebuilt says
+    what happens to one that cannot."""
     wanted = None if positions is None else set(positions)
     counter = itertools.count()
     copies = {}                          # id(container) -> its copy
