@@ -112,8 +112,8 @@ def abandon_grad():
     the process (plain MindSpore 2.10), every later op recorded and in-place writes made out
     of place (a tensor sharing another's memory stopped seeing its writes). Checked:
     clear_res() there restores both, and later gradients are right."""
-    from mindspore.common.api import _pynative_executor
-    if _pynative_executor.requires_grad():
+    if recording_grad():
+        from mindspore.common.api import _pynative_executor
         _pynative_executor.clear_res()
 
 

@@ -115,8 +115,7 @@ class Offloaded(refusals.NotCopyable):
         self.turn = PassTurn(model, self._abandon_pass)   # one thread's pass at a time
         self.closed = self._given_back = False
         self._install_hooks()
-        records = {id(r): r for u in [self.root, *self.units] for r in u.records}
-        self._dropped = registration.forget_when_dropped(self, list(records.values()))
+        self._dropped = registration.forget_when_dropped(self, [self.root, *self.units])
 
     def _register(self, checkpoint):
         registration.drop_compiled_graphs(self.model)

@@ -20,8 +20,7 @@ def flat_tensors(value, _seen=None):
     """The tensors in `value` (nested tuples, lists, dict values, and the fields of
     dataclass instances and SimpleNamespaces: model outputs), in a fixed order. A container
     met again (a cycle: a parent pointer) is not walked again."""
-    ms = framework.mindspore()
-    if isinstance(value, ms.Tensor):
+    if framework.is_tensor(value):
         return [value]
     items = _items(value)
     if items is None:

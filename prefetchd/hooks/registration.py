@@ -130,21 +130,38 @@ def unregister(daemon, units):
     not grow with every model it streamed. False where that is refused (a daemon.use() block
     pins one now): they stay registered, said once in a WARNING, until a later close() or
     the daemon's. True once they are gone (or the daemon is)."""
-    # Records already forgotten (index None) are left out: a close() interrupted after the
-    # scheduler had unregistered them (Ctrl-C in the wait) failed every later close() with
-    # "not registered", and said the weights stayed.
-    records = list({id(r): r for u in units for r in u.records if r.index is not None}.values())
+    records = _live(_records(units))
+    refused = _unregister(daemon, records)
+    if refused is not None:
+        log.warning("prefetchd: the closed model's %d weights stay in daemon %r until it closes, or "
+                    "handle.close() is called again: %s", len(records), daemon.config.name, refused)
+    return refused is None
+
+
+def _records(units):
+    """The daemon records of `units`' weights, each once (units may share a weight)."""
+    return list({id(r): r for u in units for r in u.records}.values())
+
+
+def _live(records):
+    """Those not forgotten yet (index None): a close() interrupted after the scheduler had
+    unregistered them (Ctrl-C in the wait) failed every later close() with "not
+    registered", and said the weights stayed."""
+    return [r for r in records if r.index is not None]
+
+
+def _unregister(daemon, records):
+    """daemon.unregister(records): None once they are gone (or the daemon is), else the
+    refusal (a daemon.use() block pins one now)."""
     if not records or daemon.closed:
-        return True
+        return None
     try:
         daemon.unregister(records)
     except ShutdownError:      # the daemon closed meanwhile: its tiers went with it
-        return True
+        return None
     except PrefetchdError as e:
-        log.warning("prefetchd: the closed model's %d weights stay in daemon %r until it closes, or "
-                    "handle.close() is called again: %s", len(records), daemon.config.name, e)
-        return False
-    return True
+        return e
+    return None
 
 
 # Per daemon: the records of its models dropped unclosed, given back at its next offload().
@@ -153,13 +170,13 @@ def unregister(daemon, units):
 _dropped = weakref.WeakKeyDictionary()
 
 
-def forget_when_dropped(handle, records):
+def forget_when_dropped(handle, units):
     """When `handle` is collected unclosed (the user dropped the model, as a loop that
-    builds and offloads a model each round does), its daemon's next offload() gives
-    `records` back, as handle.close() would have. Returns the finalizer: close() detaches it.
-    `records` must not refer to the handle or the model's cells."""
+    builds and offloads a model each round does), its daemon's next offload() gives the
+    `units`' weights back, as handle.close() would have. Returns the finalizer: close()
+    detaches it. It keeps the records only: units refer to the model's cells."""
     queue = _dropped.setdefault(handle.daemon, collections.deque())
-    return weakref.finalize(handle, queue.append, records)
+    return weakref.finalize(handle, queue.append, _records(units))
 
 
 def _give_back_dropped(daemon, collect=False):
@@ -173,15 +190,14 @@ def _give_back_dropped(daemon, collect=False):
         gc.collect()
     gave = False
     while queue:
-        records = [r for r in queue.popleft() if r.index is not None]
+        records = _live(queue.popleft())
         if not records:
             continue
-        try:
-            daemon.unregister(records)
-        except PrefetchdError as e:       # a daemon.use block pins one now: at a later offload()
+        refused = _unregister(daemon, records)
+        if refused is not None:           # at a later offload()
             queue.append(records)
             log.warning("prefetchd: a dropped model's %d weights stay in daemon %r for now: %s",
-                        len(records), daemon.config.name, e)
+                        len(records), daemon.config.name, refused)
             break
         gave = True
     return gave
