@@ -49,6 +49,7 @@ class Binding:
         self._backend = backend
         self._stats = stats
         self.closed_as = None      # the daemon's closed message, once it closes
+        self.bound_for_compute = False   # some tensor was handed to compute (Daemon.close waits for it)
 
     def bind_home(self, rec):
         """Point the framework tensor at its home, once for its life (no copy)."""
@@ -63,6 +64,7 @@ class Binding:
         without a home whose replica moved) run after it, outside the lock.
         """
         rebinds = []
+        self.bound_for_compute = True
         with self._lock:
             for rec in records:
                 if rec.target is None:
