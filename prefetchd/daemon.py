@@ -68,16 +68,19 @@ def _forked_child():
 os.register_at_fork(after_in_child=_forked_child)
 
 
-def _wait_for_queued_compute(name):
-    """Let the kernels MindSpore has queued run before the last write-back round: one may
-    still write a managed tensor (an ops.assign in a forward that raised after it, whose
-    unit was released with no fence behind it), and a write the scheduler has not seen
-    when it shuts down is lost with the daemon. The caller's own compute: close() waits
-    for it like for the write-backs."""
+def _wait_for_queued_compute(daemon):
+    """Let the kernels MindSpore has queued run before the last write-back round of a
+    daemon that handed tensors to compute: one may still write a managed tensor (an
+    ops.assign in a forward that raised after it, whose unit was released with no fence
+    behind it), and a write the scheduler has not seen when it shuts down is lost with the
+    daemon. The caller's own compute: close() waits for it like for the write-backs.
+    (Not from the scheduler thread, a listener closing the daemon: it may not wait.)"""
+    if not daemon._binding.bound_for_compute or daemon._thread is threading.current_thread():
+        return
     try:
         framework.synchronize()
     except Exception as e:       # noqa: BLE001 - close() goes on; the write-back round says what it lost
-        log.warning("prefetchd %s: waiting for queued compute at close failed: %r", name, e)
+        log.warning("prefetchd %s: waiting for queued compute at close failed: %r", daemon.name, e)
 
 
 @atexit.register
@@ -194,8 +197,7 @@ class Daemon:
         if started:
             if not self._shutdown_sent:
                 self._shutdown_sent = True
-                if self._binding.bound_for_compute and self._thread is not threading.current_thread():
-                    _wait_for_queued_compute(self.name)
+                _wait_for_queued_compute(self)
                 self._core.inbox.shut_down(deadline)
             if self._thread is threading.current_thread():
                 # From a listener or a future callback: the scheduler stops once it

@@ -137,7 +137,6 @@ class Offloaded(refusals.NotCopyable):
         # Units whose own cell is never called are pinned from their parts' calls.
         self._parts = PartProbes(self.units, self._by_cell, self._before_part, self._after_part,
                                  skip=self._plan.jit_cells)
-        self._parted = []              # units pinned now by a part's call
 
         def name_of(cell):
             return cell_name(model, cell)
@@ -217,7 +216,7 @@ class Offloaded(refusals.NotCopyable):
         self._pins.release_all(None)          # a pass that raised midway left pins behind
         self._compiled_later.drop_probes_under_compiled()
         for unit in self.units:
-            unit.part_depth = 0
+            unit.part_depth = unit.running = 0    # (a pass that raised left them counting)
         self._high = self._session.high_watermark
         self._ran = 0
         self._cursor.start_pass()
@@ -266,6 +265,7 @@ class Offloaded(refusals.NotCopyable):
     def _before_unit(self, cell, inputs):
         unit = _unit_of(self._by_cell, cell)
         self._ran += 1
+        unit.running += 1
         if unit.held:                         # another cell of a unit already pinned
             return
         if self._pass.recording:
@@ -274,11 +274,12 @@ class Offloaded(refusals.NotCopyable):
 
     def _enter(self, unit, inputs):
         """Pin `unit` before its first cell (or part) of this step runs."""
-        self._release_parted(inputs)
+        self._pins.release_idle(unit, first_tensor(inputs), self._high)
         self._pass.enter(unit)
 
     def _after_unit(self, cell, inputs, output):
         unit = _unit_of(self._by_cell, cell)
+        unit.running = max(0, unit.running - 1)
         if not unit.held:
             return None
         unit.ran.add(id(cell))
@@ -288,6 +289,11 @@ class Offloaded(refusals.NotCopyable):
         if last:
             self._pins.release(unit, first_tensor(output), timed=timed)
             self._pass.after_release()
+        elif not unit.running:
+            # Not all its cells ran (an entry called alone later in the pass, siblings another
+            # unit's cells run between): idle, given up for a unit that needs its room.
+            unit.last_output = first_tensor(output)
+            self._pins.idle(unit)
         return self._refusal.unit_output(output, unit.name, alone=not self.turn.held_here())
 
     # ---------------------------------------------------------------- parts (prefetchd.hooks.parts)
@@ -297,7 +303,7 @@ class Offloaded(refusals.NotCopyable):
             self._ran += 1
             self._enter(unit, inputs)
             unit.parted = True
-            self._parted.append(unit)
+            self._pins.idle(unit)
 
     def _after_part(self, cell, inputs, output):
         unit = self._parts.unit_of(cell)
@@ -306,15 +312,6 @@ class Offloaded(refusals.NotCopyable):
                                                unit.name, alone=not self.turn.held_here())
         self._parts.ran(cell, first_tensor(output), self._pass.recording)
         return output
-
-    def _release_parted(self, inputs):
-        """A unit pinned by a part's call (recording pass; later, a part no recorded call
-        reached) is done once another unit starts."""
-        parted, self._parted = self._parted, []
-        for unit in parted:
-            if unit.held and unit.parted:
-                self._pins.release(unit, unit.last_output if unit.last_output is not None
-                                   else first_tensor(inputs))
 
     def _adopt_entries(self):
         for unit in self._parts.adopt(self.units, self._hook_unit_cell):

@@ -17,7 +17,7 @@ log = logging.getLogger("prefetchd.hooks")
 class Unit:
     """A planned unit at run time: its cells, the daemon records of its parameters, pin state."""
     __slots__ = ("index", "name", "cells", "records", "nbytes", "held", "ran", "params", "compiled",
-                 "addresses", "dispatched_ns", "entries", "own_ran", "parted", "part_depth", "last_output")
+                 "addresses", "dispatched_ns", "entries", "own_ran", "parted", "part_depth", "last_output", "running")
 
     def __init__(self, index, planned, records, compiled):
         self.index, self.name = index, planned.name
@@ -36,7 +36,8 @@ class Unit:
         self.own_ran = False      # a cell of its own ran
         self.parted = False       # pinned now by an entry
         self.part_depth = 0       # part calls running now
-        self.last_output = None   # of the last part call (the fence behind them)
+        self.last_output = None   # of its last call while pinned (the fence if released idle)
+        self.running = 0          # calls of its own cells running now (nested ones too)
 
 
 class Pins:
@@ -54,6 +55,7 @@ class Pins:
         self.stall_seconds = 0.0
         self.misses = 0
         self._warned = set()           # units whose first miss was logged
+        self._idle = []                # pinned, and none of their cells runs now (release_idle)
 
     def acquire(self, unit, *, auto_fetch, after_miss=None):
         """Pin `unit`, fetching it on demand if `auto_fetch`; otherwise a unit not resident is a
@@ -96,6 +98,7 @@ class Pins:
         (prefetchd.cost.estimate) unless `timed` says it was already (PassEstimator.time_unit)."""
         unit.parted = False
         unit.ran.clear()
+        unit.last_output = None   # a fence from this pin only: an older output fences too little
         if not unit.records:
             unit.held = False
             return
@@ -110,9 +113,36 @@ class Pins:
             self.estimator.released(unit.name, epoch, None if unit is self.root else unit.dispatched_ns)
 
     def release_all(self, dependency):
+        self._idle.clear()
         for unit in [*self.units, self.root]:
             if unit.held:
                 self.release(unit, dependency)
+
+    def idle(self, unit):
+        """`unit` is pinned and none of its cells runs now: release_idle decides when it goes.
+        Its last output (`unit.last_output`) is the fence behind its compute, if set."""
+        if unit not in self._idle:
+            self._idle.append(unit)
+
+    def release_idle(self, entering, dependency, high):
+        """Before `entering` is pinned: release the idle units. One pinned by a part's call
+        (recording pass; later, a part no recorded call reached) is done once another unit
+        starts. One whose cells ran only in part (an entry called alone again after its
+        block, siblings another unit's cells run between) goes only if `entering` would
+        not fit beside it under `high`: else it stayed pinned to the pass end and every
+        pass failed with BudgetError, while interleaved units that fit keep their pins (no
+        reload, the recorded order kept). One running again (`entering` is nested in a
+        call of it) is not idle: the end of its call lists it again. `dependency`: the
+        fence behind a unit with no output of its own this pin."""
+        fits = self.held_bytes() + entering.nbytes <= high
+        idle, self._idle = self._idle, []
+        for unit in idle:
+            if not unit.held or unit.running:
+                continue
+            if unit.parted or not fits:
+                self.release(unit, unit.last_output if unit.last_output is not None else dependency)
+            else:
+                self._idle.append(unit)
 
     def held_bytes(self):
         return sum(u.nbytes for u in [self.root, *self.units] if u.held)

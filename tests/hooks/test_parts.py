@@ -246,3 +246,41 @@ def test_a_pass_that_runs_no_unit_is_not_an_error_and_the_next_one_records(ms, x
         assert stats["trace"] == len(handle.plan().units) + 1           # recorded by the first full pass
         assert stats["misses"] == 0
         handle.close()
+
+
+@pytest.mark.parametrize("lookahead", [0, "auto"])
+def test_a_unit_whose_part_runs_alone_again_is_released_when_the_next_unit_starts(ms, tmp_path, lookahead):
+    """After the blocks the model calls the first block's `b` again, then a head that fits
+    the budget only alone. That call pins the first block's unit (an entry of it since the
+    recording pass), whose other cell does not run again: it stayed pinned to the pass
+    end, and every streamed pass failed with BudgetError at the head (probe J). It is
+    released once the head starts, like a unit pinned by a part's call."""
+    _, _, _, Stage = classes(ms)
+    nn = ms.nn
+
+    class Again(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.CellList([Stage() for _ in range(3)])
+            self.head = nn.Dense(H, 4 * H)
+
+        def construct(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.blocks[0].b(x))
+
+    ms.set_seed(0)
+    model = Again()
+    model.set_train(False)
+    x = ms.Tensor(np.random.default_rng(0).standard_normal((2, H)).astype(np.float32))
+    want = model(x).asnumpy()
+    # Room for the head and half a block: never for the head beside a pinned block.
+    budget = int((weight_bytes(model.head) + weight_bytes(model.blocks[0]) // 2) / 0.95)
+    with prefetchd.Daemon(device_budget=budget, store_dir=str(tmp_path / "s")) as daemon:
+        handle = prefetchd.offload(model, daemon, lookahead=lookahead)
+        assert [cell for u in handle.plan().units for _, cell in u.cells] == [*model.blocks, model.head]
+        for i in range(PASSES):
+            np.testing.assert_array_equal(model(x).asnumpy(), want, err_msg=f"pass {i}")
+        status = daemon.status()
+        assert status["device"]["peak"] <= status["device"]["high_watermark"], status
+        handle.close()
