@@ -17,6 +17,7 @@ runs on this thread (a @jit block called by the model's forward is the supported
 way: its unit is pinned by then) and one of the cell's weights is not resident.
 Inside `daemon.use([...])` of all its weights, the same call runs.
 """
+import contextlib
 import functools
 import threading
 import types
@@ -42,11 +43,13 @@ def watch(model, handle):
 
 
 def check_jit_call(cell):
-    """Raise PrefetchdError if compiled `cell` would read weights not resident (see above)."""
+    """Raise PrefetchdError if compiled `cell` would read weights not resident (see above).
+    Returns the Offloaded handle whose hooks the call's graph must not compile, or None
+    (not a cell of an offloaded model, or called inside its forward)."""
     ref = _watched.get(cell)
     handle = ref() if ref is not None else None
     if handle is None or handle.turn.held_here():     # (closed: its weights refuse use too)
-        return
+        return None
     absent = [p.name for p in cell.get_parameters() if guard.is_guarded(p)]
     if absent:
         framework.abandon_grad()          # (refused inside a gradient's forward: see there)
@@ -56,6 +59,47 @@ def check_jit_call(cell):
             f"without the cell's hooks, and weights it reads are not resident "
             f"({', '.join(map(repr, absent[:3]))}{more}): call the model itself (its blocks may be "
             f"@jit-compiled), or run this inside `with daemon.use([...])` of its weights")
+    return handle
+
+
+@contextlib.contextmanager
+def hooks_hidden(handles):
+    """Run a jit call over cells of offloaded models with their prefetchd hooks out of their
+    cells' hook tables. MindSpore 2.10 compiles the forward hooks of the cells a graph calls
+    into it, and prefetchd's do not compile ("Unsupported statement 'Import'", or a refusal
+    raised at trace time): `mindspore.jit(block)(x)` inside `daemon.use` failed whenever the
+    block had sub-cells. The graph runs no hook anyway (the caller made its weights
+    resident). Each model's turn is held meanwhile, so no forward of it on another thread
+    runs without its hooks; the tables get their hooks back in their order."""
+    with contextlib.ExitStack() as stack:
+        for handle in {id(h): h for h in handles if h is not None}.values():
+            stack.enter_context(handle.turn.held())
+            stack.enter_context(_out_of_tables(handle.hook_handles()))
+        yield
+
+
+@contextlib.contextmanager
+def _out_of_tables(hook_handles):
+    tables = {}                       # id(table) -> (table, its items before)
+    ours = set()
+    for h in hook_handles:
+        table = h.hook_dict_ref() if h.hook_dict_ref is not None else None
+        if table is not None and h.handle_id in table:
+            tables.setdefault(id(table), (table, list(table.items())))
+            ours.add(h.handle_id)
+    for table, _ in tables.values():
+        for key in ours & set(table):
+            del table[key]
+    try:
+        yield
+    finally:
+        for table, before in tables.values():
+            now = dict(table)
+            table.clear()
+            for key, hook in before:
+                if key in ours or key in now:
+                    table[key] = now.pop(key, hook)
+            table.update(now)         # added meanwhile
 
 
 def _named_cells(fn):
@@ -76,11 +120,10 @@ def _is_watched(obj):
 
 
 def _check_executor(executor):
+    """check_jit_call of the executor's cell, or of the cells its function names."""
     if executor.obj is not None:
-        check_jit_call(executor.obj)
-    else:
-        for cell in _named_cells(executor.fn):
-            check_jit_call(cell)
+        return [check_jit_call(executor.obj)]
+    return [check_jit_call(cell) for cell in _named_cells(executor.fn)]
 
 
 def _traced(original):
@@ -96,12 +139,12 @@ def _traced(original):
 
             @functools.wraps(inner)
             def call(*args, **kwargs):
-                if _watched:
-                    if args and _is_watched(args[0]):
-                        check_jit_call(args[0])
-                    for cell in _named_cells(fn):     # a function that reaches the model itself
-                        check_jit_call(cell)
-                return inner(*args, **kwargs)
+                if not _watched:
+                    return inner(*args, **kwargs)
+                handles = [check_jit_call(args[0])] if args and _is_watched(args[0]) else []
+                handles += [check_jit_call(cell) for cell in _named_cells(fn)]   # one reaching the model
+                with hooks_hidden(handles):
+                    return inner(*args, **kwargs)
             return types.MethodType(call, out.__self__) if isinstance(out, types.MethodType) else call
         return wrap_func
     return make
@@ -116,9 +159,10 @@ def _install():
         original = api._JitExecutor.__call__
 
         def call(self, *args, **kwargs):
-            if _watched:
-                _check_executor(self)
-            return original(self, *args, **kwargs)
+            if not _watched:
+                return original(self, *args, **kwargs)
+            with hooks_hidden(_check_executor(self)):
+                return original(self, *args, **kwargs)
         call.__wrapped__ = original
         api._JitExecutor.__call__ = call
         api._jit_trace = _traced(api._jit_trace)

@@ -333,6 +333,10 @@ class Offloaded(refusals.NotCopyable):
         without the lock: it only picks the plan's tier.)"""
         return "host" if all(r.host_valid for u in self.units for r in u.records) else self.tier
 
+    def hook_handles(self):
+        """Every hook this offload put on the model's cells (jit_calls hides them from a graph)."""
+        return [*self._handles, *self._parts.handles()]
+
     # ---------------------------------------------------------------- teardown and refusals
     def close(self):
         """Wait for another thread's forward to end (refused inside this model's own), remove the hooks,

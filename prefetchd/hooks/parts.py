@@ -104,6 +104,10 @@ class PartProbes:
             for handle in self._probes.pop(id(part), ()):
                 handle.remove()
 
+    def handles(self):
+        """The handles of the probes in place now."""
+        return [handle for handles in self._probes.values() for handle in handles]
+
     def remove(self):
         for handles in self._probes.values():
             for handle in handles:

@@ -452,3 +452,50 @@ def test_copying_an_offloaded_model_inside_use_says_it_cannot_be_copied(ms, tmp_
             with pytest.raises(PrefetchdError, match="cannot be copied or pickled"):
                 pickle.dumps(model._prefetchd)
         np.testing.assert_array_equal(model(x).asnumpy(), expected)
+
+
+def test_mindspore_jit_of_a_cell_whose_sub_cells_are_hooked_runs_inside_use(ms, tmp_path, x):
+    """A block split into units has prefetchd's hooks on its sub-cells (a model's blocks do,
+    at any budget), and MindSpore 2.10 compiles a graph's sub-cells' forward hooks into it:
+    `mindspore.jit(block)(x)` inside `daemon.use` of its weights failed ("Unsupported
+    statement 'Import'"), and `mindspore.jit(model)` inside use of every weight raised the
+    hooks' refusal at trace time (probe J). The hooks are out of the graph now, and back
+    for the passes after."""
+    nn = ms.nn
+
+    class Block(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.fc3 = nn.Dense(64, 64), nn.Dense(64, 64), nn.Dense(64, 64)
+
+        def construct(self, a):
+            return a + self.fc3(ms.ops.relu(self.fc2(ms.ops.relu(self.fc1(a)))))
+
+    def build():
+        ms.set_seed(5)
+        model = nn.SequentialCell([Block() for _ in range(4)])
+        model.set_train(False)
+        return model
+
+    model = build()
+    expected, expected_block = model(x).asnumpy(), model[1](x).asnumpy()
+    one_block = sum(p.asnumpy().nbytes for p in model[1].get_parameters())
+    for fraction in (1.6, 6.0):              # blocks split into units; blocks as units, all fit
+        model = build()
+        block = model[1]
+        with prefetchd.Daemon(device_budget=int(fraction * one_block), store_dir=str(tmp_path / f"{fraction}")) as daemon:
+            handle = prefetchd.offload(model, daemon, lookahead=1)
+            model(x)
+            if fraction < 2:
+                assert len([u for u in handle.plan().units if u.name.startswith("1.")]) > 1   # split
+                with daemon.use(list(block.get_parameters())):
+                    np.testing.assert_array_equal(ms.jit(block)(x).asnumpy(), expected_block)
+                with pytest.raises(PrefetchdError, match="runs its graph without the cell's hooks"):
+                    ms.jit(block)(x)              # outside use: still refused
+            else:
+                with daemon.use(list(model.get_parameters())):
+                    np.testing.assert_array_equal(ms.jit(model)(x).asnumpy(), expected)
+            for _ in range(2):                    # the hooks are back: it streams as before
+                np.testing.assert_array_equal(model(x).asnumpy(), expected)
+            assert handle.stats()["misses"] == 0 and handle.stats()["resyncs"] == 0
+            handle.close()
