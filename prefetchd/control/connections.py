@@ -232,6 +232,8 @@ class ConnectionGuard:
             return
         event, fd = struct.unpack("=hi", frames[0])
         if event == zmq.EVENT_ACCEPTED:
+            if self._ids.get(fd) is not None and self._ids[fd] == _connection_id(fd):
+                return                   # taken in (or dropped) at its first request: see saw()
             self._gone(fd)               # the number is reused: its last connection is closed
             self._ids[fd] = _connection_id(fd)
             self._accepted.append((fd, through))
@@ -242,15 +244,28 @@ class ConnectionGuard:
 
     def saw(self, fd):
         """A request arrived on connection `fd` (zmq.Frame.get(zmq.SRCFD) of its first frame).
-        False if the guard dropped that connection: answer nothing on it. A connection and its
-        first request can be ready in one poll, the request seen first; answered then, a
-        client beyond the budget was served once before its drop landed, by chance."""
+        False if the guard dropped that connection: answer nothing on it. A request can come
+        before its connection's ACCEPTED event: the connection is admitted or dropped at it."""
         if fd not in self._live:
             self.settle()                # what was accepted, first
+        if fd not in self._live and fd not in self._doomed:
+            self._admit_at_first_request(fd)
         if fd in self._live:
             self._last[fd] = time.monotonic()
             return True
         return fd not in self._doomed
+
+    def _admit_at_first_request(self, fd):
+        """A request came on a connection whose ACCEPTED event is not here yet (libzmq
+        delivers monitor events late): admit or drop it now, by the descriptors in use
+        now. Admitted only once the event came, a client served for a while was dropped if
+        the process had taken descriptors meanwhile (the event is recognized: on_monitor)."""
+        key = _peer_of(fd)
+        if key is None:
+            return
+        self._ids[fd] = _connection_id(fd)
+        self._handshakes.discard(fd)
+        self._admit(fd, key, open_descriptors(), through_handshake=True)
 
     def shut(self, fd):
         """Shut down connection `fd` now (its client may no longer be served); 1 if it was."""
