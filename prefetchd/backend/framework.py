@@ -94,7 +94,7 @@ def recording_grad():
     a cell after set_grad(True) (checked, MindSpore 2.10). Asked after every unit cell's call."""
     global _requires_grad
     if _requires_grad is None:
-        from mindspore.common.api import _pynative_executor
+        from mindspore.graph.api import _pynative_executor
         _requires_grad = _pynative_executor.requires_grad
     return _requires_grad()
 
@@ -113,7 +113,7 @@ def abandon_grad():
     of place (a tensor sharing another's memory stopped seeing its writes). Checked:
     clear_res() there restores both, and later gradients are right."""
     if recording_grad():
-        from mindspore.common.api import _pynative_executor
+        from mindspore.graph.api import _pynative_executor
         _pynative_executor.clear_res()
 
 
@@ -134,10 +134,13 @@ def backward_pre_hook(cell_id, hook):
 
 
 def synchronize():
-    # hal.synchronize, though deprecated (one WARN_DEPRECATED line per process): on CPU,
-    # MindSpore 2.10's runtime.synchronize logs "CPU device is not supported" and returns
-    # WITHOUT synchronizing the first time it is called, a fence that does not fence.
-    mindspore().hal.synchronize()
+    # What hal.synchronize calls: on CPU, MindSpore 2.10's runtime.synchronize logs "CPU
+    # device is not supported" and returns WITHOUT synchronizing the first time it is
+    # called, a fence that does not fence; hal.synchronize itself works, and logs a
+    # WARN_DEPRECATED line in the user's process (Daemon.close synchronizes).
+    mindspore()
+    from mindspore._c_expression import synchronize as synchronize_all
+    synchronize_all()
 
 
 class ComputeMarker:

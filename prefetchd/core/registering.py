@@ -108,6 +108,8 @@ class Registrar:
     def _place(self, tensor, name, tier):
         """A new record holding a copy of `tensor`'s values on `tier`; `tensor` unchanged."""
         refuse_wait_on_scheduler("register()", self._core)      # it waits for the placement
+        with self._core.lock:
+            self._registry.refuse_taken(name, tensor)
         # np.require, not np.ascontiguousarray: that makes a 0-d tensor 1-d
         array = np.require(framework.host_copy(tensor), requirements="C")
         rec = ManagedTensor(name=name, shape=tuple(array.shape), dtype=array.dtype,

@@ -57,15 +57,20 @@ class Registry:
         self._targets = {}         # id(framework tensor) -> name
         self.index = RecordIndex()   # pinned, host-only and droppable host records, kept by the records
 
-    def add(self, rec):
-        if rec.name in self.records:
+    def refuse_taken(self, name, target):
+        """DoubleRegisterError if `name` or the framework tensor `target` is registered here.
+        Asked before a registration reads the tensor, too: one registered and not resident
+        refused the read (NotResidentError) instead of saying it is registered."""
+        if name in self.records:
             raise DoubleRegisterError(
-                f"a tensor named {rec.name!r} is already registered (names are unique in one daemon: a "
+                f"a tensor named {name!r} is already registered (names are unique in one daemon: a "
                 f"second model whose parameters have the same names needs its own daemon, or a prefix, "
                 f"e.g. model.update_parameters_name('second.'))")
-        if rec.target is not None and id(rec.target) in self._targets:
-            raise DoubleRegisterError(
-                f"this tensor is already registered as {self._targets[id(rec.target)]!r}")
+        if target is not None and id(target) in self._targets:
+            raise DoubleRegisterError(f"this tensor is already registered as {self._targets[id(target)]!r}")
+
+    def add(self, rec):
+        self.refuse_taken(rec.name, rec.target)
         if rec.target is not None:
             with _OWNERS_LOCK:           # looked at and claimed in one step: two daemons may race
                 other = _OWNERS.get(id(rec.target))

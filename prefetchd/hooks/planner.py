@@ -159,8 +159,9 @@ class Plan:
             a, b = self.units[i], self.units[(i + 1) % n]
             need = _union_bytes(self.root, a, b)
             if need > high:
-                return (f"units {a.name!r} ({a.nbytes} bytes) and {b.name!r} ({b.nbytes} bytes) run one after "
-                        f"the other; with the root unit ({self.root.nbytes} bytes) they need {need} bytes, "
+                return (f"units {a.name!r} ({a.nbytes} bytes) and {b.name!r} ({b.nbytes} bytes) are next to "
+                        f"each other in the order the model declares its cells (the order they run is known "
+                        f"only after a forward, so offload() checks this one); with the root unit ({self.root.nbytes} bytes) they need {need} bytes, "
                         f"above the high watermark {high}: the next unit could never load while one computes "
                         f"(raise device_budget, or pass units= with smaller units)" + _kept_whole(a))
         return None

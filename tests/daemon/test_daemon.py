@@ -54,6 +54,20 @@ def test_double_register_is_refused(daemon, make_param):
         daemon.register(p, "other")
 
 
+def test_registering_again_a_tensor_that_is_not_resident_says_it_is_registered(daemon, make_param):
+    """The registration read the tensor before it looked at the names: one registered on
+    the remote tier (not resident) was refused as a read, NotResidentError."""
+    p = make_param(values(1), "w")
+    daemon.register(p, tier="remote")
+    with pytest.raises(DoubleRegisterError, match="a tensor named 'w' is already registered"):
+        daemon.register(p)
+    with pytest.raises(DoubleRegisterError, match="already registered as 'w'"):
+        daemon.register(p, "other", tier="remote")
+    with pytest.raises(DoubleRegisterError, match="a tensor named 'w' is already registered"):
+        daemon.register_all([p])
+    assert daemon.names() == ["w"]
+
+
 def test_tensor_larger_than_the_budget_fails_precisely(make_daemon, make_param):
     d = make_daemon(device_budget="4MiB")
     h = d.register(make_param(np.zeros(2 * MiB, np.float32), "big"), tier="remote")
