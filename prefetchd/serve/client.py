@@ -11,8 +11,8 @@ of callers and outstanding requests: `submit` queues a request and wakes the
 loop; the loop sends it with the arrays as frames (no copy), matches replies by
 request id, and completes each future with the reply's outputs (read-only views
 of the received frames) or the error the reply names (ServiceError with .code,
-BusyError, RequestTimeout); a completed infer future's `.reply` is the reply
-document (worker, batch_size, queue_seconds, seconds...). Every future completes: a reply, an error, its
+BusyError, RequestTimeout); an infer future that has its outputs has `.reply`, the
+reply's result document (worker, batch_size, queue_seconds, seconds...). Every future completes: a reply, an error, its
 timeout (RequestTimeout), or ShutdownError when the client closes; `cancel()` returns
 False (a request sent is the server's to run).
 """

@@ -149,6 +149,9 @@ def error_reply(e, worker=None):
     return {"code": code, "reason": f"worker {worker}: {e}" if worker is not None else str(e)}
 
 
+_FAILED = object()                       # the joined call raised
+
+
 def _run_parts(model, kind, run, parts, rows, axis, worker):
     """Each part's Outcomes of one batch of `kind` ("infer" or "generate"); `run(arrays)` -> a
     call's output arrays. The joined call's outputs are cut along `axis` only for a model whose
@@ -168,7 +171,9 @@ def _run_parts(model, kind, run, parts, rows, axis, worker):
     try:
         outs = run(_join(model.servable, parts))
     except Exception:                    # noqa: BLE001 - whose input was it? each runs alone
-        done.alone(parts, rows, run)
+        outs = _FAILED
+    if outs is _FAILED:                  # (outside the except: a part's own error is logged alone,
+        done.alone(parts, rows, run)     # not chained to the joined call's)
         return done
     done.forwards.append(sum(rows))
     try:

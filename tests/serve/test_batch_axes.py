@@ -182,10 +182,11 @@ def test_an_output_over_the_tensor_limit_is_refused_by_the_worker_saying_so(mind
         in error["reason"], error
 
 
-def test_a_request_whose_input_makes_the_model_raise_fails_alone(mindspore_cpu):
+def test_a_request_whose_input_makes_the_model_raise_fails_alone(mindspore_cpu, caplog):
     """A model that raised on one request's input (NaN here) failed the whole joined batch:
     every batch-mate got that request's error. The parts now run alone after a joined
-    forward raises, and only the one whose input it was fails."""
+    forward raises, and only the one whose input it was fails; the worker logs its error
+    once (it was logged chained to the joined call's: two tracebacks per failed request)."""
     ms = mindspore_cpu
 
     class Picky(ms.nn.Cell):
@@ -198,8 +199,11 @@ def test_a_request_whose_input_makes_the_model_raise_fails_alone(mindspore_cpu):
     rng = np.random.default_rng(4)
     requests = [[rng.standard_normal((1 + i, 4)).astype(np.float32)] for i in range(4)]
     requests[2][0][0, 1] = np.nan
-    answers = _batch(model, requests)
+    with caplog.at_level("WARNING", logger="prefetchd.serve"):
+        answers = _batch(model, requests)
     assert answers[2]["code"] == "INTERNAL" and "NaN in the input" in answers[2]["reason"], answers[2]
+    (logged,) = [r for r in caplog.records if "request failed" in r.getMessage()]
+    assert logged.exc_info[1].__context__ is None, "logged chained to the joined call's error"
     for i in (0, 1, 3):
         np.testing.assert_array_equal(answers[i][0], requests[i][0] * 2)
     assert _batch.last["ran"] == [1, 2, 0, 4]               # each ran alone: its own rows
