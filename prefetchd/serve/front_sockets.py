@@ -24,7 +24,7 @@ from ..control.guarded import GuardedListening
 from ..control.router import RouterEndpoint
 from ..socket_dirs import ensure_private_dir
 from ..staging.generations import lock_or_holder, read_index
-from .leftovers import remove_leftovers
+from .leftovers import remove_dead_worker_stores, remove_leftovers
 from .spec import check_checkpoint_store
 from .worker import STOP
 
@@ -135,6 +135,8 @@ class FrontSockets(RouterEndpoint):
             if self._owns_store:
                 shutil.rmtree(self.spec.store_dir, ignore_errors=True)
             raise
+        if not self._owns_store:
+            remove_dead_worker_stores(self.spec.store_dir)     # of a front killed with SIGKILL
         try:
             if self.spec.shared_host:
                 from ..sharedhost.serving import start_owner

@@ -10,7 +10,8 @@ After a SIGKILL nothing removes them, and restarts never did.
 
 A temporary store is removed when no front holds its serve lock; one without a lock file
 only once older than MIN_AGE_SECONDS (a front creates the directory a moment before it
-locks it). A socket is removed when its front's pid is not running.
+locks it). A socket is removed when its front's pid is not running. In a --store the front holds,
+workers' stores no daemon holds are removed (remove_dead_worker_stores).
 """
 import logging
 import os
@@ -20,6 +21,7 @@ import stat
 import tempfile
 import time
 
+from ..backend.base import STORE_LOCK
 from ..staging.generations import lock_or_holder
 
 log = logging.getLogger("prefetchd.serve")
@@ -29,6 +31,7 @@ MIN_AGE_SECONDS = 60.0
 _NEAR_CHECKPOINT = re.compile(r"\.prefetchd-serve-[a-z0-9_]{8}$")
 _IN_TMP = re.compile(r"prefetchd-serve-[a-z0-9_]{8}$")
 _WORKER_ENTRY = re.compile(r"(worker-\d+-\d+|shared-host-.+)$")   # what a front puts in one
+_WORKER_STORE = re.compile(r"worker-\d+-\d+$")
 _SOCKET = re.compile(r"-(\d+)-[0-9a-f]{4}-(?:w\d+|work|host)(?:-events)?\.sock$")
 
 
@@ -42,6 +45,20 @@ def remove_leftovers(checkpoint_store, runtime_dir, lock_name):
     removed += [p for p in _entries(runtime_dir, "") if _SOCKET.search(p) and _remove_dead_socket(p)]
     for path in removed:
         log.info("prefetchd serve: removed %s, left by a server that was killed", path)
+    return removed
+
+
+def remove_dead_worker_stores(store_dir):
+    """Worker stores (`worker-<index>-<generation>`) in the --store this front now holds
+    (front_sockets.hold_store) whose daemon is gone (their FileStore lock is free): a
+    front killed with SIGKILL left them (its workers exit once orphaned), and nothing
+    removed them; one whose lock file is not there yet only once older than
+    MIN_AGE_SECONDS. Returns what was removed."""
+    removed = []
+    for path in _entries(store_dir, "worker-"):
+        if _WORKER_STORE.match(os.path.basename(path)) and _remove_unlocked_store(path, STORE_LOCK):
+            removed.append(path)
+            log.info("prefetchd serve: removed %s, left by a server that was killed", path)
     return removed
 
 

@@ -100,3 +100,34 @@ def _killed_then_restarted(tmp_path, tmp, run):
     finally:
         assert stop_serve(second) == 0
     assert os.listdir(tmp) == []
+
+
+def test_a_front_on_the_same_store_removes_the_worker_stores_a_killed_one_left(tmp_path):
+    """With --store, a front killed with SIGKILL left its workers' stores (worker-<i>-<gen>)
+    there, and no later front removed them (probe I). The next front removes those no
+    daemon holds; one a running daemon holds stays."""
+    import fcntl as locks
+    store = tmp_path / "store"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, *sys.path]))
+    args = ["--models", "1", "--hidden", "64", "--layers", "2", "--batch", "2", "--seq", "8", "--store", str(store)]
+    first = start_serve(f"ipc://{tmp_path}/serve.sock", args, env)
+    first.kill()
+    first.wait(10)
+    assert wait_until(lambda: not children_of(first.pid), 30, 0.2)
+    left = [p for p in os.listdir(store) if p.startswith("worker-")]
+    assert left, os.listdir(store)
+    for name in left:
+        (store / name / "left-by-the-killed-front").write_text("x")
+    held = store / "worker-7-7"                    # a running daemon's (this test holds its lock)
+    held.mkdir()
+    fd = os.open(held / ".pfd-lock", os.O_RDWR | os.O_CREAT)
+    locks.flock(fd, locks.LOCK_EX)
+    try:
+        second = start_serve(f"ipc://{tmp_path}/serve.sock", args, env)
+        try:
+            assert not [name for name in left if (store / name / "left-by-the-killed-front").exists()]
+            assert held.exists()
+        finally:
+            assert stop_serve(second) == 0
+    finally:
+        os.close(fd)
