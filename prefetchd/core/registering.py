@@ -141,6 +141,8 @@ class Registrar:
         if target is not None and not framework.is_tensor(target):
             raise TypeError(f"register_remote({name!r}): target must be a mindspore Tensor or "
                             f"Parameter, not {type(target).__name__}")
+        with self._core.lock:           # said before the store is asked (probe K)
+            self._registry.refuse_taken(name, target)
         backend = self._core.backend
         if not backend.store_contains(name):
             raise UnknownTensorError(f"the store has no tensor named {name!r}")

@@ -63,28 +63,39 @@ def check_jit_call(cell):
 
 
 @contextlib.contextmanager
-def hooks_hidden(handles):
-    """Run a jit call over cells of offloaded models with their prefetchd hooks out of their
-    cells' hook tables. MindSpore 2.10 compiles the forward hooks of the cells a graph calls
-    into it, and prefetchd's do not compile ("Unsupported statement 'Import'", or a refusal
-    raised at trace time): `mindspore.jit(block)(x)` inside `daemon.use` failed whenever the
-    block had sub-cells. The graph runs no hook anyway (the caller made its weights
-    resident). Each model's turn is held meanwhile, so no forward of it on another thread
-    runs without its hooks; the tables get their hooks back in their order."""
+def hooks_hidden(calls):
+    """Run a jit call over cells of offloaded models with prefetchd's hooks out of the hook
+    tables of the cells its graph calls. MindSpore 2.10 compiles the forward hooks of those
+    cells into the graph, and prefetchd's do not compile ("Unsupported statement 'Import'",
+    or a refusal raised at trace time): `mindspore.jit(block)(x)` inside `daemon.use` failed
+    whenever the block had sub-cells. The graph runs no hook anyway (the caller made its
+    weights resident). `calls`: [(Offloaded handle or None, cell, whether the graph calls
+    the cell itself)] (compiled_cells).
+    Each model's turn is held meanwhile, and its own pre-hook, which takes the turn, stays
+    unless the graph calls the model itself: a forward of it on another thread waits; the
+    tables get their hooks back in their order."""
     with contextlib.ExitStack() as stack:
-        for handle in {id(h): h for h in handles if h is not None}.values():
-            stack.enter_context(handle.turn.held())
-            stack.enter_context(_out_of_tables(handle.hook_handles()))
+        for handle, cell, with_itself in calls:
+            if handle is not None:
+                stack.enter_context(handle.turn.held())
+                stack.enter_context(_out_of_tables(handle.hook_handles(), compiled_cells(cell, with_itself)))
         yield
 
 
+def compiled_cells(cell, with_itself):
+    """The cells a graph compiled of `cell` calls: those under it, and itself when a jit
+    function calls it (`mindspore.jit(cell)` runs its construct: its own hooks do not run)."""
+    return [c for _, c in cell.cells_and_names()][0 if with_itself else 1:]
+
+
 @contextlib.contextmanager
-def _out_of_tables(hook_handles):
+def _out_of_tables(hook_handles, cells):
+    compiled = {id(table) for c in cells for table in (c._forward_pre_hook, c._forward_hook)}
     tables = {}                       # id(table) -> (table, its items before)
     ours = set()
     for h in hook_handles:
         table = h.hook_dict_ref() if h.hook_dict_ref is not None else None
-        if table is not None and h.handle_id in table:
+        if table is not None and id(table) in compiled and h.handle_id in table:
             tables.setdefault(id(table), (table, list(table.items())))
             ours.add(h.handle_id)
     for table, _ in tables.values():
@@ -120,10 +131,11 @@ def _is_watched(obj):
 
 
 def _check_executor(executor):
-    """check_jit_call of the executor's cell, or of the cells its function names."""
+    """hooks_hidden's calls: (check_jit_call's handle, cell, with itself) of the executor's
+    cell, or of each cell its function names."""
     if executor.obj is not None:
-        return [check_jit_call(executor.obj)]
-    return [check_jit_call(cell) for cell in _named_cells(executor.fn)]
+        return [(check_jit_call(executor.obj), executor.obj, False)]
+    return [(check_jit_call(cell), cell, True) for cell in _named_cells(executor.fn)]
 
 
 def _traced(original):
@@ -141,9 +153,9 @@ def _traced(original):
             def call(*args, **kwargs):
                 if not _watched:
                     return inner(*args, **kwargs)
-                handles = [check_jit_call(args[0])] if args and _is_watched(args[0]) else []
-                handles += [check_jit_call(cell) for cell in _named_cells(fn)]   # one reaching the model
-                with hooks_hidden(handles):
+                calls = [(check_jit_call(args[0]), args[0], False)] if args and _is_watched(args[0]) else []
+                calls += [(check_jit_call(cell), cell, True) for cell in _named_cells(fn)]   # one reaching the model
+                with hooks_hidden(calls):
                     return inner(*args, **kwargs)
             return types.MethodType(call, out.__self__) if isinstance(out, types.MethodType) else call
         return wrap_func

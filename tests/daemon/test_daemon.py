@@ -65,7 +65,13 @@ def test_registering_again_a_tensor_that_is_not_resident_says_it_is_registered(d
         daemon.register(p, "other", tier="remote")
     with pytest.raises(DoubleRegisterError, match="a tensor named 'w' is already registered"):
         daemon.register_all([p])
-    assert daemon.names() == ["w"]
+    resident = make_param(values(2), "r")
+    daemon.register(resident)               # on the device tier: nothing of it in the store
+    with pytest.raises(DoubleRegisterError, match="a tensor named 'r' is already registered"):
+        daemon.register_remote("r", (MiB // 4,), "float32")   # said before the store is asked
+    with pytest.raises(DoubleRegisterError, match="already registered as 'r'"):
+        daemon.register_remote("elsewhere", (MiB // 4,), "float32", target=resident)
+    assert sorted(daemon.names()) == ["r", "w"]
 
 
 def test_tensor_larger_than_the_budget_fails_precisely(make_daemon, make_param):

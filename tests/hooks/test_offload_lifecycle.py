@@ -499,3 +499,54 @@ def test_mindspore_jit_of_a_cell_whose_sub_cells_are_hooked_runs_inside_use(ms, 
                 np.testing.assert_array_equal(model(x).asnumpy(), expected)
             assert handle.stats()["misses"] == 0 and handle.stats()["resyncs"] == 0
             handle.close()
+
+
+def test_a_forward_on_another_thread_waits_for_a_jit_call_inside_use(ms, tmp_path, x, monkeypatch):
+    """While a jit call inside `daemon.use` had the model's hooks out of their tables, the
+    model's own pre-hook was out too: a forward on another thread took no turn and ran
+    without hooks (NotResidentError on a weight not resident; probe K). The model's
+    pre-hook stays now, and that forward waits for the jit call."""
+    import contextlib
+    import threading
+    import time
+    from prefetchd.hooks import jit_calls
+    model = stack(ms)
+    expected = model(x).asnumpy()
+    block = model[2]
+    events = []
+    hidden = jit_calls._out_of_tables
+
+    @contextlib.contextmanager
+    def slow_hidden(*args):
+        with hidden(*args):
+            events.append("hidden")
+            started.set()
+            time.sleep(0.5)              # the other thread's forward starts meanwhile
+            yield
+        events.append("restored")
+    monkeypatch.setattr(jit_calls, "_out_of_tables", slow_hidden)
+    started = threading.Event()
+    result = {}
+
+    def forward():
+        started.wait(30)
+        try:
+            result["equal"] = np.array_equal(model(x).asnumpy(), expected)
+        except Exception as e:          # noqa: BLE001 - reported below
+            result["error"] = repr(e)
+        events.append("forward done")
+
+    with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "t")) as daemon:
+        handle = prefetchd.offload(model, daemon, lookahead=1)
+        model(x)
+        other = threading.Thread(target=forward)
+        other.start()
+        @ms.jit
+        def twice(a):                    # a function naming the block: the block's hooks go too
+            return block(a) * 2
+        with daemon.use(list(block.get_parameters())):
+            twice(x).asnumpy()
+        other.join(60)
+        assert result == {"equal": True}, result
+        assert events == ["hidden", "restored", "forward done"], events
+        handle.close()
