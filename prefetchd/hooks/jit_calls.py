@@ -74,11 +74,14 @@ def hooks_hidden(calls):
     Each model's turn is held meanwhile, and its own pre-hook, which takes the turn, stays
     unless the graph calls the model itself: a forward of it on another thread waits; the
     tables get their hooks back in their order."""
+    models = {}                       # id(handle) -> (handle, the cells its graph calls)
+    for handle, cell, with_itself in calls:
+        if handle is not None:
+            models.setdefault(id(handle), (handle, []))[1].extend(compiled_cells(cell, with_itself))
     with contextlib.ExitStack() as stack:
-        for handle, cell, with_itself in calls:
-            if handle is not None:
-                stack.enter_context(handle.turn.held())
-                stack.enter_context(_out_of_tables(handle.hook_handles(), compiled_cells(cell, with_itself)))
+        for handle, cells in models.values():     # each model's turn once: a second held() abandons
+            stack.enter_context(handle.turn.held())
+            stack.enter_context(_out_of_tables(handle.hook_handles(), cells))
         yield
 
 

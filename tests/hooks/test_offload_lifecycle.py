@@ -479,6 +479,7 @@ def test_mindspore_jit_of_a_cell_whose_sub_cells_are_hooked_runs_inside_use(ms, 
 
     model = build()
     expected, expected_block = model(x).asnumpy(), model[1](x).asnumpy()
+    expected_two = model[2](model[1](x)).asnumpy()
     one_block = sum(p.asnumpy().nbytes for p in model[1].get_parameters())
     for fraction in (1.6, 6.0):              # blocks split into units; blocks as units, all fit
         model = build()
@@ -493,8 +494,14 @@ def test_mindspore_jit_of_a_cell_whose_sub_cells_are_hooked_runs_inside_use(ms, 
                 with pytest.raises(PrefetchdError, match="runs its graph without the cell's hooks"):
                     ms.jit(block)(x)              # outside use: still refused
             else:
+                first, second = model[1], model[2]
+
+                @ms.jit
+                def two_blocks(a):               # two cells of one model: its turn taken once
+                    return second(first(a))
                 with daemon.use(list(model.get_parameters())):
                     np.testing.assert_array_equal(ms.jit(model)(x).asnumpy(), expected)
+                    np.testing.assert_array_equal(two_blocks(x).asnumpy(), expected_two)
             for _ in range(2):                    # the hooks are back: it streams as before
                 np.testing.assert_array_equal(model(x).asnumpy(), expected)
             assert handle.stats()["misses"] == 0 and handle.stats()["resyncs"] == 0
