@@ -274,7 +274,7 @@ class Offloaded(refusals.NotCopyable):
 
     def _enter(self, unit, inputs):
         """Pin `unit` before its first cell (or part) of this step runs."""
-        self._pins.release_idle(unit, first_tensor(inputs), self._high)
+        self._pins.release_idle(unit, inputs, self._high)
         self._pass.enter(unit)
 
     def _after_unit(self, cell, inputs, output):

@@ -124,7 +124,7 @@ class Pins:
         if unit not in self._idle:
             self._idle.append(unit)
 
-    def release_idle(self, entering, dependency, high):
+    def release_idle(self, entering, inputs, high):
         """Before `entering` is pinned: release the idle units. One pinned by a part's call
         (recording pass; later, a part no recorded call reached) is done once another unit
         starts. One whose cells ran only in part (an entry called alone again after its
@@ -132,15 +132,18 @@ class Pins:
         not fit beside it under `high`: else it stayed pinned to the pass end and every
         pass failed with BudgetError, while interleaved units that fit keep their pins (no
         reload, the recorded order kept). One running again (`entering` is nested in a
-        call of it) is not idle: the end of its call lists it again. `dependency`: the
-        fence behind a unit with no output of its own this pin."""
+        call of it) is not idle: the end of its call lists it again. `inputs`: those of
+        `entering`, the fence behind a unit with no output of its own this pin. (Called
+        before every unit: nothing is summed while no unit is idle.)"""
+        if not self._idle:
+            return
         fits = self.held_bytes() + entering.nbytes <= high
         idle, self._idle = self._idle, []
         for unit in idle:
             if not unit.held or unit.running:
                 continue
             if unit.parted or not fits:
-                self.release(unit, unit.last_output if unit.last_output is not None else dependency)
+                self.release(unit, unit.last_output if unit.last_output is not None else first_tensor(inputs))
             else:
                 self._idle.append(unit)
 
