@@ -85,6 +85,15 @@ def hooks_hidden(calls):
         yield
 
 
+def _run(calls, fn, *args, **kwargs):
+    """fn(*args, **kwargs) within hooks_hidden(calls); straight away when no call is a model's
+    to hide hooks of (a @jit block inside its model's forward: every unit's call)."""
+    if all(handle is None for handle, _, _ in calls):
+        return fn(*args, **kwargs)
+    with hooks_hidden(calls):
+        return fn(*args, **kwargs)
+
+
 def compiled_cells(cell, with_itself):
     """The cells a graph compiled of `cell` calls: those under it, and itself when a jit
     function calls it (`mindspore.jit(cell)` runs its construct: its own hooks do not run)."""
@@ -158,8 +167,7 @@ def _traced(original):
                     return inner(*args, **kwargs)
                 calls = [(check_jit_call(args[0]), args[0], False)] if args and _is_watched(args[0]) else []
                 calls += [(check_jit_call(cell), cell, True) for cell in _named_cells(fn)]   # one reaching the model
-                with hooks_hidden(calls):
-                    return inner(*args, **kwargs)
+                return _run(calls, inner, *args, **kwargs)
             return types.MethodType(call, out.__self__) if isinstance(out, types.MethodType) else call
         return wrap_func
     return make
@@ -176,8 +184,7 @@ def _install():
         def call(self, *args, **kwargs):
             if not _watched:
                 return original(self, *args, **kwargs)
-            with hooks_hidden(_check_executor(self)):
-                return original(self, *args, **kwargs)
+            return _run(_check_executor(self), original, self, *args, **kwargs)
         call.__wrapped__ = original
         api._JitExecutor.__call__ = call
         api._jit_trace = _traced(api._jit_trace)
