@@ -264,6 +264,8 @@ class Offloaded(refusals.NotCopyable):
     # ---------------------------------------------------------------- the units' hooks
     def _before_unit(self, cell, inputs):
         unit = _unit_of(self._by_cell, cell)
+        if not unit.held and self._parts.called_inside_another(cell):
+            return                            # a shared cell, inside a unit that holds it
         self._ran += 1
         unit.running += 1
         if unit.held:                         # another cell of a unit already pinned

@@ -49,7 +49,7 @@ class PartProbes:
     def entry(self, cell, recording):
         """Before `cell` (a part) runs: the unit its call must pin, or None."""
         units = self._of[id(cell)]
-        if any(u.held and not u.parted for u in units):    # inside a call of a unit's own cells
+        if _inside_own_call(units):
             return None
         unit = units[0]
         if not recording:
@@ -64,6 +64,12 @@ class PartProbes:
 
     def unit_of(self, cell):
         return self._of[id(cell)][0]
+
+    def called_inside_another(self, cell):
+        """Whether `cell`, an entry adopted by its unit (the first one it is part of), is called
+        inside the own call of another unit it is also part of (a cell several units share),
+        which holds its weights already: not an entry there, as in the recording pass."""
+        return _inside_own_call(self._of.get(id(cell), ()))
 
     def ran(self, cell, output, recording):
         """After `cell` (a part) ran; its output is the fence behind its unit's part calls."""
@@ -113,6 +119,11 @@ class PartProbes:
             for handle in handles:
                 handle.remove()
         self._probes.clear()
+
+
+def _inside_own_call(units):
+    """Whether one of `units` is pinned by a call of its own cells (not by a part's)."""
+    return any(u.held and not u.parted for u in units)
 
 
 def part_cells(unit_cells, skip=()):
