@@ -5,10 +5,11 @@ parameters. `Pins` pins and releases units through the model's compute session, 
 the time compute waited (stall) and the units that were not resident in time (misses).
 """
 import logging
+import math
 import time
 
 from ..backend import framework
-from ..errors import NotResidentError
+from ..errors import BudgetError, NotResidentError
 from .interrupts import sigint_deferred
 
 log = logging.getLogger("prefetchd.hooks")
@@ -64,7 +65,10 @@ class Pins:
             return
         # A Ctrl-C while waiting for the pin: it lands without us, and the session unpins it
         # (core/session.py); `held` is set the moment it returns, for release_all.
-        stall = self._acquire(unit, auto_fetch, after_miss)
+        try:
+            stall = self._acquire(unit, auto_fetch, after_miss)
+        except BudgetError as e:
+            raise self._held_together(unit, e) from None
         self.stall_seconds += stall
         _recompile_if_moved(unit)
         unit.ran.clear()
@@ -146,6 +150,25 @@ class Pins:
                 self.release(unit, unit.last_output if unit.last_output is not None else first_tensor(inputs))
             else:
                 self._idle.append(unit)
+
+    def _held_together(self, unit, error):
+        """`error` (a pin of `unit` refused) with its cause where the units pinned beside it
+        leave no room: a unit called inside another (units= blocks whose code calls one
+        another) needs both at once, which offload()'s fit rule, one unit at a time, cannot
+        see before the calls happen."""
+        held = [u for u in [self.root, *self.units] if u.held and u is not unit and u.nbytes]
+        high = self.session.high_watermark
+        together = sum(u.nbytes for u in held) + unit.nbytes
+        if not held or together <= high:
+            return error
+        names = ", ".join(f"{u.name!r} ({u.nbytes} bytes)" for u in held)
+        ends = "its call ended" if len(held) == 1 else "their calls ended"
+        return BudgetError(
+            f"{error}. Unit {unit.name!r} ({unit.nbytes} bytes) was needed while {names} stayed "
+            f"pinned (it is called inside {'it' if len(held) == 1 else 'them'}, or before {ends}): {together} bytes "
+            f"together, above the high watermark {high}. Raise device_budget (to at least "
+            f"{math.ceil(together / 0.95)} bytes at the default 95% watermark), or give units= "
+            f"that the model does not call inside one another (offload() without units= splits them)")
 
     def held_bytes(self):
         return sum(u.nbytes for u in [self.root, *self.units] if u.held)

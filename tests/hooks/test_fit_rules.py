@@ -152,3 +152,58 @@ def test_mobilenet_v3_at_lookahead_0_needs_no_more_than_at_2(ms):
     needs = [plan.min_device_budget(la) for la in (0, 1, 2)]
     assert needs == sorted(needs), needs
     assert needs[0] < 0.4 * nbytes(model), needs
+
+
+def test_units_given_that_call_one_another_are_refused_with_the_budget_that_holds_both(ms, make_daemon):
+    """units= around blocks whose code calls another block: both are pinned at once, which
+    the fit rule (one unit at a time at lookahead 0) cannot see before the call. The pass
+    refuses with both units named and a budget; under that budget every pass is right."""
+    import prefetchd
+    nn, ops = ms.nn, ms.ops
+
+    class Block(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Dense(128, 128), nn.Dense(128, 128)
+            self.refs = []                                   # another block, called inside this one
+
+        def construct(self, x):
+            y = ops.tanh(self.fc1(x))
+            if self.refs:
+                y = y + self.refs[0](y) * 0.25
+            return self.fc2(y) * 0.5 + x
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.CellList([Block() for _ in range(4)])
+            self.blocks[0].refs.append(self.blocks[2])
+
+        def construct(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    def build():
+        ms.set_seed(0)
+        net = Net()
+        net.set_train(False)
+        return net
+
+    net = build()
+    x = ms.Tensor(np.random.default_rng(0).standard_normal((4, 128)).astype(np.float32))
+    want = net(x).asnumpy()
+    units = [f"blocks.{i}" for i in range(4)]
+    daemon = make_daemon(device_budget=int(nbytes(net.blocks[0]) * 1.15))
+    handle = prefetchd.offload(net, daemon, lookahead=0, units=units)
+    with pytest.raises(BudgetError, match=r"Unit 'blocks\.2' \(\d+ bytes\) was needed while 'blocks\.0' "
+                                          r"\(\d+ bytes\) stayed pinned \(it is called inside it") as refused:
+        net(x)
+    handle.close()
+    daemon.close()
+    budget = int(re.search(r"Raise device_budget \(to at least (\d+) bytes", str(refused.value)).group(1))
+    net = build()                                            # the closed handle kept the weights
+    handle = prefetchd.offload(net, make_daemon(device_budget=budget), lookahead=0, units=units)
+    for i in range(3):
+        np.testing.assert_array_equal(net(x).asnumpy(), want, err_msg=f"pass {i}")
+    handle.close()
