@@ -273,6 +273,13 @@ class Offloaded(refusals.NotCopyable):
         if self._pass.recording:
             unit.own_ran = True
         self._enter(unit, inputs)
+        if any(entry is cell for entry in unit.entries):
+            # Pinned by an entry (a part's call, adopted after the recording pass): done
+            # once another unit starts, as the recording pass pinned it (_before_part). Kept
+            # while it fits, it kept out the next unit's prefetch, and the recorded pin that
+            # followed it never came (a miss or resync on every pass).
+            unit.parted = True
+            self._pins.idle(unit)
 
     def _enter(self, unit, inputs):
         """Pin `unit` before its first cell (or part) of this step runs."""

@@ -284,3 +284,40 @@ def test_a_unit_whose_part_runs_alone_again_is_released_when_the_next_unit_start
         status = daemon.status()
         assert status["device"]["peak"] <= status["device"]["high_watermark"], status
         handle.close()
+
+
+def test_units_entered_by_parts_after_the_blocks_leave_room_for_the_next_prefetch(ms, tmp_path):
+    """After the blocks the model calls the first block's `b`, then the third block's `a`,
+    then a head that fits beside one block only, at lookahead 1 with strict=True. Since
+    the recording pass those calls are entries of their blocks' units. The first block's
+    unit, pinned by its entry, stayed pinned while the third's fit beside it, so the head
+    was never prefetched: strict=True raised at the head on every streamed pass (probe K).
+    Pinned by an entry, a unit is done once the next unit starts, as while recording."""
+    _, _, _, Stage = classes(ms)
+    nn = ms.nn
+
+    class Again(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.CellList([Stage() for _ in range(4)])
+            self.head = nn.Dense(H, 3 * H)
+
+        def construct(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.blocks[2].a(self.blocks[0].b(x)))
+
+    ms.set_seed(0)
+    model = Again()
+    model.set_train(False)
+    x = ms.Tensor(np.random.default_rng(0).standard_normal((2, H)).astype(np.float32))
+    want = model(x).asnumpy()
+    budget = int((weight_bytes(model.head) + weight_bytes(model.blocks[0])) * 1.1)
+    with prefetchd.Daemon(device_budget=budget, store_dir=str(tmp_path / "s")) as daemon:
+        handle = prefetchd.offload(model, daemon, lookahead=1, strict=True,
+                                   units=[f"blocks.{i}" for i in range(4)] + ["head"])
+        for i in range(5):
+            np.testing.assert_array_equal(model(x).asnumpy(), want, err_msg=f"pass {i}")
+        stats = handle.stats()
+        assert stats["misses"] == 0 and stats["resyncs"] == 0, stats
+        handle.close()
