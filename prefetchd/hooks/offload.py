@@ -109,7 +109,8 @@ class Offloaded(refusals.NotCopyable):
         self._cursor = TraceCursor()   # the recorded order, and where this pass is in it
         self._pins = Pins(self._session, self._estimator, self.root, self.units, strict=strict)
         self._streaming = StreamingPass(self._cursor, self._session, self._pins, self._estimator,
-                                        lambda: self.lookahead, lambda: self._high, auto_fetch=self.auto_fetch)
+                                        lambda: self.lookahead, lambda: self._high, auto_fetch=self.auto_fetch,
+                                        publish=self._publish_trace)
         self._pass = RecordingPass(self._cursor, self._session, self._pins, self._estimator, self._planned_tier)
         self._ran = 0                  # unit hooks fired during the current forward
         self.turn = PassTurn(model, self._abandon_pass)   # one thread's pass at a time
@@ -236,13 +237,14 @@ class Offloaded(refusals.NotCopyable):
             # none of their weights and has no order to record: the next pass records it.
             # (A compiled model, whose hooks never fire, is all root: it has no units.)
             return output
+        retraces = self._cursor.retraces
         retraced = self._pass.finish(self._high)
         if recording:
             self._pass = self._streaming
             self._adopt_entries()
         if recording or retraced:
             self._publish_trace()
-        if retraced and self._cursor.retraces == 1:
+        if self._cursor.retraces == 1 > retraces:
             log.info("prefetchd.offload: a pass ran units the trace did not hold (a changed route "
                      "or branch); its order is the trace now (counted in stats()['retraces'])")
         self._streaming.prepare_next()

@@ -73,9 +73,10 @@ class RecordingPass:
 class StreamingPass:
     recording = False
 
-    def __init__(self, cursor, session, pins, estimator, lookahead_of, high_of, *, auto_fetch):
+    def __init__(self, cursor, session, pins, estimator, lookahead_of, high_of, *, auto_fetch, publish):
         self._cursor, self._session, self._pins = cursor, session, pins
         self._estimator = estimator
+        self._publish = publish        # fn(): the cursor's steps changed, the policy gets them
         self._lookahead_of, self._high_of = lookahead_of, high_of
         self._auto_fetch = auto_fetch
 
@@ -98,6 +99,8 @@ class StreamingPass:
     def enter(self, unit):
         if not self._cursor.enter(unit.index):
             self._session.resynced()
+        elif self._cursor.switched:        # a pass of another kind: its order is the trace
+            self._publish()
         self._session.at(self._cursor.position)
         self.prefetch_from(self._cursor.position + 1, self._pins.held_bytes() + unit.nbytes)
         self.acquire(unit)
@@ -111,7 +114,8 @@ class StreamingPass:
         self.prefetch_from(self._cursor.position + 1, self._pins.held_bytes())
 
     def finish(self, high_watermark):
-        """True when the pass ran units the trace lacked: its order is the trace now."""
+        """True when the trace changed: the pass ran units it lacked (its order is the trace
+        now), or passes like it are followed by another kind (TraceCursor.end_pass)."""
         self._estimator.streamed()
         return self._cursor.end_pass()
 

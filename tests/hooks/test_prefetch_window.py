@@ -45,7 +45,7 @@ def streaming(n, disk, lookahead, slots):
     cursor.steps = [ROOT, *range(n)]
     session = Session(disk)
     p = StreamingPass(cursor, session, Pins(n), estimator=None, lookahead_of=lambda: lookahead,
-                      high_of=lambda: slots * UNIT, auto_fetch=True)
+                      high_of=lambda: slots * UNIT, auto_fetch=True, publish=lambda: None)
     return p, session
 
 

@@ -92,3 +92,43 @@ def test_a_pass_cut_short_counts_as_its_order_then_the_traces_from_there():
     # an error part-way through a pass in the trace's order changes nothing
     assert abandoned(cursor, (0,)) is False and abandoned(cursor, (0,)) is False
     assert cursor.steps == [ROOT, 0, 2, 3] and cursor.retraces == 1
+
+
+def test_passes_of_two_kinds_each_follow_their_own_order():
+    """An encoder-decoder generating: the encoder and decoder once (0 1 then 2 3), then the
+    decoder alone (2 3) for each further token, call after call. One trace fits neither
+    kind: every switch of kind resynced and adopted the other order, twice per call. Each
+    kind keeps its own order, keyed by its first unit; a pass's end makes the trace the
+    order that most often followed its kind, so only the first pass of each call (which
+    no order predicts) starts off the trace, and it resyncs nothing."""
+    cursor = recorded(0, 1, 2, 3)
+    run(cursor, (2, 3))
+    run(cursor, (2, 3))                                   # the decoder's order, adopted
+    assert cursor.steps == [ROOT, 2, 3]
+    for _ in range(3):                                    # generate calls
+        resyncs = cursor.resyncs
+        cursor.start_pass()
+        assert [cursor.enter(i) for i in (0, 1, 2, 3)] == [True] * 4 and cursor.switched is False
+        assert cursor.end_pass() is True and cursor.steps == [ROOT, 2, 3]   # the decoder comes next
+        for _ in range(5):
+            assert run(cursor, (2, 3)) is False and cursor.steps == [ROOT, 2, 3]
+        assert cursor.resyncs == resyncs
+    assert cursor.retraces == 1
+
+
+def test_a_pass_that_begins_another_known_order_switches_to_it_without_a_resync():
+    cursor = recorded(0, 1, 2, 3)
+    run(cursor, (2, 3))
+    run(cursor, (2, 3))
+    cursor.start_pass()
+    assert cursor.enter(0) is True and cursor.switched and cursor.steps == [ROOT, 0, 1, 2, 3]
+    assert cursor.enter(1) is True and not cursor.switched and cursor.position == 2
+    assert cursor.resyncs == 2                            # the (2, 3) passes before it was adopted
+    assert list(cursor.upcoming(3)) == [2, 3, 0, 1]
+
+
+def test_models_whose_passes_all_begin_alike_keep_one_order():
+    cursor = recorded(0, 1, 2, 3)
+    for indices in [(0,), (0, 1), (0, 1, 2, 3)] * 3:      # early exits: one kind of pass
+        run(cursor, indices)
+    assert cursor.steps == [ROOT, 0, 1, 2, 3] and cursor.retraces == 0 and len(cursor._orders) == 1
