@@ -54,7 +54,7 @@ class Batch:
     def body(self):
         first = self.jobs[0]
         doc = {"model": self.model, "kind": first.kind,
-               "parts": [{"inputs": j.inputs} for j in self.jobs]}
+               "parts": [{"inputs": j.inputs, "deadline": j.deadline} for j in self.jobs]}
         if first.kind == "generate":
             doc["max_new_tokens"] = first.max_new_tokens
         return doc

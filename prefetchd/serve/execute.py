@@ -2,7 +2,8 @@
 along each input's batch axis, one forward or generate for all of them, and the
 outputs split back into each part's rows.
 
-    job    {"model", "kind": "infer"|"generate", "parts": [{"inputs": [headers]}],
+    job    {"model", "kind": "infer"|"generate", "parts": [{"inputs": [headers],
+            "deadline": the front's time.monotonic() past which nobody awaits it}],
             "max_new_tokens": N (generate)}
     frames the parts' input frames, part after part
     result {"outputs": [[headers] or None per part], "errors": {part index: {"code",
@@ -12,6 +13,13 @@ outputs split back into each part's rows.
 
 A part's failure is its own: when a joined forward or generate raises, each part runs
 alone, so one request's bad input (a model that raises on NaN) fails that request only.
+
+A part whose deadline passed before the worker reached it is not run (TIMEOUT): the
+front answered it TIMEOUT already, and under overload such dead work, queued in the
+worker's in-flight slots, kept live requests waiting until they timed out too. The
+deadline is the front's monotonic clock, which is the machine's (CLOCK_MONOTONIC): a
+batch waits in the worker's socket while the one before runs, so a relative time would
+start late. A call already running is not interrupted.
 
 The front checked every header against the model's signature; the frames are
 checked again here (prefetchd.serve.wire) because a worker trusts no bytes it
@@ -121,13 +129,28 @@ def _same_bytes(a, b):
 class Outcomes:
     """Each part's outputs or error, the rows of the forward each came from, and the forwards run."""
 
-    def __init__(self, n, worker):
+    def __init__(self, n, worker, deadlines=None):
         self.outputs, self.errors, self.ran, self.forwards = [None] * n, {}, [0] * n, []
         self.worker = worker           # its index, named in the errors' reasons
+        self.deadlines = deadlines or [None] * n
+
+    def expired(self, i):
+        """Whether part i's deadline passed (its error set then: it is not run)."""
+        deadline = self.deadlines[i]
+        if deadline is None or time.monotonic() < deadline:
+            return False
+        self.errors[i] = {"code": P.TIMEOUT, "reason": f"worker {self.worker}: its deadline passed before "
+                                                       f"the worker reached it (busy with earlier requests); not run"}
+        return True
+
+    def all_expired(self):
+        return all([self.expired(i) for i in range(len(self.outputs))])
 
     def alone(self, parts, rows, run):
         """Run each part by itself: `run(part)` -> its outputs."""
         for i in range(len(parts)):
+            if self.expired(i):
+                continue
             self.forwards.append(rows[i])
             try:
                 self.outputs[i], self.ran[i] = run(parts[i]), rows[i]
@@ -152,7 +175,7 @@ def error_reply(e, worker=None):
 _FAILED = object()                       # the joined call raised
 
 
-def _run_parts(model, kind, run, parts, rows, axis, worker):
+def _run_parts(model, kind, run, parts, rows, axis, worker, deadlines):
     """Each part's Outcomes of one batch of `kind` ("infer" or "generate"); `run(arrays)` -> a
     call's output arrays. The joined call's outputs are cut along `axis` only for a model whose
     first JOIN_CHECKS joined batches of distinct requests were cut into what each part computes
@@ -164,7 +187,10 @@ def _run_parts(model, kind, run, parts, rows, axis, worker):
     other (batch statistics), so they run alone and do not count. A joined call that raises
     runs each part alone: the failure is one part's own."""
     check = model.joins[kind]
-    done = Outcomes(len(parts), worker)
+    done = Outcomes(len(parts), worker, deadlines)
+    if len(parts) == 1 or done.all_expired():
+        done.alone(parts, rows, run)
+        return done
     if len(parts) == 1 or check.verdict is False or (check.verdict is None and not _distinct(parts)):
         done.alone(parts, rows, run)             # (identical parts: a joined call checks nothing)
         return done
@@ -205,20 +231,20 @@ def _run_parts(model, kind, run, parts, rows, axis, worker):
     return done
 
 
-def _forward_parts(model, parts, rows, worker):
+def _forward_parts(model, parts, rows, worker, deadlines):
     """Each part's Outcomes of a forward, its outputs split along the servable's output_batch_axis."""
     servable = model.servable
     return _run_parts(model, "infer", lambda arrays: output_arrays(servable.forward(*arrays)), parts, rows,
-                      getattr(servable, "output_batch_axis", 0), worker)
+                      getattr(servable, "output_batch_axis", 0), worker, deadlines)
 
 
-def _generate_parts(model, parts, rows, max_new_tokens, worker):
+def _generate_parts(model, parts, rows, max_new_tokens, worker, deadlines):
     """Each part's Outcomes of a generate ((batch, N) new ids: the rows are axis 0)."""
     servable = model.servable
 
     def generate(arrays):
         return [_new_tokens(servable.generate(arrays[0], max_new_tokens), arrays[0], max_new_tokens)]
-    return _run_parts(model, "generate", generate, parts, rows, 0, worker)
+    return _run_parts(model, "generate", generate, parts, rows, 0, worker, deadlines)
 
 
 def _new_tokens(out, prompt, n):
@@ -253,10 +279,11 @@ def run_batch(model, job, frames, max_bytes, worker=None):
     if at != len(frames):
         raise BadArguments(f"{len(frames) - at} frames beyond the parts' inputs")
     rows = [_rows(servable, p) for p in parts]
+    deadlines = [_deadline(part) for part in job["parts"]]
     if job.get("kind") == "generate":
-        done = _generate_parts(model, parts, rows, int(job["max_new_tokens"]), worker)
+        done = _generate_parts(model, parts, rows, int(job["max_new_tokens"]), worker, deadlines)
     else:
-        done = _forward_parts(model, parts, rows, worker)
+        done = _forward_parts(model, parts, rows, worker, deadlines)
     headers, out_frames = [], []
     for i, arrays in enumerate(done.outputs):
         if i not in done.errors:
@@ -273,3 +300,9 @@ def run_batch(model, job, frames, max_bytes, worker=None):
     return ({"outputs": headers, "errors": {str(i): e for i, e in done.errors.items()}, "ran": done.ran,
              "forwards": done.forwards, "batch": sum(rows),
              "compute_seconds": time.perf_counter() - started}, out_frames)
+
+
+def _deadline(part):
+    """A part's deadline (the front's time.monotonic()), None if it has none."""
+    deadline = part.get("deadline")
+    return float(deadline) if isinstance(deadline, (int, float)) and not isinstance(deadline, bool) else None
