@@ -52,7 +52,11 @@ def hold_store(store_dir):
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise ConfigError(f"--store {store_dir}: cannot use it: {e.strerror}") from None
-        holder = lock_or_holder(fd)
+        try:
+            holder = lock_or_holder(fd)
+        except OSError as e:       # writing our pid into it: a full or read-only filesystem
+            os.close(fd)
+            raise ConfigError(f"--store {store_dir}: cannot write its lock file {path}: {e.strerror}") from None
         if holder is not None:
             raise ConfigError(f"--store {store_dir}: in use by another prefetchd serve (pid {holder}); "
                               f"give each server a --store of its own")

@@ -167,3 +167,17 @@ def _status(endpoint):
         return doc["result"]
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_store_whose_lock_cannot_be_written_names_the_file(tmp_path):
+    """A full filesystem under --store (probe M: a 20 MB tmpfs) exited with only
+    "[Errno 28] No space left on device", naming no file. Here the lock file is a link to
+    /dev/full, which cannot be truncated (EINVAL) or written (ENOSPC): the same path fails."""
+    from prefetchd.serve.front_sockets import SERVE_LOCK
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / SERVE_LOCK).symlink_to("/dev/full")
+    out = run(["serve", *SMALL, "--store", str(store)], dict(ENV, XDG_RUNTIME_DIR=str(tmp_path)), timeout=60)
+    assert out.returncode == 1, out.stderr
+    line = next(x for x in out.stderr.splitlines() if x.startswith("prefetchd: error: "))
+    assert f"--store {store}: cannot write its lock file {store / SERVE_LOCK}" in line, line
