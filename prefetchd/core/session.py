@@ -13,7 +13,7 @@ handle): per call a constant number of lock rounds, not one per record.
 """
 import time
 
-from ..errors import NotResidentError, ShutdownError
+from ..errors import BudgetError, NotResidentError, ShutdownError
 from . import lending, traces
 from .records import State
 from .requests import Kind, Request
@@ -64,6 +64,17 @@ class ComputeSession:
         if unit is not None:
             self.timeline.compute_begin(unit)
         return stall
+
+    def refuse_more_than_fits(self, records, what):
+        """BudgetError if `records` together could never be resident under the high watermark
+        (`what` names the call): said of the set, where the pin would name one tensor of it."""
+        memory = self._core.memory
+        need = sum(memory.backend.block_bytes(r.nbytes) for r in records)
+        if need > memory.high:
+            raise BudgetError(f"{what} of {len(records)} tensors needs {need} bytes on the device at once; "
+                              f"the high watermark is {memory.high} bytes (device budget "
+                              f"{memory.config.device_budget}): use fewer tensors at a time, or raise "
+                              f"device_budget")
 
     def _wait_for_pin(self, pinned, records, timeout):
         """Wait for a PIN request's future. Interrupted (Ctrl-C, SystemExit) or timed out, the

@@ -96,6 +96,21 @@ def test_watermarks_below_the_pinned_bytes_are_refused(make_daemon, make_param):
     still_usable(daemon, make_param)
 
 
+def test_a_use_of_more_than_fits_at_once_is_refused_as_a_set(make_daemon, make_param):
+    """Three 1 MiB tensors under a 2.4 MiB watermark: refused naming the set and its bytes
+    (the pin named one tensor of it, and 'N bytes are pinned', which were its own)."""
+    daemon = make_daemon(device_budget=int(2.5 * MiB))
+    hs = [daemon.register(make_param(values(i), f"t{i}"), tier="remote") for i in range(3)]
+    with pytest.raises(BudgetError, match=r"daemon\.use\(\[\.\.\.\]\) of 3 tensors needs \d+ bytes on "
+                                          r"the device at once; the high watermark is \d+ bytes"):
+        with daemon.use(hs):
+            pass
+    assert daemon.status()["pinned"] == 0
+    with daemon.use(hs[:2]):
+        np.testing.assert_array_equal(hs[1].target.asnumpy(), values(1))
+    still_usable(daemon, make_param)
+
+
 def test_register_remote_of_a_missing_key_raises_unknown_tensor(daemon):
     with pytest.raises(UnknownTensorError, match="no tensor named 'nope'"):
         daemon.register_remote("nope", (4,), np.float32)
