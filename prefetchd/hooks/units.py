@@ -162,10 +162,10 @@ class Pins:
         if not held or together <= high:
             return error
         names = ", ".join(f"{u.name!r} ({u.nbytes} bytes)" for u in held)
-        ends = "its call ended" if len(held) == 1 else "their calls ended"
+        them, ends = ("it", "its call ended") if len(held) == 1 else ("them", "their calls ended")
         return BudgetError(
             f"{error}. Unit {unit.name!r} ({unit.nbytes} bytes) was needed while {names} stayed "
-            f"pinned (it is called inside {'it' if len(held) == 1 else 'them'}, or before {ends}): {together} bytes "
+            f"pinned (it is called inside {them}, or before {ends}): {together} bytes "
             f"together, above the high watermark {high}. Raise device_budget (to at least "
             f"{math.ceil(together / 0.95)} bytes at the default 95% watermark), or give units= "
             f"that the model does not call inside one another (offload() without units= splits them)")

@@ -144,6 +144,7 @@ class Outcomes:
         return True
 
     def all_expired(self):
+        """Whether every part expired; each one that did has its error set (all are asked)."""
         return all([self.expired(i) for i in range(len(self.outputs))])
 
     def alone(self, parts, rows, run):
@@ -188,8 +189,7 @@ def _run_parts(model, kind, run, parts, rows, axis, worker, deadlines):
     runs each part alone: the failure is one part's own."""
     check = model.joins[kind]
     done = Outcomes(len(parts), worker, deadlines)
-    if len(parts) == 1 or done.all_expired():
-        done.alone(parts, rows, run)
+    if done.all_expired():
         return done
     if len(parts) == 1 or check.verdict is False or (check.verdict is None and not _distinct(parts)):
         done.alone(parts, rows, run)             # (identical parts: a joined call checks nothing)
