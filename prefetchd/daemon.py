@@ -325,9 +325,7 @@ class Daemon:
     def use(self, tensors, auto_fetch=True):
         """Pin `tensors` for compute: waits for residency, binds, unpins on exit."""
         recs = self._records_of(tensors)
-        session = self.compute_session()
-        session.refuse_more_than_fits(recs, "daemon.use([...])")
-        session.acquire(recs, auto_fetch=auto_fetch)
+        self.compute_session().acquire(recs, auto_fetch=auto_fetch, as_set="daemon.use([...])")
         try:
             yield recs
         finally:      # closed meanwhile: its pins hold nothing, and the body's own error goes on

@@ -34,12 +34,16 @@ class ComputeSession:
         self.marker = daemon.backend.compute_marker()   # per-unit compute fences, or None
 
     # ------------------------------------------------------------------ per unit
-    def acquire(self, records, *, auto_fetch=True, stall_timeout=None, unit=None):
+    def acquire(self, records, *, auto_fetch=True, stall_timeout=None, unit=None, as_set=None):
         """Pin and bind records for compute on the calling thread; returns stall seconds.
 
         With auto_fetch=False a tensor that is neither resident nor on its way
         raises NotResidentError instead of being fetched (counted as a miss).
+        `as_set` names the call (daemon.use) whose records, together, could never fit
+        is refused as a set (refuse_more_than_fits).
         """
+        if as_set is not None:
+            self.refuse_more_than_fits(records, as_set)
         core = self._core
         if not auto_fetch:
             with core.lock:

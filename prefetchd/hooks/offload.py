@@ -52,6 +52,8 @@ from ..errors import PrefetchdError, ShutdownError
 from ..cost.estimate import PassEstimator
 from .budget_hint import DEFAULT_HIGH_FRACTION
 from .compiled_later import CompiledLater
+from .handle_readings import HandleReadings
+from .outer_calls import OuterCalls, outer_cells
 from .parts import PartProbes
 from . import jit_calls
 from .pass_turn import PassTurn
@@ -65,7 +67,7 @@ from .views import ViewCopies
 log = logging.getLogger("prefetchd.hooks")
 
 
-class Offloaded(refusals.NotCopyable):
+class Offloaded(refusals.NotCopyable, HandleReadings):
     """The hooks installed on one model. `close()` removes them (and an owned daemon).
 
     The hooks hand each step to the current pass (prefetchd.hooks.passes): the recording
@@ -145,6 +147,10 @@ class Offloaded(refusals.NotCopyable):
         self._views = ViewCopies(name_of)
         self._compiled_later = CompiledLater(model, self.units, self._plan.units, self._parts, name_of)
         self._handles.append(model.register_forward_pre_hook(self._before_model))
+        outer = OuterCalls(self.turn, self._begin_pass, lambda cell, output: self._refusal.exposed(
+            self._finish_pass(cell, output))[0], self._end_pass)
+        unit_cells = [c for u in self.units for c in u.cells]
+        self._handles += outer.install(outer_cells(model, unit_cells, self._plan.jit_cells))
         self._handles += hook_root_cells(model, self.root.records, self._session, self.turn, self._refusal,
                                          skip=self._plan.jit_cells)
         self._handles.append(model.register_forward_hook(self._after_model))
@@ -156,50 +162,6 @@ class Offloaded(refusals.NotCopyable):
         self._handles.append(cell.register_forward_pre_hook(self._before_unit))
         self._handles.append(cell.register_forward_hook(self._after_unit))
 
-    # ---------------------------------------------------------------- what the user reads
-    @property
-    def lookahead(self):
-        """Units prefetched ahead: the one asked for, or with "auto" the cost model's."""
-        return self._estimator.lookahead
-
-    @property
-    def estimate(self):
-        """The cost model's plan (prefetchd.cost.model.Schedule: pass_seconds, ...) once the recording pass
-        ran, refined by the next passes; None without one."""
-        return self._estimator.estimate
-
-    def plan(self):
-        """The unit plan (prefetchd.hooks.planner.Plan): units, root unit, budget figures."""
-        return self._plan
-
-    @property
-    def trace(self):
-        """The recorded order of one pass: ROOT, then unit indices (prefetchd.hooks.trace_cursor)."""
-        return self._cursor.steps
-
-    @property
-    def resyncs(self):
-        return self._cursor.resyncs
-
-    @property
-    def misses(self):
-        return self._pins.misses
-
-    @property
-    def stall_seconds(self):
-        return self._pins.stall_seconds
-
-    def stats(self):
-        """units: planned units (root excluded); trace: steps of one pass (root included);
-        misses: units not resident in time (fetched on demand, or raised with strict=True);
-        resyncs: units that were not the trace's next step; retraces: passes that ran a unit
-        the trace lacked, whose order became the trace."""
-        return {"units": len(self.units), "trace": len(self.trace), "resyncs": self.resyncs,
-                "retraces": self._cursor.retraces,
-                "stall_seconds": self.stall_seconds, "misses": self.misses,
-                "root_bytes": self.root.nbytes, "lookahead": self.lookahead,
-                "predicted_pass_seconds": self.estimate.pass_seconds if self.estimate else None}
-
     @contextlib.contextmanager
     def between_passes(self):
         """Hold this model's forwards off (callers on other threads wait) while the block runs;
@@ -209,8 +171,12 @@ class Offloaded(refusals.NotCopyable):
 
     # ---------------------------------------------------------------- the model's hooks
     def _before_model(self, cell, inputs):
+        self._begin_pass(cell)
+
+    def _begin_pass(self, opener):
+        """Open a pass for `opener`'s call: the model's, or an outer cell's (outer_calls.py)."""
         self._compiled_later.refuse_compiled_holders()
-        self.turn.take()                     # (the same thread: a nested call runs through)
+        self.turn.take(opener=opener)        # (the same thread: a nested call runs through)
         if self.closed:                      # closed while this forward waited for the turn
             self.turn.give()
             raise refusals.closed_refused(self.model, self.daemon.config.name)
@@ -229,6 +195,10 @@ class Offloaded(refusals.NotCopyable):
         self._pass.after_root()
 
     def _after_model(self, cell, inputs, output):
+        return self._finish_pass(cell, output)
+
+    def _finish_pass(self, cell, output):
+        """Close the pass `cell`'s call opened; the output its caller gets."""
         recording = self._pass.recording
         output = self._views.copied(self.root, cell, output, recording)
         self._pins.release_all(first_tensor(output))
@@ -250,7 +220,7 @@ class Offloaded(refusals.NotCopyable):
         self._streaming.prepare_next()
         return output
 
-    def _end_pass(self, cell, inputs, output):
+    def _end_pass(self, cell=None, inputs=None, output=None):
         if self.turn.held_here():
             try:   # a forward that raised still pins its units: another model may need the room
                 self._pins.release_all(None)

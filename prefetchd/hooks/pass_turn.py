@@ -44,28 +44,33 @@ class PassTurn:
         self._codes = _call_codes()
         self.holder = None               # ident of the thread whose turn it is, or None
         self._in_pass = False            # the holder's turn is a pass (not a `held()` block)
+        self._opener = model             # the cell whose call opened the pass (hooks/outer_calls.py)
 
     def held_here(self):
         """Whether the calling thread has the turn (inside a pass, or a `held()` block)."""
         return self.holder == threading.get_ident()
 
-    def take(self, in_pass=True):
-        """Wait for the turn (the model's pre-hook). The holder's own call runs through."""
+    def take(self, in_pass=True, opener=None):
+        """Wait for the turn (the model's pre-hook, or `opener`'s: a cell of it called outside
+        its forward). The holder's own call runs through."""
         me = threading.get_ident()
+        opener = self._model if opener is None else opener
         if self.holder == me:
+            self._opener = opener          # (the same; or this thread's pass, cut short, goes on as this one)
             return
         while True:
             with sigint_deferred():        # the lock and its holder's name go together
                 if self._lock.acquire(timeout=POLL):
                     with self._mutex:
-                        self.holder, self._in_pass = me, in_pass
+                        self.holder, self._in_pass, self._opener = me, in_pass, opener
                     return
                 with self._mutex:
                     # Only a pass can be cut short unseen: a held() block gives the turn back
                     # in its `finally`, and its thread is rightly outside the model meanwhile.
                     if self.holder is not None and self._in_pass and not self._inside(self.holder):
                         self._on_abandoned()
-                        self.holder, self._in_pass = me, in_pass   # the lock stays held: ours now
+                        # the lock stays held: ours now
+                        self.holder, self._in_pass, self._opener = me, in_pass, opener
                         return
             # On a scheduler thread (a future's callback, a listener) the holder's pass may be
             # waiting for this very thread to settle its loads: waiting here deadlocked both.
@@ -95,11 +100,17 @@ class PassTurn:
         finally:
             self.give()
 
-    def _inside(self, ident):
-        """Is thread `ident` inside one of the model's calls (False: gone, or left them)?"""
+    def within(self, cell):
+        """Whether the calling thread is inside a call of `cell`."""
+        return self._inside(threading.get_ident(), cell)
+
+    def _inside(self, ident, cell=None):
+        """Is thread `ident` inside a call of `cell`, by default of the cell that opened its
+        pass (the model, or one of its cells called alone); False if gone or left it?"""
+        cell = self._opener if cell is None else cell
         frame = sys._getframe() if ident == threading.get_ident() else sys._current_frames().get(ident)
         while frame is not None:
-            if frame.f_code in self._codes and frame.f_locals.get("self") is self._model:
+            if frame.f_code in self._codes and frame.f_locals.get("self") is cell:
                 return True
             frame = frame.f_back
         return False

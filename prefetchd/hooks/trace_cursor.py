@@ -14,19 +14,20 @@ raised part-way (`abandon_pass`: strict=True's miss at the first unit out of
 order) counts as its order so far, then the trace's from there.
 
 Some models run passes of several kinds in a pattern: an encoder-decoder generating
-text runs the encoder and the decoder once, then the decoder alone for every further
-token. One trace fits neither kind: each switch of kind missed most units and adopted
-the other order, twice per generate call. So the cursor keeps each order it adopted,
-keyed by the unit its passes begin with (`MAX_ORDERS` of them): a pass whose first
-unit begins another known order follows that order (no resync), and at a pass end
-the trace becomes the order that most often followed passes like this one, so the
-next pass's first units are prefetched. Models whose passes all begin alike keep one
-order, as before. Pure bookkeeping, no I/O and no pinning: the layer hooks
+text runs the encoder (alone, or with the decoder) once, then the decoder for every
+further token, its first step computing the cross-attention keys that later steps
+take from the cache. One trace fits no kind: each switch of kind missed most units
+and adopted another order, twice per generate call. So the cursor keeps each order it
+adopted (`MAX_ORDERS` of them, the least recently used goes): a pass that leaves the
+trace where another known order, alike so far, goes on with the unit starting follows
+that order (no resync), and at a pass end the trace becomes the order that most often
+followed passes of this kind (the known order it ran, if any), so the next pass's
+first units are prefetched. Pure bookkeeping, no I/O and no pinning: the layer hooks
 (prefetchd/hooks/offload.py) prefetch what `upcoming` names and publish `steps` to
 the eviction policy whenever they change (`end_pass` True, or `switched`).
 """
 ROOT = -1        # the root unit's step in the trace
-MAX_ORDERS = 8   # orders kept per model, by first unit; the oldest goes first
+MAX_ORDERS = 8   # orders kept per model; the least recently used goes first
 
 
 class TraceCursor:
@@ -40,18 +41,19 @@ class TraceCursor:
         self._new = False        # this pass ran a unit the trace does not hold
         self._open = False       # a later pass started and has not ended
         self.switched = False    # the last enter() moved to another known order
-        self._orders = {}        # first unit -> the order adopted for passes beginning with it
-        self._follows = {}       # (first unit of a pass, first unit of the next) -> times seen
-        self._previous = None    # the first unit of the pass before
+        self._orders = {}        # tuple(order) -> order: those adopted, least recently used first
+        self._follows = {}       # (kind of a pass, kind of the next) -> times seen; a kind is
+                                 # the tuple of the known order it ran, None if none
+        self._previous = None    # the kind of the pass before
 
     def start_pass(self):
         self.position = 0
+        if not self._orders:     # the first pass after the recording one, which ran the trace
+            self._previous = tuple(self.steps)
+        self._keep(self.steps)
         self._seen = [ROOT]
         self._new = False
         self._open = True
-        self._keep(self.steps)
-        if self._previous is None and len(self.steps) > 1:
-            self._previous = self.steps[1]      # the recording pass's kind
 
     def start_recording(self):
         """The pass started is the recording pass: its steps are the trace (record)."""
@@ -59,7 +61,6 @@ class TraceCursor:
         self._open = False
         self._orders.clear()
         self._follows.clear()
-        self._previous = None
 
     def record(self, index):
         """Recording pass: `index` started."""
@@ -76,7 +77,7 @@ class TraceCursor:
             self.retraces += 1
             self._new = False
             self._keep(seen)
-        return self._predict(seen[1] if len(seen) > 1 else None) or retraced
+        return self._predict(tuple(seen)) or retraced
 
     def abandon_pass(self):
         """A later pass raised part-way; end_pass's answer for its order so far followed by
@@ -92,16 +93,16 @@ class TraceCursor:
         """A later pass: unit `index` starts. False when it was not the expected next step
         (the position moved to its nearest occurrence ahead, or stayed where it was for a
         unit the trace never saw)."""
-        first = len(self._seen) == 1
-        self._seen.append(index)
         self.switched = False
         steps, n = self.steps, len(self.steps)
         if self.position + 1 < n and steps[self.position + 1] == index:
+            self._seen.append(index)
             self.position += 1
             return True
-        if first and self._orders.get(index, steps) is not steps:
-            # A pass that begins like another order of this model: follow that one.
-            self.steps, self.position, self.switched = self._orders[index], 1, True
+        other = self._going_on(index)
+        self._seen.append(index)
+        if other is not None:        # a pass of another kind: follow its order
+            self.steps, self.position, self.switched = other, len(self._seen) - 1, True
             return True
         self.resyncs += 1
         for step in range(1, n + 1):
@@ -113,32 +114,41 @@ class TraceCursor:
             self._new = True
         return False
 
+    def _going_on(self, index):
+        """A known order other than the trace that this pass has run alike so far and that
+        goes on with unit `index`, the most recently used; or None."""
+        seen, at = self._seen, len(self._seen)
+        for order in reversed(self._orders.values()):
+            if order is not self.steps and len(order) > at and order[at] == index and order[:at] == seen:
+                return order
+        return None
+
     def _keep(self, steps):
-        """Keep `steps`, an order adopted, for the passes that begin with its first unit."""
+        """Keep `steps`, an order adopted, as the most recently used."""
         if len(steps) < 2:
             return
-        self._orders.pop(steps[1], None)
-        self._orders[steps[1]] = steps
+        key = tuple(steps)
+        self._orders.pop(key, None)
+        self._orders[key] = steps
         if len(self._orders) > MAX_ORDERS:
             del self._orders[next(iter(self._orders))]
 
-    def _predict(self, first):
-        """After a pass that began with unit `first`: count which kind of pass followed which,
-        and make the trace the order most often seen after passes like this one (True if
-        that changed it). No guess without such a pass, nor from a pass that ran no unit."""
-        if first is None:
-            return False
-        if self._previous is not None:
-            key = (self._previous, first)
+    def _predict(self, seen):
+        """After a pass that ran `seen`: count which kind of pass followed which, and make the
+        trace the order most often seen after passes of this kind (True if that changed it).
+        A pass that ran no known order guesses nothing."""
+        kind = seen if seen in self._orders else None
+        if self._previous is not None and kind is not None:
+            key = (self._previous, kind)
             self._follows[key] = self._follows.get(key, 0) + 1
-            if len(self._follows) > MAX_ORDERS * MAX_ORDERS:   # firsts that come and go
+            if len(self._follows) > MAX_ORDERS * MAX_ORDERS:   # kinds that come and go
                 self._follows = {key: 1}
-        self._previous = first
-        counts = [(n, after) for (before, after), n in self._follows.items()
-                  if before == first and after in self._orders]
+        self._previous = kind
+        counts = [(n, i, after) for i, ((before, after), n) in enumerate(self._follows.items())
+                  if before == kind and kind is not None and after in self._orders]
         if not counts:
             return False
-        order = self._orders[max(counts)[1]]
+        order = self._orders[max(counts)[2]]
         if order is self.steps:
             return False
         self.steps = order

@@ -131,3 +131,60 @@ def test_a_listener_waiting_for_another_threads_forward_is_refused_not_deadlocke
         np.testing.assert_array_equal(result["out"], expected)
         np.testing.assert_array_equal(model(x).asnumpy(), expected)
         handle.close()
+
+
+def test_a_pass_opened_by_an_inner_cell_called_alone_is_waited_for(ms, tmp_path):
+    """`model.encoder(x)` called alone opens a pass of the model (hooks/outer_calls.py). A
+    forward of the model on another thread waits for it, however long it lasts, and is not
+    taken over as abandoned: the holder is inside the encoder's call, not the model's."""
+    import numpy as np
+    import prefetchd
+    nn = ms.nn
+
+    class Waiting(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Dense(64, 64)
+            self.go, self.entered, self.wait = threading.Event(), threading.Event(), False
+
+        def construct(self, x):
+            if self.wait:
+                self.entered.set()
+                self.go.wait(30)
+            return self.fc(x)
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.SequentialCell([Waiting() for _ in range(3)])
+            self.head = nn.Dense(64, 64)
+
+        def construct(self, x):
+            return self.head(self.encoder(x))
+
+    ms.set_seed(0)
+    net = Net()
+    net.set_train(False)
+    x = ms.Tensor(np.ones((2, 64), np.float32))
+    want_encoder, want = net.encoder(x).asnumpy(), net(x).asnumpy()
+    budget = int(sum(p.nbytes for p in net.get_parameters()) * 0.7)
+    with prefetchd.Daemon(device_budget=budget, store_dir=str(tmp_path / "s")) as daemon:
+        handle = prefetchd.offload(net, daemon, lookahead=1, units=[f"encoder.{i}" for i in range(3)] + ["head"])
+        net(x)
+        slow = net.encoder[1]
+        slow.wait = True
+        got = {}
+        alone = threading.Thread(target=lambda: got.setdefault("encoder", net.encoder(x).asnumpy()), daemon=True)
+        alone.start()
+        assert slow.entered.wait(30)
+        slow.wait = False
+        forward = threading.Thread(target=lambda: got.setdefault("model", net(x).asnumpy()), daemon=True)
+        forward.start()
+        forward.join(20 * POLL)
+        assert forward.is_alive() and "model" not in got, "the forward ran beside the encoder's pass"
+        slow.go.set()
+        alone.join(30)
+        forward.join(30)
+        np.testing.assert_array_equal(got["encoder"], want_encoder)
+        np.testing.assert_array_equal(got["model"], want)
+        handle.close()

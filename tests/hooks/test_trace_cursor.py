@@ -98,14 +98,18 @@ def test_passes_of_two_kinds_each_follow_their_own_order():
     """An encoder-decoder generating: the encoder and decoder once (0 1 then 2 3), then the
     decoder alone (2 3) for each further token, call after call. One trace fits neither
     kind: every switch of kind resynced and adopted the other order, twice per call. Each
-    kind keeps its own order, keyed by its first unit; a pass's end makes the trace the
-    order that most often followed its kind, so only the first pass of each call (which
-    no order predicts) starts off the trace, and it resyncs nothing."""
+    kind keeps its own order; a pass's end makes the trace the order that most often
+    followed its kind, so once a call has shown which follows which, only the first pass
+    of each call (which no order predicts) starts off the trace, and it resyncs nothing."""
     cursor = recorded(0, 1, 2, 3)
     run(cursor, (2, 3))
     run(cursor, (2, 3))                                   # the decoder's order, adopted
     assert cursor.steps == [ROOT, 2, 3]
-    for _ in range(3):                                    # generate calls
+    run(cursor, (0, 1, 2, 3))                             # a first call: no resync, ...
+    for _ in range(5):
+        run(cursor, (2, 3))
+    assert cursor.resyncs == 2                            # (the two decoder passes above)
+    for _ in range(3):                                    # ...and the next ones, predicted
         resyncs = cursor.resyncs
         cursor.start_pass()
         assert [cursor.enter(i) for i in (0, 1, 2, 3)] == [True] * 4 and cursor.switched is False
