@@ -2,11 +2,13 @@
 
 Modules, by role (imports point down this list, never up):
 
-    offload          offload() / @offloaded and the Offloaded handle: hooks, pass lock, close, stats
+    offload          offload() / @offloaded and the Offloaded handle: hooks, pass lock, close
+    handle_readings  what the handle tells its user: plan, trace, stats()
     reload           load_param_into_net: new values for an offloaded model, between its passes
     registration     the planned parameters handed to the daemon, once; register_checkpoint
     passes           the recording pass and the streamed passes the hooks drive
     pass_turn        whose turn it is to run a pass (one thread at a time)
+    outer_calls      cells between the model and its units called alone: a pass of their own
     root_calls       root cells called alone, outside the model's forward
     jit_calls        mindspore.jit(cell)(x) on a cell of an offloaded model, outside its forward
     backward         the backward pre-hook that refuses gradients, and the Tensors it sees
