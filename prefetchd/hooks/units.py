@@ -5,11 +5,11 @@ parameters. `Pins` pins and releases units through the model's compute session, 
 the time compute waited (stall) and the units that were not resident in time (misses).
 """
 import logging
-import math
 import time
 
 from ..backend import framework
 from ..errors import BudgetError, NotResidentError
+from .budget_hint import budget_for_high_watermark
 from .interrupts import sigint_deferred
 
 log = logging.getLogger("prefetchd.hooks")
@@ -167,7 +167,7 @@ class Pins:
             f"{error}. Unit {unit.name!r} ({unit.nbytes} bytes) was needed while {names} stayed "
             f"pinned (it is called inside {them}, or before {ends}): {together} bytes "
             f"together, above the high watermark {high}. Raise device_budget (to at least "
-            f"{math.ceil(together / 0.95)} bytes at the default 95% watermark), or give units= "
+            f"{budget_for_high_watermark(together)} bytes at the default 95% watermark), or give units= "
             f"that the model does not call inside one another (offload() without units= splits them)")
 
     def held_bytes(self):
