@@ -31,9 +31,8 @@ def outer_cells(model, unit_cells, skip=()):
         if id(cell) not in holds:
             holds[id(cell)] = False       # (a cycle of references ends here)
             if id(cell) not in skip and not is_jit(cell.construct):
-                children = [walk(child) for child in cell.name_cells().values() if child is not None]
-                holds[id(cell)] = any(children)
-                if any(children) and cell is not model and not isinstance(cell, (ms.nn.CellList,
+                holds[id(cell)] = any([walk(child) for child in cell.name_cells().values() if child is not None])
+                if holds[id(cell)] and cell is not model and not isinstance(cell, (ms.nn.CellList,
                                                                                   ms.nn.CellDict)):
                     found.append(cell)
         return holds[id(cell)]
