@@ -131,7 +131,8 @@ class DeviceMemory:
     def make_room(self, need, *, demand, incoming=None):
         """Evict until used + need <= low watermark (hysteresis). True if room now exists."""
         be = self.backend
-        goal = min(self.low, self.high - need)
+        needed = self.high - need
+        goal = min(self.low, needed)
         self.fence_if(lambda: be.device_used() + need > self.high)
         if be.device_used() <= goal:
             return True
@@ -139,6 +140,11 @@ class DeviceMemory:
         projected = be.device_used() - sum(entry[0].capacity for entry in self.unfenced)
         # (ranking the candidates is most of a reservation's cost: not when those cover it)
         for victim in self.victims(demand, incoming) if projected > goal else ():
+            if incoming is not None and victim.prefetched_unused and projected <= needed:
+                # Only a demand load ranks these, and only for the room it needs: the
+                # hysteresis below that would undo a prefetch, at a tight budget the next
+                # unit's. (A lowered watermark, no incoming, goes down to its low all the same.)
+                continue
             projected -= be.block_bytes(victim.nbytes)
             self.evict(victim, "watermark")
             if projected <= goal:

@@ -332,6 +332,26 @@ def test_a_prefetch_that_hits_keeps_its_tensor_from_later_prefetches():
     assert pin.done() and root.pins == 1
 
 
+def test_a_demand_load_evicts_a_prefetched_tensor_only_for_room_it_needs_not_for_hysteresis():
+    """A demand load crossing the high watermark evicts down to the low one, but the room
+    beyond what the load needs never costs a tensor prefetched and not used yet: at a tight
+    budget (an outside probe: interleaved parts at lookahead 1's minimum) that tensor is the
+    next unit, which then missed under strict=True."""
+    c = Core(device=64 * KiB)
+    c.s.memory.high, c.s.memory.low = 36 * KiB, 12 * KiB
+    old, nxt, now = c.tensor("old", 8 * KiB), c.tensor("next", 16 * KiB), c.tensor("now", 16 * KiB)
+    c.policy.set_trace([[old.name], [now.name], [nxt.name]])
+    c.submit(Kind.PREFETCH, [old])
+    c.submit(Kind.PREFETCH, [nxt])                          # loaded ahead, not used yet
+    c.drain()
+    assert nxt.prefetched_unused and c.backend.used == 24 * KiB
+    pin = c.submit(Kind.PIN, [now])                         # 24 + 16 > 36: room for 16 KiB
+    c.drain()
+    assert pin.done() and now.pins == 1
+    assert old.state is State.ABSENT                        # the room it needed
+    assert nxt.state is State.RESIDENT, "hysteresis evicted a prefetched tensor the load did not need gone"
+
+
 def test_an_evict_that_meets_a_pin_on_arrival_drops_the_tensor_once_not_on_its_next_load():
     c = Core()
     a = c.tensor("a", fill=3)
