@@ -15,14 +15,19 @@ argument whose class defines it instead of running the kernel, so the op is
 refused before native code touches the unmapped memory (which would kill the
 process with SIGSEGV). The tracking class, which a tensor has while compute may
 use it, does not define it: the forward's ops never pay for a Python call.
-Not every entry point dispatches that way; docs/daemon-api.md ("Reading weights
-outside a forward") lists what is covered and what is not.
+Not every entry point dispatches that way: two that do not (a tensor inside a sequence
+argument of a Primitive, `mindspore.Tensor(p)`) are checked by wrapping MindSpore's
+Python functions in front of them (`_cover_entry_points`); docs/daemon-api.md ("Reading
+weights outside a forward") lists what is covered and what is not.
 """
+import sys
+
 import numpy as np
 
 from .errors import DaemonClosedError, NotResidentError, UseAfterFreeError
 _tracked = {}   # base class -> tracking subclass
 _guarded = {}   # base class -> guarding subclass
+_guarding_types = set()   # _guarded's values, for a membership test on MindSpore's paths
 
 _MUTATORS = ("__setitem__", "copy_", "assign_value", "set_data", "fill_", "zero_", "set_dtype")
 # Mutators that may change the tensor's shape or dtype: checked before they run, since a
@@ -145,7 +150,44 @@ def _guarding_class(base):
         ns["__repr__"] = lambda self: f"<prefetchd tensor {self.__dict__.get('_prefetchd_name')!r}: not resident>"
         ns["__str__"] = ns["__repr__"]
         cls = _guarded[base] = type(base.__name__, (base,), ns)
+        _guarding_types.add(cls)
     return cls
+
+
+def _refuse_guarded_items(args, what):
+    for arg in args:
+        if type(arg) in (tuple, list):
+            for item in arg:
+                if type(item) in _guarding_types:
+                    raise refusal(item, what)
+
+
+def _cover_entry_points():
+    """Wrap the two MindSpore 2.10 paths to native code that skip `__fallback__`: a
+    legacy Primitive's call (`ops.stack((p, p))`, `ops.addn`), whose dispatch checks only
+    arguments that are tensors themselves, and `mindspore.Tensor(p)`, a second tensor over
+    p's memory that no guard sees. Once per process; a tensor no daemon guards passes on."""
+    primitive = sys.modules.get("mindspore.ops.primitive")
+    run_op = getattr(primitive, "_run_op", None)
+    if run_op is not None and not getattr(run_op, "_prefetchd_wrapper", False):
+        def checked_run_op(obj, op_name, args):
+            _refuse_guarded_items(args, f"MindSpore op {op_name}")
+            return run_op(obj, op_name, args)
+        checked_run_op._prefetchd_wrapper = True
+        # array_ops, math_ops, ... imported the function by name: each module's binding.
+        for module in list(sys.modules.values()):
+            if getattr(module, "__name__", "").startswith("mindspore.") \
+                    and getattr(module, "_run_op", None) is run_op:
+                module._run_op = checked_run_op
+    tensor_module = sys.modules.get("mindspore.common.tensor")
+    init = getattr(tensor_module, "_init", None)
+    if init is not None and not getattr(init, "_prefetchd_wrapper", False):
+        def checked_init(input_data=None, *args, **kwargs):   # Tensor.__init__ calls it by name
+            if type(input_data) in _guarding_types:
+                raise refusal(input_data, "mindspore.Tensor(...) of it (a second tensor over its memory)")
+            return init(input_data, *args, **kwargs)
+        checked_init._prefetchd_wrapper = True
+        tensor_module._init = checked_init
 
 
 def track(target, name, on_write, check_write=None):
@@ -162,11 +204,13 @@ def guard(target, error_factory, name=None):
     target.__dict__["_prefetchd_error"] = error_factory
     if name is not None:
         target.__dict__["_prefetchd_name"] = name
+    if not _guarded:
+        _cover_entry_points()
     target.__class__ = _guarding_class(base_class(target))
 
 
 def is_guarded(target):
-    return type(target) in _guarded.values()
+    return type(target) in _guarding_types
 
 
 def is_managed(target):
