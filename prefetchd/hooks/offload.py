@@ -168,6 +168,11 @@ class Offloaded(refusals.NotCopyable, HandleReadings):
         refused inside one of its forwards, whose pins and prefetches it would cut across."""
         with self.turn.held():
             yield
+            # What the block used may have evicted the next pass's start: loaded again, and
+            # the root waited for (a forward right after would find its request not yet taken).
+            root = self._prefetch_next_pass()
+            if root is not None:
+                root.exception()           # a refused prefetch shows up as the pass's miss
 
     # ---------------------------------------------------------------- the model's hooks
     def _before_model(self, cell, inputs):
@@ -232,6 +237,15 @@ class Offloaded(refusals.NotCopyable, HandleReadings):
         """A recording pass cut short records again; a streamed one may be the trace now."""
         if self._pass.abandoned():
             self._publish_trace()
+        self._prefetch_next_pass()
+
+    def _prefetch_next_pass(self):
+        """The next pass's start (the root, the first units), as a finished pass leaves it
+        prefetched; the root's prefetch future, if any. After a pass that raised it was not: under strict=True a raise at the
+        root (a reload had evicted it) raised at every later pass's root."""
+        if self._pass is self._streaming and not self.closed and not self.daemon.closed:
+            return self._streaming.prepare_next()
+        return None
 
     # ---------------------------------------------------------------- the units' hooks
     def _before_unit(self, cell, inputs):

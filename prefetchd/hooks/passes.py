@@ -125,12 +125,14 @@ class StreamingPass:
 
     def prepare_next(self):
         """The next pass starts with the root, then the first units of the trace: the policy
-        sees the pass end (the root is the nearest step, not the farthest)."""
+        sees the pass end (the root is the nearest step, not the farthest). Returns the root's
+        prefetch future (None without root records)."""
         root = self._pins.root
         self._session.at(len(self._cursor.steps) - 1)
-        if root.records:
-            self._session.prefetch(root.records, priority=self._lookahead_of() + 1)
+        future = self._session.prefetch(root.records, priority=self._lookahead_of() + 1) \
+            if root.records else None
         self.prefetch_from(1, root.nbytes)
+        return future
 
     def prefetch_from(self, start, pinned_bytes):
         """Prefetch ahead of compute, within the room beside the pinned units: the next unit,
