@@ -241,11 +241,15 @@ class Offloaded(refusals.NotCopyable, HandleReadings):
 
     def _prefetch_next_pass(self):
         """The next pass's start (the root, the first units), as a finished pass leaves it
-        prefetched; the root's prefetch future, if any. After a pass that raised it was not: under strict=True a raise at the
-        root (a reload had evicted it) raised at every later pass's root."""
-        if self._pass is self._streaming and not self.closed and not self.daemon.closed:
+        prefetched; the root's prefetch future, if any. After a pass that raised it was
+        not: under strict=True a raise at the root (a reload had evicted it) raised at
+        every later pass's root."""
+        if self._pass is not self._streaming or self.closed:
+            return None
+        try:
             return self._streaming.prepare_next()
-        return None
+        except ShutdownError:         # the daemon closed: no next pass (a forward is refused)
+            return None
 
     # ---------------------------------------------------------------- the units' hooks
     def _before_unit(self, cell, inputs):
