@@ -160,9 +160,12 @@ def format_status(st):
                  "counters " + (", ".join(f"{k} {v}" for k, v in sorted(front["counters"].items()))
                                 or "none yet")]
         for w in st["workers"]:
-            lines.append(f"worker {w['index']}: pid {w['pid']}, {'ready' if w['ready'] else 'starting'}, "
+            state = "ready" if w["ready"] else "given up, not restarted" if w.get("given_up") else "starting"
+            lines.append(f"worker {w['index']}: pid {w['pid']}, {state}, "
                          f"in flight {w['inflight']}, served {w['served']}, failed {w['failed']}, "
                          f"deaths {w['deaths']}, last model {w['last_model']}")
+            if w.get("given_up") and w.get("start_error"):
+                lines.append(f"  could not start: {w['start_error']}")
             daemon = w.get("daemon") or {}
             if "error" in daemon:
                 lines.append(f"  daemon: {daemon['error']}")

@@ -9,6 +9,8 @@ import contextlib
 import os
 import socket
 
+import zmq
+
 
 @contextlib.contextmanager
 def borrowed(fd):
@@ -34,4 +36,13 @@ def socket_id(sock, *, listening):
             return None
         return os.fstat(sock.fileno()).st_ino
     except OSError:
+        return None
+
+
+def source_fd(frame):
+    """The descriptor of the connection `frame` (a message's first) came on; None once that
+    connection is closed (libzmq then refuses the query with EINVAL): nobody to answer."""
+    try:
+        return frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
         return None

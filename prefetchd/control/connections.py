@@ -106,6 +106,14 @@ def raise_fd_limit(cap=MAX_RAISED_FD_LIMIT):
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
+# Set on a NULL-mechanism server socket: with a ZAP domain libzmq refuses ZMTP 1.0 and 2.0
+# peers, and bytes whose first is not 0xFF (an HTTP request, junk) read as a ZMTP 1.0
+# greeting: such a peer was through the handshake at once and held its connection for good,
+# its junk delivered as messages (an outside probe). With no ZAP handler in the context
+# (ZAP_ENFORCE_DOMAIN off, libzmq's default) ZMTP 3 peers are let in as before.
+NULL_ZAP_DOMAIN = b"prefetchd-null"
+
+
 def configure(sock, fd_reserve=DEFAULT_FD_RESERVE):
     """Socket options that drop peers which hold a connection without speaking ZMTP, and
     a listen backlog of half the descriptor reserve: a paused listener still accepts what
@@ -211,6 +219,8 @@ class ConnectionGuard:
     def watch(self, sock, curve=False):
         """Monitor `sock` (a CURVE server if `curve`); returns the monitor socket the I/O loop polls."""
         configure(sock, self.fd_reserve)
+        if not curve:
+            sock.zap_domain = NULL_ZAP_DOMAIN
         # Not get_monitor_socket: its PAIR keeps the default high-water mark, and libzmq
         # drops monitor events beyond it. Under a flood a lost DISCONNECTED left a dropped
         # connection "doomed" for good, and the listeners paused for good with it.

@@ -24,6 +24,7 @@ import zmq
 from ..errors import ShutdownError
 from . import keys, protocol as P, server_options
 from .codes import BadArguments, error_code
+from .borrowed import source_fd
 from .connections import DEFAULT_FD_RESERVE, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_PEER
 from .event_feed import EventFeed
 from .guarded import GuardedListening
@@ -236,7 +237,9 @@ class Server(RouterEndpoint):
                 # Its key left authorized_clients since it connected: never answered, and
                 # its connection shut down (a reconnect meets ZAP, which refuses it).
                 self.counters.revoked += 1
-                self.connections.shut(frames[0].get(zmq.SRCFD))
+                fd = source_fd(frames[0])
+                if fd is not None:
+                    self.connections.shut(fd)
                 return
             frames = [f.bytes for f in frames]
         envelope, payload = P.split_envelope(frames)

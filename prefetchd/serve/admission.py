@@ -36,13 +36,13 @@ def admit(info, kind, headers, frames, max_bytes, max_new_tokens=None):
     described = check_headers(headers)
     if len(described) != len(info.inputs):
         raise BadArguments(f"{len(described)} inputs, the model takes {len(info.inputs)}")
-    for i, (spec, (dtype, shape)) in enumerate(zip(info.inputs, described)):
-        spec.check(i, dtype, shape)
-    if kind == "generate":
+    if kind == "generate":       # (before the spec's own refusal of an empty axis: says why)
         for i, (_, shape) in enumerate(described):
             if 0 in shape:
                 raise BadArguments(f"input {i}: shape {list(shape)} is empty: generate needs a prompt "
                                    f"of at least one token per row")
+    for i, (spec, (dtype, shape)) in enumerate(zip(info.inputs, described)):
+        spec.check(i, dtype, shape)
     check_sizes(described, frames, max_bytes)
     # Values are read here when a bound is to be checked or a bool input could hold other
     # bytes than 0 and 1 (view_arrays refuses those): left to the worker, one such

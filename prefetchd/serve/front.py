@@ -34,6 +34,7 @@ import zmq
 
 from ..control import protocol as P
 from ..control.codes import BadArguments
+from ..control.borrowed import source_fd
 from ..control.connections import DEFAULT_MAX_CONNECTIONS
 from ..control.ioloop import IOLoop
 from ..control.ops import Op, flag, integer
@@ -187,9 +188,9 @@ class Front(FrontSockets):
         n = 2 if len(frames) >= 2 and len(frames[1]) == 0 else 1
         envelope = [f.bytes for f in frames[:n]]
         head, tensors = [f.bytes for f in frames[n:n + 3]], frames[n + 3:]
-        self._request_fd = frames[0].get(zmq.SRCFD)     # for the Job (its connection is then busy)
-        request = self._decode(envelope, head) if self.connections.saw(self._request_fd) else None
-        if request is None:           # undecodable (answered), or its connection dropped (not)
+        fd = self._request_fd = source_fd(frames[0])     # for the Job (its connection is then busy)
+        request = self._decode(envelope, head) if fd is not None and self.connections.saw(fd) else None
+        if request is None:           # undecodable (answered), or its connection dropped or closed (not)
             return
         rid, op, args, timeout = request
         try:

@@ -44,6 +44,9 @@ class WorkerSlot:
     def public(self):
         """A JSON-able snapshot (what status and metrics report)."""
         return {"index": self.index, "pid": self.pid, "ready": self.ready,
+                # no process and no respawn coming: it failed to start too often (on_death)
+                "given_up": self.process is None and self.start_failures >= MAX_START_FAILURES,
+                "start_error": self.start_error,
                 "generation": self.generation, "control": self.control,
                 "inflight": len(self.inflight), "served": self.served, "failed": self.failed,
                 "deaths": self.deaths, "last_model": self.last_model}

@@ -52,6 +52,11 @@ class TensorSpec:
             if axis != self.batch_axis and want is not None and got != want:
                 raise BadArguments(f"{name}: dimension {axis} is {got}, the model takes "
                                    f"{self._shape_text()}")
+            if axis != self.batch_axis and want is None and got == 0:
+                # (it passed here and the model's kernels failed on it: INTERNAL, with
+                # MindSpore's C++ call stack as the reason)
+                raise BadArguments(f"{name}: dimension {axis} is 0 (an empty input), the model "
+                                   f"takes {self._shape_text()} with each size at least 1")
         if self.batch_axis is not None and shape[self.batch_axis] == 0:
             raise BadArguments(f"{name}: an empty batch (dimension {self.batch_axis} is 0)")
 

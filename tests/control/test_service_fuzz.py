@@ -7,6 +7,7 @@ import json
 import os
 import random
 import secrets
+import socket
 import time
 
 import pytest
@@ -222,3 +223,28 @@ def test_well_formed_requests_still_correct_after_fuzz(live):
         assert c.flush()["done"] is True
         assert c.stats()["server"]["malformed"] > 0
     assert server.running
+
+
+@pytest.mark.parametrize("junk", [b"GET / HTTP/1.0\r\n\r\n", b"\x05", bytes(range(1, 200))])
+def test_a_peer_that_does_not_speak_zmtp_3_is_dropped_and_its_bytes_never_reach_the_server(live, junk):
+    """Bytes whose first is not 0xFF read to libzmq as a ZMTP 1.0 greeting: such a peer was
+    through the handshake at once, held its connection for good, and its junk came through
+    as messages (an outside probe: 45 s and still connected)."""
+    d, server, ctx = live
+    path = server.endpoint[len("ipc://"):]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as peer:
+        peer.connect(path)
+        peer.sendall(junk)
+        peer.settimeout(5)
+        closed = False
+        try:
+            while peer.recv(4096):
+                pass
+            closed = True
+        except ConnectionResetError:
+            closed = True
+        except socket.timeout:
+            pass
+        assert closed, "the server kept the connection of a peer that sent junk"
+    with Client(server.endpoint, timeout=5) as c:
+        assert c.ping()["pong"]

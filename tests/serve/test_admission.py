@@ -27,3 +27,14 @@ def test_a_bool_input_holding_other_bytes_is_refused_at_admission():
     bad[1, 2] = 2
     with pytest.raises(BadArguments, match="input 1: bool tensor holds bytes other than 0 and 1"):
         _admit([x, bad.view(np.bool_)])
+
+
+def test_an_empty_free_axis_is_refused_at_admission_like_an_empty_batch():
+    """(2, 0) ids passed the front and reached the model, whose failure came back INTERNAL
+    with MindSpore's C++ call stack (an outside probe)."""
+    ids = ModelInfo((TensorSpec((None, None), "int64", name="ids"),), generates=False)
+    headers, frames = encode_arrays([np.zeros((2, 0), np.int64)])
+    with pytest.raises(BadArguments, match=r"input 0 \(ids\): dimension 1 is 0 \(an empty input\)"):
+        admit(ids, "infer", headers, [bytes(f) for f in frames], 1 << 20)
+    headers, frames = encode_arrays([np.zeros((2, 3), np.int64)])
+    assert admit(ids, "infer", headers, [bytes(f) for f in frames], 1 << 20)[0] == 2

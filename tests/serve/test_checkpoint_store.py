@@ -12,6 +12,7 @@ import pytest
 
 from helpers import start_serve, stop_serve, wait_until
 from prefetchd.cli.common import UsageError
+from prefetchd.cli.control import format_status
 from prefetchd.errors import ConfigError
 from prefetchd.control import Client, RequestTimeout
 from prefetchd.serve.spec import ServeSpec, check_checkpoint_store, demo_model
@@ -204,6 +205,13 @@ def test_a_worker_respawned_after_a_new_stage_is_refused_not_served_other_weight
                 (y,) = sc.infer("m0", X)
                 assert np.array_equal(y, staged["want"])
             assert wait_until(lambda: "replaced it since the server started" in _log_so_far(proc), 60, 0.5)
+            # Given up after its start failures: status said 'starting' (a restart not coming).
+            assert wait_until(lambda: c.status()["workers"][0]["given_up"], 60, 0.2)
+            doc = c.status()
+            assert "replaced it since the server started" in doc["workers"][0]["start_error"]
+            assert not doc["workers"][1]["given_up"] and doc["workers"][1]["ready"]
+            text = format_status(doc)
+            assert "worker 0: pid None, given up, not restarted" in text and "  could not start: " in text, text
     finally:
         stop_serve(proc)
 

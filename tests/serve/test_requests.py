@@ -4,6 +4,7 @@ each gets its own rows, and hostile headers or frames get BAD_REQUEST while the
 server keeps serving."""
 import os
 import secrets
+import socket
 import threading
 
 import numpy as np
@@ -167,4 +168,31 @@ def test_other_refusals(front, client):
         client.infer("m0", np.zeros((1, SHAPE[0], 3), np.float32))
     with pytest.raises(ValueError, match="not carried on the wire"):
         client.infer("m0", np.array([["a"]]))
+    assert client.infer("m0", GOOD)[0].shape[0] == 1
+
+
+def test_a_request_whose_connection_closed_before_it_was_read_is_dropped_quietly(front, client):
+    """libzmq refuses zmq.SRCFD of a message whose connection has closed (EINVAL): the front
+    logged an ERROR traceback for each such message, which any peer sending junk and hanging
+    up could make (an outside probe). Nobody is left to answer; serving goes on. A frame made
+    here has no connection either, so the query fails the same way."""
+    frames = [zmq.Frame(b"\x00peer"), zmq.Frame(b""), zmq.Frame(P.MAGIC), zmq.Frame(b"x" * P.RID_SIZE)]
+    with pytest.raises(zmq.ZMQError):
+        frames[0].get(zmq.SRCFD)
+    assert front._on_request(frames) is None
+    assert client.infer("m0", GOOD)[0].shape[0] == 1
+
+
+def test_a_peer_that_sends_junk_is_dropped_and_serving_goes_on(front, client):
+    """An HTTP request read to libzmq as a ZMTP 1.0 greeting: the peer held its connection
+    for good (an outside probe); it is refused at its first bytes now (control/connections.py)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as peer:
+        peer.connect(front.endpoint[len("ipc://"):])
+        peer.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        peer.settimeout(5)
+        try:
+            while peer.recv(4096):
+                pass
+        except ConnectionResetError:
+            pass                       # closed, either way; a timeout fails the test
     assert client.infer("m0", GOOD)[0].shape[0] == 1
