@@ -154,12 +154,16 @@ def _guarding_class(base):
     return cls
 
 
-def _refuse_guarded_items(args, what):
+def _refuse_guarded_items(args, what, depth=3):
+    """Refuse a guarded tensor inside a sequence argument (subclasses too: a namedtuple),
+    nested up to `depth` levels."""
     for arg in args:
-        if type(arg) in (tuple, list):
+        if isinstance(arg, (tuple, list)):
             for item in arg:
                 if type(item) in _guarding_types:
                     raise refusal(item, what)
+                if depth > 1 and isinstance(item, (tuple, list)):
+                    _refuse_guarded_items((item,), what, depth - 1)
 
 
 def _cover_entry_points():

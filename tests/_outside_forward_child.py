@@ -9,6 +9,7 @@ runs two forwards in PyNative, then CASE acts on a weight that is not resident.
 Prints "refused: <error class>: <message>" when the action raised, then checks that the
 model still gives the resident model's answer and prints "ok".
 """
+import collections
 import copy
 import os
 import pickle
@@ -103,6 +104,8 @@ def act(case, d, net, w, x, ckpt):
     # Not covered (see docs/daemon-api.md): the tests expect these to fail for now.
     elif case == "stack":                        # a legacy Primitive with a sequence argument
         ops.stack((w, w)).asnumpy()
+    elif case == "stack_namedtuple":             # a tuple's subclass
+        ops.stack(collections.namedtuple("Pair", "a b")(w, w)).asnumpy()
     elif case == "addn":
         ops.addn([w, x[:1].broadcast_to((H, H))]).asnumpy()
     elif case == "tensor_alias":

@@ -46,7 +46,7 @@ def refusal(run):
 
 @pytest.mark.parametrize("case", ["save_checkpoint", "save_checkpoint_list", "assign", "norm", "method", "operator",
                                   "second_argument", "jit_argument", "pickle", "deepcopy", "data", "stack", "addn",
-                                  "tensor_alias"])
+                                  "stack_namedtuple", "tensor_alias"])
 def test_a_kernel_on_a_weight_that_is_not_resident_is_refused_by_name(tmp_path, case):
     run = run_child(case, tmp_path)
     assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-3000:])
