@@ -180,9 +180,12 @@ class Client:
         entry = self._pending.pop(rid, None)
         if entry is None:
             return                                   # timed out already
-        future = entry[0]
+        future, _, timeout = entry
         if not doc.get("ok"):
-            future.set_exception(exception_for(doc.get("code", P.INTERNAL), doc.get("reason", "")))
+            code, reason = doc.get("code", P.INTERNAL), doc.get("reason", "")
+            if code == P.TIMEOUT:     # the server's share of it (see _submit) is what it names
+                reason += f" (the client's timeout: {timeout:g}s, of which the server gets 90% less 50 ms)"
+            future.set_exception(exception_for(code, reason))
             return
         result = doc.get("result") or {}
         try:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zmq
 
-from prefetchd.control import ServiceError
+from prefetchd.control import RequestTimeout, ServiceError
 from prefetchd.control import protocol as P
 from prefetchd.serve import Client, Front, ServeSpec
 from prefetchd.serve.spec import demo_model
@@ -195,4 +195,14 @@ def test_a_peer_that_sends_junk_is_dropped_and_serving_goes_on(front, client):
                 pass
         except ConnectionResetError:
             pass                       # closed, either way; a timeout fails the test
+    assert client.infer("m0", GOOD)[0].shape[0] == 1
+
+
+def test_a_timeout_answered_by_the_server_names_the_clients_own_timeout(client):
+    """The front names its share of the client's timeout (0.9 t - 0.05 s, at least 1 ms), so
+    timeout=0.05 read "did not complete within 0.001s" (an outside probe): the client adds its own."""
+    # One row waits out the batcher's 150 ms for batch-mates: past the server's 0.13 s.
+    with pytest.raises(RequestTimeout, match=r"did not complete within 0\.13s .*"
+                                             r"\(the client's timeout: 0\.2s, of which the server gets"):
+        client.infer("m0", GOOD, timeout=0.2)
     assert client.infer("m0", GOOD)[0].shape[0] == 1
