@@ -234,10 +234,14 @@ class Offloaded(refusals.NotCopyable, HandleReadings):
                 self.turn.give()
 
     def _abandon_pass(self):
-        """A recording pass cut short records again; a streamed one may be the trace now."""
+        """A recording pass cut short records again; a streamed one may be the trace now, and
+        prefetches the next pass's start as a finished one did (_end_pass runs after every
+        forward: after one that finished, there is nothing to do)."""
+        cut_short = self._cursor.open
         if self._pass.abandoned():
             self._publish_trace()
-        self._prefetch_next_pass()
+        if cut_short:
+            self._prefetch_next_pass()
 
     def _prefetch_next_pass(self):
         """The next pass's start (the root, the first units), as a finished pass leaves it

@@ -46,6 +46,11 @@ class TraceCursor:
                                  # the tuple of the known order it ran, None if none
         self._previous = None    # the kind of the pass before
 
+    @property
+    def open(self):
+        """Whether a later pass started and has not ended (end_pass, abandon_pass)."""
+        return self._open
+
     def start_pass(self):
         self.position = 0
         if not self._orders:     # the first pass after the recording one, which ran the trace
