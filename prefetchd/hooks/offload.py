@@ -168,8 +168,9 @@ class Offloaded(refusals.NotCopyable, HandleReadings):
         refused inside one of its forwards, whose pins and prefetches it would cut across."""
         with self.turn.held():
             yield
-            # What the block used may have evicted the next pass's start: loaded again, and
-            # the root waited for (a forward right after would find its request not yet taken).
+            # The block may have evicted the next pass's start, or be writing it back on its way
+            # out (a prefetch finds it resident; the drop follows): settled first, then loaded.
+            self.daemon.flush([r for u in [self.root, *self.units] for r in u.records]).exception()
             root = self._prefetch_next_pass()
             if root is not None:
                 root.exception()           # a refused prefetch shows up as the pass's miss
