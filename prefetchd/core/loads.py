@@ -55,11 +55,16 @@ class Loads:
                     rec.pins += 1
                     req.pinned.append(rec)
                     rec.prefetched_unused = False
-                elif req.kind is Kind.PREFETCH and rec.state is State.RESIDENT and not rec.pins:
+                elif req.kind is Kind.PREFETCH and not rec.pins:
                     # A hit is a prefetch too: kept for its use like a loaded one, else a
                     # later prefetch could evict it once compute moves on (e.g. the root
                     # unit at a pass start, whose next use then looks farthest).
                     rec.prefetched_unused = True
+                    if rec.evict_after_store == "watermark":
+                        # Wanted again while written back on its way out: the write-back
+                        # completes, the drop does not (a load waiting for the room makes
+                        # it again from other victims). An explicit evict() still wins.
+                        rec.evict_after_store = None
                 rec.last_use = self._tick()
                 continue
             if rec.state is State.ABSENT and not (rec.remote_valid or rec.host_valid):

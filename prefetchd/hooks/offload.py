@@ -168,9 +168,8 @@ class Offloaded(refusals.NotCopyable, HandleReadings):
         refused inside one of its forwards, whose pins and prefetches it would cut across."""
         with self.turn.held():
             yield
-            # The block may have evicted the next pass's start, or be writing it back on its way
-            # out (a prefetch finds it resident; the drop follows): settled first, then loaded.
-            self.daemon.flush([r for u in [self.root, *self.units] for r in u.records]).exception()
+            # The block may have evicted the next pass's start, or be writing it back on its
+            # way out (a prefetch then keeps it: core/loads.py want_resident).
             root = self._prefetch_next_pass()
             if root is not None:
                 root.exception()           # a refused prefetch shows up as the pass's miss

@@ -437,3 +437,46 @@ def test_the_droppable_host_replicas_come_least_recently_used_first_without_a_so
     walk.close()
     again = list(index.by_last_use())
     assert again[0] is first and len(again) == len(set(again)) == 5
+
+
+def test_a_prefetch_of_a_tensor_a_watermark_eviction_is_writing_back_keeps_it():
+    """A watermark eviction of a dirty tensor writes it back before the drop. A prefetch that
+    arrives meanwhile counted as a hit, and the drop still followed: the tensor was gone
+    when compute came for it (under strict=True a raise; seen after load_param_into_net,
+    whose writes left the root weight dirty). The prefetch now keeps it: written back,
+    clean, resident."""
+    c = Core(device=64 * KiB)
+    c.s.memory.high, c.s.memory.low = 24 * KiB, 8 * KiB
+    a, e = c.tensor("a", 8 * KiB, fill=1), c.tensor("e", 8 * KiB, fill=2)
+    b, d = c.tensor("b", 8 * KiB, fill=3), c.tensor("d", 8 * KiB, fill=4)
+    c.submit(Kind.PIN, [b])                              # compute holds b throughout
+    for rec in (a, e):                                   # a and e used: neither prefetched-unused
+        c.submit(Kind.PIN, [rec])
+        c.drain()
+        c.submit(Kind.UNPIN, [rec])
+        c.drain()
+    a.replica[:] = bytes([9]) * a.nbytes
+    a.dirty, a.generation = True, 1
+    load = c.submit(Kind.PIN, [d])       # 24 + 8 > 24: down to the low watermark, a and e go
+    c.step(pick=set())
+    assert a.state is State.STORING and a.evict_after_store and e.state is State.ABSENT
+    again = c.submit(Kind.PREFETCH, [a])                 # wanted again before its drop
+    c.drain()
+    assert again.result(0) is None and load.result(0) is None and d.pins == 1
+    assert a.state is State.RESIDENT and not a.dirty, f"the prefetched tensor was dropped: {a.state}"
+    assert c.backend.store["a"] == bytes([9]) * a.nbytes and bytes(a.replica) == bytes([9]) * a.nbytes
+    assert c.backend.used == 24 * KiB
+
+
+def test_an_explicit_evict_of_a_tensor_being_written_back_still_drops_it_after_a_prefetch():
+    c = Core()
+    a = c.tensor("a", fill=1)
+    c.submit(Kind.PREFETCH, [a])
+    c.drain()
+    a.dirty, a.generation = True, 1
+    ev = c.submit(Kind.EVICT, [a])
+    c.step(pick=set())
+    assert a.state is State.STORING
+    c.submit(Kind.PREFETCH, [a])
+    c.drain()
+    assert ev.result(0) is None and a.state is State.ABSENT and c.backend.used == 0
