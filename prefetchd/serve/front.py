@@ -179,8 +179,8 @@ class Front(FrontSockets):
     # -- replies
 
     def _fail(self, job, code, reason):
-        job.finish()
-        self._reply_error(job.envelope, job.rid, code, reason)
+        job.finish()     # (a worker's refusal is named by the op, as the front's own are)
+        self._reply_error(job.envelope, job.rid, code, f"{job.kind}: {reason}" if code == P.BAD_REQUEST else reason)
 
     # -- clients: the op table
 

@@ -98,7 +98,8 @@ def test_generation_refusals(client):
         client.generate("m0", np.array([[1, 64]], np.int64), max_new_tokens=2)
     with pytest.raises(ServiceError, match="dtype float32, the model takes int64"):
         client.generate("m0", np.zeros((1, 3), np.float32), max_new_tokens=2)
-    with pytest.raises(ServiceError, match="over the model's 64 positions"):
+    with pytest.raises(ServiceError, match="^BAD_REQUEST: generate: a prompt of 60 tokens plus 10 new ones is "
+                                           "over the model's 64 positions"):   # (the worker's refusal)
         client.generate("m0", _ids(0, 1, 60), max_new_tokens=10)
     with pytest.raises(ServiceError, match="max_new_tokens"):
         client.generate("m0", _ids(0, 1, 3), max_new_tokens=0)
