@@ -10,10 +10,10 @@
 This package never imports prefetchd.daemon.
 """
 from .client import Client, Subscription
-from .codes import BusyError, RequestTimeout, ServiceError
+from .codes import BusyError, ConnectionLost, RequestTimeout, ServiceError
 from .endpoints import default_endpoint, resolve_endpoint, runtime_dir
 from .keys import create_keys
 from .server import Server
 
-__all__ = ["Server", "Client", "Subscription", "ServiceError", "BusyError", "RequestTimeout",
+__all__ = ["Server", "Client", "Subscription", "ServiceError", "BusyError", "RequestTimeout", "ConnectionLost",
            "default_endpoint", "resolve_endpoint", "runtime_dir", "create_keys"]

@@ -24,6 +24,11 @@ class RequestTimeout(PrefetchdError, TimeoutError):
     code = P.TIMEOUT
 
 
+class ConnectionLost(PrefetchdError, ConnectionError):
+    """The connection to the server was lost while the request was outstanding (the server
+    closed, died, or dropped the connection): it may or may not have run."""
+
+
 class BadArguments(ValueError):
     """A request's arguments are unusable; the reply is BAD_REQUEST with this message."""
 

@@ -13,8 +13,10 @@ request id, and completes each future with the reply's outputs (read-only views
 of the received frames) or the error the reply names (ServiceError with .code,
 BusyError, RequestTimeout); an infer future that has its outputs has `.reply`, the
 reply's result document (worker, batch_size, queue_seconds, seconds...). Every future completes: a reply, an error, its
-timeout (RequestTimeout), or ShutdownError when the client closes; `cancel()` returns
-False (a request sent is the server's to run).
+timeout (RequestTimeout, saying whether a server was ever connected), ConnectionLost as
+soon as the connection drops with it outstanding (the server died or dropped it: no
+reply can come), or ShutdownError when the client closes; `cancel()` returns False (a
+request sent is the server's to run).
 """
 import collections
 import concurrent.futures
@@ -24,9 +26,10 @@ import threading
 import time
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from ..control import protocol as P
-from ..control.codes import BadArguments, RequestTimeout, exception_for
+from ..control.codes import BadArguments, ConnectionLost, RequestTimeout, exception_for
 from ..control.endpoints import resolve_endpoint
 from ..control.ioloop import IOLoop
 from ..errors import ShutdownError
@@ -44,6 +47,33 @@ def _running_future():
     return future
 
 
+class _Link:
+    """The client socket's connection, as its monitor reports it (the I/O thread only)."""
+
+    EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+    def __init__(self):
+        self.up = self.ever = False
+        self.down_since = None
+
+    def lost(self, event):
+        """Apply a monitor event; True when it is the loss of a connection that was up."""
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.up = self.ever = True
+            return False
+        if event == zmq.EVENT_DISCONNECTED and self.up:
+            self.up, self.down_since = False, time.monotonic()
+            return True
+        return False
+
+    def why_unanswered(self):
+        if not self.ever:
+            return "; no server accepted the connection meanwhile (is one running at that endpoint?)"
+        if not self.up:
+            return f"; the connection has been down for {time.monotonic() - self.down_since:.1f}s"
+        return ""
+
+
 class Client:
     def __init__(self, endpoint, timeout=30.0, max_tensor_bytes=DEFAULT_MAX_TENSOR_BYTES):
         self.endpoint = resolve_endpoint(endpoint, "serve")
@@ -54,7 +84,8 @@ class Client:
         self._outbox = collections.deque()       # (rid, frames) to send
         self._pending = {}                       # rid -> (future, deadline); loop thread only
         self._futures = set()                    # every future not yet done, for close()
-        self._sock = None
+        self._sock = self._monitor = None
+        self._link = _Link()
         self._closed = False
         self._loop = IOLoop(self, "prefetchd-serve-client", max_poll=0.5)
         self._loop.start(10)
@@ -133,10 +164,11 @@ class Client:
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.linger = 0
         self._sock.sndhwm = self._sock.rcvhwm = 10000
+        self._monitor = self._sock.get_monitor_socket(_Link.EVENTS)
         self._sock.connect(self.endpoint)
 
     def poll_items(self):
-        return [(self._sock, self._on_reply, False)]
+        return [(self._sock, self._on_reply, False), (self._monitor, self._on_monitor, True)]
 
     def tick(self):
         while True:
@@ -155,7 +187,7 @@ class Client:
             if deadline <= now:
                 del self._pending[rid]
                 future.set_exception(RequestTimeout(
-                    f"no reply from {self.endpoint} within {timeout:g}s"))
+                    f"no reply from {self.endpoint} within {timeout:g}s{self._link.why_unanswered()}"))
 
     def poll_timeout(self):
         nearest = min((d for _, d, _ in self._pending.values()), default=None)
@@ -165,12 +197,28 @@ class Client:
         for future, _, _ in self._pending.values():
             future.set_exception(ShutdownError("client closed"))
         self._pending.clear()
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
 
     def release(self):
         pass
+
+    def _on_monitor(self, frames):
+        if not self._link.lost(parse_monitor_message(frames)["event"]):
+            return
+        # Every request sent went over that connection: its reply cannot come now. (One sent
+        # just before the event may still sit in the socket's queue and run on the next
+        # connection; its reply is then dropped: "may have run" says so.)
+        for future, _, _ in self._pending.values():
+            future.set_exception(ConnectionLost(
+                f"the connection to {self.endpoint} was lost with the request outstanding (the server "
+                f"closed, died or dropped the connection): it may have run; no reply will come"))
+        self._pending.clear()
 
     def _on_reply(self, frames):
         try:

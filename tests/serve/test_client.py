@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import ENV, REPO
-from prefetchd.control import RequestTimeout
+from prefetchd.control import ConnectionLost, RequestTimeout
 from prefetchd.errors import ShutdownError
 from prefetchd.serve import Client
 
@@ -31,8 +31,43 @@ def test_a_request_nobody_answers_times_out_in_bounded_time(tmp_path):
         with pytest.raises(RequestTimeout):
             f.result(5)
         assert time.monotonic() - started < 2
-        with pytest.raises(RequestTimeout):
+        with pytest.raises(RequestTimeout, match=r"within 0\.3s; no server accepted the connection meanwhile"):
             c.infer("m0", np.zeros((1, 4), np.float32), timeout=0.3)
+
+
+# A server that takes one request, says so, and never answers (until it is killed).
+SILENT_SERVER = """
+import sys, zmq
+sock = zmq.Context().socket(zmq.ROUTER)
+sock.bind(sys.argv[1])
+print("up", flush=True)
+sock.recv_multipart()
+print("got", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_request_whose_server_dies_fails_at_once_not_at_its_timeout(tmp_path):
+    """kill -9 of the server (a front that crashed) with a request outstanding: the client
+    waited out the request's whole timeout for a reply that could no longer come."""
+    endpoint = f"ipc://{tmp_path}/dies.sock"
+    server = subprocess.Popen([sys.executable, "-c", SILENT_SERVER, endpoint], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "up"
+        with Client(endpoint) as c:
+            f = c.submit("m0", np.zeros((1, 4), np.float32), timeout=120)
+            assert server.stdout.readline().strip() == "got"
+            started = time.monotonic()
+            server.kill()
+            with pytest.raises(ConnectionLost, match=r"dies\.sock was lost with the request outstanding.*may have run"):
+                f.result(60)
+            assert time.monotonic() - started < 10
+            with pytest.raises(RequestTimeout, match=r"the connection has been down for \d"):
+                c.infer("m0", np.zeros((1, 4), np.float32), timeout=0.5)   # nobody back since
+    finally:
+        server.kill()
+        server.wait(30)
 
 
 def test_inputs_over_the_tensor_limit_are_refused_before_sending(tmp_path):
