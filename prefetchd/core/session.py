@@ -125,7 +125,15 @@ class ComputeSession:
         Returns the fence's epoch (None without per-unit fences)."""
         epoch = None
         if self.marker is not None and output is not None:
-            epoch = self.marker.mark(output)
+            try:
+                epoch = self.marker.mark(output)
+            except BaseException:
+                # The compute behind `output` failed: MindSpore raises an op's error at the
+                # next op that uses its result, this fence. Unpinned all the same (else
+                # the pins outlived the forward and starved every other model), with no
+                # epoch: their memory waits for a whole-queue fence. The error is the caller's.
+                self._unpin_unfenced(records)
+                raise
             with self._core.lock:
                 for rec in records:
                     rec.compute_epoch = epoch
@@ -134,6 +142,12 @@ class ComputeSession:
             self.timeline.compute_end(unit, self.marker if epoch is not None else None, epoch)
         self._core.submit(Request(Kind.UNPIN, records))
         return epoch
+
+    def _unpin_unfenced(self, records):
+        with self._core.lock:
+            for rec in records:
+                rec.compute_epoch = None
+        self._core.submit(Request(Kind.UNPIN, records))
 
     def prefetch(self, records, priority=0):
         return self._daemon.prefetch(records, priority=priority)

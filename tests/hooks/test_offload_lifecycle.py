@@ -557,3 +557,35 @@ def test_a_forward_on_another_thread_waits_for_a_jit_call_inside_use(ms, tmp_pat
         assert result == {"equal": True}, result
         assert events == ["hidden", "restored", "forward done"], events
         handle.close()
+
+
+def test_a_forward_that_fails_inside_mindspore_unpins_its_weights_for_the_other_models(ms, make_daemon):
+    """MindSpore raises an op's error (here shapes that do not broadcast) at the next op that
+    uses its result: the compute fence prefetchd puts behind the pass. The unpin after that
+    fence never went out: the failed model's weights stayed pinned, and every forward of
+    another model on the daemon failed with BudgetError (an outside probe's two served models)."""
+    nn = ms.nn
+
+    class TwoInputs(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.w, self.emb = nn.Dense(4, 8), nn.Embedding(20000, 8)
+
+        def construct(self, x, ids):
+            return self.w(x) + self.emb(ids)
+
+    ms.set_seed(3)
+    first, second = TwoInputs(), TwoInputs()
+    second.update_parameters_name("second.")
+    want = second(ms.Tensor(np.ones((1, 2, 4), np.float32)), ms.Tensor(np.ones((1, 2), np.int32))).asnumpy()
+    daemon = make_daemon(device_budget="1MiB")           # one model's weights at a time
+    prefetchd.offload(first, daemon)
+    prefetchd.offload(second, daemon)
+    ids = ms.Tensor(np.ones((1, 2), np.int32))
+    for model in (first, second, first):                 # past the recording passes
+        model(ms.Tensor(np.ones((1, 2, 4), np.float32)), ids).asnumpy()
+    with pytest.raises(ValueError, match="broadcast"):
+        first(ms.Tensor(np.ones((1, 3, 4), np.float32)), ids).asnumpy()
+    assert wait_until(lambda: daemon.status()["pinned"] == 0, timeout=30), daemon.status()["pinned"]
+    np.testing.assert_array_equal(second(ms.Tensor(np.ones((1, 2, 4), np.float32)), ids).asnumpy(), want)
+    assert first(ms.Tensor(np.ones((1, 2, 4), np.float32)), ids).shape == (1, 2, 8)
