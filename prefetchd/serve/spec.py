@@ -19,7 +19,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from ..config import ENV_PREFIX, Config
+from ..config import BOUNDS, ENV_PREFIX, PAGE, Config
 from ..errors import ConfigError
 
 DEMO_FACTORY = "prefetchd.serve.spec:demo_model"
@@ -103,7 +103,7 @@ class ServeSpec:
         if self.budget_in_bytes():
             return self.budget
         fraction = 1.5 if self.budget is None else self.budget
-        floor = 0
+        floor = BOUNDS["device_budget"][0]   # (a tiny model's 150% was refused as under it)
         if self.is_demo():   # at least lookahead + 2 blocks, so a forward pass can progress
             from ..demo.model import block_params
             floor = (self.lookahead + 2) * block_params(self.hidden) * 4
@@ -180,7 +180,9 @@ def sized(spec):
     if spec.is_demo() or spec.model_bytes_hint or spec.checkpoint_store or spec.budget_in_bytes():
         return spec, None
     first = build_weight_set(spec, spec.seed)
-    nbytes = sum(int(p.nbytes) for p in first.cell.get_parameters())
+    # As the device tier counts them: each weight in whole pages (many small tensors
+    # take more than their bytes; 150% of the bytes alone did not hold them).
+    nbytes = sum(-(-int(p.nbytes) // PAGE) * PAGE for p in first.cell.get_parameters())
     return dataclasses.replace(spec, model_bytes_hint=max(nbytes, 1)), first
 
 

@@ -120,3 +120,27 @@ def wide(seed=0):
     from mindspore import nn
     ms.set_seed(seed)
     return nn.Dense(2048, 4096), [TensorSpec((None, 2048), "float32", 0, "x")]
+
+
+def many_small(seed=0):
+    """24 nn.Dense(4, 4): 48 tensors of 64 and 16 bytes, 1920 bytes in all, each of which
+    the device tier holds in a page of its own."""
+    import mindspore as ms
+    from mindspore import nn
+    ms.set_seed(seed)
+    return nn.SequentialCell([nn.Dense(4, 4) for _ in range(24)]), [TensorSpec((None, 4), "float32", 0, "x")]
+
+
+def one_scalar(seed=0):
+    """A model of one 0-d weight: 4 bytes, 150% of which is under any budget a daemon takes."""
+    import mindspore as ms
+    from mindspore import nn
+
+    class Scale(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.k = ms.Parameter(ms.Tensor(np.float32(1.5 + seed)), name="k")
+
+        def construct(self, x):
+            return x * self.k
+    return Scale(), [TensorSpec((None, 4), "float32", 0, "x")]

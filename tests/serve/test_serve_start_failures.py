@@ -152,6 +152,25 @@ def test_a_custom_models_default_budget_is_a_share_of_its_own_weights(tmp_path):
     assert budget == int(1.5 * (2048 * 4096 + 4096) * 4), budget
 
 
+@pytest.mark.parametrize("factory", ["many_small", "one_scalar"])
+def test_a_small_custom_model_is_served_at_its_default_budget(tmp_path, factory):
+    """150% of a small model's bytes was refused as under the daemon's least budget
+    ('device_budget: 96 is out of bounds', three start failures, exit 1), and 150% of many
+    small tensors' bytes could not hold them (the device tier gives each a page)."""
+    import mindspore as ms
+
+    from prefetchd.serve import Client, Front, ServeSpec
+    from tests.serve import _servables
+    spec = ServeSpec(models=1, model=f"tests.serve._servables:{factory}", store_dir=str(tmp_path / "store"))
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    cell, _ = getattr(_servables, factory)(seed=spec.seed)
+    want = cell(ms.Tensor(x)).asnumpy()
+    endpoint = f"ipc://{tmp_path}/small.sock"
+    with Front(endpoint, workers=1, spec=spec, name=f"small{os.getpid()}").start() as front:
+        with Client(front.endpoint, timeout=120) as client:
+            np.testing.assert_array_equal(client.infer("m0", x)[0], want)
+
+
 def _status(endpoint):
     import zmq
 
