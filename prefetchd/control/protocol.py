@@ -97,6 +97,9 @@ def split_envelope(frames):
     return frames[:1], frames[1:]
 
 
+BODY_FIELDS = frozenset({"op", "args", "timeout"})
+
+
 def decode_request(payload, max_message_size=DEFAULT_MAX_MESSAGE_SIZE):
     """(rid, op, args, timeout) of a request's payload frames; ProtocolError if unusable.
 
@@ -123,11 +126,19 @@ def decode_request(payload, max_message_size=DEFAULT_MAX_MESSAGE_SIZE):
         raise ProtocolError(TOO_LARGE, f"body of {len(body)} bytes exceeds the limit of "
                             f"{max_message_size} bytes", rid)
     try:
-        doc = loads(body)
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        text = bytes(body).decode("utf-8")   # (json.loads of bytes also takes UTF-16 and 32)
+    except UnicodeDecodeError as e:
+        raise ProtocolError(BAD_REQUEST, f"body is not UTF-8: {e.reason} at byte {e.start}", rid) from None
+    try:
+        doc = loads(text)
+    except (ValueError, RecursionError) as e:
         raise ProtocolError(BAD_REQUEST, f"body is not JSON: {str(e)[:200]}", rid) from None
     if not isinstance(doc, dict):
         raise ProtocolError(BAD_REQUEST, "body must be a JSON object", rid)
+    unknown = sorted(set(doc) - BODY_FIELDS)
+    if unknown:   # (a misspelled 'timout' was ignored: the request ran without its timeout)
+        raise ProtocolError(BAD_REQUEST, f"unknown field {unknown[0][:64]!r} in the body; it takes "
+                            f"{', '.join(sorted(BODY_FIELDS))}", rid)
     op, args, timeout = doc.get("op"), doc.get("args", {}), doc.get("timeout")
     if not isinstance(op, str):
         raise ProtocolError(BAD_REQUEST, "body needs an 'op' string", rid)

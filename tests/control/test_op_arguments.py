@@ -100,6 +100,33 @@ def test_an_unknown_argument_is_refused_naming_it_and_the_accepted_ones(served, 
     assert daemon.tensors(NAMES[2])[0]["state"] == "absent"      # nothing was done
 
 
+def raw_body(endpoint, body):
+    """One request whose body frame is `body` (bytes), as any peer may send it: the reply."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(endpoint)
+        sock.send_multipart([P.MAGIC, P.new_rid(2), body])
+        assert sock.poll(5000), "no reply"
+        return P.loads(sock.recv_multipart()[2])
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("body, why", [
+    (b'{"op": "ping", "timout": 0.5}', "unknown field 'timout' in the body; it takes args, op, timeout"),
+    ('{"op": "ping"}'.encode("utf-16"), "body is not UTF-8"),      # json.loads of bytes took it
+])
+def test_a_body_with_an_unknown_field_or_not_in_utf8_is_refused_saying_so(served, body, why):
+    """A misspelled top-level 'timeout' was ignored (the request ran without its timeout),
+    and a UTF-16 body was answered (outside probe V): the body is UTF-8 JSON {op, args, timeout}."""
+    _, server, _ = served
+    reply = raw_body(server.endpoint, body)
+    assert reply["ok"] is False and reply["code"] == P.BAD_REQUEST and why in reply["reason"], reply
+    assert raw_body(server.endpoint, b'{"op": "ping", "args": {}, "timeout": 5}')["ok"] is True
+
+
 def test_the_client_and_ctl_send_only_arguments_the_ops_take(served):
     daemon, server, client = served
     bad = server.counters.errors.get(P.BAD_REQUEST, 0)
