@@ -3,12 +3,18 @@ batch key (prefetchd.serve.admission) are joined along the batch axis up to
 `max_batch_size` rows and sent to one worker as one batch, which runs one
 forward (one weight stream) for all of them and splits the outputs back.
 
-A model's batch is ready when its oldest request's compatible requests fill
-`max_batch_size` rows, or when that request has waited `max_delay` seconds
+A model's batch is ready when its next request's compatible requests fill
+`max_batch_size` rows, or when its oldest request has waited `max_delay` seconds
 (Triton's max_queue_delay). `max_batch_size` 1 turns batching off. A request
 larger than `max_batch_size` runs alone. Used on the front's I/O thread only.
+
+Batches take requests round-robin over the clients (connections) that have some
+queued, the one served least recently first, each client's own in order: one
+client that queues a thousand requests delays another's next one by a batch, not
+by a thousand (first come, first served let a flood starve every other client).
 """
 import collections
+import itertools
 from dataclasses import dataclass, field
 
 
@@ -66,31 +72,82 @@ class Batch:
         return [j for j in self.jobs if not j.done]
 
 
+class ModelQueue:
+    """One model's queued jobs: a deque per client (its connection's routing identity),
+    each in arrival order; clients in the order they came (again) to have jobs queued."""
+
+    def __init__(self):
+        self.clients = {}          # identity -> deque of Jobs
+        self._count = 0
+
+    def __len__(self):
+        return self._count
+
+    def __iter__(self):
+        return (job for jobs in self.clients.values() for job in jobs)
+
+    def add(self, job, first=False):
+        jobs = self.clients.setdefault(job.envelope[0], collections.deque())
+        if first:
+            jobs.appendleft(job)
+        else:
+            jobs.append(job)
+        self._count += 1
+
+    def remove(self, job):
+        jobs = self.clients.get(job.envelope[0])
+        if jobs is None or job not in jobs:
+            return False
+        jobs.remove(job)
+        self._count -= 1
+        if not jobs:
+            del self.clients[job.envelope[0]]
+        return True
+
+    def oldest(self):
+        """When the job that has waited longest arrived."""
+        return min(jobs[0].received for jobs in self.clients.values())
+
+    def fair(self, served):
+        """The jobs in the order batches take them: round-robin over the clients, the one
+        whose job a batch took least recently first (`served`: identity -> when; ties: the
+        first to come), each client's in order."""
+        order = sorted(self.clients.items(), key=lambda item: served.get(item[0], -1))
+        turns = collections.deque(iter(jobs) for _, jobs in order)
+        while turns:
+            jobs = turns.popleft()
+            job = next(jobs, None)
+            if job is not None:
+                yield job
+                turns.append(jobs)
+
+
 class Batcher:
     def __init__(self, max_batch_size=8, max_delay=0.002):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
         self.max_batch_size = max_batch_size
         self.max_delay = max_delay
-        self._queues = collections.OrderedDict()     # model -> deque of Jobs
+        self._queues = collections.OrderedDict()     # model -> ModelQueue
+        self._served = {}                            # client identity -> when a batch last took one
+        self._turns = itertools.count()
 
     def __len__(self):
         return sum(len(q) for q in self._queues.values())
 
-    def add(self, job):
-        self._queues.setdefault(job.model, collections.deque()).append(job)
+    def add(self, job, first=False):
+        """Queue `job` (first: ahead of its client's others, e.g. put back when its batch
+        could not go)."""
+        self._queues.setdefault(job.model, ModelQueue()).add(job, first)
 
     def remove(self, job):
         q = self._queues.get(job.model)
-        if q is not None and job in q:
-            q.remove(job)
-            return True
-        return False
+        return q is not None and q.remove(job)
 
     def abandon(self, identity):
         """Drop the queued jobs of the client whose routing identity is `identity` (a reply to
         it found it gone: nobody will take theirs); returns how many, now done."""
-        gone = [j for q in self._queues.values() for j in q if j.envelope[0] == identity]
+        gone = [j for q in self._queues.values() for j in q.clients.get(identity, ())]
         for job in gone:
             self.remove(job)
             job.finish()
@@ -102,12 +159,13 @@ class Batcher:
         return jobs
 
     def _compatible(self, q):
-        """The jobs joined with q's head: same key, in order, up to max_batch_size rows."""
-        head = q[0]
+        """The jobs joined with q's next one: same key, in fair order, up to max_batch_size rows."""
+        order = q.fair(self._served)
+        head = next(order)
         chosen, rows = [head], head.rows
         if head.key is None:
             return chosen, rows
-        for job in list(q)[1:]:
+        for job in order:
             if rows >= self.max_batch_size:
                 break
             if job.key == head.key and rows + job.rows <= self.max_batch_size:
@@ -116,14 +174,15 @@ class Batcher:
         return chosen, rows
 
     def ready_models(self, now):
-        """Models with a batch ready to send, oldest head first."""
+        """Models with a batch ready to send, the one whose oldest job waited longest first."""
         ready = []
         for model, q in self._queues.items():
             if not q:
                 continue
             _, rows = self._compatible(q)
-            if rows >= self.max_batch_size or now >= q[0].received + self.max_delay:
-                ready.append((q[0].received, model))
+            oldest = q.oldest()
+            if rows >= self.max_batch_size or now >= oldest + self.max_delay:
+                ready.append((oldest, model))
         return [m for _, m in sorted(ready)]
 
     def take(self, model):
@@ -132,9 +191,12 @@ class Batcher:
         chosen, _ = self._compatible(q)
         for job in chosen:
             q.remove(job)
+            self._served[job.envelope[0]] = next(self._turns)
+        if len(self._served) > 2 * len(self) + 64:   # only clients with jobs queued matter
+            queued = {c for q in self._queues.values() for c in q.clients}
+            self._served = {c: t for c, t in self._served.items() if c in queued}
         return chosen
 
     def next_wakeup(self):
-        """When the oldest waiting head's delay runs out (None: nothing waits)."""
-        return min((q[0].received + self.max_delay for q in self._queues.values() if q),
-                   default=None)
+        """When the oldest waiting job's delay runs out (None: nothing waits)."""
+        return min((q.oldest() + self.max_delay for q in self._queues.values() if q), default=None)

@@ -258,7 +258,7 @@ class Front(FrontSockets):
         except zmq.ZMQError:
             s.ready = False            # its connection is gone; the sentinel will tell why
             for job in reversed(jobs):
-                self._batcher.add(job)
+                self._batcher.add(job, first=True)
             return
         hs = self.histograms.setdefault(model, {"batch_size": Histogram(BATCH_BUCKETS),
                                                 "queue_seconds": Histogram(QUEUE_BUCKETS)})

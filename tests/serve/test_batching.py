@@ -1,0 +1,70 @@
+"""The front's Batcher by itself (no sockets, no workers): which queued requests each
+batch takes. Round-robin over the clients (connections) with requests queued, the one
+served least recently first; each client's own in order; only compatible ones joined."""
+from prefetchd.serve.batching import Batcher, Job
+
+
+def job(client, n, key="k", rows=1, received=0.0, model="m0"):
+    return Job(envelope=[client, b""], rid=n.to_bytes(8, "big"), model=model, kind="infer", inputs=[],
+               frames=[], rows=rows, key=key, hint=False, deadline=1e9, received=received)
+
+
+def taken(batcher, model="m0"):
+    return [(j.envelope[0], int.from_bytes(j.rid, "big")) for j in batcher.take(model)]
+
+
+def test_a_client_that_floods_delays_anothers_request_by_one_batch_not_by_its_whole_queue():
+    """An outside probe: one client queued 1500 requests and a second client's request,
+    first come first served, waited out its 5 s timeout behind them."""
+    b = Batcher(max_batch_size=4)
+    for n in range(1000):
+        b.add(job(b"flood", n))
+    b.add(job(b"other", 0))
+    first = taken(b)
+    assert (b"other", 0) in first and len(first) == 4
+    assert [n for c, n in first if c == b"flood"] == [0, 1, 2]        # its own still in order
+
+
+def test_batches_alternate_between_busy_clients_least_recently_served_first():
+    b = Batcher(max_batch_size=1)
+    for n in range(3):
+        b.add(job(b"a", n))
+    for n in range(3):
+        b.add(job(b"b", n))
+    assert [taken(b)[0] for _ in range(6)] == [(b"a", 0), (b"b", 0), (b"a", 1), (b"b", 1), (b"a", 2), (b"b", 2)]
+    b.add(job(b"a", 3))
+    b.add(job(b"c", 0))                   # a newcomer goes before one served a moment ago
+    b.add(job(b"b", 3))
+    assert [taken(b)[0] for _ in range(3)] == [(b"c", 0), (b"a", 3), (b"b", 3)]
+
+
+def test_only_requests_with_the_head_key_are_joined_and_the_rest_wait_their_turn():
+    b = Batcher(max_batch_size=8)
+    b.add(job(b"a", 0, key="x"))
+    b.add(job(b"b", 0, key="y"))
+    b.add(job(b"a", 1, key="y"))
+    b.add(job(b"c", 0, key="x", rows=8))   # would overflow the batch: waits
+    b.add(job(b"c", 1, key=None))          # never joined
+    assert taken(b) == [(b"a", 0)]
+    assert taken(b) == [(b"b", 0), (b"a", 1)]
+    assert taken(b) == [(b"c", 0)]
+    assert taken(b) == [(b"c", 1)]
+    assert len(b) == 0
+
+
+def test_a_batch_put_back_goes_first_in_its_order():
+    b = Batcher(max_batch_size=2)
+    for n in range(4):
+        b.add(job(b"a", n))
+    jobs = b.take("m0")
+    for j in reversed(jobs):                # the front, when a batch could not be sent
+        b.add(j, first=True)
+    assert taken(b) == [(b"a", 0), (b"a", 1)]
+
+
+def test_the_clients_it_remembers_are_bounded_by_those_with_requests_queued():
+    b = Batcher(max_batch_size=1)
+    for n in range(5000):
+        b.add(job(n.to_bytes(4, "big"), n))
+        b.take("m0")
+    assert len(b._served) <= 64 + 1
