@@ -229,8 +229,9 @@ def _refuse_taken_names(daemon, params):
             raise DoubleRegisterError(
                 f"prefetchd.offload: a tensor named {p.name!r} is already registered (names are unique in "
                 f"one daemon: close the handle of the model that has it, or give a second model of the "
-                f"same names its own daemon or a prefix, e.g. model.update_parameters_name('second.')); "
-                f"nothing was registered")
+                f"same names its own daemon or a prefix, e.g. model.update_parameters_name('second.'); "
+                f"a loop whose `handle = prefetchd.offload(...)` still holds the last round's handle "
+                f"keeps that model: handle.close() or `del handle` first); nothing was registered")
         seen.add(p.name)
         owner = managing_daemon(p)
         if owner is not None:

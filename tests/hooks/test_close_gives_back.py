@@ -242,6 +242,24 @@ def test_models_dropped_unclosed_give_their_weights_back_at_the_next_offload(ms,
             assert daemon.status()["host"]["used"] <= sum(p.nbytes for p in model.get_parameters()) + (64 << 10)
 
 
+def test_a_loop_that_keeps_the_last_rounds_handle_is_told_to_close_or_drop_it(ms, tmp_path, x):
+    """`handle = prefetchd.offload(...)` each round keeps the last round's model until the
+    assignment, after offload() (an outside probe, following docs/offload.md): the refusal
+    now says so, and either way out works."""
+    with prefetchd.Daemon(device_budget=64 << 10, store_dir=str(tmp_path / "s")) as daemon:
+        handle = prefetchd.offload(stack(ms, "m.", seed=0), daemon, lookahead=1)
+        with pytest.raises(prefetchd.DoubleRegisterError, match=r"still holds the last round's handle.*"
+                                                                r"handle\.close\(\) or `del handle` first"):
+            prefetchd.offload(stack(ms, "m.", seed=1), daemon, lookahead=1)
+        del handle
+        handle = prefetchd.offload(stack(ms, "m.", seed=2), daemon, lookahead=1)
+        handle.close()
+        model = stack(ms, "m.", seed=3)
+        want = model(x).asnumpy()
+        handle = prefetchd.offload(model, daemon, lookahead=1)
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
+
+
 def test_a_dropped_model_whose_weight_is_pinned_stays_until_a_later_offload(ms, tmp_path, x, caplog):
     import gc
     with prefetchd.Daemon(device_budget=64 << 10, store_dir=str(tmp_path / "s")) as daemon:
