@@ -74,7 +74,7 @@ def _sizes(args):
             "seq": 4 if quick else 8,
             "requests": getattr(args, "requests", None) or (1 if quick else 16),
             "rounds": 1 if quick else 2,    # a phase at concurrency c sends >= rounds * c
-            "repeats": 1 if quick else max(1, int(getattr(args, "repeats", 2) or 2)),
+            "repeats": max(1, int(getattr(args, "repeats", None) or (1 if quick else 2))),
             "budget": getattr(args, "budget", None) or 0.25,
             "lookahead": 1 if quick else max(1, int(getattr(args, "lookahead", 1) or 1)),
             "workers": 1 if quick else max(1, int(getattr(args, "workers", 2) or 2)),

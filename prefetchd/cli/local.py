@@ -66,7 +66,8 @@ def register(sub):
                         "model's weights (default 25%%)")
     p.add_argument("--size", type=positive_size, default="1GiB",
                    help="io: file size; model, accelerate: weight bytes (default 1GiB)")
-    p.add_argument("--repeats", type=positive_int, default=3, help="runs of each measurement (3)")
+    p.add_argument("--repeats", type=positive_int, default=None,
+                   help="runs of each measurement (3; serve --quick: 1)")
     p.add_argument("--lookahead", type=positive_int, default=2, help="model/serve: units prefetched ahead (2)")
     # serve: run only the shared_host section (prefetchd.bench.serve's docstring); not advertised.
     p.add_argument("--only", choices=["shared"], default=None, help=argparse.SUPPRESS)
@@ -112,6 +113,9 @@ def cmd_config(args):
 
             from ..control.server_options import resolve
             resolve(SimpleNamespace(config=config), config.endpoint)
+        if config.backend == "cpu":            # what its backend would refuse: budgets over RAM
+            from ..limits import check_budgets
+            check_budgets(config.device_budget, config.host_budget)
         print("configuration OK")
     else:
         emit(config.as_dict(), args.json)
@@ -173,6 +177,8 @@ IO_SIZE_MIN = 1 << 20
 
 
 def cmd_bench(args):
+    if args.repeats is None:     # (a default of 3 in the parser hid an explicit --repeats 3 from --quick)
+        args.repeats = 1 if args.kind == "serve" and args.quick else 3
     if args.kind == "serve":
         from ..bench.serve import bench_serve
         from ..serve.spec import ServeSpec

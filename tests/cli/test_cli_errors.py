@@ -67,6 +67,10 @@ def test_failures_are_one_line_exit_1_and_traceback_only_with_debug(tmp_path):
     assert out.returncode == 1 and "lookahead" in one_error_line(out)
     out = run("--debug", "config", "validate", "--config", str(bad))
     assert out.returncode == 1 and "Traceback" in out.stderr
+    # Budgets no Daemon on this machine would take: validate said "configuration OK".
+    bad.write_text('[prefetchd]\nhost_budget = "1000TiB"\n')
+    out = run("config", "validate", "--config", str(bad))
+    assert out.returncode == 1 and "host_budget 1000 TiB" in one_error_line(out), out.stderr
     # A --model module that exists but fails to import is a failure, not a bad command line.
     (tmp_path / "broken_factory_x.py").write_text("import no_such_dependency_x\n")
     out = run("serve", "--model", "broken_factory_x:build", env={"PYTHONPATH": str(tmp_path)})
