@@ -27,8 +27,9 @@ def register(sub):
     p = sub.add_parser("ctl", intermixed=True,
                        help="send one control-plane request (prints the JSON reply)")
     _client_args(p)
-    p.add_argument("op", choices=["ping", "list", "stats", "prefetch", "evict", "pin", "renew", "unpin",
-                                  "flush", "set-watermarks"], help="the operation")
+    p.add_argument("op", type=lambda op: op.replace("_", "-"),   # (the wire's set_watermarks too)
+                   choices=["ping", "status", "list", "stats", "prefetch", "evict", "pin", "renew", "unpin",
+                            "flush", "set-watermarks"], help="the operation")
     p.add_argument("args", nargs="*",
                    help="tensor names or globs (prefetch/evict/pin/flush/list), a lease id "
                         "(renew/unpin), or HIGH [LOW] (set-watermarks: a size like 2GiB, or a "
@@ -197,7 +198,7 @@ def _target(values):
 
 def _check_ctl_args(op, values):
     """Refuse, before connecting, arguments the operation does not take (they were ignored)."""
-    most = {"ping": 0, "stats": 0, "list": 1, "set-watermarks": 2}.get(op)
+    most = {"ping": 0, "stats": 0, "status": 0, "list": 1, "set-watermarks": 2}.get(op)
     if most is not None and len(values) > most:
         takes = {0: "no arguments", 1: "at most one glob", 2: "HIGH [LOW]"}[most]
         raise UsageError(f"ctl {op}: takes {takes}; got {' '.join(values)}")
@@ -214,7 +215,7 @@ def cmd_ctl(args):
     _check_ctl_args(op, values)
     marks = [_watermark(v) for v in (values + [None])[:2]] if op == "set-watermarks" else None
     with _client(args) as c:
-        if op in ("ping", "stats"):
+        if op in ("ping", "stats", "status"):
             result = c.call(op)
         elif op == "list":
             result = c.list(values[0] if values else "*")

@@ -141,8 +141,9 @@ def test_the_client_and_ctl_send_only_arguments_the_ops_take(served):
     client.set_watermarks(0.9, 0.6)
     with client.subscribe() as sub:
         sub.sync()
-    for args in (["ping"], ["stats"], ["list", "layer.*"], ["prefetch", NAMES[3], "--priority", "1"],
-                 ["evict", NAMES[3], "--no-wait"], ["flush"], ["set-watermarks", "95%", "0.7"]):
+    for args in (["ping"], ["stats"], ["status"], ["list", "layer.*"], ["prefetch", NAMES[3], "--priority", "1"],
+                 ["evict", NAMES[3], "--no-wait"], ["flush"], ["set-watermarks", "95%", "0.7"],
+                 ["set_watermarks", "95%"]):   # (the op's wire name, as docs/control-plane.md lists it)
         out = ctl(server.endpoint, *args)
         assert out.returncode == 0, (args, out.stderr)
     out = ctl(server.endpoint, "pin", NAMES[3], "--lease", "5")
