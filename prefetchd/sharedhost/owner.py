@@ -37,6 +37,9 @@ from .table import BlockTable
 log = logging.getLogger("prefetchd.sharedhost")
 
 FILL_THREADS = 2
+COUNTERS = ("hits", "fills", "fill_bytes", "fill_errors", "evictions", "attached", "detached",
+            "acquire_requests", "release_requests", "stray_releases", "leases_released_on_close",
+            "bad_requests", "refused_peers")
 
 
 class _Conn:
@@ -87,7 +90,9 @@ class SharedHostOwner:
         self.path, self.budget = socket_path, budget
         self._huge_mode = shmem_huge_mode()      # blocks >= 2 MiB ask for huge pages
         self.store = _native.FileStore(store_dir)
-        self.counters = collections.Counter()
+        # Every counter from the start (a monitoring script read counters["hits"]: KeyError
+        # until the first hit); refused_<code> ones appear with their first refusal.
+        self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))
         self._blocks = BlockTable(budget, self.counters)
         # Every block of the store fits at once: no block is ever dropped for room, so a
         # daemon may keep a lease for as long as it keeps the pages mapped under a home

@@ -66,6 +66,9 @@ def _owner_leases(owner):
 
 def test_a_resident_weight_is_the_shared_pages_and_a_dropped_one_stays_parked_under_its_home(
         owner, tmp_path):
+    from prefetchd.sharedhost.owner import COUNTERS
+    # Every counter from the start, at 0 (a monitoring script's counters["hits"] was a KeyError).
+    assert {k: owner.status()["counters"][k] for k in COUNTERS} == dict.fromkeys(COUNTERS, 0)
     d = _daemon(owner, tmp_path)
     try:
         assert d.status()["shared_host"]["covering"]

@@ -121,7 +121,7 @@ def test_sigkill_of_daemons_mid_load_leaks_no_lease_and_survivors_keep_serving(s
     assert status["leases"] == sum(d["shared"]["mapped_leases"] for d in done) > 0
     assert status["counters"]["detached"] >= 5
     assert status["counters"]["fills"] == len(TENSORS)    # nothing lost: no block refilled
-    assert "fill_errors" not in status["counters"]
+    assert status["counters"]["fill_errors"] == 0
 
 
 def test_a_corrupted_tensor_fails_closed_and_the_others_keep_loading(staged, tmp_path):
