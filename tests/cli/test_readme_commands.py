@@ -129,6 +129,16 @@ def _check_sweep(out, paths):
     assert len(_json(out)["filestore"]) == 32
 
 
+def _check_infer(out, paths):
+    y = np.load(paths["tmp"] + "/out/output0.npy")
+    assert y.shape[:2] == (SERVE_MODEL["batch"], SERVE_MODEL["seq"]) and np.isfinite(y).all(), y.shape
+    assert "output0.npy float32" in out.stdout, out.stdout
+
+
+def _check_validate(out, paths):
+    assert out.stdout.strip() == "configuration OK", out.stdout
+
+
 def _has(*keys):
     def check(out, paths):
         doc = _json(out)
@@ -231,6 +241,10 @@ CASES = [
     Case("status", ["status", "--endpoint", "{endpoint}", "--json"], _check_status, server=True),
     Case("ctl-ping", ["ctl", "--endpoint", "{endpoint}", "ping"], _check_ctl_ping, server=True),
     Case("ctl-list", ["ctl", "--endpoint", "{worker}", "list"], _check_ctl_list, server=True),
+    Case("infer", ["infer", "--endpoint", "{endpoint}", "--model", "m0", "{x_npy}", "--out", "{tmp}/out"],
+         _check_infer, server=True),
+    Case("config-show", ["config", "show", "--json"], _has("device_budget", "store_dir")),
+    Case("config-validate", ["config", "validate"], _check_validate),
     Case("version", ["--version"], _check_version),
     Case("debug", ["--debug", "stage", "{tmp}/missing.ckpt", "--store", "{tmp}/nostore"], _check_debug, code=1),
 ]
@@ -269,7 +283,9 @@ def checkpoints(tmp_path_factory):
         (per_rank / f"rank_{rank}").mkdir(parents=True)
         ms.save_checkpoint([{"name": k, "data": ms.Tensor(v[..., rank::2])} for k, v in tensors.items()],
                            str(per_rank / f"rank_{rank}" / "net.ckpt"))
-    return {"ckpt": ckpt, "safetensors": st, "per_rank": str(per_rank)}
+    x_npy = str(d / "x.npy")                 # an input of the served demo model
+    np.save(x_npy, np.zeros((SERVE_MODEL["batch"], SERVE_MODEL["seq"], SERVE_MODEL["hidden"]), np.float32))
+    return {"ckpt": ckpt, "safetensors": st, "per_rank": str(per_rank), "x_npy": x_npy}
 
 
 @pytest.fixture(scope="module")
