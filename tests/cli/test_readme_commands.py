@@ -132,7 +132,7 @@ def _check_sweep(out, paths):
 def _check_infer(out, paths):
     y = np.load(paths["tmp"] + "/out/output0.npy")
     assert y.shape[:2] == (SERVE_MODEL["batch"], SERVE_MODEL["seq"]) and np.isfinite(y).all(), y.shape
-    assert "output0.npy float32" in out.stdout, out.stdout
+    assert "output0.npy\tfloat32\t[2, 8, " in out.stdout, out.stdout
 
 
 def _check_validate(out, paths):
