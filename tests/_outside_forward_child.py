@@ -19,6 +19,7 @@ import numpy as np
 
 import mindspore as ms
 from mindspore import nn, ops
+from mindspore._c_expression import TensorPy
 
 import prefetchd
 
@@ -101,7 +102,6 @@ def act(case, d, net, w, x, ckpt):
         assert np.isclose(float(loss.asnumpy()), want, rtol=1e-5), (float(loss.asnumpy()), want)
         assert all(g.shape == p.shape for g, p in zip(grads, head.trainable_params()))
         print("frozen backbone: head gradients computed")
-    # Not covered (see docs/daemon-api.md): the tests expect these to fail for now.
     elif case == "stack":                        # a legacy Primitive with a sequence argument
         ops.stack((w, w)).asnumpy()
     elif case == "stack_namedtuple":             # a tuple's subclass
@@ -110,8 +110,20 @@ def act(case, d, net, w, x, ckpt):
         ops.addn([w, x[:1].broadcast_to((H, H))]).asnumpy()
     elif case == "tensor_alias":
         ms.Tensor(w).asnumpy()
-    elif case == "base_method":                  # the base class's method: the guard subclass skipped
+    # A base class's method, called directly past the guard subclass.
+    elif case == "base_method":
         float(ms.Tensor.asnumpy(w).sum())
+    elif case == "parameter_base_method":
+        float(ms.Parameter.asnumpy(w).sum())
+    elif case == "base_item":
+        ms.Tensor.item(w)
+    elif case == "native_getitem":               # MindSpore's native class's own
+        TensorPy.__getitem__(w, 0).asnumpy()
+    elif case == "native_op":
+        TensorPy.sum(w).asnumpy()
+    # Not covered (docs/daemon-api.md): the process dies, saying why first.
+    elif case == "native_repr":
+        print(TensorPy.__repr__(w)[:10])
     else:
         raise SystemExit(f"unknown case {case!r}")
 
