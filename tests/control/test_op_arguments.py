@@ -40,18 +40,22 @@ def ctl(endpoint, *args):
                           env={**os.environ, "PYTHONPATH": REPO})
 
 
-def raw(endpoint, op, args):
+def raw_frames(endpoint, frames):
     """One request on a plain DEALER, as any peer may send it: the reply document."""
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.linger = 0
         sock.connect(endpoint)
-        sock.send_multipart(P.encode_request(P.new_rid(1), op, args))
-        assert sock.poll(5000), f"{op}: no reply"
+        sock.send_multipart(frames)
+        assert sock.poll(5000), f"{frames[2][:60]!r}: no reply"
         return P.loads(sock.recv_multipart()[2])
     finally:
         ctx.destroy(linger=0)
+
+
+def raw(endpoint, op, args):
+    return raw_frames(endpoint, P.encode_request(P.new_rid(1), op, args))
 
 
 def internal_errors(server):
@@ -101,17 +105,8 @@ def test_an_unknown_argument_is_refused_naming_it_and_the_accepted_ones(served, 
 
 
 def raw_body(endpoint, body):
-    """One request whose body frame is `body` (bytes), as any peer may send it: the reply."""
-    ctx = zmq.Context()
-    try:
-        sock = ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.connect(endpoint)
-        sock.send_multipart([P.MAGIC, P.new_rid(2), body])
-        assert sock.poll(5000), "no reply"
-        return P.loads(sock.recv_multipart()[2])
-    finally:
-        ctx.destroy(linger=0)
+    """One request whose body frame is `body` (bytes): the reply."""
+    return raw_frames(endpoint, [P.MAGIC, P.new_rid(2), body])
 
 
 @pytest.mark.parametrize("body, why", [
