@@ -38,9 +38,11 @@ def admit(info, kind, headers, frames, max_bytes, max_new_tokens=None):
         raise BadArguments(f"{len(described)} inputs, the model takes {len(info.inputs)}")
     if kind == "generate":       # (before the spec's own refusal of an empty axis: says why)
         for i, (_, shape) in enumerate(described):
-            if 0 in shape:
+            if len(shape) == 2 and shape[1] == 0:
                 raise BadArguments(f"input {i}: shape {list(shape)} is empty: generate needs a prompt "
                                    f"of at least one token per row")
+            if len(shape) == 2 and shape[0] == 0:
+                raise BadArguments(f"input {i}: shape {list(shape)} has no rows: an empty batch")
     for i, (spec, (dtype, shape)) in enumerate(zip(info.inputs, described)):
         spec.check(i, dtype, shape)
     check_sizes(described, frames, max_bytes)

@@ -47,7 +47,8 @@ class CausalLMServable:
         if prompt == 0:
             raise BadArguments("the input ids are empty (a prompt needs at least one token)")
         if self.max_len is not None and prompt + new > self.max_len:
-            raise BadArguments(f"a prompt of {prompt} tokens" + (f" plus {new} new ones" if new else "")
+            raise BadArguments(f"a prompt of {prompt} token{'s' * (prompt != 1)}"
+                               + (f" plus max_new_tokens={new}" if new else "")
                                + f" is over the model's {self.max_len} positions")
 
     def generate(self, input_ids, max_new_tokens):

@@ -98,13 +98,15 @@ def test_generation_refusals(client):
         client.generate("m0", np.array([[1, 64]], np.int64), max_new_tokens=2)
     with pytest.raises(ServiceError, match="dtype float32, the model takes int64"):
         client.generate("m0", np.zeros((1, 3), np.float32), max_new_tokens=2)
-    with pytest.raises(ServiceError, match="^BAD_REQUEST: generate: a prompt of 60 tokens plus 10 new ones is "
-                                           "over the model's 64 positions"):   # (the worker's refusal)
+    with pytest.raises(ServiceError, match="^BAD_REQUEST: generate: a prompt of 60 tokens plus max_new_tokens=10 "
+                                           "is over the model's 64 positions"):   # (the worker's refusal)
         client.generate("m0", _ids(0, 1, 60), max_new_tokens=10)
     with pytest.raises(ServiceError, match="max_new_tokens"):
         client.generate("m0", _ids(0, 1, 3), max_new_tokens=0)
     with pytest.raises(ServiceError, match=r"BAD_REQUEST.*\[2, 0\] is empty: generate needs a prompt"):
         client.generate("m0", np.zeros((2, 0), np.int64), max_new_tokens=2)   # was INTERNAL
+    with pytest.raises(ServiceError, match=r"BAD_REQUEST.*\[0, 4\] has no rows: an empty batch"):
+        client.generate("m0", np.zeros((0, 4), np.int64), max_new_tokens=2)
     assert client.generate("m0", _ids(0, 1, 3), max_new_tokens=2).shape == (1, 2)
 
 
