@@ -150,7 +150,7 @@ class TraceCursor:
                 self._follows = {key: 1}
         self._previous = kind
         counts = [(n, i, after) for i, ((before, after), n) in enumerate(self._follows.items())
-                  if before == kind and kind is not None and after in self._orders]
+                  if before == kind and after in self._orders]   # (no key's `before` is None)
         if not counts:
             return False
         order = self._orders[max(counts)[2]]
