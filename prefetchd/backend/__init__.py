@@ -28,4 +28,14 @@ def create(config):
     raise ValueError(f"unknown backend {config.backend!r}")
 
 
-__all__ = ["Backend", "Completion", "TransferKind", "create"]
+def block_bytes_for(name):
+    """Backend `name`'s rule for the bytes a block of n bytes reserves, without making one
+    (what a budget for a model of many small tensors must count)."""
+    if name == "ascend-vmm":
+        from .ascend_vmm import AscendVmmBackend
+        return AscendVmmBackend.block_bytes
+    from .base import HostAndStoreTiers
+    return HostAndStoreTiers.block_bytes
+
+
+__all__ = ["Backend", "Completion", "TransferKind", "block_bytes_for", "create"]

@@ -19,7 +19,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from ..config import BOUNDS, ENV_PREFIX, PAGE, Config
+from ..config import BOUNDS, ENV_PREFIX, Config
 from ..errors import ConfigError
 
 DEMO_FACTORY = "prefetchd.serve.spec:demo_model"
@@ -179,10 +179,13 @@ def sized(spec):
     Builds the first weight set when it must; the worker offloads that one."""
     if spec.is_demo() or spec.model_bytes_hint or spec.checkpoint_store or spec.budget_in_bytes():
         return spec, None
+    from ..backend import block_bytes_for
     first = build_weight_set(spec, spec.seed)
-    # As the device tier counts them: each weight in whole pages (many small tensors
-    # take more than their bytes; 150% of the bytes alone did not hold them).
-    nbytes = sum(-(-int(p.nbytes) // PAGE) * PAGE for p in first.cell.get_parameters())
+    # As the device tier counts them: each weight a block of the backend's (whole pages on
+    # cpu, 2 MiB granules on ascend-vmm): many small tensors take more than their bytes,
+    # and 150% of the bytes alone did not hold them.
+    block_bytes = block_bytes_for(Config.load(spec.config_path).backend)
+    nbytes = sum(block_bytes(int(p.nbytes)) for p in first.cell.get_parameters())
     return dataclasses.replace(spec, model_bytes_hint=max(nbytes, 1)), first
 
 

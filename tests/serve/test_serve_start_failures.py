@@ -171,6 +171,19 @@ def test_a_small_custom_model_is_served_at_its_default_budget(tmp_path, factory)
             np.testing.assert_array_equal(client.infer("m0", x)[0], want)
 
 
+@pytest.mark.parametrize("backend, block", [("cpu", 4096), ("ascend-vmm", 2 << 20)])
+def test_a_custom_models_default_budget_counts_each_tensor_as_its_backend_blocks_it(tmp_path, backend, block):
+    """ascend-vmm gives each tensor whole 2 MiB granules: a default counted in 4 KiB pages
+    would be 288 KiB for 48 small tensors that need 96 MiB (a review of the page count;
+    the budget only, computed here: no Ascend device is made)."""
+    from prefetchd.serve.spec import ServeSpec, sized
+    config = tmp_path / "p.toml"
+    config.write_text(f'[prefetchd]\nbackend = "{backend}"\n')
+    spec, _ = sized(ServeSpec(models=1, model="tests.serve._servables:many_small", config_path=str(config)))
+    assert spec.model_bytes_hint == 48 * block
+    assert spec.device_budget() == int(1.5 * 48 * block)
+
+
 def _status(endpoint):
     import zmq
 
