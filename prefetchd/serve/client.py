@@ -211,9 +211,16 @@ class Client:
     def _on_monitor(self, frames):
         if not self._link.lost(parse_monitor_message(frames)["event"]):
             return
-        # Every request sent went over that connection: its reply cannot come now. (One sent
-        # just before the event may still sit in the socket's queue and run on the next
-        # connection; its reply is then dropped: "may have run" says so.)
+        # Replies that came before the loss are still queued (the loop takes at most 256
+        # messages a round, and a burst of replies then the loss failed hundreds that had
+        # come): answers, not losses. The rest were sent over that connection: their reply
+        # cannot come now. (One sent just before the event may still sit in the socket's
+        # queue and run on the next connection; its reply is then dropped: "may have run".)
+        while True:
+            try:
+                self._on_reply(self._sock.recv_multipart(zmq.NOBLOCK, copy=False))
+            except zmq.Again:
+                break
         for future, _, _ in self._pending.values():
             future.set_exception(ConnectionLost(
                 f"the connection to {self.endpoint} was lost with the request outstanding (the server "

@@ -70,6 +70,64 @@ def test_a_request_whose_server_dies_fails_at_once_not_at_its_timeout(tmp_path):
         server.wait(30)
 
 
+# A server that takes N requests, answers every one when told, then closes (delivering all).
+ANSWERING_SERVER = """
+import json, sys, zmq
+ctx = zmq.Context()
+sock = ctx.socket(zmq.ROUTER)
+sock.sndhwm = sock.rcvhwm = 100000
+sock.bind(sys.argv[1])
+print("up", flush=True)
+requests = [sock.recv_multipart() for _ in range(int(sys.argv[2]))]
+print("got", flush=True)
+sys.stdin.readline()
+for frames in requests:
+    sock.send_multipart([frames[0], b"PFD1", frames[2], json.dumps({"ok": True, "result": {"outputs": []}}).encode()])
+sock.close(linger=-1)
+ctx.term()
+print("closed", flush=True)
+"""
+BURST_CLIENT = """
+import collections, sys
+import numpy as np
+from prefetchd.serve import Client
+with Client(sys.argv[1], timeout=120) as c:
+    futures = [c.submit("m0", np.zeros((1, 4), np.float32)) for _ in range(int(sys.argv[2]))]
+    print("sent", flush=True)
+    print(dict(collections.Counter(type(f.exception(120)).__name__ for f in futures)), flush=True)
+"""
+
+
+def test_replies_that_came_before_the_connection_closed_are_answers_not_losses(tmp_path):
+    """A server answered 1000 requests and closed while the client was descheduled: the
+    client read 256 replies a round, saw the disconnect, and failed the other 488 as
+    ConnectionLost though their replies were queued (a review of the change above)."""
+    endpoint, n = f"ipc://{tmp_path}/burst.sock", 1000
+    (tmp_path / "server.py").write_text(ANSWERING_SERVER)
+    (tmp_path / "client.py").write_text(BURST_CLIENT)
+    server = subprocess.Popen([sys.executable, str(tmp_path / "server.py"), endpoint, str(n)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    client = None
+    try:
+        assert server.stdout.readline().strip() == "up"
+        client = subprocess.Popen([sys.executable, str(tmp_path / "client.py"), endpoint, str(n)],
+                                  stdout=subprocess.PIPE, text=True, env=ENV)
+        assert server.stdout.readline().strip() == "got"
+        os.kill(client.pid, signal.SIGSTOP)           # replies and the close arrive meanwhile
+        server.stdin.write("go\n")
+        server.stdin.flush()
+        time.sleep(2)
+        os.kill(client.pid, signal.SIGCONT)
+        assert server.stdout.readline().strip() == "closed"
+        out, _ = client.communicate(timeout=120)
+        assert out.splitlines()[-1] == str({"NoneType": n}), out
+    finally:
+        for proc in (server, client):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+
+
 def test_inputs_over_the_tensor_limit_are_refused_before_sending(tmp_path):
     """The server drops such a request (or its frame) unanswered: the client waited out its
     whole timeout and said only 'no reply'."""
