@@ -70,6 +70,14 @@ def loads(data):
     return json.loads(data, parse_constant=_no_constants)
 
 
+def _unique_keys(pairs):
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        twice = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"the key {twice[:64]!r} is given twice")   # (else the last silently won)
+    return dict(pairs)
+
+
 def encode_request(rid, op, args=None, timeout=None, tensors=()):
     """The frames of a request; `tensors` are frames after the body (prefetchd.serve.wire)."""
     body = {"op": op, "args": args or {}}
@@ -126,11 +134,12 @@ def decode_request(payload, max_message_size=DEFAULT_MAX_MESSAGE_SIZE):
         raise ProtocolError(TOO_LARGE, f"body of {len(body)} bytes exceeds the limit of "
                             f"{max_message_size} bytes", rid)
     try:
-        text = bytes(body).decode("utf-8")   # (json.loads of bytes also takes UTF-16 and 32)
+        # (json.loads of bytes also took UTF-16 and 32; a UTF-8 byte order mark it skipped)
+        text = bytes(body).decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise ProtocolError(BAD_REQUEST, f"body is not UTF-8: {e.reason} at byte {e.start}", rid) from None
     try:
-        doc = loads(text)
+        doc = json.loads(text, parse_constant=_no_constants, object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as e:
         raise ProtocolError(BAD_REQUEST, f"body is not JSON: {str(e)[:200]}", rid) from None
     if not isinstance(doc, dict):

@@ -112,6 +112,8 @@ def raw_body(endpoint, body):
 @pytest.mark.parametrize("body, why", [
     (b'{"op": "ping", "timout": 0.5}', "unknown field 'timout' in the body; it takes args, op, timeout"),
     ('{"op": "ping"}'.encode("utf-16"), "body is not UTF-8"),      # json.loads of bytes took it
+    (b'{"op": "ping", "op": "status"}', "the key 'op' is given twice"),   # the last silently won
+    (b'{"op": "list", "args": {"limit": 1, "limit": 2}}', "the key 'limit' is given twice"),
 ])
 def test_a_body_with_an_unknown_field_or_not_in_utf8_is_refused_saying_so(served, body, why):
     """A misspelled top-level 'timeout' was ignored (the request ran without its timeout),
@@ -120,6 +122,7 @@ def test_a_body_with_an_unknown_field_or_not_in_utf8_is_refused_saying_so(served
     reply = raw_body(server.endpoint, body)
     assert reply["ok"] is False and reply["code"] == P.BAD_REQUEST and why in reply["reason"], reply
     assert raw_body(server.endpoint, b'{"op": "ping", "args": {}, "timeout": 5}')["ok"] is True
+    assert raw_body(server.endpoint, b'\xef\xbb\xbf{"op": "ping"}')["ok"] is True     # a UTF-8 BOM is fine
 
 
 def test_the_client_and_ctl_send_only_arguments_the_ops_take(served):
