@@ -27,7 +27,7 @@ def register(sub):
     p = sub.add_parser("ctl", intermixed=True,
                        help="send one control-plane request (prints the JSON reply)")
     _client_args(p)
-    p.add_argument("op", type=lambda op: op.replace("_", "-"),   # (the wire's set_watermarks too)
+    p.add_argument("op", type=lambda op: "set-watermarks" if op == "set_watermarks" else op,   # (the wire's name)
                    choices=["ping", "status", "list", "stats", "prefetch", "evict", "pin", "renew", "unpin",
                             "flush", "set-watermarks"], help="the operation")
     p.add_argument("args", nargs="*",
