@@ -66,8 +66,8 @@ def dumps(obj):
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
-def loads(data):
-    return json.loads(data, parse_constant=_no_constants)
+def loads(data, object_pairs_hook=None):
+    return json.loads(data, parse_constant=_no_constants, object_pairs_hook=object_pairs_hook)
 
 
 def _unique_keys(pairs):
@@ -139,7 +139,7 @@ def decode_request(payload, max_message_size=DEFAULT_MAX_MESSAGE_SIZE):
     except UnicodeDecodeError as e:
         raise ProtocolError(BAD_REQUEST, f"body is not UTF-8: {e.reason} at byte {e.start}", rid) from None
     try:
-        doc = json.loads(text, parse_constant=_no_constants, object_pairs_hook=_unique_keys)
+        doc = loads(text, object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as e:
         raise ProtocolError(BAD_REQUEST, f"body is not JSON: {str(e)[:200]}", rid) from None
     if not isinstance(doc, dict):
