@@ -41,15 +41,14 @@ connections from crowding out new ones: at a budget (the total, or the new one's
 peer's), the connection of that budget that has gone longest without a request,
 none of its requests unanswered and idle at least `idle_after` seconds, is shut
 down for the new one (an HTTP server's keep-alive timeout, applied only under
-pressure). Its client's libzmq connects again by itself when it next sends; a
-request sent in the very instant of the shutdown is lost with the connection and
-its client times out, as on any dropped connection.
+pressure). Its client's libzmq connects again by itself; a request sent in the very
+instant of the shutdown is lost with the connection and its client times out, as on
+any dropped connection. Connections to a socket watched with `idle=False` (a PUB
+socket's subscribers, which never send a request) are never taken for idle.
 """
 import collections
-import errno
 import itertools
 import logging
-import os
 import resource
 import socket
 import struct
@@ -58,6 +57,7 @@ import time
 import zmq
 
 from .borrowed import borrowed, socket_id
+from .descriptors import open_descriptors, raise_fd_limit
 from .gates import Gates
 from .handshakes import THROUGH_CURVE, THROUGH_NULL, Handshakes
 
@@ -67,43 +67,15 @@ DEFAULT_MAX_CONNECTIONS = 512
 DEFAULT_MAX_PER_PEER = 64
 DEFAULT_FD_RESERVE = 64
 DEFAULT_HANDSHAKE_BUDGET = 64    # tcp connections held in their handshake at once
+IDLE_EVICT_AFTER = 5.0           # seconds without a request before a connection gives way at a budget
 HANDSHAKE_IVL_MS = 5000          # a peer has this long to finish its handshake (CURVE included)
 HEARTBEAT_IVL_MS = 10000         # ZMTP pings find peers that vanished without a FIN
 HEARTBEAT_TIMEOUT_MS = 30000
-MAX_RAISED_FD_LIMIT = 1 << 16
 RECHECK_INTERVAL = 2.0           # seconds between looks for connections closed without a DISCONNECTED
 FD_CHECK_INTERVAL = 0.5          # seconds between looks at the descriptors in use, accepts or not
 
 _PEERCRED = struct.Struct("3i")
 _MONITORS = itertools.count()
-
-
-def open_descriptors():
-    """Descriptors open in this process now: the soft limit when the table is too full
-    to list it (listing takes a descriptor; it said 0 there, and the guard let a full
-    table go on accepting), 0 without /proc."""
-    try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError as e:
-        if e.errno in (errno.EMFILE, errno.ENFILE):
-            return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        return 0
-
-
-def raise_fd_limit(cap=MAX_RAISED_FD_LIMIT):
-    """Raise the soft RLIMIT_NOFILE to the hard one (at most `cap`), as Go's runtime does
-    at start: the common 1024 soft limit is the cliff libzmq falls off. Returns the new
-    soft limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = min(cap, hard if hard != resource.RLIM_INFINITY else cap)
-    if soft != resource.RLIM_INFINITY and soft < want:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            log.info("prefetchd server: raised the descriptor limit from %d to %d", soft, want)
-            return want
-        except (ValueError, OSError) as e:
-            log.warning("prefetchd server: could not raise the descriptor limit from %d: %s", soft, e)
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 # Set on a NULL-mechanism server socket: with a ZAP domain libzmq refuses ZMTP 1.0 and 2.0
@@ -180,7 +152,7 @@ class ConnectionGuard:
         self.fd_reserve = fd_reserve
         self.fd_limit = raise_fd_limit() if raise_limit else resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self._on_pause, self._on_resume = on_pause, on_resume
-        self._monitors = []              # (socket, its monitor, bytes sent once a handshake is through)
+        self._monitors = []              # (socket, its monitor, bytes sent once through the handshake, idle)
         self._live = {}                  # fd -> peer key of a connection we let in
         self._per_peer = collections.Counter()
         self._handshakes = Handshakes(max(4, min(DEFAULT_HANDSHAKE_BUDGET, self.admit_line // 4)))
@@ -191,6 +163,7 @@ class ConnectionGuard:
         # reports its requests. busy() -> descriptors with a request not yet answered.
         self.idle_after, self._busy = idle_after, busy
         self._last = {}                  # fd -> monotonic time of its last request (or its admission)
+        self._never_idle = set()         # fds accepted on a socket watched with idle=False
         self.evicted_idle = 0
         self.dropped = 0
         self.dropped_in_handshake = 0    # of those: pushed out before their handshake was through
@@ -216,8 +189,10 @@ class ConnectionGuard:
                 "connections_handshaking": self.handshaking,
                 "listening_paused": self.paused, "listening_pauses": self.pauses}
 
-    def watch(self, sock, curve=False):
-        """Monitor `sock` (a CURVE server if `curve`); returns the monitor socket the I/O loop polls."""
+    def watch(self, sock, curve=False, idle=True):
+        """Monitor `sock` (a CURVE server if `curve`); returns the monitor socket the I/O loop
+        polls. `idle=False`: its connections send no requests (a PUB socket's subscribers),
+        so silence does not make them idle."""
         configure(sock, self.fd_reserve)
         if not curve:
             sock.zap_domain = NULL_ZAP_DOMAIN
@@ -230,14 +205,14 @@ class ConnectionGuard:
         mon.rcvhwm = 0                   # no limit: the I/O loop drains it at every poll
         mon.linger = 0
         mon.connect(address)
-        self._monitors.append((sock, mon, THROUGH_CURVE if curve else THROUGH_NULL))
+        self._monitors.append((sock, mon, THROUGH_CURVE if curve else THROUGH_NULL, idle))
         return mon
 
     def poll_items(self):
-        return [(mon, lambda frames, through=through: self.on_monitor(frames, through))
-                for _, mon, through in self._monitors]
+        return [(mon, lambda frames, through=through, idle=idle: self.on_monitor(frames, through, idle))
+                for _, mon, through, idle in self._monitors]
 
-    def on_monitor(self, frames, through=THROUGH_NULL):
+    def on_monitor(self, frames, through=THROUGH_NULL, idle=True):
         if len(frames) != 2 or len(frames[0]) != 6:
             return
         event, fd = struct.unpack("=hi", frames[0])
@@ -247,6 +222,8 @@ class ConnectionGuard:
             self._gone(fd)               # the number is reused: its last connection is closed
             self._ids[fd] = _connection_id(fd)
             self._accepted.append((fd, through))
+            if not idle:
+                self._never_idle.add(fd)
         elif event == zmq.EVENT_DISCONNECTED:
             self._gone(fd)
         elif event == zmq.EVENT_LISTENING:
@@ -287,6 +264,7 @@ class ConnectionGuard:
         self._handshakes.discard(fd)
         self._doomed.discard(fd)
         self._ids.pop(fd, None)
+        self._never_idle.discard(fd)
         self._release(fd)
 
     def _release(self, fd):
@@ -386,7 +364,8 @@ class ConnectionGuard:
             if self._per_peer[key] >= self.per_peer_budget else self._live
         busy = self._busy() if self._busy is not None else ()
         cutoff = time.monotonic() - self.idle_after
-        idle = [(self._last.get(fd, 0.0), fd) for fd in candidates if fd not in busy]
+        idle = [(self._last.get(fd, 0.0), fd) for fd in candidates
+                if fd not in busy and fd not in self._never_idle]
         idle = [item for item in idle if item[0] <= cutoff]
         if not idle:
             return False
@@ -428,17 +407,17 @@ class ConnectionGuard:
             callback()
 
     def _drain(self):
-        for _, mon, through in self._monitors:
+        for _, mon, through, idle in self._monitors:
             while True:
                 try:
                     frames = mon.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self.on_monitor(frames, through)
+                self.on_monitor(frames, through, idle)
 
     def close(self):
         self.gates.open_all()
-        for sock, mon, _ in self._monitors:
+        for sock, mon, _, _ in self._monitors:
             try:
                 sock.disable_monitor()
             except zmq.ZMQError:

@@ -29,10 +29,11 @@ class GuardedListening:
     def _resume(self):
         self.listening.resume()
 
-    def watch(self, sock, curve=False):
+    def watch(self, sock, curve=False, idle=True):
         """Call before `sock` binds, so that no connection to it goes unseen (`curve`: it is
-        a CURVE server, whose handshake is longer)."""
-        self.guard.watch(sock, curve)
+        a CURVE server, whose handshake is longer; `idle=False`: its peers send no requests,
+        and are never shut down as idle)."""
+        self.guard.watch(sock, curve, idle)
 
     def saw(self, fd):
         """A request arrived on connection `fd` (zmq.Frame.get(zmq.SRCFD) of its first frame);

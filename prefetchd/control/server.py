@@ -25,7 +25,8 @@ from ..errors import ShutdownError
 from . import keys, protocol as P, server_options
 from .codes import BadArguments, error_code
 from .borrowed import source_fd
-from .connections import DEFAULT_FD_RESERVE, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_PEER
+from .connections import (DEFAULT_FD_RESERVE, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_PEER,
+                          IDLE_EVICT_AFTER)
 from .event_feed import EventFeed
 from .guarded import GuardedListening
 from .ioloop import IOLoop
@@ -47,6 +48,7 @@ class Pending:
     on_result: object          # (result, pending) -> reply payload, on the I/O thread
     on_abandon: object = None  # runs if the future succeeds after nobody waits for it
     lease: str | None = None
+    fd: int | None = None      # its connection's descriptor: busy, not idle, until answered
 
 
 class Server(RouterEndpoint):
@@ -67,7 +69,9 @@ class Server(RouterEndpoint):
                         controls the daemon
       max_connections   connections held at once by the ROUTER and PUB sockets (512); the
                         excess is dropped (prefetchd.control.connections)
-      max_connections_per_peer  from one process (ipc) or address (tcp) (64)
+      max_connections_per_peer  from one process (ipc) or address (tcp) (64); at either
+                        budget, a ROUTER connection idle IDLE_EVICT_AFTER seconds with no
+                        request unanswered gives way to a new one (subscribers never do)
       fd_reserve        descriptors below RLIMIT_NOFILE kept for the store (64)
 
     The server implements prefetchd.control.ioloop.LoopHandler: setup/poll_items/
@@ -97,7 +101,8 @@ class Server(RouterEndpoint):
         self.max_lease = max_lease
         self.connections = GuardedListening(self._bind, lambda: [(self._router, self.endpoint),
                                                                  (self._pub, self.events_endpoint)],
-                                            max_connections, max_connections_per_peer, fd_reserve)
+                                            max_connections, max_connections_per_peer, fd_reserve,
+                                            idle_after=IDLE_EVICT_AFTER, busy=self._busy_fds)
         self.leases = LeaseTable(daemon.unpin, self.counters)
         self._loop = IOLoop(self, f"prefetchd-server-{self.name}")
         self._auth = self._authorized = None
@@ -171,13 +176,14 @@ class Server(RouterEndpoint):
         self._bind(self._router, self.endpoint)
         self.endpoint = self._router.last_endpoint.decode()
         self._pub = self._make_socket(ctx, zmq.PUB, hwm=self.hwm, curve=curve)
-        self.connections.watch(self._pub, curve is not None)
+        self.connections.watch(self._pub, curve is not None, idle=False)
         self._bind(self._pub, self.events_endpoint)
         self.events_endpoint = self._pub.last_endpoint.decode()
 
     def poll_items(self):
-        # CURVE: Frames (no copy) so that _handle reads whose key sent them (User-Id).
-        return [(self._router, self._handle, self._authorized is None)] + self.connections.poll_items()
+        # Frames (no copy): _handle reads which connection sent them (SRCFD), and with
+        # CURVE whose key (User-Id).
+        return [(self._router, self._handle, False)] + self.connections.poll_items()
 
     def tick(self):
         self.connections.tick()
@@ -231,17 +237,22 @@ class Server(RouterEndpoint):
 
     # -- requests
 
+    def _busy_fds(self):
+        """Descriptors of the connections with a request not yet answered."""
+        return {pending.fd for pending in self._pending.values()}
+
     def _handle(self, frames):
-        if self._authorized is not None:
-            if not self._authorized.allows(frames[0].get("User-Id")):
-                # Its key left authorized_clients since it connected: never answered, and
-                # its connection shut down (a reconnect meets ZAP, which refuses it).
-                self.counters.revoked += 1
-                fd = source_fd(frames[0])
-                if fd is not None:
-                    self.connections.shut(fd)
-                return
-            frames = [f.bytes for f in frames]
+        fd = source_fd(frames[0])
+        if self._authorized is not None and not self._authorized.allows(frames[0].get("User-Id")):
+            # Its key left authorized_clients since it connected: never answered, and
+            # its connection shut down (a reconnect meets ZAP, which refuses it).
+            self.counters.revoked += 1
+            if fd is not None:
+                self.connections.shut(fd)
+            return
+        if fd is None or not self.connections.saw(fd):
+            return               # its connection closed, or dropped by the guard: nobody to answer
+        frames = [f.bytes for f in frames]
         envelope, payload = P.split_envelope(frames)
         total = sum(len(f) for f in payload)
         if total > self.max_message_size + 64 and payload and payload[0] == P.MAGIC:
@@ -279,16 +290,16 @@ class Server(RouterEndpoint):
             self._reply_error(envelope, rid, code, f"{op}: {e}")
             return
         if isinstance(outcome, Deferred):
-            self._park(envelope, rid, op, timeout, outcome)
+            self._park(envelope, rid, op, timeout, outcome, fd)
         else:
             self._reply_ok(envelope, rid, outcome)
 
-    def _park(self, envelope, rid, op, timeout, deferred):
+    def _park(self, envelope, rid, op, timeout, deferred, fd):
         token = next(self._tokens)
         wait = min(timeout or self.max_wait, self.max_wait)
         deadline = time.monotonic() + wait
         self._pending[token] = Pending(envelope, rid, op, deadline, wait, deferred.on_result,
-                                       deferred.on_abandon)
+                                       deferred.on_abandon, fd=fd)
         self._per_client[envelope[0]] += 1
         heapq.heappush(self._timers, (deadline, token))
         deferred.future.add_done_callback(lambda f, t=token: self._on_done(t, f))

@@ -17,7 +17,7 @@ import zmq
 from ..config import ConfigError
 from ..errors import ShutdownError
 from ..control import protocol as P
-from ..control.connections import DEFAULT_MAX_CONNECTIONS
+from ..control.connections import DEFAULT_MAX_CONNECTIONS, IDLE_EVICT_AFTER
 from ..control.endpoints import resolve_endpoint, runtime_dir
 
 from ..control.guarded import GuardedListening
@@ -31,8 +31,6 @@ from .worker import STOP
 log = logging.getLogger("prefetchd.serve.front")
 
 SERVE_LOCK = ".prefetchd-serve.lock"      # in --store, held by the front for its life
-IDLE_EVICT_AFTER = 5.0    # seconds without a request after which a client connection gives way
-                          # to a new one when the front holds max_connections
 
 # The front authenticates no one (no CURVE), so allow_remote does not apply to it.
 FRONT_REMOTE_HINT = ("the serve front has no CURVE authentication, so it listens on ipc:// or "

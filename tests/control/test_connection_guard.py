@@ -112,7 +112,7 @@ def test_only_the_connection_seen_accepted_is_shut_down(pairs):
 
 FULL_TABLE = textwrap.dedent("""
     import os, resource
-    from prefetchd.control.connections import open_descriptors
+    from prefetchd.control.descriptors import open_descriptors
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     held = []
     try:

@@ -17,7 +17,7 @@ from helpers import ENV
 from prefetchd.control import Client as ControlClient
 from prefetchd.control import RequestTimeout
 from _servables import sleepy_front
-from prefetchd.serve.front_sockets import IDLE_EVICT_AFTER
+from prefetchd.control.connections import IDLE_EVICT_AFTER
 
 CAP = 6
 SLOW = 30.0                   # seconds each held connection's request asks the worker to sleep

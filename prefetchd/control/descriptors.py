@@ -1,0 +1,41 @@
+"""The process's file descriptors: how many are in use, and raising the soft limit.
+
+A server's connection guard (prefetchd.control.connections) admits and pauses by
+these counts: every connection libzmq accepts is a descriptor of this process.
+"""
+import errno
+import logging
+import os
+import resource
+
+log = logging.getLogger("prefetchd.control.descriptors")
+
+MAX_RAISED_FD_LIMIT = 1 << 16
+
+
+def open_descriptors():
+    """Descriptors open in this process now: the soft limit when the table is too full
+    to list it (listing takes a descriptor; it said 0 there, and the guard let a full
+    table go on accepting), 0 without /proc."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError as e:
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return 0
+
+
+def raise_fd_limit(cap=MAX_RAISED_FD_LIMIT):
+    """Raise the soft RLIMIT_NOFILE to the hard one (at most `cap`), as Go's runtime does
+    at start: the common 1024 soft limit is the cliff libzmq falls off. Returns the new
+    soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(cap, hard if hard != resource.RLIM_INFINITY else cap)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            log.info("prefetchd server: raised the descriptor limit from %d to %d", soft, want)
+            return want
+        except (ValueError, OSError) as e:
+            log.warning("prefetchd server: could not raise the descriptor limit from %d: %s", soft, e)
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]

@@ -1,0 +1,99 @@
+"""The daemon's control server holds at most `max_connections` connections. One process
+holding them all, idle, must not lock every other client out: at the cap, the ROUTER
+connection longest without a request gives way to the new one once it has been idle
+IDLE_EVICT_AFTER seconds -- never one whose request is unanswered, and never an events
+subscriber (it sends no requests, so it is always "idle"). A real daemon and server in
+this process; the connections held by another real process (tests/control/_idle_holder.py)."""
+import os
+import secrets
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import ENV
+from prefetchd.control import Client, RequestTimeout
+from prefetchd.control.connections import IDLE_EVICT_AFTER
+
+HOLDER = os.path.join(os.path.dirname(__file__), "_idle_holder.py")
+CLIENTS = 3                       # the holder's clients; its subscription makes the cap
+CAP = CLIENTS + 1
+SLOW_MS = 8000                    # how long the slow requests' read takes
+
+
+@pytest.fixture
+def served(make_daemon, tmp_path):
+    import mindspore as ms
+    import numpy as np
+
+    daemon = make_daemon(device_budget=1 << 20)
+    for i in range(8):
+        daemon.register(ms.Tensor(np.full((64, 256), i, np.float32)), name=f"layer.{i}.weight",
+                        tier="remote")
+    server = daemon.serve(f"ipc://{tmp_path}/idle-{secrets.token_hex(2)}.sock", max_connections=CAP)
+    yield daemon, server
+    server.close(5)
+
+
+def _hold(server, slow):
+    holder = subprocess.Popen([sys.executable, HOLDER, server.endpoint, str(CLIENTS), "1" if slow else "0"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV)
+    word, _, first = holder.stdout.readline().strip().partition(" ")
+    assert word == "held", holder.poll()
+    assert server.server_status()["connections"] == CAP
+    return holder, float(first)
+
+
+def _release(holder):
+    holder.stdin.write("go\n")
+    holder.stdin.flush()
+    out = dict(line.strip().partition(" ")[::2] for line in holder.stdout)
+    assert holder.wait(30) == 0
+    return out
+
+
+def _ping(server, within):
+    """Whether a new client got a ping answered within `within` seconds, retrying each second
+    as a client would (a request sent on a connection the guard then drops is lost)."""
+    deadline = time.monotonic() + within
+    with Client(server.endpoint, timeout=1.0) as c:
+        while time.monotonic() < deadline:
+            try:
+                return c.ping()["pong"]
+            except RequestTimeout:
+                pass
+    return False
+
+
+def test_an_idle_client_gives_way_at_the_cap_and_the_subscriber_stays(served):
+    daemon, server = served
+    holder, first = _hold(server, slow=False)
+    try:
+        assert _ping(server, IDLE_EVICT_AFTER + 10), "a new client was locked out by idle connections"
+        assert time.monotonic() >= first + IDLE_EVICT_AFTER
+        counts = server.server_status()
+        assert counts["connections_evicted_idle"] >= 1 and counts["connections"] <= CAP, counts
+    finally:
+        out = _release(holder)
+    assert out["sub"] == "0", out                  # the oldest connection, yet never taken for idle
+    assert int(out["clients"]) >= 1, out
+
+
+def test_a_client_with_a_request_unanswered_is_never_evicted(served, native_faults):
+    daemon, server = served
+    native_faults.inject_fault("read", "delay", delay_ms=SLOW_MS, key_contains="layer.7")
+    started = time.monotonic()
+    holder, _ = _hold(server, slow=True)
+    try:
+        time.sleep(IDLE_EVICT_AFTER + 0.5)       # idle long enough, were they not waiting for replies
+        assert time.monotonic() - started < SLOW_MS / 1000 - 1, "too slow to test before the reads end"
+        assert not _ping(server, 1.0)
+        assert server.server_status()["connections_evicted_idle"] == 0
+        # Answered once the read is done, the clients are idle from then on and give way.
+        assert _ping(server, SLOW_MS / 1000 + IDLE_EVICT_AFTER + 10)
+        assert server.server_status()["connections_evicted_idle"] >= 1
+    finally:
+        out = _release(holder)
+    assert out["codes"] == str(["ok"] * CLIENTS), out     # every one answered, none lost
+    assert out["sub"] == "0", out
