@@ -79,3 +79,18 @@ class FakeMarker:
         with self.cond:
             self.cond.wait_for(lambda: self.word >= epoch, timeout)
             return self.word
+
+
+def ping_within(endpoint, within):
+    """Whether a new control client got a ping answered at `endpoint` within `within`
+    seconds, retrying each second as a client would (a request sent on a connection a
+    server's guard then drops is lost)."""
+    from prefetchd.control import Client, RequestTimeout
+    deadline = time.monotonic() + within
+    with Client(endpoint, timeout=1.0) as c:
+        while time.monotonic() < deadline:
+            try:
+                return c.ping()["pong"]
+            except RequestTimeout:
+                pass
+    return False

@@ -12,8 +12,7 @@ import time
 
 import pytest
 
-from helpers import ENV
-from prefetchd.control import Client, RequestTimeout
+from helpers import ENV, ping_within
 from prefetchd.control.connections import IDLE_EVICT_AFTER
 
 HOLDER = os.path.join(os.path.dirname(__file__), "_idle_holder.py")
@@ -53,24 +52,11 @@ def _release(holder):
     return out
 
 
-def _ping(server, within):
-    """Whether a new client got a ping answered within `within` seconds, retrying each second
-    as a client would (a request sent on a connection the guard then drops is lost)."""
-    deadline = time.monotonic() + within
-    with Client(server.endpoint, timeout=1.0) as c:
-        while time.monotonic() < deadline:
-            try:
-                return c.ping()["pong"]
-            except RequestTimeout:
-                pass
-    return False
-
-
 def test_an_idle_client_gives_way_at_the_cap_and_the_subscriber_stays(served):
     daemon, server = served
     holder, first = _hold(server, slow=False)
     try:
-        assert _ping(server, IDLE_EVICT_AFTER + 10), "a new client was locked out by idle connections"
+        assert ping_within(server.endpoint, IDLE_EVICT_AFTER + 10), "a new client was locked out by idle clients"
         assert time.monotonic() >= first + IDLE_EVICT_AFTER
         counts = server.server_status()
         assert counts["connections_evicted_idle"] >= 1 and counts["connections"] <= CAP, counts
@@ -88,10 +74,10 @@ def test_a_client_with_a_request_unanswered_is_never_evicted(served, native_faul
     try:
         time.sleep(IDLE_EVICT_AFTER + 0.5)       # idle long enough, were they not waiting for replies
         assert time.monotonic() - started < SLOW_MS / 1000 - 1, "too slow to test before the reads end"
-        assert not _ping(server, 1.0)
+        assert not ping_within(server.endpoint, 1.0)
         assert server.server_status()["connections_evicted_idle"] == 0
         # Answered once the read is done, the clients are idle from then on and give way.
-        assert _ping(server, SLOW_MS / 1000 + IDLE_EVICT_AFTER + 10)
+        assert ping_within(server.endpoint, SLOW_MS / 1000 + IDLE_EVICT_AFTER + 10)
         assert server.server_status()["connections_evicted_idle"] >= 1
     finally:
         out = _release(holder)

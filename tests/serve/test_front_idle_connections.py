@@ -13,9 +13,7 @@ import time
 
 import pytest
 
-from helpers import ENV
-from prefetchd.control import Client as ControlClient
-from prefetchd.control import RequestTimeout
+from helpers import ENV, ping_within
 from _servables import sleepy_front
 from prefetchd.control.connections import IDLE_EVICT_AFTER
 
@@ -67,23 +65,10 @@ def _release(holder):
     return line
 
 
-def _ping(front, within):
-    """Whether a new client got a ping answered within `within` seconds, retrying each second
-    as a client would (a request sent on a connection the guard then drops is lost)."""
-    deadline = time.monotonic() + within
-    with ControlClient(front.endpoint, timeout=1.0) as c:
-        while time.monotonic() < deadline:
-            try:
-                return c.ping()["pong"]
-            except RequestTimeout:
-                pass
-    return False
-
-
 def test_idle_connections_give_way_to_a_new_client_at_the_cap(front):
     holder, first_request = _hold(front, sleep=0)
     try:
-        assert _ping(front, IDLE_EVICT_AFTER + 10), "a new client was locked out by idle connections"
+        assert ping_within(front.endpoint, IDLE_EVICT_AFTER + 10), "a new client was locked out by idle connections"
         # It waited for one to be idle: none was before IDLE_EVICT_AFTER after its last
         # request. (Timed from the requests, not from "held": on a loaded machine the
         # holder's six took longer than IDLE_EVICT_AFTER, CI saw. And no request of the new
@@ -100,10 +85,10 @@ def test_a_connection_with_a_request_unanswered_is_never_evicted(front):
     holder, _ = _hold(front, sleep=SLOW)     # CAP requests: one runs, the others queue
     try:
         time.sleep(IDLE_EVICT_AFTER + 0.5)    # idle long enough, were they not waiting for replies
-        assert not _ping(front, REQUEST_TIMEOUT - IDLE_EVICT_AFTER - 1.5)
+        assert not ping_within(front.endpoint, REQUEST_TIMEOUT - IDLE_EVICT_AFTER - 1.5)
         assert front.connections.counts()["connections_evicted_idle"] == 0
         # Answered TIMEOUT at REQUEST_TIMEOUT, they are idle from then on and give way.
-        assert _ping(front, IDLE_EVICT_AFTER + 10)
+        assert ping_within(front.endpoint, IDLE_EVICT_AFTER + 10)
         assert front.connections.counts()["connections_evicted_idle"] >= 1
     finally:
         codes = _release(holder)
