@@ -4,10 +4,13 @@
 
 Read from the source with `ast`, no object is touched: each chain starts at the
 argument `arg` (default: the first, a method's `self`) and is a tuple of steps:
-attribute names, constant indexes (int or str), ANY_ITEM (a loop over it, a
-computed index), ANY_ATTR (getattr with a computed name), PARAMS (the cell's
-`get_parameters()` and friends: every parameter under it), ending, where known,
-in how the object is used:
+attribute names, constant indexes (int, negative ones too, or str), ANY_ITEM (a loop
+over it, a computed index), ANY_ATTR (getattr with a computed name), PARAMS (the
+cell's `get_parameters()` and friends: every parameter under it), LISTED (a Python
+list or tuple the function builds of the object, `layers = [self.blocks[-1] for _ in
+range(n)]`: its items, looped over or indexed, are the object itself; any other use
+of the list is a use of the object not followed), ending, where known, in how the
+object is used:
 
 - CALL: called here (`self.fc1(x)`, a method `self.embed(x)`);
 - PASSED: a (PASSED, callee, slot) step: handed to a function, a method or a
@@ -21,8 +24,9 @@ in how the object is used:
   ops.matmul: for a Parameter any such use reads it).
 
 Names bound to chains by `for` loops, comprehensions, assignment, `zip`,
-`enumerate`, `reversed`, `next` are followed through. `None` means the source
-could not be read (built at run time, a lambda): the caller decides what is safe.
+`enumerate`, `reversed`, `next` are followed through; a slice (`self.blocks[1:]`)
+stands for the container it is taken of. `None` means the source could not be read
+(built at run time, a lambda): the caller decides what is safe.
 """
 import ast
 import functools
@@ -32,6 +36,7 @@ import textwrap
 ANY_ITEM = "[*]"      # a chain step: any item (a loop over a container, a computed index)
 ANY_ATTR = ".*"       # a chain step: any attribute (getattr with a computed name)
 PARAMS = "<params>"   # a chain step: each parameter under the cell (cell.get_parameters())
+LISTED = "[...]"      # a chain step: a list or tuple of the object, built in the function
 CALL = "()"           # a chain step: the object is called here
 OPAQUE = "?"          # a chain step: the object is used in a way not followed (all its parameters)
 PASSED = "->"         # first item of a (PASSED, callee, slot) step: handed to a callee
@@ -92,12 +97,9 @@ class _Walker:
             return None if base is None else {c + (node.attr,) for c in base}
         if isinstance(node, ast.Subscript):
             base = self.chain(node.value)
-            if base is None:
-                return None
-            index = node.slice
-            step = index.value if isinstance(index, ast.Constant) and isinstance(index.value, (int, str)) \
-                else ANY_ITEM
-            return {c + (step,) for c in base}
+            if base is None or isinstance(node.slice, ast.Slice):
+                return base               # a slice: the container's own items, fewer of them
+            return {_item_of(c, _constant_index(node.slice)) for c in base}
         if self._is_getattr(node):
             base = self.chain(node.args[0])
             if base is None:
@@ -145,7 +147,17 @@ class _Walker:
             if name in _PASS_ITEMS and node.args:
                 return self.items(node.args[0])
         c = self.chain(node)
-        return None if c is None else [{x + (ANY_ITEM,) for x in c}]
+        return None if c is None else [{_item_of(x, ANY_ITEM) for x in c}]
+
+    def listed(self, node):
+        """The chains of the items of a list or tuple built of chains only (a display, or
+        a list comprehension of one), None if `node` is no such thing."""
+        if isinstance(node, ast.ListComp):
+            return self.chain(node.elt)
+        if isinstance(node, (ast.List, ast.Tuple)) and node.elts:
+            per = [self.chain(element) for element in node.elts]
+            return None if any(c is None for c in per) else set().union(*per)
+        return None
 
     # ---------------------------------------------------------------- bindings
     def _bind(self):
@@ -154,9 +166,13 @@ class _Walker:
                 per = self.items(node.iter)
                 if per is not None:
                     self._bind_target(node.target, per)
-            elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+            elif isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                    and isinstance(node.targets[0], ast.Name):
                 c = self.chain(node.value)
-                if c is not None and isinstance(node.targets[0], ast.Name):
+                listed = self.listed(node.value)
+                if listed is not None:
+                    c = {x + (LISTED,) for x in listed}
+                if c is not None:
                     self.env.setdefault(node.targets[0].id, set()).update(c)
 
     def _bind_target(self, target, per):
@@ -231,6 +247,8 @@ class _Walker:
         if isinstance(parent, ast.Assign) and parent.value is node and \
                 all(isinstance(t, ast.Name) for t in parent.targets):
             return None                               # bound to a name; its uses count
+        if self._is_bound_list_item(node, parent):
+            return None                               # `layers = [self.a, self.b]`: the list's uses count
         if isinstance(parent, (ast.Compare, ast.BoolOp)) or (
                 isinstance(parent, (ast.If, ast.IfExp, ast.While, ast.Assert)) and parent.test is node) or (
                 isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.Not)):
@@ -262,6 +280,15 @@ class _Walker:
                 return i
         return None
 
+    def _is_bound_list_item(self, node, parent):
+        """Whether `node` is an item of a list or tuple bound to a name as chains (_bind)."""
+        if not (isinstance(parent, ast.ListComp) and parent.elt is node
+                or isinstance(parent, (ast.List, ast.Tuple)) and node in parent.elts):
+            return False
+        assign = self.parent.get(id(parent))
+        return (isinstance(assign, ast.Assign) and assign.value is parent and len(assign.targets) == 1
+                and isinstance(assign.targets[0], ast.Name) and self.listed(parent) is not None)
+
     def _is_loop_iter(self, node):
         parent = self.parent.get(id(node))
         if isinstance(parent, (ast.For, ast.comprehension)) and parent.iter is node:
@@ -270,3 +297,20 @@ class _Walker:
                 parent.func.id in _PASS_ITEMS | {"zip", "enumerate"}:
             return self._is_loop_iter(parent)
         return False
+
+
+def _constant_index(index):
+    """A subscript's constant index (an int, negative ones included, or a str), else ANY_ITEM."""
+    if isinstance(index, ast.Constant) and isinstance(index.value, (int, str)) \
+            and not isinstance(index.value, bool):
+        return index.value
+    if isinstance(index, ast.UnaryOp) and isinstance(index.op, ast.USub) \
+            and isinstance(index.operand, ast.Constant) and type(index.operand.value) is int:
+        return -index.operand.value
+    return ANY_ITEM
+
+
+def _item_of(chain, step):
+    """The chain of an item (`step`: an index, or ANY_ITEM) of what `chain` stands for: of a
+    list the function built (LISTED), the object it was built of."""
+    return chain[:-1] if chain and chain[-1] == LISTED else chain + (step,)

@@ -51,7 +51,8 @@ import functools
 import inspect
 import types
 
-from ..analysis.source_chains import ANY_ATTR, ANY_ITEM, CALL, FORMATTED, OPAQUE, PARAMS, chains, is_passed
+from ..analysis.source_chains import (ANY_ATTR, ANY_ITEM, CALL, FORMATTED, LISTED, OPAQUE, PARAMS, chains,
+                                      is_passed)
 from ..backend import framework
 
 # Attributes and methods of a Parameter that read no bytes from its storage.
@@ -324,6 +325,8 @@ def _resolve(root, chain):
                 skip = 2 if named or key == ANY_ITEM else 1
                 for p in named or params:
                     follow(p, f"{expr}.get_parameters()[{p.name!r}]", i + skip)
+        elif step == LISTED:             # a list of it, used other than by its items: not followed
+            out.append((f"[{expr}, ...]", obj, (OPAQUE,)))
         elif step == ANY_ITEM:
             for label, item in _items(obj):
                 follow(item, expr + label, i + 1)

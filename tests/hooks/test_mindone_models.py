@@ -58,6 +58,22 @@ def test_bert_encoder_streams(cpu_mint, tmp_path):
     assert root_share(plan) < 0.2, plan.format_table()        # 100% before (its embeddings now)
 
 
+def test_deberta_v2_streams(cpu_mint, tmp_path):
+    """Its construct builds `[self.encoder.layer[-1] for _ in range(self.z_steps)]` (a branch
+    never taken: z_steps is 0), read as every layer used other than called: the root held
+    all of them, refused below the whole model (an outside probe)."""
+    ms = cpu_mint
+    from mindone.transformers import DebertaV2Model
+    ms.set_seed(1)
+    model = DebertaV2Model(transformers.DebertaV2Config(vocab_size=512, hidden_size=64, num_hidden_layers=3,
+                                                        num_attention_heads=4, intermediate_size=128,
+                                                        max_position_embeddings=40))
+    ids = token_ids(ms, 512)
+    mask = ms.Tensor(np.ones((2, 12), np.int32))
+    plan, _ = stream_and_compare(model, [(ids, mask)], str(tmp_path / "s"), fraction=0.6, lookahead=0)
+    assert root_share(plan) < 0.35, plan.format_table()
+
+
 def test_t5_encoder_decoder_streams(cpu_mint, tmp_path):
     ms = cpu_mint
     from mindone.transformers import T5ForConditionalGeneration
