@@ -138,7 +138,8 @@ class Loads:
                 self._outcomes.fail_waiters(rec, BudgetError(
                     f"cannot load {rec.name!r} ({rec.nbytes} bytes): the device tier is held by pinned "
                     f"tensors, prefetched tensors not used yet, or tensors whose write-back failed "
-                    f"(used {self._memory.used()} of high watermark {self._memory.high} bytes); a "
+                    f"(used {self._memory.used()} of high watermark {self._memory.high} bytes"
+                    f"{self._memory.held_by_failed_writebacks()}); a "
                     f"prefetch never evicts a tensor prefetched and not used yet (use() or pin() may: "
                     f"they are demand), so use or evict() those first"))
                 continue

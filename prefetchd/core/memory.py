@@ -50,6 +50,16 @@ class DeviceMemory:
         be = self.backend
         return sum(be.block_bytes(r.nbytes) for r in self.registry.pinned if r.block)
 
+    def held_by_failed_writebacks(self):
+        """"" or a clause saying which tensors are held because their write-back failed, the
+        last error, and the remedy (they leave only once written back)."""
+        failed = [r for r in self.registry if r.block is not None and r.writeback_failed]
+        if not failed:
+            return ""
+        names = ", ".join(repr(r.name) for r in failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
+        return (f"; {len(failed)} held because their write-back failed ({names}; {failed[-1].error}): "
+                f"fix the store (free space, permissions), then flush() writes them back")
+
     def check_fits(self, nbytes, name=None):
         """BudgetError if nbytes could never be reserved, even with everything else evicted."""
         need = self.backend.block_bytes(nbytes)

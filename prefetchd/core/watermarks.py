@@ -58,7 +58,7 @@ class WatermarkChanges:
             self._pending = None
             error = BudgetError(
                 f"high watermark {memory.high} bytes cannot be reached: {memory.used()} bytes stay in use "
-                f"({memory.pinned_bytes()} pinned{_held_by_failed_writebacks(memory)}); the "
+                f"({memory.pinned_bytes()} pinned{memory.held_by_failed_writebacks()}); the "
                 f"watermarks stay at high {high}, low {low} bytes")
             memory.high, memory.low = high, low
             for req in waiting:
@@ -71,10 +71,3 @@ class WatermarkChanges:
             for req in waiting:
                 self._outcomes.fail(req, error)
 
-
-def _held_by_failed_writebacks(memory):
-    failed = [r.name for r in memory.registry if r.block is not None and r.writeback_failed]
-    if not failed:
-        return ""
-    more = f" and {len(failed) - 3} more" if len(failed) > 3 else ""
-    return f"; write-backs failed, so kept: {', '.join(map(repr, failed[:3]))}{more}"

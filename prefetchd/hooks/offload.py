@@ -113,10 +113,12 @@ class Offloaded(refusals.NotCopyable, HandleReadings):
         self._streaming = StreamingPass(self._cursor, self._session, self._pins, self._estimator,
                                         lambda: self.lookahead, lambda: self._high, auto_fetch=self.auto_fetch,
                                         publish=self._publish_trace)
-        self._pass = RecordingPass(self._cursor, self._session, self._pins, self._estimator, self._planned_tier)
+        self._pass = RecordingPass(self._cursor, self._session, self._pins, self._estimator,
+                                   lambda: _planned_tier(self.units, self.tier))
         self._ran = 0                  # unit hooks fired during the current forward
         self.turn = PassTurn(model, self._abandon_pass)   # one thread's pass at a time
         self.closed = self._given_back = False
+        self.half_loaded = None        # why a load stopped part-way (hooks/reload.py): passes refused
         self._install_hooks()
         self._dropped = registration.forget_when_dropped(self, [self.root, *self.units])
 
@@ -182,9 +184,10 @@ class Offloaded(refusals.NotCopyable, HandleReadings):
         """Open a pass for `opener`'s call: the model's, or an outer cell's (outer_calls.py)."""
         self._compiled_later.refuse_compiled_holders()
         self.turn.take(opener=opener)        # (the same thread: a nested call runs through)
-        if self.closed:                      # closed while this forward waited for the turn
+        if self.closed or self.half_loaded:  # closed, or a load failed, while this forward waited
             self.turn.give()
-            raise refusals.closed_refused(self.model, self.daemon.config.name)
+            raise refusals.closed_refused(self.model, self.daemon.config.name) if self.closed \
+                else PrefetchdError(self.half_loaded)
         self._pins.release_all(None)          # a pass that raised midway left pins behind
         self._compiled_later.drop_probes_under_compiled()
         for unit in self.units:
@@ -258,6 +261,8 @@ class Offloaded(refusals.NotCopyable, HandleReadings):
     # ---------------------------------------------------------------- the units' hooks
     def _before_unit(self, cell, inputs):
         unit = _unit_of(self._by_cell, cell)
+        if self.half_loaded and not self.turn.held_here():    # a cell of it called outside a pass
+            raise PrefetchdError(self.half_loaded)
         if not unit.held and self._parts.called_inside_another(cell):
             return                            # a shared cell, inside a unit that holds it
         self._ran += 1
@@ -330,12 +335,6 @@ class Offloaded(refusals.NotCopyable, HandleReadings):
         self._session.set_trace([[r.name for r in (self.root if i == ROOT else self.units[i]).records]
                                  for i in self.trace])
 
-    def _planned_tier(self):
-        """Weights registered remote but all held in host RAM (stage_to_host, or a host cache
-        that took everything) are planned as the host tier: no pass reads the disk. (A read
-        without the lock: it only picks the plan's tier.)"""
-        return "host" if all(r.host_valid for u in self.units for r in u.records) else self.tier
-
     def hook_handles(self):
         """Every hook this offload put on the model's cells (jit_calls hides them from a graph)."""
         return [*self._handles, *self._parts.handles()]
@@ -366,6 +365,13 @@ class Offloaded(refusals.NotCopyable, HandleReadings):
                 self._estimator.close()
                 if self._owns_daemon:
                     self.daemon.close()
+
+
+def _planned_tier(units, tier):
+    """Weights registered remote but all held in host RAM (stage_to_host, or a host cache
+    that took everything) are planned as the host tier: no pass reads the disk. (A read
+    without the lock: it only picks the plan's tier.)"""
+    return "host" if all(r.host_valid for u in units for r in u.records) else tier
 
 
 def _unit_of(by_cell, cell):

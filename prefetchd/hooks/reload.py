@@ -10,7 +10,10 @@ the parameter's replica and marked dirty, so the value is written back to the
 parameter's tier before that replica can be dropped (core/binding.py).
 
 Every name, shape and dtype is checked before anything is written: a refused
-load changes nothing.
+load changes nothing. A load that fails part-way (a full disk under the
+write-backs, a Ctrl-C) leaves old values beside new ones, which no forward may
+read as a model: the model then refuses to run (`handle.half_loaded`, a
+HalfLoad) until a load that writes every parameter left out completes.
 """
 import numpy as np
 
@@ -52,12 +55,41 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
                                  f"{param.name!r} is itself managed by prefetchd; load from a checkpoint "
                                  f"(mindspore.load_checkpoint) or from arrays")
     with handle.between_passes():     # a forward on another thread never reads a half-written weight
-        for param, value in todo:
-            array = _array(value)
-            with handle.daemon.use([param]):
-                # np.require keeps a 0-d value 0-d (np.ascontiguousarray makes it 1-d)
-                param.set_data(ms.Tensor(np.require(array, requirements="C")))
+        written = []
+        try:
+            for param, value in todo:
+                array = _array(value)
+                with handle.daemon.use([param]):
+                    # np.require keeps a 0-d value 0-d (np.ascontiguousarray makes it 1-d)
+                    param.set_data(ms.Tensor(np.require(array, requirements="C")))
+                written.append(param.name)
+        except BaseException as e:
+            if written or handle.half_loaded:
+                handle.half_loaded = HalfLoad(net, written, [p.name for p, _ in todo[len(written):]],
+                                              e, handle.half_loaded)
+                e.add_note(str(handle.half_loaded))
+            raise
+        if handle.half_loaded and handle.half_loaded.pending <= set(written):
+            handle.half_loaded = None
     return not_loaded, unused
+
+
+class HalfLoad:
+    """A load into an offloaded model that stopped part-way: `pending`, the names of the
+    parameters it did not write (with those an earlier one left, not written since); str()
+    is the refusal of the model's forwards."""
+
+    def __init__(self, net, written, left, error, earlier=None):
+        self.pending = set(left) | (earlier.pending - set(written) if earlier else set())
+        cause = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        self.message = (f"prefetchd: a load_param_into_net into this {type(net).__name__} stopped after "
+                        f"{len(written)} of {len(written) + len(left)} parameters ({cause[:300]}), so the "
+                        f"model holds old values beside new ones: it refuses to run until a "
+                        f"load_param_into_net that writes the {_names(sorted(self.pending))} parameters not "
+                        f"loaded completes (run the same load again once its cause is fixed)")
+
+    def __str__(self):
+        return self.message
 
 
 def _names(names):

@@ -318,3 +318,27 @@ def test_under_strict_a_reload_that_writes_the_root_weight_last_leaves_it_prefet
         for _ in range(2):
             np.testing.assert_array_equal(model(x).asnumpy(), reference(x).asnumpy())
     assert model._prefetchd.stats()["misses"] == 0
+
+
+def test_a_load_that_fails_part_way_refuses_the_forwards_until_a_load_completes(ms, setup, native_faults):
+    """Every write-back failing (ENOSPC) stops the load part-way: written weights are new,
+    the rest old. Such a model used to run on silently, its outputs neither model's (an
+    outside probe, with a full disk and with Ctrl-C). Its forwards are refused until the
+    load, run again, writes what the failed one left."""
+    model, daemon, x, _, path, want = setup
+    params = ms.load_checkpoint(path)
+    native_faults.inject_fault("write", "error", nth=1, count=100000, err=28)
+    with pytest.raises(Exception) as failed:
+        prefetchd.load_param_into_net(model, params)
+    assert any("stopped after" in note for note in getattr(failed.value, "__notes__", [])), failed.value
+    # Why the device filled up, and what to do: it pointed at use() and evict() before.
+    assert "held because their write-back failed" in str(failed.value) and "ENOSPC" in str(failed.value)
+    for call in (lambda: model(x), lambda: model.blocks[0](x)):        # a pass, and a unit alone
+        with pytest.raises(PrefetchdError, match=r"stopped after [1-9]\d* of \d+ parameters .* refuses to run "
+                                                 r"until a load_param_into_net that writes the"):
+            call()
+    native_faults.clear_faults()
+    daemon.flush()                                     # the write-backs that failed, done now
+    assert prefetchd.load_param_into_net(model, params) == ([], [])
+    for _ in range(3):
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
