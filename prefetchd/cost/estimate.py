@@ -74,7 +74,8 @@ class PassEstimator:
             self._timer.released(name, epoch, dispatched_ns)
         elif dispatched_ns is not None and self._refinement is not None and self._marker is not None:
             if self._clock is None:
-                self._clock, self._clock_names = FenceClock(self._marker), []
+                daemon = self.daemon
+                self._clock, self._clock_names = FenceClock(self._marker, alive=lambda: not daemon.closed), []
             if not self._clock.sealed:
                 self._clock.unit(epoch, dispatched_ns)
                 self._clock_names.append(name)

@@ -15,10 +15,16 @@ class FenceClock:
     GIL released), so timing costs the compute thread nothing. Units whose
     fences were passed together get the same time (their compute is then
     attributed to the first of them): the sum stays right.
+
+    alive: `() -> bool`, False once the marker's daemon closed. A pass cut short by the
+    daemon closing under it is never sealed, so the thread also looks at it every
+    WAKE seconds and ends within one look after (it waited for good, one per close).
     """
 
-    def __init__(self, marker, clock=time.monotonic_ns):
-        self._marker, self._clock = marker, clock
+    WAKE = 0.2
+
+    def __init__(self, marker, clock=time.monotonic_ns, alive=lambda: True):
+        self._marker, self._clock, self._alive = marker, clock, alive
         self._queue = queue.SimpleQueue()
         self._dispatch, self._fences = [], []
         self._closed = threading.Event()
@@ -55,11 +61,16 @@ class FenceClock:
 
     def _run(self):
         while True:
-            epoch = self._queue.get()
+            try:
+                epoch = self._queue.get(timeout=self.WAKE)
+            except queue.Empty:
+                if self._alive():
+                    continue
+                return
             if epoch is None:
                 return
             deadline = time.monotonic() + 60.0
-            while self._marker.wait(epoch, 0.2) < epoch:
-                if time.monotonic() > deadline or self._closed.is_set():
+            while self._marker.wait(epoch, self.WAKE) < epoch:
+                if time.monotonic() > deadline or self._closed.is_set() or not self._alive():
                     return           # stop() reports the shortfall
             self._fences.append(self._clock())

@@ -172,6 +172,22 @@ def test_fence_clock_reports_fences_never_reached():
         clock.stop(timeout=0.3)
 
 
+@pytest.mark.parametrize("waiting", ["for a unit", "at a fence"])
+def test_a_fence_clock_ends_once_its_daemon_closed_though_never_sealed(waiting):
+    """A pass cut short by Daemon.close() never seals its clock: the thread waited for
+    the next unit for good, one more per such close (an outside probe counted them)."""
+    alive = threading.Event()
+    alive.set()
+    clock = FenceClock(FakeMarker(), alive=alive.is_set)
+    if waiting == "at a fence":
+        clock.unit(1, time.monotonic_ns())          # never reached
+    time.sleep(2 * FenceClock.WAKE)
+    assert clock._thread.is_alive()                 # alive: it goes on waiting
+    alive.clear()
+    clock._thread.join(5 * FenceClock.WAKE)
+    assert not clock._thread.is_alive()
+
+
 def test_copies_on_compute_cores_stretch_compute_by_their_contention():
     # Host tier, compute-bound: 8 units of 50 ms, each a 16.8 ms memcpy at 4 GB/s.
     dma = P.plan(inputs(compute=0.05, tier="host", copy_contention=0))

@@ -279,6 +279,33 @@ def test_closing_the_handle_after_its_daemon_closed_mid_forward_still_closes_it(
         model(x)
 
 
+def test_a_daemon_closed_after_a_pass_cut_short_leaves_no_thread_behind(ms, store_dir):
+    """The cost model times a streamed pass's units on a thread (prefetchd.cost.fence_clock),
+    which ends when the pass does. A pass cut short, then the daemon closed (and the handle
+    never), left that thread waiting for the next unit for good: one more per such close
+    (an outside probe counted them, with the close on another thread mid-forward)."""
+    import threading
+    nn = ms.nn
+    model = nn.SequentialCell([nn.Dense(64, 64) for _ in range(4)])
+    x = ms.Tensor(np.ones((2, 64), np.float32))
+    daemon = prefetchd.Daemon(device_budget="64KiB", store_dir=store_dir).start()
+    prefetchd.offload(model, daemon, lookahead=1)
+    model(x)                                             # the recording pass
+
+    def clocks():
+        return [t for t in threading.enumerate() if t.name == "prefetchd-fence-clock"]
+
+    def fail(cell, inputs):
+        raise RuntimeError("stopped midway")
+    hook = model[2].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="stopped midway"):
+        model(x)                                         # a streamed pass, timed, cut short
+    hook.remove()
+    assert clocks(), "the streamed pass was not timed: nothing tested"
+    daemon.close()
+    assert wait_until(lambda: not clocks(), timeout=3), clocks()
+
+
 def test_cells_replaced_after_offload_and_a_closed_daemon_are_named(ms, tmp_path, x, monkeypatch):
     """auto_mixed_precision after offload() rebuilds cells, copying their hooks: the next
     forward raised a bare KeyError. And a model whose daemon closed was called "still in use"
