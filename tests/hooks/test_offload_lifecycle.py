@@ -291,9 +291,10 @@ def test_a_daemon_closed_after_a_pass_cut_short_leaves_no_thread_behind(ms, stor
     daemon = prefetchd.Daemon(device_budget="64KiB", store_dir=store_dir).start()
     prefetchd.offload(model, daemon, lookahead=1)
     model(x)                                             # the recording pass
+    before = set(threading.enumerate())                  # (other tests' clocks, ending on their own)
 
     def clocks():
-        return [t for t in threading.enumerate() if t.name == "prefetchd-fence-clock"]
+        return [t for t in threading.enumerate() if t.name == "prefetchd-fence-clock" and t not in before]
 
     def fail(cell, inputs):
         raise RuntimeError("stopped midway")
