@@ -26,6 +26,7 @@ from .core.events import Events
 from .core.homes import HomeSpace
 from .core.registering import Registrar, checked_name
 from .core.registry import Registry, check_name
+from .sigint import keep_keyboard_interrupt
 from .core.requests import DONE, Kind, Request, check_deadline, check_priority
 from .core.waits import RequestFuture, refuse_wait_on_scheduler
 from .core.scheduler import Scheduler, run
@@ -140,6 +141,7 @@ class Daemon:
             self._state = "running"
             live_daemons.add(self)
         self._thread, self._finalizer = _scheduler_thread(self, self._core, self._registry)
+        keep_keyboard_interrupt()     # (the backend ran MindSpore's first op, maybe)
         _log_started(self.name, self.config, self.backend)
         try:
             self._attach()

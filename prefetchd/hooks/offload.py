@@ -49,6 +49,7 @@ from . import backward, registration, refusals
 from ..backend import framework
 from ..daemon import Daemon
 from ..errors import PrefetchdError, ShutdownError
+from ..sigint import keep_keyboard_interrupt
 from ..cost.estimate import PassEstimator
 from .budget_hint import DEFAULT_HIGH_FRACTION
 from .compiled_later import CompiledLater
@@ -417,6 +418,7 @@ def offload(model, daemon=None, lookahead=None, units=None, auto_fetch=None, *, 
         raise
     model._prefetchd = handle
     jit_calls.watch(model, handle)
+    keep_keyboard_interrupt()         # (registering ran MindSpore ops, maybe its first)
     return handle
 
 
