@@ -159,11 +159,14 @@ class Plan:
             a, b = self.units[i], self.units[(i + 1) % n]
             need = _union_bytes(self.root, a, b)
             if need > high:
-                return (f"units {a.name!r} ({a.nbytes} bytes) and {b.name!r} ({b.nbytes} bytes) are next to "
-                        f"each other in the order the model declares its cells (the order they run is known "
-                        f"only after a forward, so offload() checks this one); with the root unit ({self.root.nbytes} bytes) they need {need} bytes, "
+                where = ("the last and the first in the order the model declares its cells: the next pass "
+                         "starts while this one ends" if i == n - 1 else
+                         "next to each other in the order the model declares its cells")
+                return (f"units {a.name!r} ({a.nbytes} bytes) and {b.name!r} ({b.nbytes} bytes) are {where} "
+                        f"(the order they run is known only after a forward, so offload() checks this one); "
+                        f"with the root unit ({self.root.nbytes} bytes) they need {need} bytes, "
                         f"above the high watermark {high}: the next unit could never load while one computes "
-                        f"(raise device_budget, or pass units= with smaller units)" + _kept_whole(a))
+                        f"(raise device_budget, or pass units= with smaller units)" + _kept_whole(a) + _kept_whole(b))
         return None
 
     def format_table(self):

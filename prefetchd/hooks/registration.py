@@ -225,7 +225,14 @@ def _refuse_taken_names(daemon, params):
         taken = set(daemon.names())
     seen = set()
     for p in params:
-        if p.name in taken or p.name in seen:
+        if p.name in seen:
+            raise DoubleRegisterError(
+                f"prefetchd.offload: two of this model's parameters are named {p.name!r} (names are unique "
+                f"in one daemon; MindSpore renames a parameter when a CellList holding it is sliced or "
+                f"extended, as `self.layers[:n]` in a construct does): give them their paths as names "
+                f"first, `for path, p in model.parameters_and_names(): p.name = path`; nothing was "
+                f"registered")
+        if p.name in taken:
             raise DoubleRegisterError(
                 f"prefetchd.offload: a tensor named {p.name!r} is already registered (names are unique in "
                 f"one daemon: close the handle of the model that has it, or give a second model of the "

@@ -307,6 +307,43 @@ def test_a_daemon_closed_after_a_pass_cut_short_leaves_no_thread_behind(ms, stor
     assert wait_until(lambda: not clocks(), timeout=3), clocks()
 
 
+def test_two_parameters_of_one_model_with_one_name_are_refused_with_the_rename_that_works(ms, tmp_path, x):
+    """A construct that slices its CellLists (`self.a[:n]`, as mindone's Phi does) has MindSpore
+    rename their parameters from 0 in the resident pass, so two of one model's parameters
+    share a name. The refusal blamed another model ("close the handle of the model that has
+    it"); it names the clash and the rename, which then streams."""
+    nn = ms.nn
+
+    class Two(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.CellList([nn.Dense(64, 64) for _ in range(3)])
+            self.b = nn.CellList([nn.Dense(64, 64) for _ in range(3)])
+
+        def construct(self, x):
+            for layer in self.a[:3]:
+                x = layer(x)
+            for layer in self.b[:3]:
+                x = layer(x)
+            return x
+
+    ms.set_seed(3)
+    model = Two()
+    want = model(x).asnumpy()                       # the slices rename: 'a.0.weight' -> '0.weight'
+    names = [p.name for p in model.get_parameters()]
+    assert len(set(names)) < len(names), names
+    with prefetchd.Daemon(device_budget=budget(model, 0.5), store_dir=str(tmp_path / "s")) as daemon:
+        with pytest.raises(PrefetchdError, match=r"two of this model's parameters are named '0\.weight' .* "
+                                                 r"p\.name = path"):
+            prefetchd.offload(model, daemon, lookahead=1)
+        assert daemon.status()["tensors"] == 0
+        for path, p in model.parameters_and_names():
+            p.name = path
+        prefetchd.offload(model, daemon, lookahead=1)
+        for _ in range(3):
+            np.testing.assert_array_equal(model(x).asnumpy(), want)
+
+
 def test_cells_replaced_after_offload_and_a_closed_daemon_are_named(ms, tmp_path, x, monkeypatch):
     """auto_mixed_precision after offload() rebuilds cells, copying their hooks: the next
     forward raised a bare KeyError. And a model whose daemon closed was called "still in use"

@@ -104,6 +104,33 @@ def test_explicit_units_and_bad_names(nets):
         plan_units(model, 1 << 30, 2, units=["transformer.h.0", "transformer.h.0.a"])
 
 
+def test_a_pair_refusal_says_when_it_is_the_wrap_and_why_either_unit_is_kept_whole(ms):
+    """The refusal of two consecutive units named why the first was not split, never the
+    second (Phi's attention, kept whole for a read, went unexplained), and called the last
+    and the first units 'next to each other' (an outside probe, on GPT-NeoX)."""
+    nn, ops = ms.nn, ms.ops
+
+    class Reads(nn.Cell):                        # kept whole: its construct reads fc.weight
+        def __init__(self, d):
+            super().__init__()
+            self.fc = nn.Dense(d, d)
+
+        def construct(self, x):
+            return ops.matmul(x, self.fc.weight)
+
+    model = nn.SequentialCell([Reads(64), nn.Dense(16, 16), nn.Dense(16, 16), Reads(64)])
+    big, small = nbytes(model[0]), nbytes(model[1])
+    plan = plan_units(model, 2 * big - 1, 1, units=["0", "1", "2", "3"])
+    with pytest.raises(BudgetError) as refused:
+        plan.check_fits()
+    message = str(refused.value)
+    assert "units '3' " in message and " and '0' " in message, message
+    assert "the last and the first in the order the model declares its cells" in message
+    assert "'3' is kept whole because its construct reads self.fc.weight" in message
+    assert "'0' is kept whole because its construct reads self.fc.weight" in message
+    assert big + small < 2 * big - 1             # (the pairs before the wrap fit)
+
+
 def test_a_shared_parameter_is_listed_in_every_unit(ms):
     nn = ms.nn
     model = nn.CellList([nn.Dense(64, 64) for _ in range(3)])
