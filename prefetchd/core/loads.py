@@ -21,6 +21,7 @@ from .requests import Kind
 from .transfers import transfer_error
 
 MAX_LOADS_IN_FLIGHT = 4   # enough to keep the store's queue full; more only delays priorities
+RETRY_FAILED_WRITEBACKS = 1.0   # seconds between retries, by a load with no room, of failed write-backs
 
 log = logging.getLogger("prefetchd")
 
@@ -41,6 +42,7 @@ class Loads:
         self._evict = evict            # fn(rec, reason): the write-back path's evict
         self.timeline = NullTimeline()   # the scheduler's, when tracing is on
         self._order = itertools.count()
+        self._retry_at = 0.0           # monotonic time failed write-backs may be tried again
         self.queue = []            # heap: (speculative?, deadline, -priority, seq, -nbytes, n, rec, request)
 
     # ------------------------------------------------------------------ requests
@@ -131,7 +133,7 @@ class Loads:
                     f"internal error while making room on the device for {rec.name!r}: {e!r}"))
                 continue
             if block is None:
-                if self._transfers or self._memory.unfenced:
+                if self._transfers or self._memory.unfenced or self._retry_failed_writebacks():
                     return    # write-backs or loads in flight will free or settle memory
                 # Nothing in flight can change the picture: say so instead of waiting forever.
                 heapq.heappop(self.queue)
@@ -145,6 +147,24 @@ class Loads:
                 continue
             heapq.heappop(self.queue)
             self.start(rec, block)
+
+    def _retry_failed_writebacks(self):
+        """Start writing back again, and then dropping, the tensors held because their write-back
+        failed (the fault may have passed: the disk has room again), at most every
+        RETRY_FAILED_WRITEBACKS seconds: before, a load with no room failed until a flush().
+        True if any was started."""
+        now = time.monotonic()
+        if now < self._retry_at:
+            return False
+        held = [r for r in self._memory.registry
+                if r.writeback_failed and r.state is State.RESIDENT and r.block is not None and not r.pins]
+        if not held:
+            return False
+        self._retry_at = now + RETRY_FAILED_WRITEBACKS
+        for rec in held:
+            rec.writeback_failed = False
+            self._evict(rec, "watermark")
+        return True
 
     def reclaim(self, rec):
         """An ABSENT tensor whose pages still sit at its home, waiting for a compute

@@ -58,7 +58,8 @@ class DeviceMemory:
             return ""
         names = ", ".join(repr(r.name) for r in failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
         return (f"; {len(failed)} held because their write-back failed ({names}; {failed[-1].error}): "
-                f"fix the store (free space, permissions), then flush() writes them back")
+                f"fix the store (free space, permissions); a load that needs the room tries them again "
+                f"(at most once a second), as does flush()")
 
     def check_fits(self, nbytes, name=None):
         """BudgetError if nbytes could never be reserved, even with everything else evicted."""

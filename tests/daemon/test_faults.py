@@ -224,6 +224,29 @@ def test_failed_writeback_keeps_the_dirty_replica_in_place(daemon, make_param):
         assert p.asnumpy()[0] == 7
 
 
+def test_a_load_with_no_room_retries_the_failed_write_backs_once_the_disk_has_room(ms, make_daemon, make_param):
+    """A dirty tensor whose write-back failed (ENOSPC) holds its device memory. Loads that
+    needed the room failed until someone called flush(), however long ago the disk had
+    room again (an outside probe). They retry the failed write-backs themselves (at most
+    every RETRY_FAILED_WRITEBACKS seconds); on a disk still full the load fails, saying why."""
+    from prefetchd.core.loads import RETRY_FAILED_WRITEBACKS
+    from prefetchd.errors import BudgetError
+    daemon = make_daemon(device_budget="1536KiB")              # room for one of the two
+    a, b = _two(daemon, make_param, n=MiB // 4)
+    with daemon.use(a):
+        a.target.set_data(ms.Tensor(np.full(MiB // 4, 9, np.float32)))     # dirty
+    _native.inject_fault("write", "error", nth=1, count=1000, err=28, key_contains="victim")
+    with pytest.raises(BudgetError, match=r"held because their write-back failed \('victim\.a'; .*ENOSPC"):
+        daemon.prefetch(b).result(10)
+    _native.clear_faults()                                    # the disk has room again
+    time.sleep(RETRY_FAILED_WRITEBACKS)
+    daemon.prefetch(b).result(10)                             # no flush(): the load retried it
+    with daemon.use(b):
+        assert b.target.asnumpy()[0] == 2
+    with daemon.use(a):                                       # read back from the store
+        assert a.target.asnumpy()[0] == 9 and a.target.asnumpy()[-1] == 9
+
+
 def test_delayed_read_completes_and_is_timed(daemon, make_param):
     a, b = _two(daemon, make_param)
     _native.inject_fault("read", "delay", nth=1, delay_ms=300, key_contains="victim")

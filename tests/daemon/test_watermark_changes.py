@@ -56,7 +56,7 @@ def test_a_lowering_that_cannot_be_reached_fails_and_keeps_the_old_watermarks(ma
     daemon, tensors = _dirty_daemon(make_daemon, ms, n=4)
     before = daemon.status()["device"]
     native_faults.inject_fault("write", "error", nth=1, count=1000, err=28, key_contains="w")   # ENOSPC
-    with pytest.raises(BudgetError, match=r"cannot be reached: .* held because their write-back failed \('w.*ENOSPC.*then flush\(\)"):
+    with pytest.raises(BudgetError, match=r"cannot be reached: .* held because their write-back failed \('w.*ENOSPC.*as does flush\(\)"):
         daemon.set_watermarks("1MiB", "512KiB").result(30)
     device = daemon.status()["device"]
     assert (device["high_watermark"], device["low_watermark"]) == (before["high_watermark"], before["low_watermark"])
