@@ -24,9 +24,10 @@ object is used:
   ops.matmul: for a Parameter any such use reads it).
 
 Names bound to chains by `for` loops, comprehensions, assignment, `zip`,
-`enumerate`, `reversed`, `next` are followed through; a slice (`self.blocks[1:]`)
-stands for the container it is taken of. `None` means the source could not be read
-(built at run time, a lambda): the caller decides what is safe.
+`enumerate`, `reversed`, `next` are followed through; a slice (`self.blocks[1:]`,
+SLICED) stands for the container it is taken of, and an index into it for any of its
+items. `None` means the source could not be read (built at run time, a lambda): the
+caller decides what is safe.
 """
 import ast
 import functools
@@ -37,6 +38,7 @@ ANY_ITEM = "[*]"      # a chain step: any item (a loop over a container, a compu
 ANY_ATTR = ".*"       # a chain step: any attribute (getattr with a computed name)
 PARAMS = "<params>"   # a chain step: each parameter under the cell (cell.get_parameters())
 LISTED = "[...]"      # a chain step: a list or tuple of the object, built in the function
+SLICED = "[:]"        # a chain step: a slice of the container (its items, some of them, any order)
 CALL = "()"           # a chain step: the object is called here
 OPAQUE = "?"          # a chain step: the object is used in a way not followed (all its parameters)
 PASSED = "->"         # first item of a (PASSED, callee, slot) step: handed to a callee
@@ -97,8 +99,10 @@ class _Walker:
             return None if base is None else {c + (node.attr,) for c in base}
         if isinstance(node, ast.Subscript):
             base = self.chain(node.value)
-            if base is None or isinstance(node.slice, ast.Slice):
-                return base               # a slice: the container's own items, fewer of them
+            if base is None:
+                return None
+            if isinstance(node.slice, ast.Slice):  # some of the container's items, renumbered
+                return {c if c and c[-1] in (LISTED, SLICED) else c + (SLICED,) for c in base}
             return {_item_of(c, _constant_index(node.slice)) for c in base}
         if self._is_getattr(node):
             base = self.chain(node.args[0])
@@ -113,7 +117,7 @@ class _Walker:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "next" \
                 and len(node.args) == 1:
             per = self.items(node.args[0])
-            return None if per is None else set().union(*per)
+            return None if per is None else _union(per)
         return None
 
     @staticmethod
@@ -127,7 +131,8 @@ class _Walker:
                 and node.func.attr in _PARAM_ITERATORS)
 
     def items(self, node):
-        """Per position of a loop target, the chains an iterable's items stand for; None if unknown."""
+        """Per position of a loop target, the chains an iterable's items stand for (a set, or a
+        list of them for a position that is itself a tuple: enumerate(zip(...))); None if unknown."""
         if isinstance(node, (ast.Tuple, ast.List)):
             out = set()
             for element in node.elts:
@@ -138,12 +143,12 @@ class _Walker:
             return [out]
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             name = node.func.id
-            if name == "zip":
+            if name == "zip":            # (an argument not followed: its position binds nothing)
                 per = [self.items(a) for a in node.args]
-                return None if any(p is None for p in per) else [p[0] for p in per]
+                return [set() if p is None else p[0] if len(p) == 1 else p for p in per]
             if name == "enumerate" and node.args:
                 inner = self.items(node.args[0])
-                return None if inner is None else [set(), inner[0]]
+                return None if inner is None else [set(), inner[0] if len(inner) == 1 else inner]
             if name in _PASS_ITEMS and node.args:
                 return self.items(node.args[0])
         c = self.chain(node)
@@ -166,22 +171,21 @@ class _Walker:
                 per = self.items(node.iter)
                 if per is not None:
                     self._bind_target(node.target, per)
-            elif isinstance(node, ast.Assign) and len(node.targets) == 1 \
-                    and isinstance(node.targets[0], ast.Name):
+            elif isinstance(node, ast.Assign) and _to_names(node):     # (`a = b = self.x`: both)
                 c = self.chain(node.value)
                 listed = self.listed(node.value)
                 if listed is not None:
                     c = {x + (LISTED,) for x in listed}
-                if c is not None:
-                    self.env.setdefault(node.targets[0].id, set()).update(c)
+                for target in node.targets if c is not None else ():
+                    self.env.setdefault(target.id, set()).update(c)
 
     def _bind_target(self, target, per):
         if isinstance(target, ast.Name):
-            self.env.setdefault(target.id, set()).update(set().union(*per))
+            self.env.setdefault(target.id, set()).update(_union(per))
         elif isinstance(target, (ast.Tuple, ast.List)):
             if len(per) == len(target.elts):
                 for t, p in zip(target.elts, per):
-                    self._bind_target(t, [p])
+                    self._bind_target(t, p if isinstance(p, list) else [p])
             else:
                 for t in target.elts:
                     self._bind_target(t, per)
@@ -242,10 +246,10 @@ class _Walker:
             return ((PASSED, callee, slot),)
         if isinstance(parent, (ast.For, ast.comprehension)) and parent.iter is node:
             return None                               # its items are bound to the loop target
-        if isinstance(parent, (ast.Tuple, ast.List)) and self._is_loop_iter(parent):
-            return None
-        if isinstance(parent, ast.Assign) and parent.value is node and \
-                all(isinstance(t, ast.Name) for t in parent.targets):
+        if isinstance(parent, (ast.Tuple, ast.List)) and self._is_loop_iter(parent) \
+                and self.listed(parent) is not None:
+            return None                               # every item bound to the loop target
+        if isinstance(parent, ast.Assign) and parent.value is node and _to_names(parent):
             return None                               # bound to a name; its uses count
         if self._is_bound_list_item(node, parent):
             return None                               # `layers = [self.a, self.b]`: the list's uses count
@@ -286,8 +290,8 @@ class _Walker:
                 or isinstance(parent, (ast.List, ast.Tuple)) and node in parent.elts):
             return False
         assign = self.parent.get(id(parent))
-        return (isinstance(assign, ast.Assign) and assign.value is parent and len(assign.targets) == 1
-                and isinstance(assign.targets[0], ast.Name) and self.listed(parent) is not None)
+        return (isinstance(assign, ast.Assign) and assign.value is parent and _to_names(assign)
+                and self.listed(parent) is not None)
 
     def _is_loop_iter(self, node):
         parent = self.parent.get(id(node))
@@ -297,6 +301,16 @@ class _Walker:
                 parent.func.id in _PASS_ITEMS | {"zip", "enumerate"}:
             return self._is_loop_iter(parent)
         return False
+
+
+def _union(per):
+    """Every chain of a loop target's positions (items()), nested ones included."""
+    return set().union(*[_union(p) if isinstance(p, list) else p for p in per])
+
+
+def _to_names(assign):
+    """Whether an assignment binds its value to plain names only (`a = b = value`)."""
+    return all(isinstance(t, ast.Name) for t in assign.targets)
 
 
 def _constant_index(index):
@@ -312,5 +326,8 @@ def _constant_index(index):
 
 def _item_of(chain, step):
     """The chain of an item (`step`: an index, or ANY_ITEM) of what `chain` stands for: of a
-    list the function built (LISTED), the object it was built of."""
+    list the function built (LISTED), the object it was built of; of a slice (SLICED), any
+    item of the container it was taken of (its indexes are renumbered)."""
+    if chain and chain[-1] == SLICED:
+        chain, step = chain[:-1], ANY_ITEM
     return chain[:-1] if chain and chain[-1] == LISTED else chain + (step,)

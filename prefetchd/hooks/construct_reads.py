@@ -51,8 +51,8 @@ import functools
 import inspect
 import types
 
-from ..analysis.source_chains import (ANY_ATTR, ANY_ITEM, CALL, FORMATTED, LISTED, OPAQUE, PARAMS, chains,
-                                      is_passed)
+from ..analysis.source_chains import (ANY_ATTR, ANY_ITEM, CALL, FORMATTED, LISTED, OPAQUE, PARAMS, SLICED,
+                                      chains, is_passed)
 from ..backend import framework
 
 # Attributes and methods of a Parameter that read no bytes from its storage.
@@ -326,7 +326,9 @@ def _resolve(root, chain):
                 for p in named or params:
                     follow(p, f"{expr}.get_parameters()[{p.name!r}]", i + skip)
         elif step == LISTED:             # a list of it, used other than by its items: not followed
-            out.append((f"[{expr}, ...]", obj, (OPAQUE,)))
+            out.append((f"{expr} (in a list the construct builds)", obj, (OPAQUE,)))
+        elif step == SLICED:             # a slice of a container used as one: the container
+            follow(obj, f"{expr}[...]", i + 1)
         elif step == ANY_ITEM:
             for label, item in _items(obj):
                 follow(item, expr + label, i + 1)

@@ -480,11 +480,32 @@ def test_direct_reads_through_slices_negative_indexes_and_lists_the_construct_bu
         layers = [blk.fc for blk in self.blocks]
         return _apply_all(layers, x)
 
+    # An outside probe's misses: an index after a slice was taken on the unsliced container,
+    # and a loop over zip() with an argument not followed bound nothing (nor did `a = b = ...`).
+    def index_after_a_slice(self, x):
+        rest = self.blocks[1:]
+        return ops.matmul(x, self.blocks[::-1][0].w) + ops.matmul(x, rest[0].w)
+
+    def zipped_with_something_else(self, x):
+        layers = [self.blocks[1], self.blocks[2]]
+        for layer, scale in zip(layers, [1.0, 2.0]):
+            x = ops.matmul(x, layer.w) * scale
+        for block, scale in zip((self.blocks[0], self.blocks[1]), (x, 1.0)):
+            x = block(x) * scale
+        return x
+
+    def assigned_twice(self, x):
+        a = b = self.blocks[2]
+        return ops.matmul(x, a.w) + b(x)
+
     assert reads(sliced) == ["blocks.0.w", "blocks.1.w", "blocks.2.w"]     # a slice: its container
     assert reads(negative) == ["blocks.1.fc.weight", "blocks.2.w"]
     assert reads(listed_then_called) == []
     assert reads(listed_then_read) == ["blocks.0.w", "blocks.2.w"]
     assert reads(listed_then_handed_on) == [f"blocks.{i}.fc.{n}" for i in range(3) for n in ("bias", "weight")]
+    assert reads(index_after_a_slice) == ["blocks.0.w", "blocks.1.w", "blocks.2.w"]   # any item: safe
+    assert reads(zipped_with_something_else) == ["blocks.1.w", "blocks.2.w"]
+    assert reads(assigned_twice) == ["blocks.2.w"]
 
 
 def _apply_all(layers, x):
