@@ -262,8 +262,6 @@ class Offloaded(refusals.NotCopyable, HandleReadings):
     # ---------------------------------------------------------------- the units' hooks
     def _before_unit(self, cell, inputs):
         unit = _unit_of(self._by_cell, cell)
-        if self.half_loaded and not self.turn.held_here():    # a cell of it called outside a pass
-            raise PrefetchdError(self.half_loaded)
         if not unit.held and self._parts.called_inside_another(cell):
             return                            # a shared cell, inside a unit that holds it
         self._ran += 1

@@ -55,21 +55,26 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
                                  f"{param.name!r} is itself managed by prefetchd; load from a checkpoint "
                                  f"(mindspore.load_checkpoint) or from arrays")
     with handle.between_passes():     # a forward on another thread never reads a half-written weight
-        written = []
+        written, writing = [], False       # (writing: a write may have begun, e.g. Ctrl-C right after it)
         try:
             for param, value in todo:
                 array = _array(value)
                 with handle.daemon.use([param]):
+                    writing = True
                     # np.require keeps a 0-d value 0-d (np.ascontiguousarray makes it 1-d)
                     param.set_data(ms.Tensor(np.require(array, requirements="C")))
-                written.append(param.name)
+                    written.append(param.name)
         except BaseException as e:
-            if written or handle.half_loaded:
-                handle.half_loaded = HalfLoad(net, written, [p.name for p, _ in todo[len(written):]],
-                                              e, handle.half_loaded)
+            if written or writing or handle.half_loaded:
+                earlier = handle.half_loaded
+                handle.half_loaded = HalfLoad(handle, net, written, [p.name for p, _ in todo[len(written):]],
+                                              e, earlier)
+                if earlier is not None:
+                    earlier.remove()
                 e.add_note(str(handle.half_loaded))
             raise
         if handle.half_loaded and handle.half_loaded.pending <= set(written):
+            handle.half_loaded.remove()
             handle.half_loaded = None
     return not_loaded, unused
 
@@ -77,9 +82,11 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
 class HalfLoad:
     """A load into an offloaded model that stopped part-way: `pending`, the names of the
     parameters it did not write (with those an earlier one left, not written since); str()
-    is the refusal of the model's forwards."""
+    is the refusal. The model's own pass refuses to begin (hooks/offload.py); each of its
+    cells gets a pre-hook refusing a call of it alone (a unit, a cell inside one, a root
+    cell) until remove(), or the handle is closed."""
 
-    def __init__(self, net, written, left, error, earlier=None):
+    def __init__(self, handle, net, written, left, error, earlier=None):
         self.pending = set(left) | (earlier.pending - set(written) if earlier else set())
         cause = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         self.message = (f"prefetchd: a load_param_into_net into this {type(net).__name__} stopped after "
@@ -87,6 +94,18 @@ class HalfLoad:
                         f"model holds old values beside new ones: it refuses to run until a "
                         f"load_param_into_net that writes the {_names(sorted(self.pending))} parameters not "
                         f"loaded completes (run the same load again once its cause is fixed)")
+        self._handle = handle
+        self._hooks = [cell.register_forward_pre_hook(self._refuse, prepend=True)    # before its pins
+                       for _, cell in net.cells_and_names() if cell is not net]
+
+    def _refuse(self, cell, inputs):
+        if not self._handle.closed:
+            raise PrefetchdError(self.message)
+
+    def remove(self):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
 
     def __str__(self):
         return self.message

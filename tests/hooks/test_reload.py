@@ -333,12 +333,39 @@ def test_a_load_that_fails_part_way_refuses_the_forwards_until_a_load_completes(
     assert any("stopped after" in note for note in getattr(failed.value, "__notes__", [])), failed.value
     # Why the device filled up, and what to do: it pointed at use() and evict() before.
     assert "held because their write-back failed" in str(failed.value) and "ENOSPC" in str(failed.value)
-    for call in (lambda: model(x), lambda: model.blocks[0](x)):        # a pass, and a unit alone
+    # A pass, a unit called alone, and a cell inside a unit (an outside probe's: it ran).
+    for call in (lambda: model(x), lambda: model.blocks[0](x), lambda: model.blocks[0].fc(x)):
         with pytest.raises(PrefetchdError, match=r"stopped after [1-9]\d* of \d+ parameters .* refuses to run "
                                                  r"until a load_param_into_net that writes the"):
             call()
+    assert daemon.status()["pinned"] == 0          # refused before a unit's hooks pinned it
     native_faults.clear_faults()
     daemon.flush()                                     # the write-backs that failed, done now
     assert prefetchd.load_param_into_net(model, params) == ([], [])
     for _ in range(3):
         np.testing.assert_array_equal(model(x).asnumpy(), want)
+
+
+def test_a_ctrl_c_right_after_the_first_write_still_refuses_the_forwards(ms, setup, monkeypatch):
+    """The first parameter written, then Ctrl-C before the load noted it: the model ran on
+    with one new weight among old ones (an outside probe, with a trace function raising
+    KeyboardInterrupt as the first set_data returned)."""
+    model, daemon, x, before, path, want = setup
+    written = []
+
+    def interrupted_after(param):
+        def set_data(*args, **kwargs):       # (the class's, looked up now: it changes with residency)
+            type(param).set_data(param, *args, **kwargs)
+            written.append(param.name)
+            raise KeyboardInterrupt
+        return set_data
+    for param in model.get_parameters():
+        monkeypatch.setattr(param, "set_data", interrupted_after(param), raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        prefetchd.load_param_into_net(model, ms.load_checkpoint(path))
+    monkeypatch.undo()
+    assert len(written) == 1
+    with pytest.raises(PrefetchdError, match=r"stopped after 0 of \d+ parameters \(KeyboardInterrupt\)"):
+        model(x)
+    prefetchd.load_param_into_net(model, ms.load_checkpoint(path))
+    np.testing.assert_array_equal(model(x).asnumpy(), want)
