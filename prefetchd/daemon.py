@@ -327,6 +327,7 @@ class Daemon:
     def use(self, tensors, auto_fetch=True):
         """Pin `tensors` for compute: waits for residency, binds, unpins on exit."""
         recs = self._records_of(tensors)
+        keep_keyboard_interrupt()     # (the caller's MindSpore ops may be its first)
         self.compute_session().acquire(recs, auto_fetch=auto_fetch, as_set="daemon.use([...])")
         try:
             yield recs

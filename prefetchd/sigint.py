@@ -5,18 +5,22 @@ MindSpore's runtime installs a native SIGINT handler at its first op
 no KeyboardInterrupt, no `finally`, no Daemon.close(), so weights written and not
 yet written back are lost with the process, and the user's own cleanup never
 runs. Python still believes its own handler is installed (`signal.getsignal`
-says default_int_handler), so it is put back where prefetchd starts, as it has
-always been once a Ctrl-C was deferred (hooks/interrupts.py) in a first pass.
-A handler the user installed from Python is left alone.
+says default_int_handler, or the user's own, or SIG_IGN), so the one Python names
+is put back where prefetchd starts (Daemon.start(), offload(), Daemon.use()), as it
+always was once a Ctrl-C was deferred (hooks/interrupts.py) in a first pass.
+Signal handlers are set on the main thread only: a Daemon started elsewhere, and
+MindSpore's first op after all of those, leave MindSpore's in place.
 """
 import signal
 import threading
 
 
 def keep_keyboard_interrupt():
-    """Put Python's SIGINT handler back if Python believes it is installed (main thread
-    only: signal handlers can only be set there)."""
+    """Put back the SIGINT handler Python believes installed (its default, the user's, SIG_IGN
+    or SIG_DFL; None: one set outside Python, left alone). Main thread only: signal handlers
+    can be set only there."""
     if threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is not None:
+        signal.signal(signal.SIGINT, handler)
