@@ -23,6 +23,7 @@ never breaks the user's forward.
 """
 import logging
 import statistics
+import weakref
 
 from . import model as cost_model
 from ..backend.base import checksum_rate, copy_rate
@@ -74,8 +75,10 @@ class PassEstimator:
             self._timer.released(name, epoch, dispatched_ns)
         elif dispatched_ns is not None and self._refinement is not None and self._marker is not None:
             if self._clock is None:
-                daemon = self.daemon
-                self._clock, self._clock_names = FenceClock(self._marker, alive=lambda: not daemon.closed), []
+                # Timing ends with the daemon, or with this estimator (its model dropped unclosed).
+                daemon, me = self.daemon, weakref.ref(self)
+                self._clock, self._clock_names = FenceClock(
+                    self._marker, alive=lambda: not daemon.closed and me() is not None), []
             if not self._clock.sealed:
                 self._clock.unit(epoch, dispatched_ns)
                 self._clock_names.append(name)

@@ -279,11 +279,14 @@ def test_closing_the_handle_after_its_daemon_closed_mid_forward_still_closes_it(
         model(x)
 
 
-def test_a_daemon_closed_after_a_pass_cut_short_leaves_no_thread_behind(ms, store_dir):
+@pytest.mark.parametrize("then", ["the daemon closed", "the model dropped unclosed"])
+def test_a_pass_cut_short_leaves_no_thread_behind(ms, store_dir, then):
     """The cost model times a streamed pass's units on a thread (prefetchd.cost.fence_clock),
     which ends when the pass does. A pass cut short, then the daemon closed (and the handle
-    never), left that thread waiting for the next unit for good: one more per such close
-    (an outside probe counted them, with the close on another thread mid-forward)."""
+    never), or the model dropped without its handle closed (the daemon open), left that
+    thread waiting for the next unit for good: one more per such model (outside probes
+    counted them)."""
+    import gc
     import threading
     nn = ms.nn
     model = nn.SequentialCell([nn.Dense(64, 64) for _ in range(4)])
@@ -303,8 +306,13 @@ def test_a_daemon_closed_after_a_pass_cut_short_leaves_no_thread_behind(ms, stor
         model(x)                                         # a streamed pass, timed, cut short
     hook.remove()
     assert clocks(), "the streamed pass was not timed: nothing tested"
-    daemon.close()
+    if then == "the daemon closed":
+        daemon.close()
+    else:
+        del model, hook
+        gc.collect()
     assert wait_until(lambda: not clocks(), timeout=3), clocks()
+    daemon.close()
 
 
 def test_two_parameters_of_one_model_with_one_name_are_refused_with_the_rename_that_works(ms, tmp_path, x):
