@@ -7,7 +7,9 @@ from the environment msrun gives every worker before `init()`:
 
     RANK_ID      the rank (unset under msrun without --node_rank: then only init() knows it)
     RANK_SIZE / MS_WORKER_NUM   the world size
-    DEVICE_ID    the worker's index on its machine (msrun's local rank)
+    DEVICE_ID    the worker's index on its machine (msrun's local rank; under other
+                 launchers the device's index, as unique on the machine: all the port
+                 offsets need)
 
 `rank_config(config)` turns one Config into the rank's: its store is
 `<store_dir>/rank_<N>` (what `prefetchd stage --shard` writes), its name gets
@@ -42,9 +44,8 @@ class RankInfo:
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside the world of {self.world_size} ranks "
                               f"(from {self.source})")
-        if not 0 <= self.local_rank <= self.rank:
-            raise ConfigError(f"local rank {self.local_rank} must be in [0, rank {self.rank}] "
-                              f"(from {self.source})")
+        if self.local_rank < 0:          # (not checked against the rank: DEVICE_ID=4 on rank 0 is fine)
+            raise ConfigError(f"local rank {self.local_rank} must be >= 0 (from {self.source})")
 
 
 def _env_int(env, key):
@@ -178,18 +179,21 @@ def rank_config(config=None, info=None, **overrides):
         config = Config.load(**overrides)
     elif overrides:
         config = config.replace(**overrides)
-    if config.rank is not None:
-        if _is_ranks(config):
+    if config.rank is not None:          # rank/world_size given as settings (file, PREFETCHD_RANK)
+        found = detect() if info is None else info
+        if found is not None and (found.rank, found.world_size) != (config.rank, config.world_size):
+            # A leftover setting would open another rank's shard and ports: so would a whole rank's
+            # config (its name and store too, as `prefetchd config show` prints it) on another rank.
+            raise ConfigError(f"the settings say rank {config.rank} of {config.world_size} (rank, world_size: "
+                              f"PREFETCHD_RANK/PREFETCHD_WORLD_SIZE or the config file), this process is "
+                              f"rank {found.rank} of {found.world_size} (from {found.source}); unset one")
+        mine = RankInfo(config.rank, config.world_size, config.rank if found is None else found.local_rank,
+                        "config")
+        if _is_ranks(config):            # a rank's config already: its store still checked
+            if config.store_dir is not None:
+                rank_store(os.path.dirname(os.path.normpath(config.store_dir)), mine)
             return config
-        if info is None:                 # rank/world_size given as settings (file, PREFETCHD_RANK)
-            found = detect()
-            if found is not None and (found.rank, found.world_size) != (config.rank, config.world_size):
-                # A leftover setting would open another rank's shard and ports.
-                raise ConfigError(f"the settings say rank {config.rank} of {config.world_size} (rank, world_size: "
-                                  f"PREFETCHD_RANK/PREFETCHD_WORLD_SIZE or the config file), this process is "
-                                  f"rank {found.rank} of {found.world_size} (from {found.source}); unset one")
-            info = RankInfo(config.rank, config.world_size,
-                            config.rank if found is None else found.local_rank, "config")
+        info = mine if info is None else info
     info = detect() if info is None else info
     if info is None:
         return config

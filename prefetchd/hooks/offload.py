@@ -44,6 +44,7 @@ the copies of outputs that are views of a unit's weights (found when recording) 
 import contextlib
 import functools
 import logging
+import os
 
 from . import backward, registration, refusals
 from ..backend import framework
@@ -403,6 +404,11 @@ def offload(model, daemon=None, lookahead=None, units=None, auto_fetch=None, *, 
     hold its weights in RAM.
     Raises BudgetError (nothing registered) if a tensor or unit can never fit.
     """
+    if checkpoint is False:                # (read as a path, it was "unknown checkpoint format")
+        checkpoint = None
+    elif checkpoint is not None and checkpoint is not True and not isinstance(checkpoint, (str, os.PathLike)):
+        raise TypeError(f"prefetchd.offload: checkpoint must be None, True (the daemon's store holds the "
+                        f"weights) or a .ckpt/.safetensors path, not {checkpoint!r}")
     owns = daemon is None
     if owns:
         daemon = Daemon().start()

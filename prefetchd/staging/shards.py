@@ -55,17 +55,22 @@ def read_shards(root):
     return doc
 
 
+class _Pairs(list):
+    """A JSON object read as its (key, value) pairs in order (json's object_pairs_hook)."""
+
+
 def parse_spec(text):
     """[(glob, axis)] from "GLOB=AXIS,GLOB=AXIS" or from a JSON file {"GLOB": AXIS}."""
     if os.path.isfile(text):
         try:
             with open(text) as f:
-                doc = json.load(f)
+                # Every pair as written: a dict kept the last of a glob given twice, unseen.
+                doc = json.load(f, object_pairs_hook=_Pairs)
         except (OSError, ValueError) as e:
             raise StagingError(f"sharding spec {text}: unreadable ({e})") from None
-        if not isinstance(doc, dict):
+        if not isinstance(doc, _Pairs):
             raise StagingError(f"sharding spec {text}: expected a JSON object {{\"GLOB\": AXIS}}")
-        pairs = list(doc.items())
+        pairs = list(doc)
     else:
         pairs = []
         for item in filter(None, (p.strip() for p in text.split(","))):

@@ -27,6 +27,8 @@ def test_detect_reads_msruns_environment():
     assert detect(MSRUN_RANK1) == RankInfo(1, 2, 1, "environment")
     # the second machine of two, one worker each: rank 1, local rank 0
     assert detect({"MS_WORKER_NUM": "2", "RANK_ID": "1", "DEVICE_ID": "0"}) == RankInfo(1, 2, 0, "environment")
+    # A single-card job on card 4 (DEVICE_ID a device index, not msrun's local rank): refused before.
+    assert detect({"RANK_SIZE": "1", "RANK_ID": "0", "DEVICE_ID": "4"}) == RankInfo(0, 1, 4, "environment")
 
 
 @pytest.mark.parametrize("env, words", [
@@ -34,6 +36,7 @@ def test_detect_reads_msruns_environment():
     ({"RANK_ID": "1"}, "world size is unknown"),
     ({"RANK_ID": "2", "RANK_SIZE": "2"}, "outside the world of 2"),
     ({"RANK_ID": "x", "RANK_SIZE": "2"}, "RANK_ID='x'"),
+    ({"RANK_ID": "0", "RANK_SIZE": "2", "DEVICE_ID": "-1"}, "local rank -1 must be >= 0"),
 ])
 def test_detect_refuses_an_environment_it_cannot_trust(env, words):
     with pytest.raises(ConfigError, match=words):
@@ -86,6 +89,10 @@ def test_rank_config_refuses_a_store_staged_for_another_world(tmp_path):
     (root / SHARDS_FILE).write_text('{"format": 1, "world_size": 4}')
     with pytest.raises(ConfigError, match="staged for 4 ranks, this job has 2"):
         rank_config(Config.load(env={}, store_dir=str(root)), RankInfo(0, 2, 0, "argument"))
+    # A rank's config already (its store root/rank_0) is checked the same way, not passed through.
+    already = Config.load(env={}, store_dir=str(root / "rank_0"), name="default.rank0", rank=0, world_size=2)
+    with pytest.raises(ConfigError, match="staged for 4 ranks, this job has 2"):
+        rank_config(already)
 
 
 def test_status_metrics_and_the_status_verb_carry_the_rank(tmp_path, ms):
@@ -129,6 +136,24 @@ def test_rank_settings_that_contradict_the_launcher_are_refused(tmp_path, monkey
         rank_config(Config.load(env=env))
     agreeing = {**env, "PREFETCHD_RANK": "0"}
     assert rank_config(Config.load(env=agreeing)).store_dir == str(tmp_path / "s" / "rank_0")
+
+
+def test_a_whole_rank_config_reused_on_another_rank_is_refused(tmp_path, monkeypatch):
+    """Rank 1's config as `prefetchd config show` prints it (rank, world size, name and store
+    all rank 1's), reused on rank 0: it was taken as a rank's config already and returned as
+    it was, so rank 0 opened rank 1's shard and the job computed a wrong answer without an
+    error (an outside probe, with real msrun ranks)."""
+    base = Config.load(env={}, store_dir=str(tmp_path / "s"))
+    rank1 = rank_config(base, RankInfo(1, 2, 1, "argument"))
+    assert rank_config(rank1) is rank1                               # no launcher: as it is
+    monkeypatch.setenv("RANK_ID", "0")
+    monkeypatch.setenv("RANK_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"settings say rank 1 of 2 .* this process is rank 0 of 2"):
+        rank_config(rank1)
+    with pytest.raises(ConfigError, match=r"settings say rank 1 of 2 .* this process is rank 0 of 2"):
+        rank_config(rank1, RankInfo(0, 2, 0, "argument"))
+    monkeypatch.setenv("RANK_ID", "1")
+    assert rank_config(rank1) is rank1
 
 
 def test_a_rank_job_on_a_plain_store_or_a_missing_shard_is_refused_naming_the_directory(tmp_path, ms):

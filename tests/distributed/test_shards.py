@@ -233,6 +233,10 @@ def test_overlapping_globs_must_agree(tmp_path):
     write_safetensors(src, WHOLE)
     with pytest.raises(StagingError, match="given twice"):
         stage_sharded(str(src), str(tmp_path / "store"), spec="*.wq.weight=0,*.wq.weight=1", world_size=2)
+    # The same in a JSON file (json's dict kept the last one, unseen: an outside probe).
+    (tmp_path / "spec.json").write_text('{"*.wq.weight": 0, "*.wq.weight": 1}')
+    with pytest.raises(StagingError, match="given twice"):
+        stage_sharded(str(src), str(tmp_path / "store"), spec=str(tmp_path / "spec.json"), world_size=2)
     with pytest.raises(StagingError, match=r"'layers.0.wq.weight' matches '\*.wq.\*' \(axis 0\) and "
                                            r"'\*.wq.weight' \(axis 1\)"):
         stage_sharded(str(src), str(tmp_path / "store"), spec="*.wq.*=0,*.wq.weight=1", world_size=2)

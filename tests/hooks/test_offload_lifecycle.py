@@ -94,6 +94,18 @@ def test_a_tier_other_than_remote_or_host_is_refused_before_anything_is_register
     np.testing.assert_array_equal(model(x).asnumpy(), want)
 
 
+def test_checkpoint_false_is_no_checkpoint_and_another_value_is_refused_by_type(ms, tmp_path, x):
+    """checkpoint=False was read as a path ("False: unknown checkpoint format"; an outside probe)."""
+    model = stack(ms)
+    want = model(x).asnumpy()
+    with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "s")) as daemon:
+        for bad in (1, 0, {"a": 1}):
+            with pytest.raises(TypeError, match=r"checkpoint must be None, True .* or a \.ckpt/\.safetensors path"):
+                prefetchd.offload(model, daemon, checkpoint=bad)
+        prefetchd.offload(model, daemon, lookahead=1, checkpoint=False)
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
+
+
 def test_a_store_dir_that_is_a_file_is_refused_as_such(tmp_path):
     path = tmp_path / "a-file"
     path.write_text("not a directory")
