@@ -193,7 +193,7 @@ class Daemon:
             self._state = "closing"
             if started:       # (and guarded tensors say the daemon is gone)
                 self._binding.closed_as = f"prefetchd daemon {self.config.name!r}, which is closed"
-                self._core.inbox.refuse_new(self._closed_message())
+                self._core.inbox.refuse_new(_refusal(self))
         if first:
             self.attachments.close(deadline, self.name)
         if started:
@@ -221,10 +221,7 @@ class Daemon:
         if self._state != "running":
             if self._state == "new":
                 raise ShutdownError("daemon not started: call start() or use it as a context manager")
-            raise ShutdownError(self._closed_message())
-
-    def _closed_message(self):
-        return _refusal(self)
+            raise ShutdownError(_refusal(self))
 
     def _submit(self, request):
         self.check_open()                  # before start(): say so (there is no core yet)

@@ -45,33 +45,31 @@ def test_gpt2_root_is_the_embeddings_only(cpu_mint, tmp_path):
     assert root_share(plan) < 0.2, plan.format_table()        # 100% before
 
 
-def test_bert_encoder_streams(cpu_mint, tmp_path):
-    ms = cpu_mint
-    from mindone.transformers import BertModel
-    ms.set_seed(2)
-    model = BertModel(transformers.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4,
-                                              num_attention_heads=4, intermediate_size=256,
-                                              max_position_embeddings=32))
-    ids = token_ids(ms, 512)
-    mask = ms.Tensor(np.ones((2, 12), np.int32))
-    plan, _ = stream_and_compare(model, [(ids, mask)], str(tmp_path / "s"), fraction=0.3, lookahead=0)
-    assert root_share(plan) < 0.2, plan.format_table()        # 100% before (its embeddings now)
+ENCODERS = {
+    # (model, config, its arguments, seed, budget as a fraction of the weights, root share at most)
+    # BERT's root was 100% of its weights before (its embeddings now).
+    "bert": ("BertModel", "BertConfig", dict(num_hidden_layers=4, intermediate_size=256, max_position_embeddings=32),
+             2, 0.3, 0.2),
+    # DeBERTa-v2's construct builds `[self.encoder.layer[-1] for _ in range(self.z_steps)]` (a
+    # branch never taken: z_steps is 0), read as every layer used other than called: the root
+    # held all of them, refused below the whole model (an outside probe).
+    "deberta_v2": ("DebertaV2Model", "DebertaV2Config",
+                   dict(num_hidden_layers=3, intermediate_size=128, max_position_embeddings=40), 1, 0.6, 0.35),
+}
 
 
-def test_deberta_v2_streams(cpu_mint, tmp_path):
-    """Its construct builds `[self.encoder.layer[-1] for _ in range(self.z_steps)]` (a branch
-    never taken: z_steps is 0), read as every layer used other than called: the root held
-    all of them, refused below the whole model (an outside probe)."""
+@pytest.mark.parametrize("name", ENCODERS)
+def test_an_encoder_streams_with_a_small_root(cpu_mint, tmp_path, name):
     ms = cpu_mint
-    from mindone.transformers import DebertaV2Model
-    ms.set_seed(1)
-    model = DebertaV2Model(transformers.DebertaV2Config(vocab_size=512, hidden_size=64, num_hidden_layers=3,
-                                                        num_attention_heads=4, intermediate_size=128,
-                                                        max_position_embeddings=40))
+    import mindone.transformers
+    model_class, config_class, arguments, seed, fraction, share = ENCODERS[name]
+    ms.set_seed(seed)
+    config = getattr(transformers, config_class)(vocab_size=512, hidden_size=64, num_attention_heads=4, **arguments)
+    model = getattr(mindone.transformers, model_class)(config)
     ids = token_ids(ms, 512)
     mask = ms.Tensor(np.ones((2, 12), np.int32))
-    plan, _ = stream_and_compare(model, [(ids, mask)], str(tmp_path / "s"), fraction=0.6, lookahead=0)
-    assert root_share(plan) < 0.35, plan.format_table()
+    plan, _ = stream_and_compare(model, [(ids, mask)], str(tmp_path / "s"), fraction=fraction, lookahead=0)
+    assert root_share(plan) < share, plan.format_table()
 
 
 def test_t5_encoder_decoder_streams(cpu_mint, tmp_path):
