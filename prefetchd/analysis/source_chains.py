@@ -39,12 +39,14 @@ ANY_ATTR = ".*"       # a chain step: any attribute (getattr with a computed nam
 PARAMS = "<params>"   # a chain step: each parameter under the cell (cell.get_parameters())
 LISTED = "[...]"      # a chain step: a list or tuple of the object, built in the function
 SLICED = "[:]"        # a chain step: a slice of the container (its items, some of them, any order)
+SUPER = "super()"     # a chain's first step: super() in a method, the argument seen as its parent class
 CALL = "()"           # a chain step: the object is called here
 OPAQUE = "?"          # a chain step: the object is used in a way not followed (all its parameters)
 PASSED = "->"         # first item of a (PASSED, callee, slot) step: handed to a callee
 FORMATTED = "{}"      # a chain step: formatted into an f-string (a cell's repr reads no weights)
 _HARMLESS = frozenset({"len", "isinstance", "hasattr", "type", "id"})
 _PASS_ITEMS = frozenset({"reversed", "list", "tuple", "iter"})
+_ITEM_ITERATORS = frozenset({"items", "values", "cells"})     # CellDict's, a CellList's cells()
 # Cell methods that yield its parameters (MindSpore's, and the torch spellings mindone keeps).
 _PARAM_ITERATORS = frozenset({"get_parameters", "trainable_params", "untrainable_params", "parameters_and_names",
                               "parameters_dict", "parameters", "named_parameters"})
@@ -79,6 +81,8 @@ class _Walker:
     def __init__(self, func, me):
         self.me = me
         self.func = func
+        first = (func.args.posonlyargs + func.args.args)[:1]
+        self.super_is_me = bool(first) and first[0].arg == me    # zero-argument super() binds it
         self.parent = {}
         for node in ast.walk(func):
             for child in ast.iter_child_nodes(node):
@@ -114,6 +118,9 @@ class _Walker:
         if self._is_param_iterator(node):
             base = self.chain(node.func.value)
             return None if base is None else {c + (PARAMS,) for c in base}
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super" \
+                and not node.args and not node.keywords and self.super_is_me:
+            return {(SUPER,)}
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "next" \
                 and len(node.args) == 1:
             per = self.items(node.args[0])
@@ -151,6 +158,18 @@ class _Walker:
                 return None if inner is None else [set(), inner[0] if len(inner) == 1 else inner]
             if name in _PASS_ITEMS and node.args:
                 return self.items(node.args[0])
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.args:
+            # A cell container's own iterators: blocks.values() / .cells(), blocks.items() /
+            # .name_cells().items() (name, cell), as a loop over the container's items.
+            method, owner = node.func.attr, node.func.value
+            if method == "items" and isinstance(owner, ast.Call) and isinstance(owner.func, ast.Attribute) \
+                    and owner.func.attr == "name_cells" and not owner.args:
+                base = self.chain(owner.func.value)
+                return None if base is None else [set(), {c + (ANY_ATTR,) for c in base}]
+            base = self.chain(owner) if method in _ITEM_ITERATORS else None
+            if base is not None:
+                items = {_item_of(c, ANY_ITEM) for c in base}
+                return [set(), items] if method == "items" else [items]
         c = self.chain(node)
         return None if c is None else [{_item_of(x, ANY_ITEM) for x in c}]
 
@@ -253,11 +272,20 @@ class _Walker:
             return None                               # bound to a name; its uses count
         if self._is_bound_list_item(node, parent):
             return None                               # `layers = [self.a, self.b]`: the list's uses count
-        if isinstance(parent, (ast.Compare, ast.BoolOp)) or (
-                isinstance(parent, (ast.If, ast.IfExp, ast.While, ast.Assert)) and parent.test is node) or (
-                isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.Not)):
-            return None                               # `self.head is None`, `if self.downsample:`
+        if isinstance(parent, ast.Compare) and all(isinstance(op, (ast.Is, ast.IsNot)) for op in parent.ops):
+            return None                               # `self.head is None` (`w[0] > 0` reads w)
+        if self._only_tested(node):
+            return None                               # `if self.downsample:`, `if self.a and self.b:`
         return ()
+
+    def _only_tested(self, node):
+        """Whether `node`'s value is only tested for truth: an if/while/assert test, `not`, or
+        an operand of and/or that is itself one (`w = self.tie and self.w` hands w on)."""
+        parent = self.parent.get(id(node))
+        if isinstance(parent, ast.BoolOp):
+            return self._only_tested(parent)
+        return (isinstance(parent, (ast.If, ast.IfExp, ast.While, ast.Assert)) and parent.test is node
+                or isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.Not))
 
     def _callee(self, func):
         """How to find a call's callee: ("name", n), ("dotted", names), ("self", chain), or None."""

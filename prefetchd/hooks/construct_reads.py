@@ -52,7 +52,7 @@ import inspect
 import types
 
 from ..analysis.source_chains import (ANY_ATTR, ANY_ITEM, CALL, FORMATTED, LISTED, OPAQUE, PARAMS, SLICED,
-                                      chains, is_passed)
+                                      SUPER, chains, is_passed)
 from ..backend import framework
 
 # Attributes and methods of a Parameter that read no bytes from its storage.
@@ -79,9 +79,10 @@ def _collect(root, function, arg, prefix, found, depth, seen):
     seen.add(key)
     steps = chains(function, arg)
     if steps is None:
-        return False
+        inner = _wrapped(function) if arg is None else None
+        return inner is not None and _collect(root, inner, arg, prefix, found, depth, seen)
     for chain in steps:
-        for expr, obj, rest in _resolve(root, prefix + chain):
+        for expr, obj, rest in _resolve(root, prefix + chain, function):
             _note(root, function, expr, obj, rest, found, depth, seen)
     return True
 
@@ -207,7 +208,7 @@ def _callee_object(root, function, callee):
     kind, ref = callee
     function = inspect.unwrap(function)
     if kind == "self":
-        found = [obj for _, obj, _ in _resolve(root, ref + (CALL,))]
+        found = [obj for _, obj, _ in _resolve(root, ref + (CALL,), function)]
         return found[0] if len(found) == 1 else None
     names = (ref,) if kind == "name" else ref
     obj = _free_variable(function, names[0])
@@ -233,6 +234,15 @@ def _callee_function(root, function, callee):
         return None
     obj = inspect.unwrap(obj)
     return None if _is_framework(obj) else (obj, bound)
+
+
+def _wrapped(function):
+    """The one function a decorator's wrapper closes over (`def wrapper(*args, **kwargs):
+    return f(*args, **kwargs)` without functools.wraps: its own source names no argument),
+    or None."""
+    inner = [c.cell_contents for c in getattr(function, "__closure__", None) or ()
+             if _filled(c) and inspect.isfunction(c.cell_contents)]
+    return inner[0] if len(inner) == 1 else None
 
 
 def _free_variable(function, name):
@@ -304,9 +314,10 @@ def _attributes(cell):
             if v is not None]
 
 
-def _resolve(root, chain):
+def _resolve(root, chain, function=None):
     """Follow `chain` from `root`: (expression, object reached, the steps after it) for each
-    object a Parameter, a cell used as the chain says, or a method called."""
+    object a Parameter, a cell used as the chain says, or a method called. `function`: the
+    one whose chains they are (a super() in it is resolved from its class)."""
     ms = framework.mindspore()
     out = []
 
@@ -325,6 +336,16 @@ def _resolve(root, chain):
                 skip = 2 if named or key == ANY_ITEM else 1
                 for p in named or params:
                     follow(p, f"{expr}.get_parameters()[{p.name!r}]", i + skip)
+        elif step == SUPER:              # super(): the class after the method's own, for root
+            cls = _free_variable(inspect.unwrap(function), "__class__") if function is not None else None
+            if isinstance(cls, type) and isinstance(obj, cls):
+                follow(super(cls, obj), expr, i + 1)   # (its weights are self.<path> all the same)
+            else:                        # not known: everything under it
+                out.append((expr, obj, (OPAQUE,)))
+        elif isinstance(obj, super):     # super().method: the parent's, bound to root
+            member = getattr(obj, step, None) if isinstance(step, str) else None
+            if member is not None:
+                follow(member, f"{expr}.{step}", i + 1)
         elif step == LISTED:             # a list of it, used other than by its items: not followed
             out.append((f"{expr} (in a list the construct builds)", obj, (OPAQUE,)))
         elif step == SLICED:             # a slice of a container used as one: the container
@@ -393,7 +414,7 @@ def _walk_calls(root, function, prefix, base, found, inside, depth, seen):
         return
     seen.add(key)
     for chain in chains(function) or ():
-        for expr, obj, rest in _resolve(root, prefix + chain):
+        for expr, obj, rest in _resolve(root, prefix + chain, function):
             expr = base + expr[len("self"):]
             if isinstance(obj, ms.nn.Cell):
                 if inside is not None:

@@ -508,6 +508,78 @@ def test_direct_reads_through_slices_negative_indexes_and_lists_the_construct_bu
     assert reads(assigned_twice) == ["blocks.2.w"]
 
 
+def _passed_through(f):
+    def wrapper(*args, **kwargs):                     # no functools.wraps: its source names no self
+        return f(*args, **kwargs)
+    return wrapper
+
+
+def test_direct_reads_through_container_iterators_comparisons_super_and_decorators(ms):
+    """A second outside probe's misses, each accepted by offload() and refused in the forward:
+    a CellDict's items()/values(), a CellList's cells(), name_cells().items(); a weight
+    compared (`w[0] > 0`) or handed on by `or`/`and`; a parent's construct or method called
+    through super(); a construct behind a decorator without functools.wraps."""
+    from prefetchd.hooks.construct_reads import direct_reads
+    nn, ops = ms.nn, ms.ops
+
+    class Parent(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.CellList([nn.Dense(4, 4) for _ in range(2)])
+            self.named = nn.CellDict({"a": nn.Dense(4, 4), "b": nn.Dense(4, 4)})
+            self.spare = None
+
+        def construct(self, x):
+            return ops.matmul(x, self.blocks[1].weight)
+
+        def tied(self, x):
+            return ops.matmul(x, self.named["a"].weight)
+
+    def reads(body, base=Parent):
+        class Reader(base):
+            construct = body
+        r = Reader()
+        names = {id(p): name for name, p in r.parameters_and_names()}
+        return sorted(names[id(p)] for _, p in direct_reads(r))
+
+    def dict_items(self, x):
+        return [ops.matmul(x, cell.weight) for _, cell in self.named.items()]
+
+    def dict_values(self, x):
+        return [ops.matmul(x, cell.weight) for cell in self.named.values()]
+
+    def list_cells(self, x):
+        return [ops.matmul(x, cell.weight) for cell in self.blocks.cells()]
+
+    def name_cells(self, x):
+        return [ops.matmul(x, cell.weight) for _, cell in self.named.name_cells().items()]
+
+    def compared(self, x):
+        return x * (self.blocks[0].weight[0] > 0) if self.spare is None else x
+
+    def handed_on_by_or(self, x):
+        w = self.spare or self.named["b"].weight
+        return ops.matmul(x, w) if self.blocks and self.named else x    # (tested only: no read)
+
+    class Child(Parent):
+        def construct(self, x):
+            return super().construct(x) + super().tied(x)
+
+    @_passed_through
+    def decorated(self, x):
+        return ops.matmul(x, self.blocks[0].weight)
+
+    named = ["named.a.bias", "named.a.weight", "named.b.bias", "named.b.weight"]
+    assert reads(dict_items) == reads(dict_values) == reads(name_cells) == [n for n in named if "weight" in n]
+    assert reads(list_cells) == ["blocks.0.weight", "blocks.1.weight"]
+    assert reads(compared) == ["blocks.0.weight"]
+    assert reads(handed_on_by_or) == ["named.b.weight"]
+    child = Child()
+    names = {id(p): name for name, p in child.parameters_and_names()}
+    assert sorted(names[id(p)] for _, p in direct_reads(child)) == ["blocks.1.weight", "named.a.weight"]
+    assert reads(decorated) == ["blocks.0.weight"]
+
+
 def _apply_all(layers, x):
     return [layer(x) for layer in layers]
 
