@@ -56,7 +56,8 @@ class DeviceMemory:
         failed = [r for r in self.registry if r.block is not None and r.writeback_failed]
         if not failed:
             return ""
-        names = ", ".join(repr(r.name) for r in failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
+        names = ", ".join(repr(r.name) for r in failed[:3])
+        names += f" and {len(failed) - 3} more" if len(failed) > 3 else ""
         return (f"; {len(failed)} held because their write-back failed ({names}; {failed[-1].error}): "
                 f"fix the store (free space, permissions); a load that needs the room tries them again "
                 f"(at most once a second), as does flush()")
