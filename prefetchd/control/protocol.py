@@ -71,11 +71,17 @@ def loads(data, object_pairs_hook=None):
 
 
 def _unique_keys(pairs):
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        twice = next(k for k in keys if keys.count(k) > 1)
-        raise ValueError(f"the key {twice[:64]!r} is given twice")   # (else the last silently won)
-    return dict(pairs)
+    """json object_pairs_hook: a dict, refusing a key given twice (else the last silently won).
+    Linear: finding the key with keys.count() took 51 s of the I/O thread for a 650 KB body of
+    60,000 keys, the last one twice. (staging.checks.unique_keys is its twin for files.)"""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"the key {key[:64]!r} is given twice")
+            seen.add(key)
+    return obj
 
 
 def encode_request(rid, op, args=None, timeout=None, tensors=()):

@@ -7,6 +7,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 
 import pytest
 import zmq
@@ -123,6 +124,18 @@ def test_a_body_with_an_unknown_field_or_not_in_utf8_is_refused_saying_so(served
     assert reply["ok"] is False and reply["code"] == P.BAD_REQUEST and why in reply["reason"], reply
     assert raw_body(server.endpoint, b'{"op": "ping", "args": {}, "timeout": 5}')["ok"] is True
     assert raw_body(server.endpoint, b'\xef\xbb\xbf{"op": "ping"}')["ok"] is True     # a UTF-8 BOM is fine
+
+
+def test_a_body_of_many_keys_one_given_twice_is_refused_at_once(served):
+    """The duplicate was found with keys.count() for each key: a 650 KB body (under the 1 MiB
+    limit) of 60,000 keys, the last given twice, held the server's I/O thread for 51 s."""
+    _, server, _ = served
+    n = 60000
+    body = ("{" + ",".join(f'"k{i}":0' for i in range(n)) + f',"k{n - 1}":0}}').encode()
+    started = time.monotonic()
+    reply = raw_body(server.endpoint, body)
+    assert time.monotonic() - started < 5, "the duplicate key took the I/O thread for seconds"
+    assert reply["ok"] is False and f"the key 'k{n - 1}' is given twice" in reply["reason"], reply
 
 
 def test_the_client_and_ctl_send_only_arguments_the_ops_take(served):
