@@ -4,7 +4,9 @@ Each returns a one-line reason (None when the value is fine) for the reader to
 prefix with the file and the tensor, and each takes time linear in its input:
 a hostile header can be large (100 MiB of JSON, a protobuf of any size) and an
 exact product of 100,000 dimensions is quadratic (and has too many digits for
-str()), so the rank is bounded before any product is taken.
+str()), so the rank is bounded before any product is taken. And a JSON object that
+names a key twice (a safetensors header, a sharding spec) is refused, where json kept
+the last without a word (`unique_keys`).
 """
 MAX_KEY_BYTES = 1024          # the FileStore's key limit (prefetchd._native.MAX_KEY_BYTES)
 MAX_RANK = 32                 # numpy<2's NPY_MAXDIMS: a tensor of higher rank cannot be loaded
@@ -47,3 +49,23 @@ def shape_problem(shape, itemsize):
         return (f"shape {shown(list(shape))} overflows: its elements times {itemsize} bytes "
                 f"exceed 2**63-1 bytes")
     return None
+
+
+class DuplicateKey(ValueError):
+    """A key given twice in one JSON object; `key` is the key."""
+
+    def __init__(self, key):
+        super().__init__(f"the key {key[:64]!r} is given twice")
+        self.key = key
+
+
+def unique_keys(pairs):
+    """json object_pairs_hook: a dict, refusing a key given twice (DuplicateKey)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKey(key)
+            seen.add(key)
+    return obj

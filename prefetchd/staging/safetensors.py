@@ -8,7 +8,7 @@ import json
 import zlib
 
 from .. import dtypes
-from .checks import name_problem, shape_problem, shown
+from .checks import DuplicateKey, name_problem, shape_problem, shown, unique_keys
 from .source import CheckpointReader, buffer
 
 HEADER_LIMIT = 100 << 20   # the safetensors format's own cap on the JSON header
@@ -16,22 +16,6 @@ HEADER_LIMIT = 100 << 20   # the safetensors format's own cap on the JSON header
 
 def _int(value):
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-class _DuplicateKey(ValueError):
-    pass
-
-
-def _unique_keys(pairs):
-    """json object_pairs_hook: a dict, refusing a key given twice."""
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise _DuplicateKey(key)
-            seen.add(key)
-    return obj
 
 
 class SafetensorsCheckpoint(CheckpointReader):
@@ -88,9 +72,9 @@ class SafetensorsCheckpoint(CheckpointReader):
         except UnicodeDecodeError as e:
             self._fail(f"header is not UTF-8 (byte {8 + e.start} is {raw[e.start]:#04x})")
         try:
-            return json.loads(text, object_pairs_hook=_unique_keys)
-        except _DuplicateKey as e:
-            self._fail(f"header names {shown(e.args[0])} twice")
+            return json.loads(text, object_pairs_hook=unique_keys)
+        except DuplicateKey as e:
+            self._fail(f"header names {shown(e.key)} twice")
         except RecursionError:
             self._fail("header nests too deeply to be a safetensors header")
         except ValueError as e:                 # JSONDecodeError, and ints of over 4300 digits

@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from ..backend.base import SHARDS_FILE, STORE_LOCK
+from .checks import DuplicateKey, unique_keys
 from .errors import StagingError
 from .generations import (hold_store_lock, link_current, remove_leftovers, stage_into, stage_lock,
                           store_place, swap_in, fsync_dir)
@@ -55,22 +56,19 @@ def read_shards(root):
     return doc
 
 
-class _Pairs(list):
-    """A JSON object read as its (key, value) pairs in order (json's object_pairs_hook)."""
-
-
 def parse_spec(text):
     """[(glob, axis)] from "GLOB=AXIS,GLOB=AXIS" or from a JSON file {"GLOB": AXIS}."""
     if os.path.isfile(text):
         try:
             with open(text) as f:
-                # Every pair as written: a dict kept the last of a glob given twice, unseen.
-                doc = json.load(f, object_pairs_hook=_Pairs)
+                doc = json.load(f, object_pairs_hook=unique_keys)
+        except DuplicateKey as e:
+            raise StagingError(f"sharding spec {e.key!r} is given twice") from None
         except (OSError, ValueError) as e:
             raise StagingError(f"sharding spec {text}: unreadable ({e})") from None
-        if not isinstance(doc, _Pairs):
+        if not isinstance(doc, dict):
             raise StagingError(f"sharding spec {text}: expected a JSON object {{\"GLOB\": AXIS}}")
-        pairs = list(doc)
+        pairs = list(doc.items())
     else:
         pairs = []
         for item in filter(None, (p.strip() for p in text.split(","))):
