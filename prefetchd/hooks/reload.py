@@ -65,7 +65,7 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
                     param.set_data(ms.Tensor(np.require(array, requirements="C")))
                     written.append(param.name)
         except BaseException as e:
-            if written or writing or handle.half_loaded:
+            if writing or handle.half_loaded:     # (writing: set before any write, so also after one)
                 earlier = handle.half_loaded
                 handle.half_loaded = HalfLoad(handle, net, written, [p.name for p, _ in todo[len(written):]],
                                               e, earlier)
