@@ -111,8 +111,11 @@ def cmd_config(args):
         if config.endpoint:                    # what the daemon's control server would refuse
             from types import SimpleNamespace
 
+            from ..control.endpoints import check_bind_dir
             from ..control.server_options import resolve
-            resolve(SimpleNamespace(config=config), config.endpoint)
+            options = resolve(SimpleNamespace(config=config), config.endpoint)
+            for address in (options.endpoint, options.events_endpoint):
+                check_bind_dir(address)
         if config.backend == "cpu":            # what its backend would refuse: budgets over RAM
             from ..limits import check_budgets
             check_budgets(config.device_budget, config.host_budget)

@@ -143,10 +143,11 @@ def serve_table(path):
                           f"{', '.join(SERVE_DEFAULTS)}")
     values = {key: _from_file(key, value, path) for key, value in table.items()}
     if "endpoint" in values:          # refused by the front as it started; validate said OK
-        from ..control.endpoints import resolve_endpoint
+        from ..control.endpoints import check_bind_dir, resolve_endpoint
         from ..serve.front_sockets import FRONT_REMOTE_HINT
         try:
-            resolve_endpoint(values["endpoint"], "serve", bind=True, remote_hint=FRONT_REMOTE_HINT)
+            check_bind_dir(resolve_endpoint(values["endpoint"], "serve", bind=True,
+                                            remote_hint=FRONT_REMOTE_HINT))
         except ConfigError as e:
             raise ConfigError(f"[serve] endpoint (from file {path}): {e}") from None
     return values

@@ -16,7 +16,7 @@ import random
 import zmq
 
 from ..errors import ConfigError
-from ..socket_dirs import ensure_private_dir, listener_at, private_socket_dir
+from ..socket_dirs import check_private_dir, ensure_private_dir, listener_at, private_socket_dir
 
 IPC_PATH_MAX = 107          # sun_path is 108 bytes with the terminating NUL
 PICKED_PORT_TRIES = 64      # random ports outside the ephemeral range tried before the kernel picks
@@ -26,6 +26,11 @@ LOWEST_PICKED_PORT = 10000
 def runtime_dir():
     """$XDG_RUNTIME_DIR/prefetchd, or /tmp/prefetchd-<uid>; created 0700."""
     base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and not os.path.isdir(base):
+        # A stale value (kept across su or sudo) is the usual cause; os.mkdir said only ENOENT.
+        raise ConfigError(f"$XDG_RUNTIME_DIR is {base}, which is not a directory (kept from "
+                          f"another session?): set it to an existing directory of yours, unset "
+                          f"it (/tmp/prefetchd-<uid> is used then), or give an ipc:// path")
     path = os.path.join(base, "prefetchd") if base else f"/tmp/prefetchd-{os.getuid()}"
     return ensure_private_dir(path)
 
@@ -106,6 +111,15 @@ def resolve_endpoint(endpoint, name="default", *, bind=False, allow_remote=False
                 port = "*"
         return join_tcp(host, port)
     raise ConfigError(f"endpoint {endpoint!r}: expected ipc://[path] or tcp://host:port")
+
+
+def check_bind_dir(address):
+    """Refuse now what `bind` would refuse of ipc `address`'s directory (config validate):
+    an existing one that is not private (a missing one is created 0700 at bind)."""
+    if address.startswith("ipc://"):
+        parent = os.path.dirname(os.path.abspath(address[len("ipc://"):]))
+        if os.path.isdir(parent):
+            check_private_dir(parent)
 
 
 def bind(sock, address):

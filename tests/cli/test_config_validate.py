@@ -72,3 +72,37 @@ def test_the_deploy_example_validates(tmp_path):
     out = run("config", "validate", "--config", os.path.join(repo, "deploy/examples/serve-config.toml"),
               cwd=tmp_path)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("table", ["prefetchd", "serve"])
+def test_validate_refuses_an_ipc_endpoint_in_a_shared_directory(tmp_path, table):
+    # Anyone who can write there could replace the socket: the daemon's bind and the front's
+    # refuse it as they start, and validate said "configuration OK" (an outside probe).
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    path = tmp_path / "c.toml"
+    path.write_text(f'[{table}]\nendpoint = "ipc://{shared}/x.sock"\n')
+    line = error_line(run("config", "validate", "--config", str(path), cwd=tmp_path))
+    assert f"socket directory {shared} is group- or world-writable" in line, line
+    if table == "serve":
+        out = run("serve", "--config", str(path), "--workers", "1", "--store", str(tmp_path / "s"),
+                  cwd=tmp_path)
+        assert error_line(out) == line
+    else:
+        out = subprocess.run([sys.executable, "-c", "import prefetchd; prefetchd.Daemon(device_budget="
+                              "'64KiB', store_dir='s').start()"], capture_output=True, text=True,
+                             cwd=tmp_path, timeout=120, env=dict(ENV, PREFETCHD_CONFIG=str(path)))
+        assert f"ConfigError: socket directory {shared} is group- or world-writable" in out.stderr
+
+
+def test_a_stale_runtime_directory_is_named(tmp_path):
+    # A $XDG_RUNTIME_DIR kept from another session: os.mkdir's bare ENOENT, naming a path
+    # the user never gave, was all `status` and the daemon said.
+    gone = tmp_path / "gone"
+    for args in (["status"], ["config", "validate"]):
+        out = subprocess.run([sys.executable, "-m", "prefetchd.cli", *args], capture_output=True,
+                             text=True, cwd=tmp_path, timeout=120,
+                             env=dict(ENV, XDG_RUNTIME_DIR=str(gone), PREFETCHD_ENDPOINT="ipc://"))
+        line = error_line(out)
+        assert f"$XDG_RUNTIME_DIR is {gone}, which is not a directory" in line, line
