@@ -19,7 +19,7 @@ import weakref
 from . import backend as backends
 from .backend import framework
 from .config import PAGE, Config, parse_fraction_or_size
-from .core import patterns, policy as policies, traces
+from .core import policy as policies, traces
 from .core.binding import Binding
 from .attachments import Attachments
 from .core.events import Events
@@ -31,7 +31,7 @@ from .core.requests import DONE, Kind, Request, check_deadline, check_priority
 from .core.waits import RequestFuture, refuse_wait_on_scheduler
 from .core.scheduler import Scheduler, run
 from .core.session import ComputeSession
-from .core.status import describe
+from .core.status import describe, describe_tensors
 from .errors import ShutdownError
 from .handle import TensorHandle
 from .telemetry.stats import Stats
@@ -370,14 +370,8 @@ class Daemon:
             return self._status(), self.stats.snapshot()
 
     def tensors(self, pattern="*"):
-        """describe() of every tensor whose name matches the glob `pattern` (core/patterns.py)."""
-        glob = patterns.compile_glob(pattern)        # a bad or too long pattern raises here
-        with self._lock:
-            records = list(self._registry.records.items())
-        # Matched on the snapshot, without the lock: the scheduler never waits for a pattern.
-        matched = [r for name, r in records if glob.match(name)]
-        with self._lock:
-            return [r.describe() for r in matched if self._registry.records.get(r.name) is r]
+        """describe() of every tensor whose name matches the glob `pattern`."""
+        return describe_tensors(self._lock, self._registry, self._core, pattern)
 
     def tiers_of(self, tensor):
         """Where a registered framework tensor's valid replicas are, or None if not registered."""

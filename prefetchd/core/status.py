@@ -1,4 +1,5 @@
-"""The daemon's status document (docs/daemon-api.md), read under the daemon's lock."""
+"""The daemon's status document and its tensors' descriptions (docs/daemon-api.md)."""
+from . import patterns
 from .records import State
 
 
@@ -65,3 +66,19 @@ def _page_moves(stats):
             "returned_bytes": stats.returned_bytes, "parked_bytes": stats.parked_bytes,
             "unparked_bytes": stats.unparked_bytes, "moves": stats.page_moves,
             "protects": stats.page_protects, "seconds": stats.page_move_seconds}
+
+
+def describe_tensors(lock, registry, core, pattern):
+    """describe() of every tensor whose name matches the glob `pattern` (core/patterns.py),
+    each asked first whether compute wrote it in place (cpu): the scheduler looks only when
+    it drops a replica, and `dirty` said False for a tensor a kernel had written."""
+    glob = patterns.compile_glob(pattern)        # a bad or too long pattern raises here
+    with lock:
+        records = list(registry.records.items())
+    # Matched on the snapshot, without the lock: the scheduler never waits for a pattern.
+    matched = [r for name, r in records if glob.match(name)]
+    with lock:
+        live = [r for r in matched if registry.records.get(r.name) is r]
+        for r in live:
+            core.note_writes(r)
+        return [r.describe() for r in live]

@@ -160,6 +160,22 @@ def test_a_kernel_write_inside_use_is_kept_after_eviction(ms, daemon):
         assert float(p.asnumpy().sum()) == 3.0 * 4096
 
 
+def test_tensors_says_dirty_once_a_kernel_wrote_it(ms, daemon):
+    # `dirty` (tensors(), `ctl list`) was False until eviction looked: the write was kept,
+    # but the report said there was nothing to write back (an outside probe).
+    p = ms.Parameter(ms.Tensor(np.zeros(4096, np.float32)), name="w")
+    daemon.register(p, "w", tier="remote")
+    with daemon.use([p]):
+        assert daemon.tensors("w")[0]["dirty"] is False
+        ms.ops.assign(p, ms.Tensor(np.full(4096, 3.0, np.float32)))
+        ms.hal.synchronize()
+        assert daemon.tensors("w")[0]["dirty"] is True
+    assert daemon.tensors("w")[0]["dirty"] is True
+    daemon.flush().result(30)
+    assert daemon.tensors("w")[0]["dirty"] is False and stats(daemon).writebacks == 1
+    assert stats(daemon).compute_writes == 1
+
+
 def raising_cache_net(ms):
     nn, ops = ms.nn, ms.ops
 
