@@ -200,6 +200,7 @@ void fmt::not_found(const std::string &key) {
 }
 
 std::vector<std::string> FileStore::keys() const {
+    check_open();  // the index of a closed store is stale: refuse, as reads do
     std::lock_guard<std::mutex> g(mu_);
     std::vector<std::string> k;
     for (auto &kv : index_) k.push_back(kv.first);
@@ -208,6 +209,7 @@ std::vector<std::string> FileStore::keys() const {
 
 bool FileStore::contains(const std::string &key) const {
     check_key(key);
+    check_open();
     std::lock_guard<std::mutex> g(mu_);
     return index_.count(key) != 0;
 }
@@ -216,6 +218,7 @@ std::shared_ptr<const Entry> FileStore::info(const std::string &key) const { ret
 
 Slot FileStore::slot(const std::string &key) const {
     check_key(key);
+    check_open();
     std::lock_guard<std::mutex> g(mu_);
     auto it = index_.find(key);
     if (it == index_.end()) not_found(key);
@@ -256,6 +259,7 @@ void FileStore::remove(const std::string &key) {
 }
 
 uint64_t FileStore::bytes_stored() const {
+    check_open();
     std::lock_guard<std::mutex> g(mu_);
     uint64_t n = 0;
     for (auto &kv : index_) n += kv.second.current->nbytes;

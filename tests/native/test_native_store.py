@@ -149,6 +149,12 @@ def test_closed_store_raises(tmp_path):
         s.read_sync("k", bytearray(1))
     with pytest.raises(n.Closed):
         s.write_sync("k", b"y")
+    # Queries too: they answered from the closed store's stale index (an outside probe).
+    for query in (s.keys, lambda: s.contains("k"), lambda: "k" in s, lambda: s.info("k"),
+                  s.bytes_stored, lambda: s.remove("k"), lambda: s.commit("k", 1)):
+        with pytest.raises(n.Closed):
+            query()
+    assert s.engine in ("aio", "threads", "buffered")      # what it was opened with stays readable
     st = n.Stream()
     try:
         with pytest.raises(n.Closed):
