@@ -41,6 +41,14 @@ class Parser(argparse.ArgumentParser):
         finally:
             self._intermixed = True
 
+    def _print_message(self, message, file=None):
+        # argparse drops a failed write (--help, --version into a closed pipe exited 0):
+        # raised instead, so main() ends it as it ends any verb's output there (141).
+        if message:
+            file = file or sys.stderr
+            file.write(message)
+            file.flush()
+
     def error(self, message):
         where = self.prog.partition(" ")[2]          # the verb, for a subcommand's parser
         print(f"prefetchd: error: {where + ': ' if where else ''}{message}", file=sys.stderr)
@@ -161,14 +169,19 @@ def log_level(text):
     return level
 
 
-def positive_int(text):
+def positive_int(text, least=1):
     try:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 1")
+    if n < least:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be >= {least}")
     return n
+
+
+def lookahead(text):
+    """Units prefetched ahead: 0 (each loaded when it runs) or more."""
+    return positive_int(text, least=0)
 
 
 MAX_SECONDS = 1e6      # ~11.6 days: a poll's milliseconds fit a C int

@@ -64,6 +64,7 @@ def _client(args):
     from ..config import Config
     from ..control import Client
     from ..control.endpoints import resolve_endpoint
+    from ..errors import ConfigError
 
     endpoint, name = args.endpoint, args.name
     if endpoint is None or name is None:
@@ -77,7 +78,13 @@ def _client(args):
         client = "client" if args.client is None else _check_client_name(args.client, "--client")
         kwargs = {"server_public_key": _curve_file(args.curve_dir, "server.key"),
                   "client_keys": _curve_file(args.curve_dir, client + ".key_secret")}
-    _refuse_missing_socket(resolve_endpoint(endpoint, name))
+    try:
+        address = resolve_endpoint(endpoint, name)
+    except ConfigError as e:      # from the flag: a bad command line (exit 2), else the config's
+        if args.endpoint is None:
+            raise
+        raise UsageError(f"{args.command}: argument --endpoint: {e}") from None
+    _refuse_missing_socket(address)
     return Client(endpoint, timeout=args.timeout, name=name, **kwargs)
 
 
@@ -262,7 +269,11 @@ def cmd_keys(args):
     for c in clients:
         _check_client_name(c)
     _check_keys_dir(args.dir)
-    directory = create_keys(args.dir, clients)
+    try:
+        directory = create_keys(args.dir, clients)
+    except OSError as e:             # it said only "[Errno 2] ... '/proc/nope'"
+        raise OSError(f"keys: cannot create the certificates in {args.dir}: "
+                      f"{e.strerror} ({e.filename})") from None
     print(f"server certificate: {os.path.join(directory, 'server.key_secret')} (keep private)")
     print(f"server public key:  {os.path.join(directory, 'server.key')} (give to clients)")
     for c in clients:

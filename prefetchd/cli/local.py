@@ -3,7 +3,7 @@ import argparse
 import os
 
 from .common import (DEMO_BUDGET_HELP, UsageError, budget, budget_fraction, demo_budget,
-                     emit, path_given, port, positive_int, positive_size, seconds_or_zero, size,
+                     emit, lookahead, path_given, port, positive_int, positive_size, seconds_or_zero, size,
                      writable_file)
 
 
@@ -26,7 +26,8 @@ def register(sub):
     p.add_argument("--budget", type=demo_budget, default=0.25, help=DEMO_BUDGET_HELP + " (default 25%%)")
     p.add_argument("--batch", type=positive_int, default=8, help="batch size of an input (8)")
     p.add_argument("--seq", type=positive_int, default=16, help="sequence length of an input (16)")
-    p.add_argument("--lookahead", type=positive_int, default=2, help="units prefetched ahead (2)")
+    p.add_argument("--lookahead", type=lookahead, default=2,
+                   help="units prefetched ahead (2; 0: each loaded when it runs)")
     p.add_argument("--passes", type=positive_int, default=3, help="forward passes to check (3)")
     p.add_argument("--tier", choices=["remote", "host"], default="remote",
                    help="where the weights live between uses (default: remote = files on disk)")
@@ -144,7 +145,10 @@ def cmd_demo(args):
     need = smallest_budget(o)
     if need is not None:
         percent = -(-need * 100 // model_bytes)          # rounded up, as the MiB are
-        raise UsageError(f"demo: argument --budget: {_mib(o['device_budget'])} is too small for the "
+        given = _mib(o["device_budget"])
+        if isinstance(args.budget, float):        # maybe the default: say which value it was
+            given = f"{args.budget:.0%} ({given}{', the default' if args.budget == 0.25 else ''})"
+        raise UsageError(f"demo: argument --budget: {given} is too small for the "
                          f"{_mib(model_bytes)} model (a block and the next must fit beside the "
                          f"embeddings at --lookahead {o['lookahead']}); the smallest that fits is "
                          f"--budget {-(-need // 2**20)}MiB ({percent}%)"

@@ -62,6 +62,8 @@ def main(argv=None):
         args = build_parser().parse_args(argv)
     except KeyboardInterrupt:           # Ctrl-C while the verbs' modules load: no traceback
         return 130
+    except BrokenPipeError as e:        # --help or --version printed into a closed pipe
+        return _ended_by_reader() if _stdout_closed() else _fail(argparse.Namespace(debug=False), e, 1)
     try:
         level = args.log_level or _env_log_level()
     except UsageError as e:
@@ -76,10 +78,7 @@ def main(argv=None):
     except BrokenPipeError as e:
         if not _stdout_closed():
             return _fail(args, e, 1)    # some other pipe: a failure like any other
-        # `prefetchd ... | head -1`: the reader has all it wants; end quietly as a
-        # SIGPIPE would (128 + 13), and keep the exit's own flush from complaining.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+        return _ended_by_reader()
     except UsageError as e:
         return _fail(args, e, 2)
     except Exception as e:  # noqa: BLE001 - every verb's failure is one line
@@ -92,6 +91,13 @@ def _env_log_level():
         return log_level(text)
     except argparse.ArgumentTypeError as e:
         raise UsageError(f"$PREFETCHD_LOG_LEVEL: {e}") from None
+
+
+def _ended_by_reader():
+    """`prefetchd ... | head -1`: the reader has all it wants; end quietly as a SIGPIPE
+    would (128 + 13), and keep the exit's own flush from complaining."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
 
 
 def _stdout_closed():

@@ -42,10 +42,22 @@ def test_usage_errors_are_one_line_and_exit_2():
                         (["serve", "--endpoint", "tcp://0.0.0.0:5700"], "no CURVE authentication"),
                         (["demo", "--size", "64MiB", "--hidden", "3"], "114123 blocks"),
                         (["demo", "--hold", "nan"], "--hold"),
-                        (["demo", "--size", "128MiB"], "the smallest that fits is --budget 43MiB")):
+                        (["demo", "--size", "128MiB"], "the smallest that fits is --budget 43MiB"),
+                        # named --budget without saying it was the default value (a probe)
+                        (["demo", "--size", "128MiB"], "--budget: 25% (26.2 MiB, the default) is too small"),
+                        (["demo", "--lookahead", "-1"], "'-1': must be >= 0"),
+                        # a malformed flag was exit 1, as a failure (an outside probe)
+                        (["status", "--endpoint", "garbage"], "status: argument --endpoint"),
+                        (["ctl", "--endpoint", "tcp://nohost", "ping"], "ctl: argument --endpoint")):
         out = run(*args)
         assert out.returncode == 2, (args, out.stderr)
         assert named in one_error_line(out)
+
+
+def test_keys_in_a_directory_that_cannot_be_made_says_what_it_was_making(tmp_path):
+    out = run("keys", "/proc/prefetchd-keys")            # root may write anywhere else
+    line = one_error_line(out)
+    assert out.returncode == 1 and "keys: cannot create the certificates in /proc/prefetchd-keys" in line
 
 
 def test_a_bad_log_level_in_the_environment_is_named_as_such():
