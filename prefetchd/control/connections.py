@@ -37,13 +37,12 @@ crowd out the authorized clients from the same address. A connection through its
 handshake goes before the ones still in theirs: they give their descriptors up for it.
 
 A server that reports its requests (`idle_after`, `saw`, `busy`) also keeps idle
-connections from crowding out new ones: at a budget (the total, or the new one's
-peer's), the connection of that budget that has gone longest without a request,
-none of its requests unanswered and idle at least `idle_after` seconds, is shut
-down for the new one (an HTTP server's keep-alive timeout, applied only under
-pressure). Its client's libzmq connects again by itself; a request sent in the very
-instant of the shutdown is lost with the connection and its client times out, as on
-any dropped connection. Connections to a socket watched with `idle=False` (a PUB
+connections from crowding out new ones: at a budget, a new connection waits for its
+first request and then takes the place of the connection of that budget longest
+without one, idle at least `idle_after` seconds (prefetchd.control.idle_room). The
+evicted client's libzmq connects again by itself; a request sent in the very instant
+of the shutdown is lost with the connection and its client times out, as on any
+dropped connection. Connections to a socket watched with `idle=False` (a PUB
 socket's subscribers, which never send a request) are never taken for idle.
 """
 import collections
@@ -60,6 +59,7 @@ from .borrowed import borrowed, socket_id
 from .descriptors import open_descriptors, raise_fd_limit
 from .gates import Gates
 from .handshakes import THROUGH_CURVE, THROUGH_NULL, Handshakes
+from .idle_room import IdleRoom
 
 log = logging.getLogger("prefetchd.control.connections")
 
@@ -155,15 +155,14 @@ class ConnectionGuard:
         self._monitors = []              # (socket, its monitor, bytes sent once through the handshake, idle)
         self._live = {}                  # fd -> peer key of a connection we let in
         self._per_peer = collections.Counter()
-        self._handshakes = Handshakes(max(4, min(DEFAULT_HANDSHAKE_BUDGET, self.admit_line // 4)))
+        small_pool = max(4, min(DEFAULT_HANDSHAKE_BUDGET, self.admit_line // 4))
+        self._handshakes = Handshakes(small_pool)
         self._doomed = set()             # fds shut down, their DISCONNECTED not seen yet
         self._accepted = []              # (fd, handshake threshold) accepted since the last settle()
         self._ids = {}                   # fd -> its connection's id when accepted (_connection_id)
         # Idle connections give way at a budget (module docstring): off unless the server
         # reports its requests. busy() -> descriptors with a request not yet answered.
-        self.idle_after, self._busy = idle_after, busy
-        self._last = {}                  # fd -> monotonic time of its last request (or its admission)
-        self._never_idle = set()         # fds accepted on a socket watched with idle=False
+        self._room = IdleRoom(idle_after, busy, small_pool)
         self.evicted_idle = 0
         self.dropped = 0
         self.dropped_in_handshake = 0    # of those: pushed out before their handshake was through
@@ -175,8 +174,9 @@ class ConnectionGuard:
 
     @property
     def held(self):
-        """Connections held now (let in or in their handshake, not yet disconnected)."""
-        return len(self._live) + len(self._handshakes)
+        """Connections held now (let in, in their handshake or waiting for their first
+        request over a budget; not yet disconnected)."""
+        return len(self._live) + len(self._handshakes) + len(self._room.waiting)
 
     @property
     def handshaking(self):
@@ -186,7 +186,7 @@ class ConnectionGuard:
         """What a server's status reports of its connections."""
         return {"connections": self.held, "connections_dropped": self.dropped,
                 "connections_evicted_idle": self.evicted_idle,
-                "connections_handshaking": self.handshaking,
+                "connections_handshaking": self.handshaking, "connections_waiting": len(self._room.waiting),
                 "listening_paused": self.paused, "listening_pauses": self.pauses}
 
     def watch(self, sock, curve=False, idle=True):
@@ -223,7 +223,7 @@ class ConnectionGuard:
             self._ids[fd] = _connection_id(fd)
             self._accepted.append((fd, through))
             if not idle:
-                self._never_idle.add(fd)
+                self._room.never_idle(fd)
         elif event == zmq.EVENT_DISCONNECTED:
             self._gone(fd)
         elif event == zmq.EVENT_LISTENING:
@@ -235,10 +235,13 @@ class ConnectionGuard:
         before its connection's ACCEPTED event: the connection is admitted or dropped at it."""
         if fd not in self._live:
             self.settle()                # what was accepted, first
-        if fd not in self._live and fd not in self._doomed:
+        if fd in self._room.waiting:          # over a budget: in an idle one's place, or dropped
+            key = self._room.waiting.pop(fd)
+            self._admit(fd, key, open_descriptors(), through_handshake=True, requested=True)
+        elif fd not in self._live and fd not in self._doomed:
             self._admit_at_first_request(fd)
         if fd in self._live:
-            self._last[fd] = time.monotonic()
+            self._room.saw(fd)
             return True
         return fd not in self._doomed
 
@@ -252,7 +255,7 @@ class ConnectionGuard:
             return
         self._ids[fd] = _connection_id(fd)
         self._handshakes.discard(fd)
-        self._admit(fd, key, open_descriptors(), through_handshake=True)
+        self._admit(fd, key, open_descriptors(), through_handshake=True, requested=True)
 
     def shut(self, fd):
         """Shut down connection `fd` now (its client may no longer be served); 1 if it was."""
@@ -264,12 +267,11 @@ class ConnectionGuard:
         self._handshakes.discard(fd)
         self._doomed.discard(fd)
         self._ids.pop(fd, None)
-        self._never_idle.discard(fd)
         self._release(fd)
 
     def _release(self, fd):
-        """No longer count `fd` as a live connection (gone, or shut down for a new one)."""
-        self._last.pop(fd, None)
+        """No longer count `fd` as a connection of ours (gone, or shut down for a new one)."""
+        self._room.forget(fd)
         key = self._live.pop(fd, None)
         if key is not None:
             self._per_peer[key] -= 1
@@ -327,22 +329,28 @@ class ConnectionGuard:
         if now < self._recheck_at:
             return
         self._recheck_at = now + RECHECK_INTERVAL
-        for fd in list(self._live) + list(self._doomed):
+        for fd in list(self._live) + list(self._doomed) + list(self._room.waiting):
             ident = self._ids.get(fd)
             if ident is None or _connection_id(fd) != ident:
                 self._gone(fd)
 
-    def _admit(self, fd, key, in_use, through_handshake=False):
-        """Let `fd` in, or drop it if it is beyond a budget (see the module docstring)."""
-        if len(self._live) >= self.max_connections or self._per_peer[key] >= self.per_peer_budget:
-            if not self._make_room(key):
-                self._drop(fd)
-                return
+    def _admit(self, fd, key, in_use, through_handshake=False, requested=False):
+        """Let `fd` in, or drop it if it is beyond a budget (see the module docstring);
+        over one, a connection without a request yet waits for it (idle_room)."""
+        over = len(self._live) >= self.max_connections or self._per_peer[key] >= self.per_peer_budget
+        waits = over and not requested and self._room.may_wait(fd)
+        if over and not waits and not self._make_room(key):
+            self._drop(fd)
+            return
         # Descriptors already shut down leave as soon as libzmq sees it: a flood's churn
         # of them must not turn away a client whose handshake is through. Nor may the
         # connections still in their handshake: a client through it (for CURVE, its key
         # passed ZAP) goes first, and they give their descriptors up for it. Dropped
-        # instead, it had sent its first request already, which was lost with it.
+        # instead, it had sent its first request already, which was lost with it. Those
+        # waiting over a budget for a first request go before either (idle_room): at a low
+        # limit their descriptors turned away a client under every budget.
+        while not waits and self._room.waiting and in_use - len(self._doomed) > self.admit_line:
+            self._drop(self._room.waiting.popitem(last=False)[0])
         while through_handshake and in_use - len(self._doomed) > self.admit_line:
             victim = self._handshakes.pop_victim()
             if victim is None:
@@ -351,25 +359,22 @@ class ConnectionGuard:
         if in_use - len(self._doomed) > self.admit_line:
             self._drop(fd)
             return
+        if waits:
+            for pushed in self._room.wait(fd, key):
+                self._drop(pushed)
+            return
         self._live[fd] = key
-        self._last[fd] = time.monotonic()
+        self._room.saw(fd)
         self._per_peer[key] += 1
 
     def _make_room(self, key):
         """Shut down the idlest connection of the budget a new one from `key` is at (its
         peer's, else the total), if one is idle enough; True if it made room."""
-        if self.idle_after is None:
-            return False
         candidates = [fd for fd, peer in self._live.items() if peer == key] \
             if self._per_peer[key] >= self.per_peer_budget else self._live
-        busy = self._busy() if self._busy is not None else ()
-        cutoff = time.monotonic() - self.idle_after
-        idle = [(self._last.get(fd, 0.0), fd) for fd in candidates
-                if fd not in busy and fd not in self._never_idle]
-        idle = [item for item in idle if item[0] <= cutoff]
-        if not idle:
+        victim = self._room.victim(candidates)
+        if victim is None:
             return False
-        victim = min(idle)[1]
         self._release(victim)           # its slot is free even if it closed meanwhile
         self.evicted_idle += self._drop(victim)
         return True

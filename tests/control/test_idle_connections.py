@@ -16,6 +16,7 @@ from helpers import ENV, ping_within
 from prefetchd.control.connections import IDLE_EVICT_AFTER
 
 HOLDER = os.path.join(os.path.dirname(__file__), "_idle_holder.py")
+DEALERS = os.path.join(os.path.dirname(__file__), "_idle_dealers.py")
 CLIENTS = 3                       # the holder's clients; its subscription makes the cap
 CAP = CLIENTS + 1
 SLOW_MS = 8000                    # how long the slow requests' read takes
@@ -83,3 +84,23 @@ def test_a_client_with_a_request_unanswered_is_never_evicted(served, native_faul
         out = _release(holder)
     assert out["codes"] == str(["ok"] * CLIENTS), out     # every one answered, none lost
     assert out["sub"] == "0", out
+
+
+def test_idle_connections_beyond_the_cap_that_reconnect_do_not_lock_a_client_out(served):
+    # libzmq connects a shut-down connection again by itself, at once: one process holding
+    # more idle connections than the cap kept every slot younger than IDLE_EVICT_AFTER by
+    # its own reconnects, and every new client was dropped with its request (an outside
+    # probe: 700 idle DEALERs against `prefetchd serve`'s 512 locked out 6 of 6 clients).
+    daemon, server = served
+    holder = subprocess.Popen([sys.executable, DEALERS, server.endpoint, str(4 * CAP)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert holder.stdout.readline().strip() == "held", holder.poll()
+        time.sleep(IDLE_EVICT_AFTER + 1)          # the slots' holders are idle long enough
+        for _ in range(3):
+            assert ping_within(server.endpoint, 10), "a new client was locked out by reconnecting idle ones"
+        assert server.server_status()["connections_evicted_idle"] >= 1
+    finally:
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        assert holder.wait(30) == 0
