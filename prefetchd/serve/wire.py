@@ -35,7 +35,9 @@ def encode_arrays(arrays):
     headers, buffers = [], []
     for i, a in enumerate(arrays):
         a = np.require(a, requirements="C")     # (np.ascontiguousarray makes a 0-d array 1-d)
-        if a.dtype.name not in DTYPES or a.dtype.byteorder == ">":
+        if a.dtype.byteorder == ">":            # the wire is little-endian: the same values, swapped
+            a = a.astype(a.dtype.newbyteorder("<"))
+        if a.dtype.name not in DTYPES:
             raise ValueError(f"tensor {i}: dtype {a.dtype} is not carried on the wire; "
                              f"use one of {', '.join(DTYPES)}")
         headers.append({"dtype": a.dtype.name, "shape": list(a.shape)})

@@ -159,6 +159,13 @@ def _exit_if_orphaned(parent_pid):
         time.sleep(0.5)
 
 
+def _without_framework_stack(message):
+    """A MindSpore error's message without the "C++ Call Stack: (For framework developers)"
+    section it ends in: the front says a start failure in one line."""
+    cut = message.find("C++ Call Stack")
+    return message if cut < 0 else message[:cut].rstrip(" -\n") or message
+
+
 def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, parent_pid, failure):
     """Entry point of a worker process (spawn). failure: the write end of a pipe that takes
     the one line saying why it could not start, if it cannot (it then exits 3)."""
@@ -191,7 +198,7 @@ def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, p
             models = build_models(spec, daemon, first)
         except BaseException as e:  # noqa: BLE001 - said once, by the front, in one line (sys.exit too)
             log.debug("worker %d could not start", index, exc_info=True)
-            failure.send(f"{type(e).__name__}: {e}")
+            failure.send(f"{type(e).__name__}: {_without_framework_stack(str(e))}")
             raise SystemExit(START_FAILED_EXIT) from None
         sock.send_multipart([READY, P.dumps({
             "index": index, "generation": generation, "pid": os.getpid(),

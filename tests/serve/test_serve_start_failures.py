@@ -213,3 +213,18 @@ def test_a_store_whose_lock_cannot_be_written_names_the_file(tmp_path):
     assert out.returncode == 1, out.stderr
     line = next(x for x in out.stderr.splitlines() if x.startswith("prefetchd: error: "))
     assert f"--store {store}: cannot write its lock file {store / SERVE_LOCK}" in line, line
+
+
+def test_a_framework_error_at_start_is_said_in_one_line_without_its_cpp_stack(tmp_path, short_dir):
+    # MindSpore's error text ends in a "C++ Call Stack: (For framework developers)" section,
+    # which the front's one-line error carried whole (an outside probe).
+    (tmp_path / "arange_factory_x.py").write_text(
+        "import mindspore as ms\n"
+        "def build(seed=0):\n"
+        "    ms.set_device('CPU')\n"
+        "    ms.mint.arange(4).asnumpy()      # no CPU kernel in MindSpore 2.10\n")
+    out = run(["serve", "--model", "arange_factory_x:build", "--workers", "1", "--store", str(tmp_path / "s")],
+              dict(ENV, XDG_RUNTIME_DIR=str(short_dir), PYTHONPATH=str(tmp_path)))
+    lines = [x for x in out.stderr.splitlines() if x.startswith("prefetchd: error: ")]
+    assert out.returncode == 1 and len(lines) == 1, out.stderr[-2000:]
+    assert "Arange" in lines[0] and "C++ Call Stack" not in lines[0] and "ccsrc" not in lines[0], lines[0]

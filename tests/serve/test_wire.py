@@ -14,6 +14,16 @@ def test_the_wire_keeps_a_tensors_shape(value):
     assert back.shape == value.shape and np.array_equal(back, value)
 
 
+def test_a_big_endian_array_is_sent_as_its_values():
+    # `prefetchd infer` of a big-endian .npy (numpy.save keeps the byte order) was
+    # "ValueError: dtype >f4 is not carried on the wire" (an outside probe).
+    value = np.arange(6, dtype=">f4").reshape(2, 3)
+    headers, buffers = encode_arrays([value])
+    assert headers == [{"dtype": "float32", "shape": [2, 3]}]
+    (back,) = decode_arrays(headers, [bytes(b) for b in buffers])
+    assert back.dtype == np.dtype("<f4") and np.array_equal(back, value)
+
+
 @pytest.mark.parametrize("shape", [[0, 2 ** 62], [2 ** 62, 0, 2 ** 62]])
 def test_an_empty_shape_too_large_for_numpy_is_a_bad_request(shape):
     """No bytes, so within every size limit, yet numpy cannot make the array: a ValueError
