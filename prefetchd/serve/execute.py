@@ -9,7 +9,8 @@ outputs split back into each part's rows.
     result {"outputs": [[headers] or None per part], "errors": {part index: {"code",
             "reason"}} (the parts that failed), "ran": [rows of the forward each part's
             outputs came from], "forwards": [rows of each forward run], "batch": rows,
-            "compute_seconds"} plus the output frames of the parts that succeeded
+            "compute_seconds", "started": time.monotonic() as the worker began it} plus the
+            output frames of the parts that succeeded
 
 A part's failure is its own: when a joined forward or generate raises, each part runs
 alone, so one request's bad input (a model that raises on NaN) fails that request only.
@@ -269,7 +270,7 @@ def _check_output_sizes(arrays, max_bytes):
 
 def run_batch(model, job, frames, max_bytes, worker=None):
     """(result, output frames) of one batch job for `model` (a ServedModel) on worker `worker`."""
-    started = time.perf_counter()
+    began, started = time.monotonic(), time.perf_counter()
     servable = model.servable
     parts, at = [], 0
     for part in job["parts"]:
@@ -299,7 +300,7 @@ def run_batch(model, job, frames, max_bytes, worker=None):
         out_frames.extend(f)
     return ({"outputs": headers, "errors": {str(i): e for i, e in done.errors.items()}, "ran": done.ran,
              "forwards": done.forwards, "batch": sum(rows),
-             "compute_seconds": time.perf_counter() - started}, out_frames)
+             "compute_seconds": time.perf_counter() - started, "started": began}, out_frames)
 
 
 def _deadline(part):

@@ -34,7 +34,6 @@ import zmq
 
 from ..control import protocol as P
 from ..control.codes import BadArguments
-from ..control.borrowed import source_fd
 from ..control.connections import DEFAULT_MAX_CONNECTIONS
 from ..control.ioloop import IOLoop
 from ..control.ops import Op, flag, integer
@@ -147,7 +146,7 @@ class Front(FrontSockets):
 
     # -- LoopHandler (I/O thread); setup/teardown are FrontSockets'
 
-    def poll_items(self):
+    def _serving_items(self):
         items = [(self._router, self._on_request, False), (self._work, self._on_worker_message, False)]
         for s in self._pool.slots:
             if s.ctl is not None:
@@ -156,7 +155,7 @@ class Front(FrontSockets):
                 items.append((s.process.sentinel, lambda s=s: self._on_death(s)))
         return items + self.connections.poll_items()
 
-    def tick(self):
+    def _serving_tick(self):
         self.connections.tick()
         self._dispatch()
         self._run_timers()
@@ -185,11 +184,7 @@ class Front(FrontSockets):
     # -- clients: the op table
 
     def _on_request(self, frames):
-        n = 2 if len(frames) >= 2 and len(frames[1]) == 0 else 1
-        envelope = [f.bytes for f in frames[:n]]
-        head, tensors = [f.bytes for f in frames[n:n + 3]], frames[n + 3:]
-        fd = self._request_fd = source_fd(frames[0])     # for the Job (its connection is then busy)
-        request = self._decode(envelope, head) if fd is not None and self.connections.saw(fd) else None
+        envelope, request, tensors = self._received(frames)
         if request is None:           # undecodable (answered), or its connection dropped or closed (not)
             return
         rid, op, args, timeout = request
@@ -260,11 +255,10 @@ class Front(FrontSockets):
             for job in reversed(jobs):
                 self._batcher.add(job, first=True)
             return
-        hs = self.histograms.setdefault(model, {"batch_size": Histogram(BATCH_BUCKETS),
-                                                "queue_seconds": Histogram(QUEUE_BUCKETS)})
+        self.histograms.setdefault(model, {"batch_size": Histogram(BATCH_BUCKETS),
+                                           "queue_seconds": Histogram(QUEUE_BUCKETS)})
         for job in jobs:
             job.batch = batch
-            hs["queue_seconds"].observe(now - job.received)
         s.inflight[batch.job_id] = batch
         s.last_model = model
         self.counters["batches"] += 1
@@ -298,11 +292,16 @@ class Front(FrontSockets):
             return
         s.served += 1
         now, r, at = time.monotonic(), doc["result"], 0
+        hs = self.histograms[batch.model]
         for rows in r["forwards"]:          # the forwards it ran: joined, or one per request
-            self.histograms[batch.model]["batch_size"].observe(rows)
+            hs["batch_size"].observe(rows)
+        # Queued until the worker began it: in the front, then behind the batch the worker
+        # was running (its in-flight slots). The clock is the machine's (serve.execute).
+        began = r.get("started", batch.sent)
         for i, (job, headers) in enumerate(zip(batch.jobs, r["outputs"])):
             error = r["errors"].get(str(i))
             frames, at = ([], at) if error else (out_frames[at:at + len(headers)], at + len(headers))
+            hs["queue_seconds"].observe(began - job.received)
             if job.done:
                 continue                    # timed out already
             if error:                       # this request's own failure, not its batch-mates'
@@ -312,7 +311,7 @@ class Front(FrontSockets):
             self._send(job.envelope, P.encode_ok(job.rid, {
                 "model": batch.model, "worker": r["worker"], "pid": r["pid"], "outputs": headers,
                 "batch_size": r["ran"][i], "compute_seconds": r["compute_seconds"],
-                "queue_seconds": batch.sent - job.received, "seconds": now - job.received,
+                "queue_seconds": began - job.received, "seconds": now - job.received,
                 "hinted": batch.hinted}, frames))
 
     def _on_death(self, s):

@@ -18,6 +18,7 @@ from ..config import ConfigError
 from ..errors import ShutdownError
 from ..control import protocol as P
 from ..control.connections import DEFAULT_MAX_CONNECTIONS, IDLE_EVICT_AFTER
+from ..control.borrowed import source_fd
 from ..control.endpoints import resolve_endpoint, runtime_dir
 
 from ..control.guarded import GuardedListening
@@ -101,6 +102,7 @@ class FrontSockets(RouterEndpoint):
         self._work_endpoint = f"ipc://{os.path.join(base, f'{name}-{tag}-work.sock')}"
         self._work = None
         self._ready_event = threading.Event()
+        self._stopping = threading.Event()   # set once the loop answered what was outstanding (close)
         self._start_error = None
         self._closed = False
         self._shared = None           # (owner, its store) of the shared host tier, with --shared-host
@@ -181,14 +183,20 @@ class FrontSockets(RouterEndpoint):
         log.info("prefetchd serve: %d workers ready; front on %s", self.n_workers, self.endpoint)
 
     def close(self, timeout=10.0):
+        """Stop within `timeout` (a few seconds more if the workers must be killed): what is
+        outstanding is answered SHUTDOWN, and so is every request that comes while the
+        workers stop (the clients' socket was closed first: those went unanswered)."""
         if self._closed:
             return
         self._closed = True
         deadline = time.monotonic() + timeout
         if self._exporter is not None:
             self._exporter.close(1.0)
-        self._loop.close(max(0.0, deadline - time.monotonic()))
+        if self._loop.running:        # the loop answers and stops the workers (tick), then only refuses
+            self._loop.wake()
+            self._stopping.wait(min(1.0, timeout))
         self._pool.stop(deadline)
+        self._loop.close(max(1.0, deadline - time.monotonic()))
         self._stop_shared()
         self._release_store()
 
@@ -260,7 +268,7 @@ class FrontSockets(RouterEndpoint):
     def running(self):
         return self._loop.running
 
-    # -- LoopHandler: setup, teardown, release (I/O thread)
+    # -- LoopHandler: setup, poll_items, tick, teardown, release (I/O thread)
 
     def setup(self, ctx):
         self._router = self._make_socket(ctx, zmq.ROUTER)
@@ -275,7 +283,38 @@ class FrontSockets(RouterEndpoint):
         self._bind(self._work, self._pool.work_endpoint)
         self._pool.start(ctx)
 
-    def teardown(self):
+    def poll_items(self):
+        """Once close() began, only the clients' socket (and the guard's monitors): close()
+        waits for the workers on its own thread meanwhile, so nothing here touches them."""
+        if not self._closed:
+            return self._serving_items()
+        return [(self._router, self._refuse_closing, False)] + self.connections.poll_items()
+
+    def tick(self):
+        if not self._closed:
+            return self._serving_tick()
+        self._stop_serving()
+        self.connections.tick()
+
+    def _received(self, frames):
+        """(envelope, (rid, op, args, timeout) or None, tensor frames) of a client's request;
+        None once a malformed one was answered, or if its connection was dropped or closed."""
+        n = 2 if len(frames) >= 2 and len(frames[1]) == 0 else 1
+        envelope = [f.bytes for f in frames[:n]]
+        head, tensors = [f.bytes for f in frames[n:n + 3]], frames[n + 3:]
+        fd = self._request_fd = source_fd(frames[0])     # for a Job (its connection is then busy)
+        request = self._decode(envelope, head) if fd is not None and self.connections.saw(fd) else None
+        return envelope, request, tensors
+
+    def _refuse_closing(self, frames):
+        envelope, request, _ = self._received(frames)
+        if request is not None:
+            self._reply_error(envelope, request[0], P.SHUTDOWN, "server closing")
+
+    def _stop_serving(self):
+        """Once: answer every outstanding job SHUTDOWN and tell the ready workers to stop."""
+        if self._stopping.is_set():
+            return
         for job in self.outstanding_jobs():
             self._fail(job, P.SHUTDOWN, "server closing")
         for s in self._pool.slots:
@@ -284,6 +323,10 @@ class FrontSockets(RouterEndpoint):
                     self._work.send_multipart([s.identity, STOP], zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
+        self._stopping.set()
+
+    def teardown(self):
+        self._stop_serving()
         self.connections.close()
         self._close_sockets(self._router, self._work)
         self._router = self._work = None

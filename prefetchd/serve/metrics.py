@@ -89,7 +89,8 @@ HISTOGRAMS = {
     "batch_size": ("prefetchd_serve_batch_size",
                    "Rows per batch the front sent to a worker (one forward or generate), by model."),
     "queue_seconds": ("prefetchd_serve_queue_seconds",
-                      "Seconds a request waited in the front before its batch was sent, by model."),
+                      "Seconds a request waited before a worker began its batch (in the front's queue, "
+                      "then behind the batch the worker was running), by model."),
 }
 
 
