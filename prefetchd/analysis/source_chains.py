@@ -16,20 +16,27 @@ object is used:
 - PASSED: a (PASSED, callee, slot) step: handed to a function, a method or a
   callable attribute as argument `slot` (a position or a keyword), where
   `callee` says how to find it: ("name", "helper"), ("dotted", ("mod", "fn")),
-  or ("self", chain) for a callable reached from the argument itself
-  (`self.processor(self, x)`); prefetchd.hooks.construct_reads follows it;
+  ("self", chain) for a callable reached from the argument itself
+  (`self.processor(self, x)`), ("values", callee) for any value of a mapping
+  (`FUNCTIONS[key]`), or ("any", (local name, callees)) for a local name every
+  assignment of which binds one of those (transformers' `attention_interface =
+  eager_attention_forward`, else `= ALL_ATTENTION_FUNCTIONS[impl]`);
+  prefetchd.hooks.construct_reads follows it;
 - FORMATTED: formatted into an f-string (`f"{self} is used as a decoder"`);
 - OPAQUE: used in a way that is not followed (`*args`, a callee not named);
 - nothing: a plain read (`ops.matmul(x, self.w)`'s `self.w` is PASSED to
   ops.matmul: for a Parameter any such use reads it).
 
 Names bound to chains by `for` loops, comprehensions, assignment, `zip`,
-`enumerate`, `reversed`, `next` are followed through; a slice (`self.blocks[1:]`,
+`enumerate`, `reversed`, `next` are followed through, and so are names bound once to
+such an iterable (`blocks = list(zip(self.resnets, self.attentions))`, then `for r, a
+in blocks`; any other use of the name reads all it holds); a slice (`self.blocks[1:]`,
 SLICED) stands for the container it is taken of, and an index into it for any of its
 items. `None` means the source could not be read (built at run time, a lambda): the
 caller decides what is safe.
 """
 import ast
+import collections
 import functools
 import inspect
 import textwrap
@@ -88,8 +95,13 @@ class _Walker:
             for child in ast.iter_child_nodes(node):
                 self.parent[id(child)] = node
         self.env = {}               # name -> set of chains it may stand for
+        self.iterables = {}         # name bound once to an iterable of chains -> items() of it
+        self._stores = collections.Counter(n.id for n in ast.walk(func)
+                                           if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load))
         for _ in range(3):          # nested loops bind names through names bound before
             self._bind()
+        self.local_names = self._locals()
+        self.aliases = self._callee_aliases()   # local name -> the callees it may be bound to
 
     # ---------------------------------------------------------------- chains of expressions
     def chain(self, node):
@@ -140,6 +152,8 @@ class _Walker:
     def items(self, node):
         """Per position of a loop target, the chains an iterable's items stand for (a set, or a
         list of them for a position that is itself a tuple: enumerate(zip(...))); None if unknown."""
+        if isinstance(node, ast.Name) and node.id in self.iterables:
+            return self.iterables[node.id]
         if isinstance(node, (ast.Tuple, ast.List)):
             out = set()
             for element in node.elts:
@@ -197,6 +211,11 @@ class _Walker:
                     c = {x + (LISTED,) for x in listed}
                 for target in node.targets if c is not None else ():
                     self.env.setdefault(target.id, set()).update(c)
+                if c is None and _is_iterating_call(node.value):
+                    per = self.items(node.value)
+                    for target in node.targets if per is not None else ():
+                        if self._stores[target.id] == 1:     # (bound again: not followed)
+                            self.iterables[target.id] = per
 
     def _bind_target(self, target, per):
         if isinstance(target, ast.Name):
@@ -209,11 +228,51 @@ class _Walker:
                 for t in target.elts:
                     self._bind_target(t, per)
 
+    def _callee_aliases(self):
+        """Local names bound, by every assignment of them, to a function named from outside
+        (a global, a dotted name, an item of a mapping): what calling the name may call."""
+        found = collections.defaultdict(list)
+        for node in ast.walk(self.func):
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            if value is not None and len(targets) == 1 and isinstance(targets[0], ast.Name):
+                callee = self._outside_callee(value)
+                found[targets[0].id].append(callee if callee is not None else False)
+        return {name: tuple(dict.fromkeys(callees)) for name, callees in found.items()
+                if all(callees) and len(callees) == self._stores[name] and name not in self.env}
+
+    def _locals(self):
+        """Every name the function binds itself: a callee by such a name is not the global one."""
+        args = self.func.args
+        names = {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs + [args.vararg, args.kwarg] if a}
+        for node in ast.walk(self.func):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not self.func:
+                names.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        return names | set(self._stores)
+
+    def _outside_callee(self, node):
+        if isinstance(node, ast.Subscript):
+            inner = self._outside_callee(node.value)
+            return None if inner is None or inner[0] == "values" else ("values", inner)
+        names = []
+        while isinstance(node, ast.Attribute):
+            names.append(node.attr)
+            node = node.value
+        if not isinstance(node, ast.Name) or node.id in self.local_names:
+            return None
+        return ("dotted", tuple([node.id] + names[::-1])) if names else ("name", node.id)
+
     # ---------------------------------------------------------------- uses
     def chains(self):
         out = set()
         for node in ast.walk(self.func):
             if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+                continue
+            if isinstance(node, ast.Name) and node.id in self.iterables:
+                if not self._is_loop_iter(node) and self._use(node) is not None:
+                    out |= {x + (OPAQUE,) for x in _union(self.iterables[node.id])}
                 continue
             c = self.chain(node)
             if c is None or self._continued(node):
@@ -288,9 +347,13 @@ class _Walker:
                 or isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.Not))
 
     def _callee(self, func):
-        """How to find a call's callee: ("name", n), ("dotted", names), ("self", chain), or None."""
+        """How to find a call's callee: ("name", n), ("dotted", names), ("self", chain), ("any",
+        (name, callees)) for a local alias (_callee_aliases), or None."""
+        if isinstance(func, ast.Name) and func.id in self.aliases:
+            return ("any", (func.id, self.aliases[func.id]))
         if isinstance(func, ast.Name) and func.id != self.me and func.id not in self.env:
-            return ("name", func.id)
+            # (a local of another kind, a parameter: not the global of that name)
+            return None if func.id in self.local_names else ("name", func.id)
         c = self.chain(func)
         if c is not None:
             return ("self", next(iter(c))) if len(c) == 1 else None
@@ -298,7 +361,7 @@ class _Walker:
         while isinstance(func, ast.Attribute):
             names.append(func.attr)
             func = func.value
-        if isinstance(func, ast.Name) and func.id not in self.env:
+        if isinstance(func, ast.Name) and func.id not in self.env and func.id not in self.local_names:
             return ("dotted", tuple([func.id] + names[::-1]))
         return None
 
@@ -322,13 +385,23 @@ class _Walker:
                 and self.listed(parent) is not None)
 
     def _is_loop_iter(self, node):
+        """Whether `node`'s items are bound to names: it is iterated by a loop, or bound as
+        an iterable (self.iterables), maybe through zip / enumerate / list / ..."""
         parent = self.parent.get(id(node))
         if isinstance(parent, (ast.For, ast.comprehension)) and parent.iter is node:
             return True
+        if isinstance(parent, ast.Assign) and parent.value is node and _to_names(parent):
+            return all(t.id in self.iterables for t in parent.targets)
         if isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name) and \
                 parent.func.id in _PASS_ITEMS | {"zip", "enumerate"}:
             return self._is_loop_iter(parent)
         return False
+
+
+def _is_iterating_call(node):
+    """zip(...), enumerate(...), list(...), reversed(...), ...: an iterable of its arguments' items."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+        and node.func.id in _PASS_ITEMS | {"zip", "enumerate"}
 
 
 def _union(per):

@@ -47,6 +47,7 @@ there fails to compile, and would run once at trace time, not at each call),
 so none of them, nor any cell under them, may carry a prefetchd hook.
 """
 import builtins
+import collections.abc
 import functools
 import inspect
 import types
@@ -173,21 +174,26 @@ def _follow_passed(root, function, expr, cell, step, found, depth, seen):
     _, callee, slot = step
     if slot == 0 and _calls_its_cell(_callee_object(root, function, callee)):
         return                                       # the cell's own call: its hooks fire
-    target = _callee_function(root, function, callee)
+    # Every function the callee may be (a local alias of several, a mapping's values), each
+    # followed; where one cannot be, all of the cell counts as read.
+    targets = [_function_of(obj) for obj in _callee_objects(root, function, callee)]
+    args = [None if t is None else _argument(t[0], slot, t[1]) for t in targets]
     name = _callee_name(callee)
-    arg = None if target is None else _argument(target[0], slot, target[1])
-    if arg is None or depth >= _MAX_INLINE:
+    if not args or None in args or depth >= _MAX_INLINE:
         _all_read(cell, f"{expr} (passed to {name}, not followed)", found)
         return
-    inner = {}
-    if not _collect(cell, target[0], arg, (), inner, depth + 1, seen):
-        _all_read(cell, f"{expr} (passed to {name}, whose source cannot be read)", found)
-    for pid, (e, p) in inner.items():
-        found.setdefault(pid, (f"{expr}{e[len('self'):]} (in {name}, given {expr})", p))
+    for target, arg in zip(targets, args):
+        inner = {}
+        if not _collect(cell, target[0], arg, (), inner, depth + 1, seen):
+            _all_read(cell, f"{expr} (passed to {name}, whose source cannot be read)", found)
+        for pid, (e, p) in inner.items():
+            found.setdefault(pid, (f"{expr}{e[len('self'):]} (in {name}, given {expr})", p))
 
 
 def _callee_name(callee):
     kind, ref = callee
+    if kind in ("any", "values"):
+        return f"{ref[0]}()" if kind == "any" else _callee_name(ref).replace("()", "[...]()")
     if kind == "name":
         return f"{ref}()"
     if kind == "dotted":
@@ -207,6 +213,8 @@ def _callee_object(root, function, callee):
     ms = framework.mindspore()
     kind, ref = callee
     function = inspect.unwrap(function)
+    if kind in ("any", "values"):
+        return None                                  # several: _callee_objects
     if kind == "self":
         found = [obj for _, obj, _ in _resolve(root, ref + (CALL,), function)]
         return found[0] if len(found) == 1 else None
@@ -217,11 +225,22 @@ def _callee_object(root, function, callee):
     return obj
 
 
-def _callee_function(root, function, callee):
+def _callee_objects(root, function, callee):
+    """Every object a callee may be: one, or those of a local alias's callees and every value
+    of a mapping (`ALL_ATTENTION_FUNCTIONS[impl]`); None for one that cannot be told."""
+    kind, ref = callee
+    if kind == "any":
+        return [obj for alternative in ref[1] for obj in _callee_objects(root, function, alternative)]
+    if kind == "values":
+        table = _callee_object(root, function, ref)
+        return list(table.values()) or [None] if isinstance(table, collections.abc.Mapping) else [None]
+    return [_callee_object(root, function, callee)]
+
+
+def _function_of(obj):
     """(plain Python function, arguments bound before the first written one) for a callee, or
     None: a builtin, a MindSpore function or class, anything that is not plain source."""
     ms = framework.mindspore()
-    obj = _callee_object(root, function, callee)
     if obj is None or isinstance(obj, (type, ms.nn.Cell)):
         return None
     if inspect.isfunction(obj):

@@ -165,8 +165,9 @@ class Plan:
                 return (f"units {a.name!r} ({a.nbytes} bytes) and {b.name!r} ({b.nbytes} bytes) are {where} "
                         f"(the order they run is known only after a forward, so offload() checks this one); "
                         f"with the root unit ({self.root.nbytes} bytes) they need {need} bytes, "
-                        f"above the high watermark {high}: the next unit could never load while one computes "
-                        f"(raise device_budget, or pass units= with smaller units)" + _kept_whole(a) + _kept_whole(b))
+                        f"above the high watermark {high}: at lookahead {self.lookahead} the next unit could never "
+                        f"load while one computes (raise device_budget, pass units= with smaller units, or "
+                        f"lookahead=0: each unit fits alone)" + _kept_whole(a) + _kept_whole(b))
         return None
 
     def format_table(self):

@@ -508,6 +508,132 @@ def test_direct_reads_through_slices_negative_indexes_and_lists_the_construct_bu
     assert reads(assigned_twice) == ["blocks.2.w"]
 
 
+def test_direct_reads_through_iterables_bound_to_a_name(ms):
+    """mindone.diffusers' cross-attention blocks write `blocks = list(zip(self.resnets,
+    self.attentions))`, then loop over `enumerate(blocks)`: the zip's arguments counted as
+    handed to a callee not followed, so each such block was kept whole, and a UNet or a
+    ControlNet that fits split was refused (an outside probe). Such a name is followed like
+    the loop it feeds; any other use of it reads all it holds."""
+    from prefetchd.hooks.construct_reads import direct_reads
+    nn, ops = ms.nn, ms.ops
+
+    class Block(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Dense(4, 4)
+            self.w = ms.Parameter(ms.Tensor(np.ones((4, 4), np.float32)), name="w")
+
+    def reads(body):
+        class Reader(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.resnets = nn.CellList([Block() for _ in range(2)])
+                self.attentions = nn.CellList([Block() for _ in range(2)])
+            construct = body
+        r = Reader()
+        names = {id(p): name for name, p in r.parameters_and_names()}
+        return sorted(names[id(p)] for _, p in direct_reads(r))
+
+    def called(self, x):                          # unet_2d_blocks.CrossAttnDownBlock2D's shape
+        blocks = list(zip(self.resnets, self.attentions))
+        for i, (resnet, attn) in enumerate(blocks):
+            x = attn(resnet(x))
+        return x
+
+    def read_through(self, x):
+        pairs = zip(self.resnets, self.attentions)
+        for resnet, attn in pairs:
+            x = ops.matmul(x, attn.w) + resnet(x)
+        return x
+
+    def returned(self, x):
+        blocks = list(zip(self.resnets, self.attentions))
+        return blocks, len(blocks)
+
+    def bound_again(self, x):
+        blocks = list(zip(self.resnets, self.attentions))
+        blocks = blocks[:1]
+        for resnet, attn in blocks:
+            x = attn(resnet(x))
+        return x
+
+    everything = sorted(f"{c}.{i}.{n}" for c in ("attentions", "resnets") for i in range(2)
+                        for n in ("fc.bias", "fc.weight", "w"))
+    assert reads(called) == []
+    assert reads(read_through) == ["attentions.0.w", "attentions.1.w"]
+    assert reads(returned) == everything                  # handed on: read, all of it
+    assert reads(bound_again) == everything               # not followed: the zip() reads it all
+
+
+def _scaled(module, q):                         # transformers' eager_attention_forward: metadata only
+    return q * module.scaling
+
+
+def _shifted(module, q):
+    return q + module.scaling
+
+
+def _projected(module, q):                      # a kernel that reads the module's weight
+    return q @ module.proj.weight
+
+
+ATTENTION = {"sdpa": _shifted}
+ATTENTION_READING = {"sdpa": _shifted, "custom": _projected}
+
+
+def test_direct_reads_through_a_local_alias_of_functions_and_a_mapping_of_them(ms):
+    """Every transformers-4.5x attention module calls `attention_interface(self, q, ...)`,
+    a local bound to eager_attention_forward or to ALL_ATTENTION_FUNCTIONS[impl]: not
+    followed, so `self_attn` was read whole and never split (Starcoder2 refused at 40%:
+    an outside probe). Each function it may be is followed; a parameter or another local
+    of the same name as a global is never taken for the global."""
+    from prefetchd.hooks.construct_reads import direct_reads
+    nn = ms.nn
+
+    class Attention(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Dense(4, 4)
+            self.scaling = 2.0
+            self.impl = "eager"
+
+    def reads(body):
+        class Layer(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.attn = Attention()
+            construct = body
+        layer = Layer()
+        names = {id(p): name for name, p in layer.parameters_and_names()}
+        return sorted(names[id(p)] for _, p in direct_reads(layer))
+
+    def metadata_only(self, x):
+        interface = _scaled
+        if self.attn.impl != "eager":
+            interface = ATTENTION[self.attn.impl]
+        return interface(self.attn, self.attn.proj(x))
+
+    def one_reads_a_weight(self, x):
+        interface: object = _scaled
+        if self.attn.impl != "eager":
+            interface = ATTENTION_READING[self.attn.impl]
+        return interface(self.attn, self.attn.proj(x))
+
+    def a_parameter_named_like_a_global(self, x, _scaled=None):
+        interface = _scaled
+        return interface(self.attn, x)
+
+    def bound_to_something_else_too(self, x):
+        interface = _scaled
+        interface = self.attn
+        return interface(self.attn, x)
+
+    assert reads(metadata_only) == []
+    assert reads(one_reads_a_weight) == ["attn.proj.weight"]
+    assert reads(a_parameter_named_like_a_global) == ["attn.proj.bias", "attn.proj.weight"]
+    assert reads(bound_to_something_else_too) == ["attn.proj.bias", "attn.proj.weight"]
+
+
 def _passed_through(f):
     def wrapper(*args, **kwargs):                     # no functools.wraps: its source names no self
         return f(*args, **kwargs)
