@@ -219,7 +219,10 @@ class _Walker:
 
     def _bind_target(self, target, per):
         if isinstance(target, ast.Name):
-            self.env.setdefault(target.id, set()).update(_union(per))
+            chains = _union(per)
+            if len(per) > 1:           # one name for a tuple of positions (`for pair in zip(a, b)`):
+                chains = {c + (LISTED,) for c in chains}     # pair[1] is any of them
+            self.env.setdefault(target.id, set()).update(chains)
         elif isinstance(target, (ast.Tuple, ast.List)):
             if len(per) == len(target.elts):
                 for t, p in zip(target.elts, per):

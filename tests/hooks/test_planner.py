@@ -557,8 +557,29 @@ def test_direct_reads_through_iterables_bound_to_a_name(ms):
             x = attn(resnet(x))
         return x
 
+    # One name for each tuple zip() yields, indexed: its item was taken as an item of a
+    # block (no such weight), so `pair[1].w` was missed: offload() took the model and every
+    # forward was refused (an outside probe). Any position stands for the item now.
+    def one_name_per_tuple(self, x):
+        for pair in zip(self.resnets, self.attentions):
+            x = ops.matmul(pair[1](pair[0](x)), pair[1].w)
+        return x
+
+    def one_name_per_tuple_of_a_bound_list(self, x):
+        blocks = list(zip(self.resnets, self.attentions))
+        return [p[1].w for p in blocks]
+
+    def one_name_per_tuple_only_called(self, x):
+        for i, pair in enumerate(zip(self.resnets, self.attentions)):
+            x = pair[1](pair[0](x))
+        return x
+
     everything = sorted(f"{c}.{i}.{n}" for c in ("attentions", "resnets") for i in range(2)
                         for n in ("fc.bias", "fc.weight", "w"))
+    every_w = sorted(f"{c}.{i}.w" for c in ("attentions", "resnets") for i in range(2))
+    assert reads(one_name_per_tuple) == every_w           # (either position: safe)
+    assert reads(one_name_per_tuple_of_a_bound_list) == every_w
+    assert reads(one_name_per_tuple_only_called) == []
     assert reads(called) == []
     assert reads(read_through) == ["attentions.0.w", "attentions.1.w"]
     assert reads(returned) == everything                  # handed on: read, all of it
