@@ -350,7 +350,7 @@ class ConnectionGuard:
         # waiting over a budget for a first request go before either (idle_room): at a low
         # limit their descriptors turned away a client under every budget.
         while not waits and self._room.waiting and in_use - len(self._doomed) > self.admit_line:
-            self._drop(self._room.waiting.popitem(last=False)[0])
+            self._drop(self._room.push_out())
         while through_handshake and in_use - len(self._doomed) > self.admit_line:
             victim = self._handshakes.pop_victim()
             if victim is None:

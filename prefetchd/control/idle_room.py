@@ -12,9 +12,13 @@ client next sends. Evicting at the accept, one process holding more idle connect
 than the budget refilled every place it lost with its own reconnects, so every place
 stayed younger than `idle_after` and every new client was dropped with its first
 request (an outside probe: 700 idle sockets against the serve front's 512). So a
-connection accepted over a budget waits, at most `waiting_budget` of them (a new one
-pushes the oldest out), and is let in at its first request in the place of an idle
-one. The reconnects of idle clients send none: they churn among the waiting only.
+connection accepted over a budget waits, at most `waiting_budget` of them, and is let
+in at its first request in the place of an idle one. The reconnects of idle clients
+send none: they churn among the waiting only. A new one beyond the budget pushes out
+the oldest waiting connection of the peer (a process on ipc) that has the most of
+them waiting: pushing out the oldest of all, thousands of reconnecting sockets
+(6,700 a second) pushed a client's connection out between its connect and its first
+request (an outside probe). On tcp all of loopback is one peer.
 
 A socket whose peers send no requests (a PUB socket's subscribers: `never_idle`) is
 never idle, and its new connections never wait: they take an idle place at the
@@ -51,10 +55,16 @@ class IdleRoom:
         """Hold `fd` (of peer `key`) until its first request; returns the waiting
         connections it pushed out, to shut down."""
         self.waiting[fd] = key
-        pushed = []
-        while len(self.waiting) > self.waiting_budget:
-            pushed.append(self.waiting.popitem(last=False)[0])
-        return pushed
+        return [self.push_out() for _ in range(len(self.waiting) - self.waiting_budget)]
+
+    def push_out(self):
+        """Take out and return the waiting connection to shut down first: the oldest of the
+        peer with the most waiting (module docstring)."""
+        counts = collections.Counter(self.waiting.values())
+        most = max(counts.values())
+        fd = next(fd for fd, key in self.waiting.items() if counts[key] == most)
+        del self.waiting[fd]
+        return fd
 
     def forget(self, fd):
         """`fd` is no longer a connection of ours (gone, shut down, or taken out of waiting)."""
