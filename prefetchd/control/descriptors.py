@@ -11,6 +11,7 @@ import resource
 log = logging.getLogger("prefetchd.control.descriptors")
 
 MAX_RAISED_FD_LIMIT = 1 << 16
+LOW_FD_LIMIT = 4096       # below it, a burst of connects can outrun the guard (warned at start)
 
 
 def open_descriptors():
@@ -38,4 +39,13 @@ def raise_fd_limit(cap=MAX_RAISED_FD_LIMIT):
             return want
         except (ValueError, OSError) as e:
             log.warning("prefetchd server: could not raise the descriptor limit from %d: %s", soft, e)
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if limit != resource.RLIM_INFINITY and limit < LOW_FD_LIMIT:
+        # libzmq's ipc listener aborts the process at EMFILE, and a burst of connects
+        # accepted faster than the guard sheds them can get there (an outside probe: 2,000
+        # at once at a hard limit of 256, with the old code and the new).
+        log.warning("prefetchd server: the descriptor limit is %d (hard %s): a burst of connections "
+                    "at once can exhaust it before they are shed, and libzmq then aborts the process; "
+                    "raise the hard limit (ulimit -Hn, systemd LimitNOFILE=) to %d or more",
+                    limit, hard, LOW_FD_LIMIT)
+    return limit

@@ -250,3 +250,19 @@ def test_descriptors_taken_by_the_application_stop_the_listeners_before_anyone_c
     pong, err = ping_from_another_process(d.endpoint)
     assert pong == "True", err
     assert d.close() == 0
+
+
+def test_a_low_hard_descriptor_limit_is_warned_about_at_start():
+    # At a hard limit of 256, 2,000 connects at once reach it before the guard sheds them
+    # and libzmq's ipc listener aborts the process (an outside probe): say so as it starts.
+    code = ("import logging, resource\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))\n"
+            "logging.basicConfig(level=logging.WARNING)\n"
+            "from prefetchd.control.descriptors import raise_fd_limit\n"
+            "print(raise_fd_limit())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "256", out.stderr
+    assert "the descriptor limit is 256 (hard 256)" in out.stderr and "LimitNOFILE" in out.stderr, out.stderr
+    code = code.replace("(256, 256)", "(1024, 8192)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "8192" and "descriptor limit is" not in out.stderr, out.stderr
