@@ -432,14 +432,11 @@ def test_direct_reads_follow_names_bound_to_sub_cells_helpers_and_methods(ms):
     assert reads(calls_only) == []
 
 
-def test_direct_reads_through_slices_negative_indexes_and_lists_the_construct_builds(ms):
-    """`for blk in self.blocks[1:]: ...blk.w` was read as items of items, so found no read:
-    offload() took the model and its forward was refused (NotResidentError). `[-1]` stood for
-    every item (DeBERTa-v2's `layers = [self.encoder.layer[-1] for _ in ...]` pinned all its
-    layers in the root), and a cell in a list the construct builds counted as read even
-    when the list's items are only called."""
+def _direct_reads_of(ms, body, **lists):
+    """Names of the parameters the construct `body` reads directly, in a cell holding, per
+    keyword, a CellList of that many blocks (each a Dense `fc` and a Parameter `w`)."""
     from prefetchd.hooks.construct_reads import direct_reads
-    nn, ops = ms.nn, ms.ops
+    nn = ms.nn
 
     class Block(nn.Cell):
         def __init__(self):
@@ -447,15 +444,28 @@ def test_direct_reads_through_slices_negative_indexes_and_lists_the_construct_bu
             self.fc = nn.Dense(4, 4)
             self.w = ms.Parameter(ms.Tensor(np.ones((4, 4), np.float32)), name="w")
 
+    class Reader(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            for name, n in lists.items():
+                setattr(self, name, nn.CellList([Block() for _ in range(n)]))
+        construct = body
+
+    r = Reader()
+    names = {id(p): name for name, p in r.parameters_and_names()}
+    return sorted(names[id(p)] for _, p in direct_reads(r))
+
+
+def test_direct_reads_through_slices_negative_indexes_and_lists_the_construct_builds(ms):
+    """`for blk in self.blocks[1:]: ...blk.w` was read as items of items, so found no read:
+    offload() took the model and its forward was refused (NotResidentError). `[-1]` stood for
+    every item (DeBERTa-v2's `layers = [self.encoder.layer[-1] for _ in ...]` pinned all its
+    layers in the root), and a cell in a list the construct builds counted as read even
+    when the list's items are only called."""
+    ops = ms.ops
+
     def reads(body):
-        class Reader(nn.Cell):
-            def __init__(self):
-                super().__init__()
-                self.blocks = nn.CellList([Block() for _ in range(3)])
-            construct = body
-        r = Reader()
-        names = {id(p): name for name, p in r.parameters_and_names()}
-        return sorted(names[id(p)] for _, p in direct_reads(r))
+        return _direct_reads_of(ms, body, blocks=3)
 
     def sliced(self, x):
         for blk in self.blocks[1:]:
@@ -514,25 +524,10 @@ def test_direct_reads_through_iterables_bound_to_a_name(ms):
     handed to a callee not followed, so each such block was kept whole, and a UNet or a
     ControlNet that fits split was refused (an outside probe). Such a name is followed like
     the loop it feeds; any other use of it reads all it holds."""
-    from prefetchd.hooks.construct_reads import direct_reads
-    nn, ops = ms.nn, ms.ops
-
-    class Block(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Dense(4, 4)
-            self.w = ms.Parameter(ms.Tensor(np.ones((4, 4), np.float32)), name="w")
+    ops = ms.ops
 
     def reads(body):
-        class Reader(nn.Cell):
-            def __init__(self):
-                super().__init__()
-                self.resnets = nn.CellList([Block() for _ in range(2)])
-                self.attentions = nn.CellList([Block() for _ in range(2)])
-            construct = body
-        r = Reader()
-        names = {id(p): name for name, p in r.parameters_and_names()}
-        return sorted(names[id(p)] for _, p in direct_reads(r))
+        return _direct_reads_of(ms, body, resnets=2, attentions=2)
 
     def called(self, x):                          # unet_2d_blocks.CrossAttnDownBlock2D's shape
         blocks = list(zip(self.resnets, self.attentions))
