@@ -100,8 +100,9 @@ class _Walker:
                                            if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load))
         for _ in range(3):          # nested loops bind names through names bound before
             self._bind()
-        self.local_names = self._locals()
-        self.aliases = self._callee_aliases()   # local name -> the callees it may be bound to
+        self.local_names = _locals(func, self._stores)
+        # local name -> the callees it may be bound to
+        self.aliases = _callee_aliases(func, self.local_names, self._stores, self.env)
 
     # ---------------------------------------------------------------- chains of expressions
     def chain(self, node):
@@ -230,42 +231,6 @@ class _Walker:
             else:
                 for t in target.elts:
                     self._bind_target(t, per)
-
-    def _callee_aliases(self):
-        """Local names bound, by every assignment of them, to a function named from outside
-        (a global, a dotted name, an item of a mapping): what calling the name may call."""
-        found = collections.defaultdict(list)
-        for node in ast.walk(self.func):
-            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
-            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
-            if value is not None and len(targets) == 1 and isinstance(targets[0], ast.Name):
-                callee = self._outside_callee(value)
-                found[targets[0].id].append(callee if callee is not None else False)
-        return {name: tuple(dict.fromkeys(callees)) for name, callees in found.items()
-                if all(callees) and len(callees) == self._stores[name] and name not in self.env}
-
-    def _locals(self):
-        """Every name the function binds itself: a callee by such a name is not the global one."""
-        args = self.func.args
-        names = {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs + [args.vararg, args.kwarg] if a}
-        for node in ast.walk(self.func):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not self.func:
-                names.add(node.name)
-            elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        return names | set(self._stores)
-
-    def _outside_callee(self, node):
-        if isinstance(node, ast.Subscript):
-            inner = self._outside_callee(node.value)
-            return None if inner is None or inner[0] == "values" else ("values", inner)
-        names = []
-        while isinstance(node, ast.Attribute):
-            names.append(node.attr)
-            node = node.value
-        if not isinstance(node, ast.Name) or node.id in self.local_names:
-            return None
-        return ("dotted", tuple([node.id] + names[::-1])) if names else ("name", node.id)
 
     # ---------------------------------------------------------------- uses
     def chains(self):
@@ -399,6 +364,47 @@ class _Walker:
                 parent.func.id in _PASS_ITEMS | {"zip", "enumerate"}:
             return self._is_loop_iter(parent)
         return False
+
+
+def _locals(func, stores):
+    """Every name `func` binds itself: a callee by such a name is not the global one."""
+    args = func.args
+    names = {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs + [args.vararg, args.kwarg] if a}
+    for node in ast.walk(func):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not func:
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names | set(stores)
+
+
+def _callee_aliases(func, local_names, stores, env):
+    """Local names bound, by every assignment of them, to a function named from outside
+    (a global, a dotted name, an item of a mapping): what calling the name may call."""
+    found = collections.defaultdict(list)
+    for node in ast.walk(func):
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if value is not None and len(targets) == 1 and isinstance(targets[0], ast.Name):
+            callee = _outside_callee(value, local_names)
+            found[targets[0].id].append(callee if callee is not None else False)
+    return {name: tuple(dict.fromkeys(callees)) for name, callees in found.items()
+            if all(callees) and len(callees) == stores[name] and name not in env}
+
+
+def _outside_callee(node, local_names):
+    """("name", n), ("dotted", names) or ("values", either) of an expression naming a
+    function from outside the function (`FUNCTIONS[key]`: any value); None otherwise."""
+    if isinstance(node, ast.Subscript):
+        inner = _outside_callee(node.value, local_names)
+        return None if inner is None or inner[0] == "values" else ("values", inner)
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name) or node.id in local_names:
+        return None
+    return ("dotted", tuple([node.id] + names[::-1])) if names else ("name", node.id)
 
 
 def _is_iterating_call(node):
