@@ -163,6 +163,13 @@ class Outcomes:
         self.outputs, self.ran = split, [sum(rows)] * len(rows)
 
 
+def without_framework_stack(message):
+    """A MindSpore error's message without the "C++ Call Stack: (For framework developers)"
+    section it ends in: a client's reason and the front's start failure are one line."""
+    cut = message.find("C++ Call Stack")
+    return message if cut < 0 else message[:cut].rstrip(" -\n") or message
+
+
 def error_reply(e, worker=None):
     """{"code", "reason"} a client gets for an exception raised running its request."""
     if isinstance(e, BadArguments):
@@ -171,7 +178,8 @@ def error_reply(e, worker=None):
     # A weight that failed its checksum or could not be read is the store's fault, and says so
     # (STORAGE); anything else raised inside the model is the server's.
     code = P.STORAGE if isinstance(e, StorageError) else P.INTERNAL
-    return {"code": code, "reason": f"worker {worker}: {e}" if worker is not None else str(e)}
+    reason = without_framework_stack(str(e))
+    return {"code": code, "reason": f"worker {worker}: {reason}" if worker is not None else reason}
 
 
 _FAILED = object()                       # the joined call raised

@@ -31,7 +31,7 @@ import zmq
 
 from ..errors import ConfigError
 from ..control import protocol as P
-from .execute import error_reply, run_batch
+from .execute import error_reply, run_batch, without_framework_stack
 from .servable import ServedModel
 from .spec import ServeSpec, build_weight_set, sized, worker_config
 
@@ -159,13 +159,6 @@ def _exit_if_orphaned(parent_pid):
         time.sleep(0.5)
 
 
-def _without_framework_stack(message):
-    """A MindSpore error's message without the "C++ Call Stack: (For framework developers)"
-    section it ends in: the front says a start failure in one line."""
-    cut = message.find("C++ Call Stack")
-    return message if cut < 0 else message[:cut].rstrip(" -\n") or message
-
-
 def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, parent_pid, failure):
     """Entry point of a worker process (spawn). failure: the write end of a pipe that takes
     the one line saying why it could not start, if it cannot (it then exits 3)."""
@@ -198,7 +191,7 @@ def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, p
             models = build_models(spec, daemon, first)
         except BaseException as e:  # noqa: BLE001 - said once, by the front, in one line (sys.exit too)
             log.debug("worker %d could not start", index, exc_info=True)
-            failure.send(f"{type(e).__name__}: {_without_framework_stack(str(e))}")
+            failure.send(f"{type(e).__name__}: {without_framework_stack(str(e))}")
             raise SystemExit(START_FAILED_EXIT) from None
         sock.send_multipart([READY, P.dumps({
             "index": index, "generation": generation, "pid": os.getpid(),

@@ -228,3 +228,16 @@ def test_a_framework_error_at_start_is_said_in_one_line_without_its_cpp_stack(tm
     lines = [x for x in out.stderr.splitlines() if x.startswith("prefetchd: error: ")]
     assert out.returncode == 1 and len(lines) == 1, out.stderr[-2000:]
     assert "Arange" in lines[0] and "C++ Call Stack" not in lines[0] and "ccsrc" not in lines[0], lines[0]
+
+
+def test_a_framework_error_in_a_request_is_answered_without_its_cpp_stack():
+    # The same banner went into a served request's INTERNAL reason, file paths and all.
+    import mindspore as ms
+    from prefetchd.serve.execute import error_reply
+    ms.set_device("CPU")
+    with pytest.raises(RuntimeError) as raised:
+        ms.mint.arange(4).asnumpy()                    # no CPU kernel in MindSpore 2.10
+    assert "C++ Call Stack" in str(raised.value)
+    reply = error_reply(raised.value, worker=0)
+    assert reply["reason"].startswith("worker 0: ") and "Arange" in reply["reason"], reply
+    assert "C++ Call Stack" not in reply["reason"] and "ccsrc" not in reply["reason"], reply
