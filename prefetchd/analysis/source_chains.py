@@ -282,8 +282,7 @@ class _Walker:
                 return (CALL,)
             if isinstance(parent.func, ast.Name) and parent.func.id in _HARMLESS:
                 return None
-            if isinstance(parent.func, ast.Name) and parent.func.id in _PASS_ITEMS | {"zip", "enumerate"} \
-                    and self._is_loop_iter(parent):
+            if _is_iterating_call(parent) and self._is_loop_iter(parent):
                 return None
             callee = self._callee(parent.func)
             slot = self._slot(parent, node)
@@ -360,8 +359,7 @@ class _Walker:
             return True
         if isinstance(parent, ast.Assign) and parent.value is node and _to_names(parent):
             return all(t.id in self.iterables for t in parent.targets)
-        if isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name) and \
-                parent.func.id in _PASS_ITEMS | {"zip", "enumerate"}:
+        if _is_iterating_call(parent):
             return self._is_loop_iter(parent)
         return False
 

@@ -233,7 +233,7 @@ def _callee_objects(root, function, callee):
         return [obj for alternative in ref[1] for obj in _callee_objects(root, function, alternative)]
     if kind == "values":
         table = _callee_object(root, function, ref)
-        return list(table.values()) or [None] if isinstance(table, collections.abc.Mapping) else [None]
+        return (list(table.values()) or [None]) if isinstance(table, collections.abc.Mapping) else [None]
     return [_callee_object(root, function, callee)]
 
 
