@@ -171,10 +171,12 @@ class Loads:
         fence before they leave, is resident again at no cost. True if so."""
         if rec.state is not State.ABSENT or rec.home is None:
             return False
-        block = self._memory.reclaim(rec.home)
-        if block is None:
+        taken = self._memory.reclaim(rec.home)
+        if taken is None:
             return False
-        rec.block = block
+        # Compute may still read it: its next drop waits for the same fence again.
+        rec.block, rec.compute_epoch = taken
+        rec.exposed = True
         self._stats.reclaims += 1
         self.arrived(rec)
         return True

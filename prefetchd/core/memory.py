@@ -112,11 +112,12 @@ class DeviceMemory:
             self._free(block, rec)
 
     def reclaim(self, home):
-        """The block whose pages still sit at `home` waiting for a fence, taken back; or None."""
-        for i, (block, _epoch, rec) in enumerate(self.unfenced):
+        """(block, epoch) of the block whose pages still sit at `home` waiting for the
+        compute fence `epoch` (None: a whole-queue fence), taken back; or None."""
+        for i, (block, epoch, rec) in enumerate(self.unfenced):
             if rec.home is home:
                 del self.unfenced[i]
-                return block
+                return block, epoch
         return None
 
     def _free(self, block, rec):

@@ -45,6 +45,12 @@ def _load(c, rec):
     assert f.result(0) is None
 
 
+def _drop(c, rec):
+    """An eviction to make room (not an explicit evict, which fences at once)."""
+    with c.lock:
+        c.s.writebacks.evict(rec, "watermark")
+
+
 def _evict(c, rec):
     f = c.submit(Kind.EVICT, [rec])
     c.drain()
@@ -350,3 +356,27 @@ def test_bytes_and_budgets_hold_under_random_steps_with_lending(seed, parks):
         _evict(c, rec)
     assert all(f.done() for f in c.futures) and not c.s.transfers
     assert c.stats.copied_bytes == 0 and c.stats.moved_bytes > 0
+
+
+def test_a_block_reclaimed_before_its_fence_waits_for_that_fence_when_dropped_again():
+    """A drop of a block compute read waits for a fence; a load of the same tensor before
+    it takes the block back (no transfer). Dropped again, it must still wait for that
+    fence: the reclaim once forgot compute had read it, so the second drop freed the pages
+    at once under kernels still queued to read them (a control-plane prefetch flood over
+    the budget crashed a host process with SIGSEGV)."""
+    c = _lending_core()
+    a = _host_only(c, "a", fill=6)
+    _load(c, a)
+    a.exposed = True                      # bind_for_compute: a unit's compute reads it
+    block = a.block
+    _drop(c, a)
+    assert a.state is State.ABSENT and [e[0] for e in c.s.memory.unfenced] == [block]
+    _load(c, a)                           # reclaimed: the pages never left
+    assert a.block is block and c.stats.reclaims == 1 and not c.s.memory.unfenced
+    _drop(c, a)                           # no fence reached since compute read it
+    assert [e[0] for e in c.s.memory.unfenced] == [block], "freed before the compute fence"
+    assert a.home.block is block and c.backend.used == block.capacity
+    with c.lock:
+        c.s.memory.fence_if(lambda: True) # the whole-queue fence: now it may go
+    assert not c.s.memory.unfenced and c.backend.used == 0
+    assert bytes(a.host_block) == bytes([6]) * a.nbytes
