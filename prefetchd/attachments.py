@@ -6,6 +6,8 @@ scheduler core never imports either.
 import logging
 import time
 
+from .errors import ConfigError
+
 log = logging.getLogger("prefetchd")
 
 
@@ -27,6 +29,11 @@ class Attachments:
 
     def serve(self, daemon, endpoint, **kwargs):
         from .control.server import Server
+        if self.server is not None:
+            # A second server replacing the first left it answering after close(), with
+            # its thread, descriptors and socket files: one endpoint per daemon.
+            raise ConfigError(f"prefetchd {daemon.config.name}: already serving at "
+                                 f"{self.server.endpoint}; a daemon has one control endpoint")
         self.server = Server(daemon, endpoint, **kwargs).start()
         return self.server
 

@@ -139,7 +139,8 @@ class Client:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
                     self._reset()
-                    raise RequestTimeout(f"{op}: no reply from {self.endpoint} within {timeout:g}s")
+                    raise RequestTimeout(f"{op}: no reply from {self.endpoint} within {timeout:g}s"
+                                         f"{self._silence_hint(len(frames[2]))}")
                 reply = sock.recv_multipart()
                 try:
                     reply_rid, doc = P.decode_reply(reply)
@@ -150,6 +151,18 @@ class Client:
                 if doc.get("ok"):
                     return doc.get("result")
                 raise exception_for(doc.get("code", P.INTERNAL), doc.get("reason", ""))
+
+    def _silence_hint(self, body_bytes):
+        """What else than a slow daemon a request with no reply can mean."""
+        hints = []
+        if body_bytes > 4 * P.DEFAULT_MAX_MESSAGE_SIZE:
+            hints.append(f"the request was {body_bytes} bytes, and a server drops one over 4x its "
+                         f"max_message_size (default {P.DEFAULT_MAX_MESSAGE_SIZE} bytes) unanswered: "
+                         f"name fewer tensors, or a pattern")
+        if self.endpoint.startswith("tcp://") and self._curve is None:
+            hints.append("over tcp, a server with CURVE keys ignores a client without them "
+                         "(server_public_key=, or --curve-dir), as does a port nothing listens on")
+        return "; " + "; ".join(hints) if hints else ""
 
     @staticmethod
     def _names(tensors):

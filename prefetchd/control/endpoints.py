@@ -158,7 +158,13 @@ def _bind_tcp(sock, address):
     are only ever picked from the ephemeral range, so a port outside it comes back."""
     host, _, port = address.rpartition(":")
     if port not in ("0", "*"):
-        sock.bind(address)
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as e:
+            fix = _TCP_BIND_FIXES.get(e.errno)
+            if fix is None:
+                raise
+            raise ConfigError(f"endpoint {address}: {os.strerror(e.errno)} ({fix})") from e
         return
     for port in _ports_outside_ephemeral(PICKED_PORT_TRIES):
         try:
@@ -168,6 +174,13 @@ def _bind_tcp(sock, address):
             if e.errno != zmq.EADDRINUSE:
                 raise
     sock.bind(address)          # every try taken (or no such range): the kernel's pick
+
+
+# A bare ZMQError named neither the endpoint nor what to change.
+_TCP_BIND_FIXES = {
+    zmq.EADDRINUSE: "another process listens on that port: choose another, or port 0 for any free one",
+    zmq.EADDRNOTAVAIL: "not an address of this machine",
+}
 
 
 def _ports_outside_ephemeral(n):

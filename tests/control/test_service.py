@@ -365,6 +365,41 @@ def test_second_server_on_a_live_path_is_refused(daemon):
     assert not server_threads()
 
 
+def test_a_second_serve_of_one_daemon_is_refused_and_close_stops_the_first(tmp_path):
+    # A second serve() once replaced the first server, which then outlived close():
+    # still answering, with its thread, descriptors and socket files.
+    d = make_daemon(tmp_path)
+    first = d.serve(unique_endpoint("one"))
+    second_endpoint = unique_endpoint("two")
+    with pytest.raises(ConfigError, match="already serving at " + first.endpoint):
+        d.serve(second_endpoint)
+    assert not os.path.exists(second_endpoint[len("ipc://"):])
+    d.close(5)
+    assert first.closed and not server_threads()
+    assert not os.path.exists(first.endpoint[len("ipc://"):])
+
+
+def test_a_busy_tcp_port_is_refused_naming_the_endpoint(daemon):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        with pytest.raises(ConfigError, match=f"endpoint {endpoint}: Address already in use "
+                                              r"\(another process listens on that port"):
+            Server(daemon, endpoint).start()
+    assert not server_threads()
+
+
+def test_a_request_over_four_times_the_limit_times_out_saying_why(served):
+    # libzmq drops a message over the router's maxmsgsize (4x max_message_size) unanswered.
+    daemon, server, client = served
+    many = [f"layer.{i}.weight" + "x" * 1000 for i in range(5000)]     # ~5 MB of names
+    with pytest.raises(RequestTimeout, match=r"the request was \d+ bytes.*over 4x its max_message_size"):
+        client.prefetch(many, timeout=1.0)
+    assert client.ping()["pong"]
+
+
 # ----------------------------------------------------------------------------- other processes
 
 def _child_client(endpoint, out):
