@@ -5,6 +5,7 @@ AuthorizedKeys)."""
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 
@@ -47,10 +48,36 @@ def client_curve(server_public_key, client_keys):
     return server_key, public, secret
 
 
+def _too_open(path, mask):
+    """Why `path` cannot be trusted with keys (another user owns it, or its mode has a
+    bit of `mask`), or None."""
+    st = os.stat(path)
+    if st.st_uid not in (os.getuid(), 0):
+        return f"belongs to uid {st.st_uid}, not to us ({os.getuid()})"
+    if stat.S_IMODE(st.st_mode) & mask:
+        return f"has mode {stat.S_IMODE(st.st_mode):o}"
+    return None
+
+
 def check_server_keys(directory):
-    if not os.path.exists(os.path.join(directory, SERVER_SECRET)):
+    """Refuse a keys directory another local user could change: whoever can write
+    authorized_clients/ (or the directory holding it) admits their own key, since the
+    server reads it again at every handshake; whoever can read server.key_secret can
+    pose as the server. The rule ssh applies to its keys."""
+    secret = os.path.join(directory, SERVER_SECRET)
+    if not os.path.exists(secret):
         raise ConfigError(f"curve_keys_dir: {directory} has no {SERVER_SECRET} "
                           f"(create it with `prefetchd keys {directory}`)")
+    authorized = os.path.join(directory, AUTHORIZED_DIR)
+    checks = [(directory, 0o022, "chmod go-w"), (secret, 0o077, "chmod 600")]
+    if os.path.isdir(authorized):
+        checks.insert(1, (authorized, 0o022, "chmod go-w"))
+    for path, mask, fix in checks:
+        why = _too_open(path, mask)
+        if why is not None:
+            raise ConfigError(f"curve_keys_dir: {path} {why}: another local user could "
+                              f"{'read the server secret' if path == secret else 'admit a key of their own'} "
+                              f"({fix} {path}, or make the keys again with `prefetchd keys`)")
 
 
 class AuthorizedKeys:
@@ -80,9 +107,15 @@ class AuthorizedKeys:
             return None
 
     def _list(self):
+        """(name, inode, mtime, size, too open) of each key file; or why none is read
+        (also when the directory became writable by others since the start)."""
         try:
+            why = _too_open(self.directory, 0o022)
+            if why is not None:
+                return f"the directory {why}"
             with os.scandir(self.directory) as entries:
-                return tuple(sorted((e.name, e.inode(), e.stat().st_mtime_ns, e.stat().st_size)
+                return tuple(sorted((e.name, e.inode(), e.stat().st_mtime_ns, e.stat().st_size,
+                                     _too_open(e.path, 0o022))
                                     for e in entries if e.name.endswith(".key") and e.is_file()))
         except OSError as e:
             return str(e)
@@ -102,7 +135,11 @@ class AuthorizedKeys:
             if isinstance(listing, str):
                 _auth_log.error("authorized clients: cannot read %s (%s): no client is "
                                 "admitted", self.directory, listing)
-            for name, *_ in () if isinstance(listing, str) else listing:
+            for name, *_, too_open in () if isinstance(listing, str) else listing:
+                if too_open is not None:
+                    _auth_log.warning("authorized clients: %s %s, so others could have written "
+                                      "it; not admitted", name, too_open)
+                    continue
                 try:
                     public, _ = zmq.auth.load_certificate(os.path.join(self.directory, name))
                 except (OSError, ValueError) as e:

@@ -128,6 +128,35 @@ def test_curve_server_needs_its_certificate(daemon, tmp_path):
         Server(daemon, "tcp://127.0.0.1:0", curve_keys_dir=str(tmp_path))
 
 
+@pytest.mark.parametrize("loose, chmod", [("", 0o777), ("", 0o775), (AUTHORIZED_DIR, 0o777),
+                                          ("server.key_secret", 0o644), ("server.key_secret", 0o640)])
+def test_a_keys_directory_others_could_change_is_refused(daemon, tmp_path, loose, chmod):
+    # Whoever can write authorized_clients/ admits their own key (it is read again at every
+    # handshake); whoever can read server.key_secret can pose as the server.
+    keys = create_keys(str(tmp_path / "curve"))
+    path = os.path.join(keys, loose) if loose else keys
+    os.chmod(path, chmod)
+    with pytest.raises(ConfigError, match=f"{path} has mode {chmod:o}: another local user could"):
+        Server(daemon, "tcp://127.0.0.1:0", curve_keys_dir=keys)
+
+
+def test_authorized_keys_others_could_write_admit_nobody(tmp_path, caplog):
+    from prefetchd.control.keys import AuthorizedKeys
+    keys = create_keys(str(tmp_path / "curve"), clients=("client", "other"))
+    authorized = os.path.join(keys, AUTHORIZED_DIR)
+    public = {name: zmq.auth.load_certificate(os.path.join(keys, f"{name}.key"))[0]
+              for name in ("client", "other")}
+    os.chmod(os.path.join(authorized, "other.key"), 0o666)     # a file anyone could rewrite
+    admitted = AuthorizedKeys(authorized)
+    assert admitted.callback("prefetchd", public["client"])
+    assert not admitted.callback("prefetchd", public["other"])
+    assert "other.key has mode 666" in caplog.text
+    os.chmod(authorized, 0o777)                                 # loosened while serving
+    assert not admitted.callback("prefetchd", public["client"])
+    os.chmod(authorized, 0o700)
+    assert admitted.callback("prefetchd", public["client"])
+
+
 @pytest.fixture(scope="module")
 def curve_server(daemon, keys):
     server = Server(daemon, "tcp://127.0.0.1:0", curve_keys_dir=keys).start()
