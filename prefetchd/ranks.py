@@ -28,6 +28,7 @@ from .errors import ConfigError
 from .backend.base import SHARDS_FILE, STORE_SUFFIX
 from .staging import INDEX_FILE
 from .staging.errors import StagingError
+from .staging.generations import rank_mismatch, read_index
 from .staging.shards import read_shards
 
 
@@ -156,11 +157,20 @@ def rank_store(root, info):
         if not os.path.exists(os.path.join(place, INDEX_FILE)):
             raise ConfigError(f"store {root} is staged for {world} ranks but {place} holds no {INDEX_FILE} "
                               f"(emptied?); stage it again with `prefetchd stage --shard`")
-        return place
+        return _own_shard(place)
     if any(name == INDEX_FILE or name.endswith(STORE_SUFFIX) for name in entries):
         raise ConfigError(f"store {root} is a plain store (no {SHARDS_FILE}): a rank reads its shard from "
                           f"{root}/rank_N; stage the model with `prefetchd stage --shard`, or run it "
                           f"without ranks")
+    return _own_shard(place)
+
+
+def _own_shard(place):
+    """`place`, unless its index says it was staged from another rank's checkpoint (a plain
+    `prefetchd stage rank_1/net.ckpt --store STORE/rank_0`, before stage refused it)."""
+    why = rank_mismatch(str(read_index(place).get("checkpoint", "")), place)
+    if why is not None:
+        raise ConfigError(f"store {place}: {why}; stage it again from rank_N/'s file")
     return place
 
 

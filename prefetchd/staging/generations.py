@@ -28,6 +28,7 @@ import glob
 import json
 import mmap
 import os
+import re
 import shutil
 import stat
 import time
@@ -45,6 +46,30 @@ _RENAME_EXCHANGE = 2
 _PROBE_PREFIX = ".pfd-probe-"
 _QUARANTINE = "quarantine"        # files a FileStore's recovery could not use, kept for people
 _PAGE = mmap.PAGESIZE
+
+
+RANK_DIR = re.compile(r"^rank_(\d+)$")      # MindSpore's distributed checkpoint layout
+
+
+def rank_of_path(path):
+    """The rank a path names by that layout (its deepest rank_<N> directory), or None."""
+    for part in reversed(os.path.normpath(path).split(os.sep)[:-1]):
+        m = RANK_DIR.match(part)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def rank_mismatch(checkpoint, store_dir):
+    """Why staging `checkpoint` into `store_dir` would give a rank another rank's shard
+    (rank_1/net.ckpt into STORE/rank_0, a slip outputs would never show), or None."""
+    store = RANK_DIR.match(os.path.basename(os.path.normpath(store_dir)))
+    source = rank_of_path(checkpoint)
+    if store is None or source is None or source == int(store.group(1)):
+        return None
+    return (f"{checkpoint} is rank {source}'s checkpoint (its rank_{source}/ directory) and "
+            f"{store_dir} is rank {store.group(1)}'s store: that rank would compute with another "
+            f"rank's shard")
 
 
 def write_index(directory, index, generation=None, source=None):
@@ -87,6 +112,9 @@ def stage_checkpoint(path, store_dir, progress=False, *, config=None, progress_i
     """
     from ..config import Config
     started = time.monotonic()
+    mismatch = rank_mismatch(os.path.abspath(path), store_dir)
+    if mismatch is not None:
+        raise StagingError(f"{mismatch}; stage rank_N/'s file into STORE/rank_N")
     checkpoint = iter_checkpoint(path)                 # structure checked before the store is touched
     try:
         store_dir, parent, base, work = store_place(store_dir)

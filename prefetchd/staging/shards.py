@@ -30,13 +30,12 @@ import numpy as np
 from ..backend.base import SHARDS_FILE, STORE_LOCK
 from .checks import DuplicateKey, unique_keys
 from .errors import StagingError
-from .generations import (hold_store_lock, link_current, remove_leftovers, stage_into, stage_lock,
-                          store_place, swap_in, fsync_dir)
+from .generations import (RANK_DIR, fsync_dir, hold_store_lock, link_current, remove_leftovers, stage_into,
+                          stage_lock, store_place, swap_in)
 from .readers import iter_checkpoint
 
 SHARDS_FORMAT = 1
 PER_RANK = "per-rank"
-_RANK_DIR = re.compile(r"^rank_(\d+)$")
 _CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors")
 _PLAIN_STAGE_SIBLING = re.compile(r"^\.rank_(\d+)\.(?:stage-lock|staging-.+|retired-.+)$")
 
@@ -100,7 +99,7 @@ def rank_checkpoints(directory):
     """[path of rank 0's file, rank 1's, ...] of a per-rank checkpoint directory."""
     ranks, names = {}, {}
     for entry in os.scandir(directory):
-        m = _RANK_DIR.match(entry.name)
+        m = RANK_DIR.match(entry.name)
         if m and entry.is_dir():
             rank = int(m.group(1))
             if rank in names:           # rank_2 and rank_0002: which is rank 2 is a guess

@@ -1,5 +1,6 @@
 """prefetchd.ranks: the rank from msrun's environment, a rank's own config, and the rank in
 status, metrics and `prefetchd status` (a real Daemon, a real control socket)."""
+import json
 import os
 import shutil
 import subprocess
@@ -243,3 +244,29 @@ def test_a_name_that_ends_like_a_ranks_does_not_skip_the_store_checks(tmp_path, 
     fresh = rank_config(Config.load(env=env, store_dir=str(tmp_path / "fresh")))
     assert (fresh.name, fresh.store_dir) == ("job.rank0", str(tmp_path / "fresh" / "rank_0"))
     assert rank_config(fresh) is fresh
+
+
+def test_another_ranks_checkpoint_is_refused_by_stage_and_by_the_ranks_daemon(tmp_path):
+    """docs/distributed.md has a machine stage its own ranks with the plain verb
+    (`stage rank_3/net.ckpt --store STORE/rank_3`). A slip of the number (rank_1's file into
+    rank_0) staged, and both ranks computed with rank 1's shard: wrong outputs, no error."""
+    from prefetchd.staging import StagingError, stage_checkpoint
+    from prefetchd.staging.generations import write_index
+    ckpt = tmp_path / "ckpt"
+    for r in (0, 1):
+        (ckpt / f"rank_{r}").mkdir(parents=True)
+        write_safetensors(ckpt / f"rank_{r}" / "net.safetensors", {"w": np.full(4, r, np.float32)})
+    root = tmp_path / "store"
+    with pytest.raises(StagingError, match=rf"is rank 1's checkpoint .* {root}/rank_0 is rank 0's store"):
+        stage_checkpoint(str(ckpt / "rank_1" / "net.safetensors"), str(root / "rank_0"))
+    assert not (root / "rank_0").exists()
+    for r in (0, 1):                      # its own rank's file is fine
+        stage_checkpoint(str(ckpt / f"rank_{r}" / "net.safetensors"), str(root / f"rank_{r}"))
+        assert rank_config(Config.load(env={}, store_dir=str(root)),
+                           RankInfo(r, 2, r, "argument")).store_dir == str(root / f"rank_{r}")
+    # A store staged so before stage refused it: its rank's daemon refuses to open it.
+    doc = json.load(open(root / "rank_0" / "prefetchd-index.json"))
+    write_index(str(root / "rank_0"), doc["tensors"], doc["generation"],
+                str(ckpt / "rank_1" / "net.safetensors"))
+    with pytest.raises(ConfigError, match=rf"store {root}/rank_0: .* is rank 1's checkpoint"):
+        rank_config(Config.load(env={}, store_dir=str(root)), RankInfo(0, 2, 0, "argument"))
