@@ -55,6 +55,18 @@ def private_socket_dir(path, hint="e.g. ipc://name.sock for the runtime director
         check_private_dir(parent, hint)
 
 
+def refuse_non_socket(path, what):
+    """Refuse `path` when a file other than a unix socket is there: it is someone's file, not
+    a dead listener's socket, and binding would delete it (libzmq unlinks what it finds)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"{what} {path}: a file that is not a socket is there, and binding would "
+                          f"delete it; choose another path, or remove the file")
+
+
 def listener_at(path, kind=socket.SOCK_STREAM):
     """True if a unix socket at `path` accepted a connect (of a `kind` socket: the listener's
     own type), False if it refused it (nobody listens), None if the connect said neither (no

@@ -16,7 +16,8 @@ import random
 import zmq
 
 from ..errors import ConfigError
-from ..socket_dirs import check_private_dir, ensure_private_dir, listener_at, private_socket_dir
+from ..socket_dirs import (check_private_dir, ensure_private_dir, listener_at, private_socket_dir,
+                           refuse_non_socket)
 
 IPC_PATH_MAX = 107          # sun_path is 108 bytes with the terminating NUL
 PICKED_PORT_TRIES = 64      # random ports outside the ephemeral range tried before the kernel picks
@@ -120,6 +121,7 @@ def check_bind_dir(address):
         parent = os.path.dirname(os.path.abspath(address[len("ipc://"):]))
         if os.path.isdir(parent):
             check_private_dir(parent)
+        refuse_non_socket(address[len("ipc://"):], "endpoint")
 
 
 def bind(sock, address):
@@ -127,13 +129,15 @@ def bind(sock, address):
     owner can remove exactly that file later (libzmq leaves it behind), else None.
 
     ipc: the directory must be private (created 0700 if missing), the bind runs
-    under umask 0177 (no chmod race), and a path a live server listens on is refused.
+    under umask 0177 (no chmod race), and a path a live server listens on, or where a
+    file other than a socket is, is refused.
     """
     if not address.startswith("ipc://"):
         _bind_tcp(sock, address)
         return None
     path = address[len("ipc://"):]
     private_socket_dir(path)
+    refuse_non_socket(path, "endpoint")
     if os.path.exists(path) and listener_at(path):      # else a dead server's file: libzmq replaces it
         raise ConfigError(f"endpoint {address}: another server is listening there")
     old = os.umask(0o177)

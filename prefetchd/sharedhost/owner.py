@@ -28,8 +28,9 @@ import socket
 import struct
 import threading
 
+from ..backend.base import SHARDS_FILE
 from ..errors import ConfigError
-from ..socket_dirs import listener_at, private_socket_dir
+from ..socket_dirs import listener_at, private_socket_dir, refuse_non_socket
 from . import policy, wire
 from .blocks import SharedBlock, segment_size, shmem_huge_mode
 from .table import BlockTable
@@ -51,11 +52,30 @@ class _Conn:
         self.hits = self.fills = self.refused = 0
 
 
+def _served_store(store_dir):
+    """The FileStore at `store_dir`, opened; refused where no daemon could be served from it.
+    A mistyped path was made (with a lock file in it) and the owner served nothing; a sharded
+    root got a lock file that the next `stage --shard` refused as foreign content."""
+    from .. import _native
+    if not os.path.isdir(store_dir):
+        raise ConfigError(f"shared host store {store_dir}: no such directory (serve a store "
+                          f"`prefetchd stage CKPT --store DIR` made)")
+    if os.path.exists(os.path.join(store_dir, SHARDS_FILE)):
+        raise ConfigError(f"shared host store {store_dir}: a sharded store's root; an owner serves "
+                          f"one rank's store, {store_dir}/rank_N")
+    store = _native.FileStore(store_dir)
+    if not store.keys():
+        store.close()
+        raise ConfigError(f"shared host store {store_dir}: holds no tensors")
+    return store
+
+
 def _listening_socket(path):
     """A SEQPACKET socket listening at `path`: its directory private (made 0700 if missing; a
     group- or world-writable one refused), a live owner's socket there refused (replacing it
     would leave that owner running unreachable), a dead one's replaced; bound 0600."""
     private_socket_dir(path, "e.g. a directory of its own, mode 0700")
+    refuse_non_socket(path, "shared host socket")
     if listener_at(path, socket.SOCK_SEQPACKET):
         raise ConfigError(f"shared host socket {path}: another owner is listening there")
     try:
@@ -84,12 +104,11 @@ class SharedHostOwner:
     """
 
     def __init__(self, socket_path, store_dir, budget, *, fill_threads=FILL_THREADS):
-        from .. import _native
         if budget <= 0:
-            raise ValueError(f"shared host budget must be > 0, got {budget}")
+            raise ConfigError(f"shared host budget must be > 0, got {budget}")
         self.path, self.budget = socket_path, budget
         self._huge_mode = shmem_huge_mode()      # blocks >= 2 MiB ask for huge pages
-        self.store = _native.FileStore(store_dir)
+        self.store = _served_store(store_dir)
         # Every counter from the start (a monitoring script read counters["hits"]: KeyError
         # until the first hit); refused_<code> ones appear with their first refusal.
         self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))

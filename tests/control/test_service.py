@@ -352,6 +352,20 @@ def test_endpoint_resolution(tmp_path, monkeypatch):
     assert runtime_dir() == f"{tmp_path}/prefetchd"
 
 
+def test_a_file_at_an_ipc_path_that_is_no_socket_is_refused_not_deleted(daemon, tmp_path):
+    # libzmq unlinks whatever is at an ipc path it binds: a user's file was deleted.
+    from prefetchd.control.endpoints import check_bind_dir
+    private = tmp_path / "run"
+    private.mkdir(mode=0o700)
+    notes = private / "ctl.txt"
+    notes.write_text("mine")
+    with pytest.raises(ConfigError, match=f"{notes}: a file that is not a socket is there"):
+        check_bind_dir(f"ipc://{notes}")                    # config validate says so first
+    with pytest.raises(ConfigError, match=f"{notes}: a file that is not a socket is there"):
+        Server(daemon, f"ipc://{notes}").start()
+    assert notes.read_text() == "mine" and not server_threads()
+
+
 def test_second_server_on_a_live_path_is_refused(daemon):
     endpoint = unique_endpoint("dup")
     first = Server(daemon, endpoint).start()

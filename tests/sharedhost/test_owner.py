@@ -361,6 +361,41 @@ def test_the_owners_socket_goes_in_a_private_directory_and_never_over_a_live_own
     assert os.listdir(shared) == []
 
 
+def test_a_file_at_the_socket_path_that_is_no_socket_is_refused_not_deleted(tmp_path, src):
+    """A dead owner's socket is replaced; a user's file at the path was deleted the same way."""
+    from prefetchd.errors import ConfigError
+    private = tmp_path / "run"
+    private.mkdir(mode=0o700)
+    notes = private / "notes.txt"
+    notes.write_text("mine")
+    with pytest.raises(ConfigError, match=f"{notes}: a file that is not a socket is there"):
+        SharedHostOwner(str(notes), link_store(src, str(tmp_path / "own")), 64 << 20).start()
+    assert notes.read_text() == "mine"
+
+
+def test_an_owner_refuses_a_store_it_could_serve_nothing_from(tmp_path, src):
+    """A mistyped --store was made (lock file and all) and the owner said READY serving
+    nothing; on a sharded store's root its lock file made the next `stage --shard` fail."""
+    from prefetchd.backend.base import SHARDS_FILE
+    from prefetchd.errors import ConfigError
+    sock = str(tmp_path / "run" / "h.sock")
+    missing = tmp_path / "typo-store"
+    with pytest.raises(ConfigError, match=f"{missing}: no such directory"):
+        SharedHostOwner(sock, str(missing), 64 << 20)
+    assert not missing.exists()
+    root = tmp_path / "sharded"
+    root.mkdir()
+    (root / SHARDS_FILE).write_text("{}")
+    with pytest.raises(ConfigError, match=f"{root}: a sharded store's root; .* {root}/rank_N"):
+        SharedHostOwner(sock, str(root), 64 << 20)
+    assert sorted(os.listdir(root)) == [SHARDS_FILE]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="holds no tensors"):
+        SharedHostOwner(sock, str(tmp_path / "empty"), 64 << 20)
+    with pytest.raises(ConfigError, match="budget must be > 0"):
+        SharedHostOwner(sock, link_store(src, str(tmp_path / "own")), 0)
+
+
 def test_the_standalone_owner_says_why_it_cannot_start_in_one_line(tmp_path, src):
     import subprocess
     import sys
