@@ -152,6 +152,12 @@ def _daemon_lines(st, indent=""):
         + f"); pinned {st.get('pinned')} ({_bytes(st.get('pinned_bytes'))})",
         f"{indent}queue    depth {st.get('queue_depth')}, in flight {st.get('in_flight')}",
     ]
+    shared = st.get("shared_host")
+    if shared:
+        lines.append(f"{indent}shared   {shared.get('socket')}{'' if shared.get('attached') else ' (detached)'}: "
+                     f"hits {shared.get('hits')} ({_bytes(shared.get('hit_bytes'))}), mapped "
+                     f"{shared.get('mapped')}, fallbacks {shared.get('fallbacks')}, leases "
+                     f"{shared.get('mapped_leases')}, covering {'yes' if shared.get('covering') else 'no'}")
     if srv:
         lines.append(f"{indent}server   {srv.get('endpoint')}: outstanding {srv.get('outstanding')}, "
                      f"leases {srv.get('leases')}, busy {srv.get('busy')}, "
@@ -167,6 +173,13 @@ def format_status(st):
                  f"models {', '.join(front['models'])}",
                  "counters " + (", ".join(f"{k} {v}" for k, v in sorted(front["counters"].items()))
                                 or "none yet")]
+        shared = front.get("shared_host")
+        if shared:
+            counters = shared.get("counters", {})
+            lines.append(f"shared host {shared.get('socket')}: {_bytes(shared.get('bytes'))} / "
+                         f"{_bytes(shared.get('budget'))} in {shared.get('blocks')} blocks, "
+                         f"hits {counters.get('hits')}, fills {counters.get('fills')}, evictions "
+                         f"{counters.get('evictions')}, covering {'yes' if shared.get('covering') else 'no'}")
         for w in st["workers"]:
             state = "ready" if w["ready"] else "given up, not restarted" if w.get("given_up") else "starting"
             lines.append(f"worker {w['index']}: pid {w['pid']}, {state}, "

@@ -67,6 +67,10 @@ def parse_spec(text):
             raise StagingError(f"sharding spec {text}: unreadable ({e})") from None
         if not isinstance(doc, dict):
             raise StagingError(f"sharding spec {text}: expected a JSON object {{\"GLOB\": AXIS}}")
+        # A JSON axis is a number already: "0", 1.7 or true is a mistake, not axis 0 or 1.
+        for glob, axis in doc.items():
+            if isinstance(axis, bool) or not isinstance(axis, int):
+                raise StagingError(f"sharding spec {glob!r}: axis {axis!r} is not an integer")
         pairs = list(doc.items())
     else:
         pairs = []
@@ -77,9 +81,6 @@ def parse_spec(text):
             pairs.append((glob, axis))
     spec, seen = [], set()
     for glob, axis in pairs:
-        # A JSON axis is a number already: 1.7 or true is a mistake, not axis 1.
-        if isinstance(axis, bool) or not isinstance(axis, (int, str)):
-            raise StagingError(f"sharding spec {glob!r}: axis {axis!r} is not an integer")
         try:
             axis = int(axis)
         except ValueError:

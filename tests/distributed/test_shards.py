@@ -219,6 +219,7 @@ def test_two_directories_naming_one_rank_are_refused(tmp_path):
     ({"*.wq.weight": 1.7}, "axis 1.7 is not an integer"),
     ({"*.wq.weight": True}, "axis True is not an integer"),
     ({"*.wq.weight": [0]}, r"axis \[0\] is not an integer"),
+    ({"*.wq.weight": "0"}, "axis '0' is not an integer"),        # docs/distributed.md: JSON's own integers
 ])
 def test_a_json_spec_axis_must_be_an_integer(tmp_path, doc, words):
     src = tmp_path / "whole.safetensors"

@@ -75,6 +75,12 @@ def test_four_workers_share_one_host_tier(staged):
             assert sum(d["hits"] for d in daemons) > 0
             assert [d["fallbacks"] for d in daemons] == [0] * WORKERS
             assert len(shared["workers"]) == WORKERS
+            # docs/shared-host.md, "Watching it": the text status shows the tier too.
+            text = subprocess.run([sys.executable, "-m", "prefetchd.cli", "status", "--endpoint", endpoint],
+                                  env=_env(), capture_output=True, text=True, timeout=60)
+            assert text.returncode == 0, text.stderr
+            assert f"shared host {shared['socket']}: " in text.stdout and "covering " in text.stdout
+            assert text.stdout.count("  shared   ") == WORKERS, text.stdout
             # A worker killed while requests run: no lease of it stays, nothing is lost.
             victim = doc["workers"][0]["pid"]
             os.kill(victim, signal.SIGKILL)
