@@ -58,6 +58,12 @@ _READERS = ("asnumpy", "numpy", "__array__", "__getitem__", "item", "tolist", "_
 _STORAGE_PROPERTIES = {"data": ".data (a second tensor over its memory)", "const_arg": "a @jit call with it as an argument"}
 _USE_HINT = ("outside an offloaded model's forward, use managed weights inside `with daemon.use([...])`, "
              "which keeps them resident until the block ends")
+_MISSED_READ_HINT = (
+    "the read is inside a cell's forward, where offload() did not see it: its planner follows "
+    "a construct's attribute reads (self.blocks[3].w1, getattr; docs/offload.md, \"The plan\"), "
+    "not reads through cells_and_names(), name_cells(), a module-level object or a weakref. Read "
+    "the weight through its cell's attributes there, or leave the cell that owns it out of "
+    "units= (its weights then stay in the root, pinned for the whole forward)")
 _LOAD_HINT = ("load new values with prefetchd.load_param_into_net (gradients and training through an "
               "offloaded model are not supported)")
 
@@ -115,11 +121,27 @@ def refusal(target, what):
     message = f"refused {what}: {error}"
     if isinstance(error, (UseAfterFreeError, DaemonClosedError)):
         pass                                  # no daemon to ask: freed by ops.free(), or closed
+    elif _inside_a_forward():
+        # "use daemon.use outside a forward" misled here: the planner missed this read.
+        plain = NotResidentError(error.name, error.tier, error.state)
+        message = f"refused {what}: {plain}; {_MISSED_READ_HINT}"
     elif "daemon.use" in message:
         message += f"; {_LOAD_HINT}"
     else:
         message += f"; {_USE_HINT}, and {_LOAD_HINT}"
     return type(error)(error.name, error.tier, error.state, message)
+
+
+def _inside_a_forward():
+    """Whether the calling thread is inside a Cell's call (a forward; refusals only)."""
+    from mindspore.nn import Cell as cell
+    codes = {cell.__call__.__code__, cell._run_construct.__code__}
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _op_name(op):

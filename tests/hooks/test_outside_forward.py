@@ -549,3 +549,42 @@ def test_an_output_kept_as_it_was_is_not_taken_as_watched(tmp_path):
     through the refusal: the forward is refused rather than taken as watched (for a model
     with no units, its output is the only place a gradient is seen)."""
     assert_gradient_refused(run_script(KEPT_CONTAINER, tmp_path))
+
+
+MISSED_READ = """
+import sys
+import numpy as np, mindspore as ms
+from mindspore import nn, ops, Tensor
+import prefetchd
+ms.set_device("CPU")
+D = 192
+class M(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.CellList([nn.Dense(D, D) for _ in range(10)])
+    def construct(self, x):
+        for b in self.blocks:
+            x = ops.tanh(b(x))
+        for name, c in self.cells_and_names():     # a read the planner does not follow
+            if name == "blocks.3":
+                x = x + ops.matmul(x, c.weight)
+        return x
+m = M()
+with prefetchd.Daemon(device_budget="600KiB", store_dir=sys.argv[1]) as d:
+    prefetchd.offload(m, d, lookahead=2)
+    try:
+        m(Tensor(np.ones((2, D), np.float32)))
+    except prefetchd.NotResidentError as e:
+        print("refused:", e)
+"""
+
+
+def test_a_read_the_planner_missed_inside_a_forward_is_refused_saying_so(tmp_path):
+    # The refusal said "outside an offloaded model's forward, use daemon.use": the read was
+    # inside the forward, and daemon.use was no remedy (an outside probe).
+    run = run_script(MISSED_READ, tmp_path)
+    assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-2000:])
+    line = refusal(run)
+    assert line is not None and "tensor 'blocks.3.weight' is not resident" in line, run.stdout
+    assert "the read is inside a cell's forward, where offload() did not see it" in line, line
+    assert "daemon.use" not in line and "outside an offloaded model's forward" not in line, line
