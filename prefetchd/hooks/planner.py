@@ -345,17 +345,28 @@ def _make_unit(name, cells, facts):
 def _resolve(model, units):
     """Explicit units: (name, cell) pairs or cell names; each a distinct sub-cell, none inside another."""
     by_name = {name: cell for name, cell in model.cells_and_names() if name}
-    resolved = []
+    if isinstance(units, str):
+        units = [units]          # one name, as no_split= takes one (it was read letter by letter)
+    resolved, missing = [], []
     for item in units:
         if isinstance(item, str):
-            if item not in by_name:
-                raise PrefetchdError(f"units=: the model has no cell named {item!r}")
-            resolved.append((item, by_name[item]))
-        else:
-            name, cell = item
-            if cell is model:
-                raise PrefetchdError(f"units=: {name!r} is the model itself; its parameters form the root unit")
-            resolved.append((name, cell))
+            if item in by_name:
+                resolved.append((item, by_name[item]))
+            else:
+                missing.append(item)
+            continue
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+            raise PrefetchdError(f"units=: {item!r} is neither a cell name nor a (name, cell) pair")
+        name, cell = item
+        if cell is model:
+            raise PrefetchdError(f"units=: {name!r} is the model itself; its parameters form the root unit")
+        if all(c is not cell for c in by_name.values()) or by_name.get(name, cell) is not cell:
+            # A cell from elsewhere streamed under the name of a model's cell, which stayed in the root.
+            raise PrefetchdError(f"units=: ({name!r}, {type(cell).__name__}) names no cell of the model "
+                                 f"(a pair is a label and one of the model's cells)")
+        resolved.append((name, cell))
+    if missing:
+        raise PrefetchdError(f"units=: the model has no cell named {', '.join(map(repr, missing))}")
     names = [n for n, _ in resolved]
     if is_compiled(model) and names:
         raise PrefetchdError(

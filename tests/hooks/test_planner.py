@@ -100,6 +100,18 @@ def test_explicit_units_and_bad_names(nets):
     assert "transformer.h.1.a.weight" in plan.root.param_names
     with pytest.raises(PrefetchdError, match="no cell named 'nope'"):
         plan_units(model, 1 << 30, 2, units=["nope"])
+    # Every wrong name at once; a bare string is one name; a pair must hold a cell of the
+    # model (a foreign Dense was streamed as 'transformer.h.0', which stayed in the root).
+    with pytest.raises(PrefetchdError, match="no cell named 'transformer.h.99', 'nope'"):
+        plan_units(model, 1 << 30, 2, units=["transformer.h.0", "transformer.h.99", "nope"])
+    assert [u.name for u in plan_units(model, 1 << 30, 2, units="transformer.h.0").units] == ["transformer.h.0"]
+    from mindspore import nn
+    stranger = nn.Embedding(10, 4)
+    for pair in (("transformer.h.0", stranger), ("pos", stranger), ("transformer.h.0", model.transformer.pos)):
+        with pytest.raises(PrefetchdError, match=r"names no cell of the model"):
+            plan_units(model, 1 << 30, 2, units=[pair, "transformer.h.1"])
+    with pytest.raises(PrefetchdError, match="3 is neither a cell name nor a"):
+        plan_units(model, 1 << 30, 2, units=[3])
     with pytest.raises(PrefetchdError, match="inside unit 'transformer.h.0'"):
         plan_units(model, 1 << 30, 2, units=["transformer.h.0", "transformer.h.0.a"])
 
