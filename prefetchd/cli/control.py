@@ -34,8 +34,9 @@ def register(sub):
                    help="tensor names or globs (prefetch/evict/pin/flush/list), a lease id "
                         "(renew/unpin), or HIGH [LOW] (set-watermarks: a size like 2GiB, or a "
                         "fraction of the budget like 90%% or 0.9)")
-    p.add_argument("--lease", type=seconds, default=30.0,
-                   help="pin: lease seconds (renew before it ends; default 30)")
+    p.add_argument("--lease", type=seconds, default=None,
+                   help="pin: lease seconds (renew before it ends; default the daemon's, 30); "
+                        "renew: the lease's new length (default its own)")
     p.add_argument("--priority", type=int, default=0, help="prefetch: priority (higher first; 0)")
     p.add_argument("--no-wait", action="store_true", help="prefetch/evict/flush: reply once queued")
     p.set_defaults(func=cmd_ctl)
@@ -246,7 +247,9 @@ def cmd_ctl(args):
             result = c.call(op, **_target(values), **extra)
         elif op == "flush":
             result = c.call("flush", wait=not args.no_wait, **(_target(values) if values else {}))
-        elif op in ("renew", "unpin"):
+        elif op == "renew":
+            result = c.call(op, lease=values, seconds=args.lease)
+        elif op == "unpin":
             result = c.call(op, lease=values)
         else:  # set-watermarks
             result = c.set_watermarks(*marks)

@@ -72,7 +72,8 @@ class DeviceMemory:
         pinned = self.pinned_bytes()
         if pinned + need > self.high:
             raise BudgetError(f"{what} cannot fit: {pinned} bytes are pinned and the high "
-                              f"watermark is {self.high} bytes")
+                              f"watermark is {self.high} bytes (pins held by forwards, daemon.use, "
+                              f"pin() and control-plane leases: `prefetchd ctl list`, status()['pinned'])")
         return need
 
     # ------------------------------------------------------------------ reservations

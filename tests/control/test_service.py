@@ -505,6 +505,13 @@ def test_cli_status_ctl_keys(served, tmp_path, capsys):
     assert main(["ctl", *ep, "evict", "layer.0.weight"]) == 1          # pinned: refused
     assert "pinned" in capsys.readouterr().err
     assert main(["ctl", *ep, "unpin", lease]) == 0
+    capsys.readouterr()
+    # renew's new length (the CLI could not pass it: a second argument was taken for a lease id)
+    assert main(["ctl", *ep, "pin", "layer.0.weight"]) == 0
+    lease = json.loads(capsys.readouterr().out)["lease"]
+    assert main(["ctl", *ep, "renew", lease, "--lease", "0.3"]) == 0
+    assert json.loads(capsys.readouterr().out)["renewed"] == 1
+    assert wait_until(lambda: daemon.status()["pinned"] == 0, 5)       # not the default 30 s
     assert main(["ctl", *ep, "set-watermarks", "0.9", "0.6"]) == 0
     assert main(["ctl", *ep, "list", "layer.1*"]) == 0
     capsys.readouterr()
