@@ -380,3 +380,65 @@ def test_a_block_reclaimed_before_its_fence_waits_for_that_fence_when_dropped_ag
         c.s.memory.fence_if(lambda: True) # the whole-queue fence: now it may go
     assert not c.s.memory.unfenced and c.backend.used == 0
     assert bytes(a.host_block) == bytes([6]) * a.nbytes
+
+
+class _FenceWord:
+    """A compute marker (backend.marker) whose fence word the test advances: epoch e is
+    reached once compute ran past it. A reservation waiting on it just waits (the test's
+    next steps advance the word), as wake_at_fence lets the real scheduler wait."""
+
+    def __init__(self):
+        self.word = self.epoch = 0
+
+    def mark(self):
+        self.epoch += 1
+        return self.epoch
+
+    def reached(self, epoch):
+        return epoch <= self.word
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_pages_compute_read_never_leave_before_their_fence_under_random_steps(seed):
+    """A unit's compute reads its blocks (bind_for_compute: exposed), and its kernels may run
+    after the unpin until the fence marked behind them. Under random prefetches (evicting to
+    make room), reclaims, pins, unpins and evictions, no block is freed, parked or moved back
+    to the host before the fence of its last read (a reclaim once forgot the read: SIGSEGV)."""
+    rnd = random.Random(seed)
+    c = _lending_core(device=24 * KiB, host=48 * KiB, parks=rnd.random() < 0.5)
+    fence = c.backend.marker = _FenceWord()
+    c.backend.wake_at_fence = lambda epoch: True
+    recs = [_tensor(c, f"t{i}", fill=i + 1, nbytes=4 * KiB) for i in range(8)]
+    read = {}                     # id(block) -> the fence epoch behind compute's last read of it
+    early = []
+
+    def watch(method):
+        def checked(*args):
+            block = next(a for a in args if isinstance(a, bytearray) and hasattr(a, "capacity"))
+            if read.get(id(block), 0) > fence.word:
+                early.append((method.__name__, step))
+            return method(*args)
+        return checked
+    for name in ("free_device", "detach_lent", "park"):
+        setattr(c.backend, name, watch(getattr(c.backend, name)))
+    pinned = []
+    for step in range(600):
+        op = rnd.random()
+        if op < 0.45:
+            c.submit(Kind.PREFETCH, rnd.sample(recs, rnd.randint(1, 3)), priority=rnd.randint(0, 3))
+        elif op < 0.6 and len(pinned) < 2:
+            rec = rnd.choice(recs)
+            c.submit(Kind.PIN, [rec])
+            pinned.append(rec)
+        elif op < 0.8 and pinned:
+            rec = pinned.pop(rnd.randrange(len(pinned)))
+            if rec.pins and rec.state is State.RESIDENT:     # its unit computed (session.release)
+                rec.exposed, rec.compute_epoch = True, fence.mark()
+                read[id(rec.block)] = rec.compute_epoch
+            c.submit(Kind.UNPIN, [rec])
+        elif op < 0.85:
+            c.submit(Kind.EVICT, [rnd.choice(recs)])
+        elif op < 0.95:
+            fence.word = rnd.randint(fence.word, fence.epoch)   # compute runs on
+        c.step()
+        assert not early, (seed, early)
