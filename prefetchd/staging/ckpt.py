@@ -51,6 +51,10 @@ class MindSporeCheckpoint(CheckpointReader):
     def nbytes(self):
         return sum(e.nbytes for e in self._entries)
 
+    @property
+    def names(self):
+        return [e.name for e in self._entries]
+
     # ------------------------------------------------------------ structure
     def _read_structure(self):
         self._scan()

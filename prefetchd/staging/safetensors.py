@@ -29,6 +29,10 @@ class SafetensorsCheckpoint(CheckpointReader):
     def nbytes(self):
         return sum(end - start for _, _, _, start, end in self._entries)
 
+    @property
+    def names(self):
+        return [name for name, *_ in self._entries]
+
     def _read_structure(self):
         self._entries, self._expected_crc = self._scan()
 

@@ -130,7 +130,6 @@ class RankSlice:
         self.path, self.spec, self.rank, self.world_size = str(path), spec, rank, world_size
         self.tensors = getattr(self.reader, "tensors", None)
         self.nbytes = None                      # unknown until the spec meets the shapes
-        self.matched = set()                    # globs that matched some tensor
 
     def _axis(self, name):
         """The axis the spec cuts `name` along (None: replicated). Globs may overlap where
@@ -139,7 +138,6 @@ class RankSlice:
         found = None
         for glob, axis in self.spec:
             if fnmatch.fnmatchcase(name, glob):
-                self.matched.add(glob)
                 if found is not None and found[1] != axis:
                     raise StagingError(f"sharding spec: tensor {name!r} matches {found[0]!r} (axis {found[1]}) "
                                        f"and {glob!r} (axis {axis}); make the globs agree or not overlap")
@@ -171,6 +169,19 @@ class RankSlice:
         self.reader.close()
 
 
+def _check_globs_match(source, spec):
+    """Refuse a glob that matches no tensor of `source` from its structure, before any rank is
+    staged (found at the end, it came after rank 0's whole stage and progress line)."""
+    reader = iter_checkpoint(source)
+    try:
+        names = reader.names
+    finally:
+        reader.close()
+    for glob, _ in spec:
+        if not any(fnmatch.fnmatchcase(name, glob) for name in names):
+            raise StagingError(f"sharding spec {glob!r} matches no tensor of {source}")
+
+
 def stage_sharded(source, store_dir, *, spec=None, world_size=None, progress=False, config=None,
                   progress_stream=None):
     """Stage a sharded model into `store_dir` (rank_<N>/ stores) as one generation; a report dict.
@@ -198,7 +209,7 @@ def stage_sharded(source, store_dir, *, spec=None, world_size=None, progress=Fal
         spec = parse_spec(spec) if isinstance(spec, str) else spec
         if not isinstance(world_size, int) or world_size < 1:
             raise StagingError(f"splitting {source} needs the number of ranks (--ranks N, N >= 1)")
-        iter_checkpoint(source).close()
+        _check_globs_match(source, spec)
         sources = [lambda r=r: RankSlice(source, spec, r, world_size) for r in range(world_size)]
         files, described = [str(source)] * world_size, {glob: axis for glob, axis in spec}
     root, parent, base, work = store_place(store_dir)
@@ -242,11 +253,8 @@ def stage_sharded(source, store_dir, *, spec=None, world_size=None, progress=Fal
                     report = stage_into(rank_work, reader, config.replace(store_dir=rank_work),
                                          progress, None, progress_stream, generation=generation,
                                          source=files[rank], label=f"prefetchd stage rank {rank}")
-                    unmatched = [g for g, _ in spec if g not in reader.matched] if spec else []
                 finally:
                     reader.close()
-                if unmatched:
-                    raise StagingError(f"sharding spec {unmatched[0]!r} matches no tensor of {source}")
                 ranks[str(rank)] = {"checkpoint": files[rank], "tensors": report["tensors"],
                                     "bytes": report["bytes"]}
             _write_shards(work, {"format": SHARDS_FORMAT, "world_size": world_size, "generation": generation,

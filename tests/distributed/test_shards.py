@@ -155,6 +155,17 @@ def test_a_split_that_cannot_be_cut_stages_nothing(tmp_path):
     assert _snapshot(tmp_path / "store") == before
 
 
+def test_a_glob_that_matches_nothing_is_refused_before_any_rank_is_staged(tmp_path, monkeypatch):
+    # Found at the end of rank 0's stage, it came after rank 0 was staged whole (an outside probe).
+    from prefetchd.staging import shards
+    src = tmp_path / "whole.safetensors"
+    write_safetensors(src, WHOLE)
+    monkeypatch.setattr(shards, "stage_into", lambda *a, **k: pytest.fail("a rank was staged"))
+    with pytest.raises(StagingError, match=r"sharding spec '\*.typo' matches no tensor of"):
+        stage_sharded(str(src), str(tmp_path / "store"), spec=SPEC + ",*.typo=0", world_size=2)
+    assert not (tmp_path / "store").exists()
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--shard", "*.w=0"], "needs --ranks N"),
     (["--shard", "per-rank", "--ranks", "2"], "--ranks is for splitting"),
