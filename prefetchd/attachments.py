@@ -33,7 +33,7 @@ class Attachments:
             # A second server replacing the first left it answering after close(), with
             # its thread, descriptors and socket files: one endpoint per daemon.
             raise ConfigError(f"prefetchd {daemon.config.name}: already serving at "
-                                 f"{self.server.endpoint}; a daemon has one control endpoint")
+                              f"{self.server.endpoint}; a daemon has one control endpoint")
         self.server = Server(daemon, endpoint, **kwargs).start()
         return self.server
 

@@ -143,9 +143,10 @@ def rank_store(root, info):
     entries = _entries(root)
     if SHARDS_FILE in entries:
         try:
-            world = read_shards(root)["world_size"]
+            shards = read_shards(root)
         except StagingError as e:
             raise ConfigError(str(e)) from None
+        world = shards["world_size"]
         if world != info.world_size:
             raise ConfigError(f"store {root} was staged for {world} ranks, this job has {info.world_size} "
                               f"(stage it again with --ranks {info.world_size})")
@@ -157,7 +158,8 @@ def rank_store(root, info):
         if not os.path.exists(os.path.join(place, INDEX_FILE)):
             raise ConfigError(f"store {root} is staged for {world} ranks but {place} holds no {INDEX_FILE} "
                               f"(emptied?); stage it again with `prefetchd stage --shard`")
-        return _own_shard(place)
+        ranks = shards.get("ranks") if isinstance(shards.get("ranks"), dict) else {}
+        return _own_shard(place, (ranks.get(str(info.rank)) or {}).get("checkpoint"))
     if any(name == INDEX_FILE or name.endswith(STORE_SUFFIX) for name in entries):
         raise ConfigError(f"store {root} is a plain store (no {SHARDS_FILE}): a rank reads its shard from "
                           f"{root}/rank_N; stage the model with `prefetchd stage --shard`, or run it "
@@ -165,10 +167,13 @@ def rank_store(root, info):
     return _own_shard(place)
 
 
-def _own_shard(place):
+def _own_shard(place, sharded_from=None):
     """`place`, unless its index says it was staged from another rank's checkpoint (a plain
-    `prefetchd stage rank_1/net.ckpt --store STORE/rank_0`, before stage refused it)."""
-    why = rank_mismatch(str(read_index(place).get("checkpoint", "")), place)
+    `prefetchd stage rank_1/net.ckpt --store STORE/rank_0`, before stage refused it). What
+    `stage --shard` staged there (`sharded_from`, its record) is this rank's by construction,
+    wherever the file lies (one whole checkpoint split for every rank may sit in a rank_0/)."""
+    staged_from = str(read_index(place).get("checkpoint", ""))
+    why = None if staged_from == sharded_from else rank_mismatch(staged_from, place)
     if why is not None:
         raise ConfigError(f"store {place}: {why}; stage it again from rank_N/'s file")
     return place

@@ -270,3 +270,17 @@ def test_another_ranks_checkpoint_is_refused_by_stage_and_by_the_ranks_daemon(tm
                 str(ckpt / "rank_1" / "net.safetensors"))
     with pytest.raises(ConfigError, match=rf"store {root}/rank_0: .* is rank 1's checkpoint"):
         rank_config(Config.load(env={}, store_dir=str(root)), RankInfo(0, 2, 0, "argument"))
+
+
+def test_a_whole_checkpoint_split_from_a_rank_0_directory_opens_on_every_rank(tmp_path):
+    # MindSpore saves a single-device run's checkpoint under rank_0/: split for two ranks by
+    # `stage --shard`, rank 1's store records it as its source, and is rank 1's all the same.
+    from prefetchd.staging import stage_sharded
+    (tmp_path / "run" / "rank_0").mkdir(parents=True)
+    src = tmp_path / "run" / "rank_0" / "whole.safetensors"
+    write_safetensors(src, {"w": np.arange(8, dtype=np.float32).reshape(2, 4)})
+    root = tmp_path / "store"
+    stage_sharded(str(src), str(root), spec="w=0", world_size=2)
+    for r in (0, 1):
+        assert rank_config(Config.load(env={}, store_dir=str(root)),
+                           RankInfo(r, 2, r, "argument")).store_dir == str(root / f"rank_{r}")
