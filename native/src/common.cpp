@@ -34,8 +34,9 @@ std::string errno_name(int err) {
         E(EBUSY) E(EEXIST) E(ENODEV) E(ENOTDIR) E(EISDIR) E(EINVAL) E(ENFILE) E(EMFILE)
         E(EFBIG) E(ENOSPC) E(ESPIPE) E(EROFS) E(EPIPE) E(ERANGE) E(ENAMETOOLONG) E(ENOSYS)
         E(EDQUOT) E(EOVERFLOW) E(EINTR) E(ETIMEDOUT) E(ECANCELED) E(EOPNOTSUPP) E(ESTALE)
+        E(ELOOP) E(EXDEV) E(ENOTEMPTY) E(ENOLCK) E(ETXTBSY) E(EMLINK) E(ENOTCONN) E(EHOSTDOWN)
 #undef E
-        default: return "errno " + std::to_string(err);
+        default: return "errno " + std::to_string(err) + " (" + std::strerror(err) + ")";
     }
 }
 

@@ -1,6 +1,7 @@
 // FileStore transfers: chunked reads verified per extent as they land, and
 // crash-safe writes (tmp file, fsync, rename, then the older version's fate).
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -79,12 +80,23 @@ size_t FileStore::read(const std::string &key, MemRef dst, bool verify) {
         auto it = index_.find(key);
         if (it == index_.end()) not_found(key);
         e = it->second.current;
-        const int flags = O_RDONLY | O_CLOEXEC | O_NOFOLLOW | (direct_ ? O_DIRECT : 0);
+        // O_NONBLOCK: a FIFO put where the file was would block this open, under mu_, until a
+        // writer came (every caller asking about the store waited with it); it is refused
+        // below instead, as recovery quarantines one. (No effect on a regular file's reads.)
+        const int flags = O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | (direct_ ? O_DIRECT : 0);
         fd = spare_fds_->open([&] { return ::open(e->path.c_str(), flags); });
         if (fd < 0) {
             int err = errno;
             throw Error(ErrKind::IOFailure, "read failed: key '" + key + "': open: " + errno_name(err) + " (" + e->path + ")", err);
         }
+        struct stat st;
+        if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+            ::close(fd);
+            throw Error(ErrKind::IOFailure, "read failed: key '" + key + "': " + e->path +
+                                                " is no longer a regular file (replaced since the store opened it)", EIO);
+        }
+        // Blocking again: an io_uring read of an O_NONBLOCK file would fail with EAGAIN.
+        ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
     }
     struct FdCloser { int fd; ~FdCloser() { ::close(fd); } } closer{fd};
     if (dst.len < e->nbytes)

@@ -153,6 +153,40 @@ def test_fifo_symlink_and_directory_named_pfd_are_quarantined_without_blocking(t
         s.close()
 
 
+READ_REPLACED = textwrap.dedent("""
+    import os, sys
+    from prefetchd import _native as n
+    s = n.FileStore(sys.argv[1], direct=sys.argv[3] == "direct")   # (O_DIRECT refuses a FIFO: EINVAL)
+    s.write_sync("k", b"v" * 5000)
+    path = s.info("k")["path"]
+    os.unlink(path)
+    if sys.argv[2] == "fifo":
+        os.mkfifo(path)
+    else:
+        os.symlink(sys.argv[1] + "/elsewhere", path)
+    try:
+        s.read_sync("k", n.aligned_buffer(8192), True)
+    except n.NativeError as e:
+        print(type(e).__name__, e)
+    print(sorted(s.keys()), s.bytes_stored())    # the store answers others meanwhile
+    s.close()
+""")
+
+
+@pytest.mark.parametrize("kind, io, words", [("fifo", "buffered", "is no longer a regular file"),
+                                            ("fifo", "direct", "open: EINVAL"),
+                                            ("symlink", "buffered", "open: ELOOP")])
+def test_a_store_file_replaced_by_a_fifo_or_a_link_while_open_fails_the_read_at_once(tmp_path, kind, io, words):
+    # The read's open of a FIFO (under the store's lock) waited for a writer forever: the
+    # forward hung, and status(), asking the store its size, froze the process with it.
+    r = subprocess.run([sys.executable, "-c", READ_REPLACED, str(tmp_path / "s"), kind, io], capture_output=True,
+                       text=True, env=ENV, cwd=REPO, timeout=60)
+    assert r.returncode == 0, r.stderr
+    first, second = r.stdout.splitlines()
+    assert first.startswith("IOFailure") and words in first, first
+    assert second.startswith("['k']"), second
+
+
 @pytest.mark.parametrize("damage, reason", [
     ("newer_format", "format version 2 is newer than this build reads (1)"),
     ("extra_bytes", "size 12288 does not match its header (8192)"),
