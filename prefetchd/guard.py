@@ -59,7 +59,7 @@ _STORAGE_PROPERTIES = {"data": ".data (a second tensor over its memory)", "const
 _USE_HINT = ("outside an offloaded model's forward, use managed weights inside `with daemon.use([...])`, "
              "which keeps them resident until the block ends")
 _MISSED_READ_HINT = (
-    "the read is inside a cell's forward, where offload() did not see it: its planner follows "
+    "the read is inside the offloaded model's forward, where offload() did not see it: its planner follows "
     "a construct's attribute reads (self.blocks[3].w1, getattr; docs/offload.md, \"The plan\"), "
     "not reads through cells_and_names(), name_cells(), a module-level object or a weakref. Read "
     "the weight through its cell's attributes there, or leave the cell that owns it out of "
@@ -121,10 +121,10 @@ def refusal(target, what):
     message = f"refused {what}: {error}"
     if isinstance(error, (UseAfterFreeError, DaemonClosedError)):
         pass                                  # no daemon to ask: freed by ops.free(), or closed
-    elif _inside_a_forward():
+    elif _inside_an_offloaded_forward():
         # "use daemon.use outside a forward" misled here: the planner missed this read.
-        plain = NotResidentError(error.name, error.tier, error.state)
-        message = f"refused {what}: {plain}; {_MISSED_READ_HINT}"
+        message = (f"refused {what}: tensor {error.name!r} is not pinned for this read (state: "
+                   f"{error.state}); {_MISSED_READ_HINT}")
     elif "daemon.use" in message:
         message += f"; {_LOAD_HINT}"
     else:
@@ -132,13 +132,14 @@ def refusal(target, what):
     return type(error)(error.name, error.tier, error.state, message)
 
 
-def _inside_a_forward():
-    """Whether the calling thread is inside a Cell's call (a forward; refusals only)."""
-    from mindspore.nn import Cell as cell
-    codes = {cell.__call__.__code__, cell._run_construct.__code__}
+def _inside_an_offloaded_forward():
+    """Whether the calling thread is inside the call of an offloaded model (the cell
+    offload() marked; refusals only: it walks the stack)."""
+    from mindspore.nn import Cell
+    code = Cell.__call__.__code__
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code in codes:
+        if frame.f_code is code and "_prefetchd" in getattr(frame.f_locals.get("self"), "__dict__", {}):
             return True
         frame = frame.f_back
     return False

@@ -569,13 +569,24 @@ class M(nn.Cell):
             if name == "blocks.3":
                 x = x + ops.matmul(x, c.weight)
         return x
+class Metric(nn.Cell):                              # a cell of the user's, not offloaded
+    def __init__(self, w):
+        super().__init__()
+        self.w = w
+    def construct(self, x):
+        return ops.matmul(x, self.w)
 m = M()
+x = Tensor(np.ones((2, D), np.float32))
 with prefetchd.Daemon(device_budget="600KiB", store_dir=sys.argv[1]) as d:
     prefetchd.offload(m, d, lookahead=2)
     try:
-        m(Tensor(np.ones((2, D), np.float32)))
+        m(x)
     except prefetchd.NotResidentError as e:
         print("refused:", e)
+    try:
+        Metric(m.blocks[5].weight)(x)
+    except prefetchd.NotResidentError as e:
+        print("outside:", e)
 """
 
 
@@ -585,6 +596,9 @@ def test_a_read_the_planner_missed_inside_a_forward_is_refused_saying_so(tmp_pat
     run = run_script(MISSED_READ, tmp_path)
     assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-2000:])
     line = refusal(run)
-    assert line is not None and "tensor 'blocks.3.weight' is not resident" in line, run.stdout
-    assert "the read is inside a cell's forward, where offload() did not see it" in line, line
+    assert line is not None and "tensor 'blocks.3.weight' is not pinned for this read" in line, run.stdout
+    assert "the read is inside the offloaded model's forward, where offload() did not see it" in line, line
     assert "daemon.use" not in line and "outside an offloaded model's forward" not in line, line
+    # A cell of the user's reading a managed weight is outside the model: daemon.use is the remedy.
+    outside = next(l for l in run.stdout.splitlines() if l.startswith("outside: "))
+    assert "daemon.use([...])" in outside and "did not see it" not in outside, outside
