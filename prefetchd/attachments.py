@@ -29,9 +29,10 @@ class Attachments:
 
     def serve(self, daemon, endpoint, **kwargs):
         from .control.server import Server
-        if self.server is not None:
+        if self.server is not None and not self.server.closed:
             # A second server replacing the first left it answering after close(), with
-            # its thread, descriptors and socket files: one endpoint per daemon.
+            # its thread, descriptors and socket files: one endpoint per daemon (a closed
+            # one may be replaced).
             raise ConfigError(f"prefetchd {daemon.config.name}: already serving at "
                               f"{self.server.endpoint}; a daemon has one control endpoint")
         self.server = Server(daemon, endpoint, **kwargs).start()

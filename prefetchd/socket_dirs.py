@@ -63,8 +63,9 @@ def refuse_non_socket(path, what):
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(st.st_mode):
-        raise ConfigError(f"{what} {path}: a file that is not a socket is there, and binding would "
-                          f"delete it; choose another path, or remove the file")
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a file that is not a socket"
+        raise ConfigError(f"{what} {path}: {kind} is there, and binding would delete it; choose "
+                          f"another path, or remove it")
 
 
 def listener_at(path, kind=socket.SOCK_STREAM):

@@ -388,6 +388,10 @@ def test_a_second_serve_of_one_daemon_is_refused_and_close_stops_the_first(tmp_p
     with pytest.raises(ConfigError, match="already serving at " + first.endpoint):
         d.serve(second_endpoint)
     assert not os.path.exists(second_endpoint[len("ipc://"):])
+    first.close(2)                                    # a closed one may be replaced
+    first = d.serve(second_endpoint)
+    with Client(first.endpoint) as c:
+        assert c.ping()["pong"]
     d.close(5)
     assert first.closed and not server_threads()
     assert not os.path.exists(first.endpoint[len("ipc://"):])
