@@ -54,6 +54,10 @@ def _too_open(path, mask):
     st = os.stat(path)
     if st.st_uid not in (os.getuid(), 0):
         return f"belongs to uid {st.st_uid}, not to us ({os.getuid()})"
+    if os.statvfs(path).f_flag & os.ST_RDONLY:
+        mask &= ~0o222          # nobody writes on a read-only mount (a Kubernetes Secret volume)
+    if st.st_uid == 0 and os.getuid() != 0:
+        mask &= ~0o040          # root's file its group reads: a Secret volume with fsGroup (0440 root:GID)
     if stat.S_IMODE(st.st_mode) & mask:
         return f"has mode {stat.S_IMODE(st.st_mode):o}"
     return None
@@ -196,19 +200,19 @@ def create_keys(directory, clients=("client",)):
     os.chmod(directory, 0o700)
     authorized = os.path.join(directory, AUTHORIZED_DIR)
     os.makedirs(authorized, mode=0o700, exist_ok=True)
+    os.chmod(authorized, 0o700)                # (made again over a loose one: the server refuses it)
     old = os.umask(0o077)
     try:
-        made = []
         if not os.path.exists(os.path.join(directory, SERVER_SECRET)):
-            made += zmq.auth.create_certificates(directory, "server")
+            zmq.auth.create_certificates(directory, "server")
         for client in clients:
             if not os.path.exists(os.path.join(directory, f"{client}.key_secret")):
-                made += zmq.auth.create_certificates(directory, client)
+                zmq.auth.create_certificates(directory, client)
             shutil.copyfile(os.path.join(directory, f"{client}.key"),
                             os.path.join(authorized, f"{client}.key"))
     finally:
         os.umask(old)
-    for path in made:
-        if path.endswith("_secret"):
-            os.chmod(path, 0o600)
+    for name in os.listdir(directory):         # also secrets it did not make (loosened since)
+        if name.endswith(".key_secret"):
+            os.chmod(os.path.join(directory, name), 0o600)
     return directory

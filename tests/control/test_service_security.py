@@ -3,6 +3,7 @@ default, CURVE for tcp (unauthenticated peers get no service), key files that
 only their owner can read, and a refusal to use a directory someone else owns.
 """
 import os
+import sys
 import secrets
 import stat
 
@@ -138,6 +139,42 @@ def test_a_keys_directory_others_could_change_is_refused(daemon, tmp_path, loose
     os.chmod(path, chmod)
     with pytest.raises(ConfigError, match=f"{path} has mode {chmod:o}: another local user could"):
         Server(daemon, "tcp://127.0.0.1:0", curve_keys_dir=keys)
+    create_keys(keys)                     # the remedy the refusal names
+    Server(daemon, "tcp://127.0.0.1:0", curve_keys_dir=keys).start().close(2)
+
+
+def test_a_kubernetes_secret_volume_with_fs_group_is_accepted(daemon, tmp_path):
+    """kubelet mounts a Secret read-only, files root-owned and, with fsGroup, 0440 root:GID
+    (defaultMode 0400 becomes 0440): deploy/kubernetes runs as a non-root user with fsGroup.
+    A read-only mount cannot be written, and root's file its group reads is the pod's."""
+    import subprocess
+    import pathlib
+    import tempfile
+    keys = create_keys(str(tmp_path / "made"))
+    mount = pathlib.Path(tempfile.mkdtemp(prefix="pfd-secret-"))   # (tmp_path is root's, 0700)
+    os.chmod(mount, 0o755)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=1777", "tmpfs", str(mount)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        os.rmdir(mount)
+        pytest.skip(f"cannot mount tmpfs here: {mounted.stderr.strip()}")
+    try:
+        os.makedirs(mount / AUTHORIZED_DIR)
+        for name in ("server.key", "server.key_secret", os.path.join(AUTHORIZED_DIR, "client.key")):
+            with open(os.path.join(keys, name), "rb") as f, open(mount / name, "wb") as g:
+                g.write(f.read())
+            os.chown(mount / name, 0, 10001)
+            os.chmod(mount / name, 0o440)
+        os.chmod(mount / AUTHORIZED_DIR, 0o755)
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        probe = (f"import os; from prefetchd.control.keys import check_server_keys; "
+                 f"os.setgid(10001); os.setuid(10001); check_server_keys({str(mount)!r}); "
+                 f"open({str(mount / 'server.key_secret')!r}).read(); print('accepted')")
+        run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+        assert run.stdout.strip() == "accepted", run.stderr[-2000:]
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+        os.rmdir(mount)
 
 
 def test_authorized_keys_others_could_write_admit_nobody(tmp_path, caplog):
