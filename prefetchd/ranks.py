@@ -172,8 +172,10 @@ def _own_shard(place, sharded_from=None):
     `prefetchd stage rank_1/net.ckpt --store STORE/rank_0`, before stage refused it). What
     `stage --shard` staged there (`sharded_from`, its record) is this rank's by construction,
     wherever the file lies (one whole checkpoint split for every rank may sit in a rank_0/)."""
-    staged_from = str(read_index(place).get("checkpoint", ""))
-    why = None if staged_from == sharded_from else rank_mismatch(staged_from, place)
+    index = read_index(place)
+    staged_from = str(index.get("checkpoint", ""))
+    trusted = staged_from == sharded_from or index.get("any_rank") is True
+    why = None if trusted else rank_mismatch(staged_from, place)
     if why is not None:
         raise ConfigError(f"store {place}: {why}; stage it again from rank_N/'s file")
     return place

@@ -52,6 +52,9 @@ def register(sub):
                         "or GLOB=AXIS[,GLOB=AXIS...] / a JSON file {GLOB: AXIS} splitting CHECKPOINT "
                         "into --ranks slices (unmatched tensors are replicated)")
     p.add_argument("--ranks", type=positive_int, help="with --shard SPEC: the number of ranks")
+    p.add_argument("--any-rank", action="store_true",
+                   help="the checkpoint is every rank's (data parallel): stage it into STORE/rank_N "
+                        "whatever rank_M/ directory it lies in")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=cmd_stage)
@@ -159,6 +162,8 @@ def cmd_demo(args):
 def cmd_stage(args):
     from ..staging import PER_RANK, stage_checkpoint, stage_sharded
     if args.shard is not None:
+        if args.any_rank:
+            raise UsageError("stage: --any-rank is for one checkpoint staged into STORE/rank_N, not --shard")
         if args.shard == PER_RANK and args.ranks is not None:
             raise UsageError("stage: --ranks is for splitting one checkpoint by a spec; per-rank "
                              "checkpoints give their own number of ranks")
@@ -176,7 +181,7 @@ def cmd_stage(args):
                           f"file (.ckpt or .safetensors)")
     # Staging picks the progress style itself: a \r line on a terminal, whole lines
     # every few seconds in a log file or pipe.
-    report = stage_checkpoint(args.checkpoint, args.store, progress=not args.quiet)
+    report = stage_checkpoint(args.checkpoint, args.store, progress=not args.quiet, any_rank=args.any_rank)
     emit(report, args.json)
 
 

@@ -72,13 +72,16 @@ def rank_mismatch(checkpoint, store_dir):
             f"rank's shard")
 
 
-def write_index(directory, index, generation=None, source=None):
-    """Atomically replace `directory`'s index: {"format", "tensors": {name: {shape, dtype, nbytes}}}."""
+def write_index(directory, index, generation=None, source=None, any_rank=False):
+    """Atomically replace `directory`'s index: {"format", "tensors": {name: {shape, dtype, nbytes}}};
+    `any_rank`: the source is every rank's (staged with --any-rank), whatever rank it names."""
     doc = {"format": INDEX_FORMAT, "tensors": index}
     if generation is not None:
         doc["generation"] = generation
     if source is not None:
         doc["checkpoint"] = source
+    if any_rank:
+        doc["any_rank"] = True
     tmp = os.path.join(directory, INDEX_FILE + ".tmp")
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)
@@ -99,7 +102,7 @@ def read_index(directory):
 
 
 def stage_checkpoint(path, store_dir, progress=False, *, config=None, progress_interval=None,
-                     progress_stream=None):
+                     progress_stream=None, any_rank=False):
     """Import a .ckpt or .safetensors file into the store at `store_dir`, as one new generation.
 
     progress: False, or True for progress lines on `progress_stream` (stderr):
@@ -112,9 +115,11 @@ def stage_checkpoint(path, store_dir, progress=False, *, config=None, progress_i
     """
     from ..config import Config
     started = time.monotonic()
-    mismatch = rank_mismatch(os.path.abspath(path), store_dir)
+    mismatch = None if any_rank else (rank_mismatch(os.path.abspath(path), store_dir)
+                                      or rank_mismatch(os.path.realpath(path), store_dir))
     if mismatch is not None:
-        raise StagingError(f"{mismatch}; stage rank_N/'s file into STORE/rank_N")
+        raise StagingError(f"{mismatch}; stage rank_N/'s file into STORE/rank_N, or, where every rank "
+                           f"holds the same weights (data parallel), pass --any-rank")
     checkpoint = iter_checkpoint(path)                 # structure checked before the store is touched
     try:
         store_dir, parent, base, work = store_place(store_dir)
@@ -126,7 +131,8 @@ def stage_checkpoint(path, store_dir, progress=False, *, config=None, progress_i
                 previous = link_current(store_dir, work)
                 config = (config or Config.load()).replace(store_dir=work)
                 report = stage_into(work, checkpoint, config, progress, progress_interval, progress_stream,
-                                     generation=previous.get("generation", 0) + 1, source=str(path))
+                                     generation=previous.get("generation", 0) + 1, source=str(path),
+                                     any_rank=any_rank)
                 swap_in(work, store_dir, parent, base)
                 swapped = True
             finally:
@@ -158,7 +164,7 @@ def store_place(store_dir):
 
 
 def stage_into(work, checkpoint, config, progress, interval, stream, generation, source,
-                label="prefetchd stage"):
+               label="prefetchd stage", any_rank=False):
     store = open_store(config)
     try:
         if progress:
@@ -188,7 +194,7 @@ def stage_into(work, checkpoint, config, progress, interval, stream, generation,
             index[key] = {"shape": list(shape), "dtype": dtype, "nbytes": info["nbytes"]}
     finally:
         store.close()
-    write_index(work, index, generation=generation, source=source)
+    write_index(work, index, generation=generation, source=source, any_rank=any_rank)
     return {"tensors": len(staged), "bytes": sum(t["nbytes"] for t in staged.values()),
             "generation": generation, "store_tensors": len(index)}
 

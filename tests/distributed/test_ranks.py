@@ -270,6 +270,16 @@ def test_another_ranks_checkpoint_is_refused_by_stage_and_by_the_ranks_daemon(tm
                 str(ckpt / "rank_1" / "net.safetensors"))
     with pytest.raises(ConfigError, match=rf"store {root}/rank_0: .* is rank 1's checkpoint"):
         rank_config(Config.load(env={}, store_dir=str(root)), RankInfo(0, 2, 0, "argument"))
+    # A link to another rank's file is that file.
+    (tmp_path / "latest.safetensors").symlink_to(ckpt / "rank_1" / "net.safetensors")
+    with pytest.raises(StagingError, match="is rank 1's checkpoint"):
+        stage_checkpoint(str(tmp_path / "latest.safetensors"), str(root / "rank_0"))
+    # Data parallel: every rank holds the same weights, and --any-rank says so (kept in the index).
+    replicas = tmp_path / "replicas"
+    for r in (0, 1):
+        stage_checkpoint(str(ckpt / "rank_0" / "net.safetensors"), str(replicas / f"rank_{r}"), any_rank=True)
+        assert rank_config(Config.load(env={}, store_dir=str(replicas)),
+                           RankInfo(r, 2, r, "argument")).store_dir == str(replicas / f"rank_{r}")
 
 
 def test_a_whole_checkpoint_split_from_a_rank_0_directory_opens_on_every_rank(tmp_path):

@@ -170,6 +170,7 @@ def test_a_glob_that_matches_nothing_is_refused_before_any_rank_is_staged(tmp_pa
     (["--shard", "*.w=0"], "needs --ranks N"),
     (["--shard", "per-rank", "--ranks", "2"], "--ranks is for splitting"),
     (["--ranks", "2"], "--ranks needs --shard"),
+    (["--shard", "per-rank", "--any-rank"], "--any-rank is for one checkpoint"),
     (["--shard", "*.w=x", "--ranks", "2"], "axis 'x' is not an integer"),
     (["--shard", "*.w", "--ranks", "2"], "expected GLOB=AXIS"),
     (["--shard", "*.wq.weight=5", "--ranks", "2"], "has no axis 5"),
