@@ -40,7 +40,7 @@ import numpy as np
 
 from .. import _native, guard
 from ..backend import framework
-from ..errors import BudgetError, NotResidentError, PrefetchdError, StorageError, UseAfterFreeError
+from ..errors import BudgetError, IntegrityError, NotResidentError, PrefetchdError, StorageError, UseAfterFreeError
 from .runtime import SCRATCH_PREFIX, Entry, Runtime, bound_view, forget, held, remove_quietly
 
 __all__ = ["copy_to_device", "copy_to_host", "free", "set_data", "update_to_device",
@@ -290,8 +290,10 @@ def update_to_device(x, sync=False):
         rt.store.read_sync(e.remote_key, block, True)
     except (_native.NativeError, ValueError) as err:
         block.release()
-        raise StorageError(f"update_to_device({e.label!r}) failed, {x.dtype} {tuple(x.shape)} left as it "
-                           f"was: {err}") from err
+        # A checksum mismatch is an IntegrityError here as from the daemon's loads.
+        kind = IntegrityError if isinstance(err, _native.ChecksumMismatch) else StorageError
+        raise kind(f"update_to_device({e.label!r}) failed, {x.dtype} {tuple(x.shape)} left as it "
+                   f"was: {err}") from err
     if _refill_in_place(x, e, block, shape, dtype):
         block.release()
         return x

@@ -7,7 +7,7 @@ import pytest
 
 import prefetchd
 from prefetchd import ops
-from prefetchd.errors import NotResidentError, StorageError, UseAfterFreeError
+from prefetchd.errors import IntegrityError, NotResidentError, StorageError, UseAfterFreeError
 
 from .conftest import tensor
 
@@ -239,7 +239,7 @@ def test_corrupted_remote_file_is_detected_on_read(ms):
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0x40]))
-    with pytest.raises(StorageError, match="(?i)checksum"):
+    with pytest.raises(IntegrityError, match="(?i)checksum"):   # as the daemon's loads say it
         ops.update_to_device(x)
     assert prefetchd.tier(x) == ("remote",)           # still detached, nothing half-loaded
 
