@@ -17,8 +17,15 @@ HalfLoad) until a load that writes every parameter left out completes.
 """
 import numpy as np
 
-from ..errors import PrefetchdError
+from ..errors import IntegrityError, PrefetchdError
 from ..guard import is_managed
+
+
+# A weight is written in place, so its stored value is read first: a damaged one (an
+# IntegrityError) fails every load again, and only a new store helps.
+DAMAGED = ("a weight's stored value is damaged and a load writes over it in place, so no load can pass "
+           "it: close the daemon, stage the checkpoint again (`prefetchd stage CKPT --store DIR`) and "
+           "offload with checkpoint=True")
 
 
 def load_param_into_net(net, parameter_dict, strict_load=False):
@@ -65,6 +72,8 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
                     param.set_data(ms.Tensor(np.require(array, requirements="C")))
                     written.append(param.name)
         except BaseException as e:
+            if isinstance(e, IntegrityError) and not writing:
+                e.add_note(f"prefetchd: nothing was loaded; {DAMAGED}")
             if writing or handle.half_loaded:     # (writing: set before any write, so also after one)
                 earlier = handle.half_loaded
                 handle.half_loaded = HalfLoad(handle, net, written, [p.name for p, _ in todo[len(written):]],
@@ -89,11 +98,12 @@ class HalfLoad:
     def __init__(self, handle, net, written, left, error, earlier=None):
         self.pending = set(left) | (earlier.pending - set(written) if earlier else set())
         cause = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        remedy = DAMAGED if isinstance(error, IntegrityError) else "run the same load again once its cause is fixed"
         self.message = (f"prefetchd: a load_param_into_net into this {type(net).__name__} stopped after "
                         f"{len(written)} of {len(written) + len(left)} parameters ({cause[:300]}), so the "
                         f"model holds old values beside new ones: it refuses to run until a "
                         f"load_param_into_net that writes the {_names(sorted(self.pending))} parameters not "
-                        f"loaded completes (run the same load again once its cause is fixed)")
+                        f"loaded completes ({remedy})")
         self._handle = handle
         self._hooks = [cell.register_forward_pre_hook(self._refuse, prepend=True)    # before its pins
                        for _, cell in net.cells_and_names() if cell is not net]

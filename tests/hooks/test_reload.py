@@ -369,3 +369,22 @@ def test_a_ctrl_c_right_after_the_first_write_still_refuses_the_forwards(ms, set
         model(x)
     prefetchd.load_param_into_net(model, ms.load_checkpoint(path))
     np.testing.assert_array_equal(model(x).asnumpy(), want)
+
+
+def test_a_load_over_a_damaged_stored_value_says_that_no_load_can_pass_it(ms, make_daemon, tmp_path, native_faults):
+    """A weight is written in place, so its stored value is read first: one that fails its
+    checksum fails every load again. The refusal told the user to run the load again."""
+    x = ms.Tensor(np.random.default_rng(1).standard_normal((4, 128), dtype=np.float32))
+    path = str(tmp_path / "new.ckpt")
+    ms.save_checkpoint(_seeded(ms, 7), path)
+    model = _seeded(ms, 0)
+    daemon = make_daemon(device_budget=4 * UNIT_BLOCKS, host_budget=0)    # every load reads the disk
+    prefetchd.offload(model, daemon, lookahead=1)
+    model(x)
+    damaged = next(p.name for p in model.get_parameters() if p.name.startswith("blocks.0."))
+    daemon.evict([damaged]).result(10)
+    native_faults.inject_fault("read", "bitflip", nth=1, count=100000, key_contains=damaged)
+    with pytest.raises(prefetchd.errors.IntegrityError) as failed:
+        prefetchd.load_param_into_net(model, ms.load_checkpoint(path))
+    note = " ".join(getattr(failed.value, "__notes__", []))
+    assert "stored value is damaged" in note and "stage the checkpoint again" in note, note
