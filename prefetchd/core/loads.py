@@ -169,14 +169,8 @@ class Loads:
     def reclaim(self, rec):
         """An ABSENT tensor whose pages still sit at its home, waiting for a compute
         fence before they leave, is resident again at no cost. True if so."""
-        if rec.state is not State.ABSENT or rec.home is None:
+        if rec.state is not State.ABSENT or rec.home is None or not self._memory.reclaim(rec):
             return False
-        taken = self._memory.reclaim(rec.home)
-        if taken is None:
-            return False
-        # Compute may still read it: its next drop waits for the same fence again.
-        rec.block, rec.compute_epoch = taken
-        rec.exposed = True
         self._stats.reclaims += 1
         self.arrived(rec)
         return True

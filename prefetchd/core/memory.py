@@ -112,14 +112,16 @@ class DeviceMemory:
         else:
             self._free(block, rec)
 
-    def reclaim(self, home):
-        """(block, epoch) of the block whose pages still sit at `home` waiting for the
-        compute fence `epoch` (None: a whole-queue fence), taken back; or None."""
-        for i, (block, epoch, rec) in enumerate(self.unfenced):
-            if rec.home is home:
+    def reclaim(self, rec):
+        """Give `rec` back the block whose pages still sit at its home waiting for a compute
+        fence; True if there was one. Compute may still read it, so it stays exposed with
+        that fence's epoch: its next drop waits for the same fence again."""
+        for i, (block, epoch, dropped) in enumerate(self.unfenced):
+            if dropped.home is rec.home:
                 del self.unfenced[i]
-                return block, epoch
-        return None
+                rec.block, rec.compute_epoch, rec.exposed = block, epoch, True
+                return True
+        return False
 
     def _free(self, block, rec):
         home = rec.home

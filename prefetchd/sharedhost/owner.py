@@ -28,7 +28,6 @@ import socket
 import struct
 import threading
 
-from ..backend.base import SHARDS_FILE
 from ..errors import ConfigError
 from ..socket_dirs import listener_at, private_socket_dir, refuse_non_socket
 from . import policy, wire
@@ -50,6 +49,10 @@ class _Conn:
         self.leases = collections.Counter()      # (key, version) -> leases held
         self.trace = None
         self.hits = self.fills = self.refused = 0
+
+
+# backend.base.SHARDS_FILE: backend imports this package, so not from there (a test holds them equal).
+SHARDS_FILE = "prefetchd-shards.json"
 
 
 def _served_store(store_dir):

@@ -378,6 +378,8 @@ def test_an_owner_refuses_a_store_it_could_serve_nothing_from(tmp_path, src):
     nothing; on a sharded store's root its lock file made the next `stage --shard` fail."""
     from prefetchd.backend.base import SHARDS_FILE
     from prefetchd.errors import ConfigError
+    from prefetchd.sharedhost import owner
+    assert owner.SHARDS_FILE == SHARDS_FILE          # its own copy (backend imports sharedhost)
     sock = str(tmp_path / "run" / "h.sock")
     missing = tmp_path / "typo-store"
     with pytest.raises(ConfigError, match=f"{missing}: no such directory"):
