@@ -379,11 +379,11 @@ def test_a_load_over_a_damaged_stored_value_says_that_no_load_can_pass_it(ms, ma
     ms.save_checkpoint(_seeded(ms, 7), path)
     model = _seeded(ms, 0)
     daemon = make_daemon(device_budget=4 * UNIT_BLOCKS, host_budget=0)    # every load reads the disk
-    prefetchd.offload(model, daemon, lookahead=1)
-    model(x)
+    prefetchd.offload(model, daemon, lookahead=0)       # no prefetch to bring it back meanwhile
+    model(x).asnumpy()            # compute done: the evict frees the block (else a load reclaims it)
     damaged = next(p.name for p in model.get_parameters() if p.name.startswith("blocks.0."))
-    daemon.evict([damaged]).result(10)
     native_faults.inject_fault("read", "bitflip", nth=1, count=100000, key_contains=damaged)
+    daemon.evict([damaged]).result(10)
     with pytest.raises(prefetchd.errors.IntegrityError) as failed:
         prefetchd.load_param_into_net(model, ms.load_checkpoint(path))
     note = " ".join(getattr(failed.value, "__notes__", []))
