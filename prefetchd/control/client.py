@@ -155,7 +155,7 @@ class Client:
     def _silence_hint(self, body_bytes):
         """What else than a slow daemon a request with no reply can mean."""
         hints = []
-        if body_bytes > 4 * P.DEFAULT_MAX_MESSAGE_SIZE:
+        if body_bytes > P.dropped_above(P.DEFAULT_MAX_MESSAGE_SIZE):
             hints.append(f"the request was {body_bytes} bytes, and a server drops one over 4x its "
                          f"max_message_size (default {P.DEFAULT_MAX_MESSAGE_SIZE} bytes) unanswered: "
                          f"name fewer tensors, or a pattern")

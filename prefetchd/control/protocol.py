@@ -53,6 +53,13 @@ class ProtocolError(Exception):
         self.code, self.reason, self.rid = code, reason, rid
 
 
+def dropped_above(max_message_size):
+    """A server router's maxmsgsize: libzmq drops a larger frame (and its connection) before
+    the server sees it, unanswered; a body up to it is read, so one over max_message_size
+    is answered TOO_LARGE."""
+    return 4 * max_message_size + 64
+
+
 def new_rid(counter):
     """An 8-byte request id: 4 bytes of pid (tells processes apart), 4 of a counter."""
     return struct.pack(">II", os.getpid() & 0xFFFFFFFF, counter & 0xFFFFFFFF)

@@ -171,7 +171,7 @@ class Server(RouterEndpoint):
             self._auth, curve, self._authorized = keys.start_authenticator(ctx, self.curve_keys_dir)
         self._router = self._make_socket(ctx, zmq.ROUTER, hwm=self.hwm, curve=curve)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._router.maxmsgsize = 4 * self.max_message_size + 64
+        self._router.maxmsgsize = P.dropped_above(self.max_message_size)
         self.connections.watch(self._router, curve is not None)   # before bind: no connection goes unseen
         self._bind(self._router, self.endpoint)
         self.endpoint = self._router.last_endpoint.decode()

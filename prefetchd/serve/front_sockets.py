@@ -274,7 +274,7 @@ class FrontSockets(RouterEndpoint):
         self._router = self._make_socket(ctx, zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Per frame: a body within max_message_size, a tensor within max_tensor_bytes.
-        self._router.maxmsgsize = max(4 * self.max_message_size, self.spec.max_tensor_bytes) + 64
+        self._router.maxmsgsize = max(P.dropped_above(self.max_message_size), self.spec.max_tensor_bytes + 64)
         self.connections.watch(self._router)          # before bind: no connection goes unseen
         self._bind(self._router, self.endpoint)
         self.endpoint = self._router.last_endpoint.decode()
