@@ -158,8 +158,9 @@ def rank_store(root, info):
         if not os.path.exists(os.path.join(place, INDEX_FILE)):
             raise ConfigError(f"store {root} is staged for {world} ranks but {place} holds no {INDEX_FILE} "
                               f"(emptied?); stage it again with `prefetchd stage --shard`")
-        ranks = shards.get("ranks") if isinstance(shards.get("ranks"), dict) else {}
-        return _own_shard(place, (ranks.get(str(info.rank)) or {}).get("checkpoint"))
+        ranks = shards.get("ranks")
+        entry = ranks.get(str(info.rank)) if isinstance(ranks, dict) else None   # (a hand-edited document)
+        return _own_shard(place, entry.get("checkpoint") if isinstance(entry, dict) else None)
     if any(name == INDEX_FILE or name.endswith(STORE_SUFFIX) for name in entries):
         raise ConfigError(f"store {root} is a plain store (no {SHARDS_FILE}): a rank reads its shard from "
                           f"{root}/rank_N; stage the model with `prefetchd stage --shard`, or run it "

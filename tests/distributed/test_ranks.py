@@ -294,3 +294,8 @@ def test_a_whole_checkpoint_split_from_a_rank_0_directory_opens_on_every_rank(tm
     for r in (0, 1):
         assert rank_config(Config.load(env={}, store_dir=str(root)),
                            RankInfo(r, 2, r, "argument")).store_dir == str(root / f"rank_{r}")
+    # A shards document whose rank entries are not objects (edited by hand) is read, not a crash.
+    doc = json.load(open(root / "prefetchd-shards.json"))
+    json.dump({**doc, "ranks": {"0": None, "1": "x"}}, open(root / "prefetchd-shards.json", "w"))
+    with pytest.raises(ConfigError, match=r"rank_0/whole.safetensors is rank 0's checkpoint"):
+        rank_config(Config.load(env={}, store_dir=str(root)), RankInfo(1, 2, 1, "argument"))
