@@ -149,15 +149,12 @@ def daemon_name(text):
 
 
 def writable_file(text):
-    """A file this process can create or replace: its directory exists and is writable."""
-    path = os.path.abspath(os.path.expanduser(text))
-    if not text or os.path.isdir(path):
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
-    directory = os.path.dirname(path)
-    if not os.path.isdir(directory):
-        raise argparse.ArgumentTypeError(f"{text!r}: directory {directory} does not exist")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text!r}: directory {directory} is not writable")
+    """A file this process can create or replace: a regular file or a new one, in a writable
+    directory (never a device, FIFO or directory, which writing would replace)."""
+    from ..telemetry.output_files import output_file_problem
+    problem = output_file_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
     return text
 
 

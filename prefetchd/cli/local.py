@@ -120,6 +120,9 @@ def cmd_config(args):
             options = resolve(SimpleNamespace(config=config), config.endpoint)
             for address in (options.endpoint, options.events_endpoint):
                 check_bind_dir(address)
+        if config.trace is not None:           # what Daemon() would refuse: a trace it cannot write
+            from ..telemetry.timeline import Timeline
+            Timeline.from_config(config.trace)
         if config.backend == "cpu":            # what its backend would refuse: budgets over RAM
             from ..limits import check_budgets
             check_budgets(config.device_budget, config.host_budget)

@@ -26,11 +26,15 @@ named thread per track (`TRACKS`), "X" spans, "i" instants, "C" counters,
 bytes and tensor/unit names in `args`.
 """
 import collections
+import contextlib
 import json
 import os
 import queue
 import threading
 import time
+
+from ..errors import ConfigError
+from .output_files import output_file_problem, writable_output
 
 __all__ = ["Timeline", "NullTimeline", "TRACKS", "KIND_TRACKS"]
 
@@ -127,6 +131,9 @@ class Timeline(NullTimeline):
             return cls(None, **kwargs)
         if not isinstance(trace, (str, os.PathLike)):
             raise TypeError(f"trace: expected a file path, True or a Timeline, got {type(trace).__name__}")
+        problem = output_file_problem(trace)     # refused now, not at close() after the whole run
+        if problem is not None:
+            raise ConfigError(f"trace: {problem}")
         return cls(trace, **kwargs)
 
     # ------------------------------------------------------------ raw events
@@ -284,15 +291,22 @@ class Timeline(NullTimeline):
                               "events_dropped": self.dropped, "tracks": list(TRACKS)}}
 
     def write(self, path=None):
-        """Write the trace to `path` (default: self.path) atomically; returns the path."""
+        """Write the trace to `path` (default: self.path) atomically; returns the path.
+        ValueError if `path` is no regular file or new one in a writable directory."""
         path = os.fspath(path or self.path or "")
         if not path:
             raise ValueError("Timeline.write: no path given and the timeline has none")
+        target = writable_output(path)      # (never renamed over a device, FIFO or directory)
         doc = self.to_json()
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
-        os.replace(tmp, path)
+        tmp = f"{target}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(doc, f, separators=(",", ":"))
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         if path == self.path:
             self._written = True
         return path

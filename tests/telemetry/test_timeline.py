@@ -136,6 +136,59 @@ def test_from_config_takes_a_path_the_env_true_or_a_timeline(tmp_path, monkeypat
     assert not Timeline.from_config(False).enabled
 
 
+def _special_files(tmp_path):
+    """A FIFO, a character device (a private /dev/null: major 1, minor 3), a socket and a
+    directory: what a trace path must never replace."""
+    import os
+    import socket
+    import stat
+    os.mkfifo(tmp_path / "fifo")
+    os.mknod(tmp_path / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(tmp_path / "sock"))
+    (tmp_path / "dir").mkdir()
+    os.symlink(tmp_path / "null", tmp_path / "link-to-null")
+    return listener, ["fifo", "null", "sock", "dir", "link-to-null"]
+
+
+@pytest.mark.skipif(sys.platform != "linux" or __import__("os").geteuid() != 0, reason="mknod needs root")
+def test_a_trace_path_that_is_no_regular_file_is_refused_before_the_run_and_left_as_it_was(tmp_path,
+                                                                                            monkeypatch):
+    import os
+    import stat
+
+    import prefetchd
+    from prefetchd.errors import ConfigError
+    listener, names = _special_files(tmp_path)
+    modes = {n: os.lstat(tmp_path / n).st_mode for n in names}
+    with listener:
+        for name in names:
+            with pytest.raises(ConfigError, match=r"^trace: .* is a .*not a regular file"):
+                Timeline.from_config(tmp_path / name)
+            monkeypatch.setenv(tlm.ENV_VAR, str(tmp_path / name))      # as PREFETCHD_TRACE=...
+            with pytest.raises(ConfigError, match="not a regular file"):
+                prefetchd.Daemon(device_budget="1MiB", store_dir=str(tmp_path / "store"))
+            monkeypatch.delenv(tlm.ENV_VAR)
+            tl = Timeline(None)
+            with pytest.raises(ValueError, match="not a regular file"):
+                tl.write(tmp_path / name)             # a path changed after the check: still refused
+        with pytest.raises(ConfigError, match="directory .* does not exist"):
+            Timeline.from_config(tmp_path / "missing" / "t.json")
+    assert {n: os.lstat(tmp_path / n).st_mode for n in names} == modes
+    assert stat.S_ISCHR(os.stat(tmp_path / "null").st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)    # no PATH.tmpPID left
+
+
+def test_a_trace_path_through_a_symlink_writes_the_file_it_names(tmp_path):
+    import os
+    (tmp_path / "real.json").write_text("old")
+    os.symlink(tmp_path / "real.json", tmp_path / "link.json")
+    tl = Timeline.from_config(tmp_path / "link.json")
+    tl.close()
+    assert os.path.islink(tmp_path / "link.json")
+    assert "traceEvents" in _load(tmp_path / "real.json")
+
+
 def test_breakdown_measures_busy_time_stalls_and_overlap():
     tl = Timeline()
     tl.span(COMPUTE, "u0", 0, 10 * MS)
