@@ -320,7 +320,11 @@ def _check_client_name(name, where="keys: argument --client"):
 def _check_keys_dir(directory):
     """DIR is a directory or can be made one: not a file, nor under one."""
     from ..errors import ConfigError
+    if not directory:
+        raise UsageError("keys: argument DIR: an empty path; give the directory to create")
     path = os.path.abspath(directory)
+    if os.path.islink(path) and not os.path.exists(path):
+        raise ConfigError(f"keys: {directory} is a symlink to nothing (dangling, or a loop)")
     while not os.path.exists(path):
         parent = os.path.dirname(path)
         if parent == path:

@@ -194,8 +194,11 @@ def create_keys(directory, clients=("client",)):
     """Server and client CURVE certificates in `directory` (0700; secrets 0600).
 
     Layout: server.key / server.key_secret, <client>.key / <client>.key_secret,
-    and authorized_clients/<client>.key holding the public keys the server accepts.
+    and authorized_clients/<client>.key holding the public keys the server accepts. An
+    existing directory is taken only if it holds nothing else (it is made private: never
+    /tmp or a project directory).
     """
+    _refuse_shared_dir(directory)
     os.makedirs(directory, mode=0o700, exist_ok=True)
     os.chmod(directory, 0o700)
     authorized = os.path.join(directory, AUTHORIZED_DIR)
@@ -216,3 +219,19 @@ def create_keys(directory, clients=("client",)):
         if name.endswith(".key_secret"):
             os.chmod(os.path.join(directory, name), 0o600)
     return directory
+
+
+def _refuse_shared_dir(directory):
+    """ConfigError if `directory` exists and holds anything but certificates: making it
+    private (0700) would lock everyone else out of their files."""
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as e:
+        raise ConfigError(f"keys: cannot read {directory}: {e.strerror}") from None
+    other = sorted(n for n in names if n != AUTHORIZED_DIR and not n.endswith((".key", ".key_secret")))
+    if other:
+        shown = ", ".join(repr(n) for n in other[:3]) + (", ..." if len(other) > 3 else "")
+        raise ConfigError(f"keys: {directory} holds other files ({shown}); a keys directory is made "
+                          f"private (0700) and holds only certificates: give a new directory")

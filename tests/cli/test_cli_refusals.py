@@ -25,3 +25,25 @@ def test_config_validate_refuses_a_trace_it_could_not_write(tmp_path):
         assert out.returncode == 1, out.stderr
         line = one_error_line(out)
         assert line.startswith("prefetchd: error: trace: ") and named in line, line
+
+
+def test_keys_refuses_a_directory_holding_other_files_and_leaves_its_mode(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)                     # like /tmp
+    (shared / "someone-elses.txt").write_text("x")
+    out = run("keys", str(shared))
+    assert out.returncode == 1, out.stderr
+    line = one_error_line(out)
+    assert "holds other files ('someone-elses.txt')" in line and "give a new directory" in line, line
+    assert stat.S_IMODE(os.stat(shared).st_mode) == 0o1777
+    assert os.listdir(shared) == ["someone-elses.txt"]
+    # A new directory, then the same one again (adding a client), are taken.
+    for extra in ((), ("--client", "ops")):
+        out = run("keys", str(tmp_path / "keys"), *extra)
+        assert out.returncode == 0, out.stderr
+    assert stat.S_IMODE(os.stat(tmp_path / "keys").st_mode) == 0o700
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
+    for bad, named in (("", "an empty path"), (str(tmp_path / "loop"), "a symlink to nothing")):
+        out = run("keys", bad)
+        assert out.returncode in (1, 2) and named in one_error_line(out), out.stderr
