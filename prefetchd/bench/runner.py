@@ -22,6 +22,36 @@ def _fraction_of_the_model(text):
     return value
 
 
+def _count(text):
+    """A whole number >= 1 (0 read as "the default" and a negative one crashed mid-run)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return value
+
+
+def _workers(text):
+    from ..serve.pool import MAX_WORKERS
+    value = _count(text)
+    if value > MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"{text!r}: at most {MAX_WORKERS} worker processes")
+    return value
+
+
+def _duration(text):
+    """A finite number > 0 (nan and negatives ran for no time and reported success)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number above 0")
+    return value
+
+
 def add_arguments(parser):
     parser.add_argument("kind", choices=["io", "sched", "model", "serve", "soak", "accelerate"],
                         help="io: store vs fio; sched: scheduler throughput; model: offloaded vs resident passes; "
@@ -30,18 +60,18 @@ def add_arguments(parser):
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--dir", help="scratch directory on the disk to measure (default: a temp dir under cwd)")
     parser.add_argument("--size", default="1GiB", help="io: file size; model: weight bytes")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=_count, default=3)
     parser.add_argument("--sweep", action="store_true", help="io: sweep block sizes, queue depths, engines")
-    parser.add_argument("--requests", type=int, default=None,
+    parser.add_argument("--requests", type=_count, default=None,
                         help="sched: requests per phase (200000); serve: requests per phase at concurrency 1 (48)")
-    parser.add_argument("--batch", type=int, nargs="*", default=None, help="model: batch sizes")
-    parser.add_argument("--hidden", type=int, default=None, help="model: layer width (4096); serve: demo model width (256)")
-    parser.add_argument("--layers", type=int, default=None, help="model/serve: number of layers")
+    parser.add_argument("--batch", type=_count, nargs="*", default=None, help="model: batch sizes")
+    parser.add_argument("--hidden", type=_count, default=None, help="model: layer width (4096); serve: demo model width (256)")
+    parser.add_argument("--layers", type=_count, default=None, help="model/serve: number of layers")
     parser.add_argument("--budget", type=float, default=0.25, help="model: device budget / model size")
     parser.add_argument("--lookahead", type=int, default=2)
-    parser.add_argument("--minutes", type=float, default=1.0, help="soak: duration")
-    parser.add_argument("--seconds", type=float, default=None, help="soak: duration in seconds (overrides --minutes)")
-    parser.add_argument("--workers", type=int, default=2, help="serve: worker processes of the hints phases")
+    parser.add_argument("--minutes", type=_duration, default=1.0, help="soak: duration")
+    parser.add_argument("--seconds", type=_duration, default=None, help="soak: duration in seconds (overrides --minutes)")
+    parser.add_argument("--workers", type=_workers, default=2, help="serve: worker processes of the hints phases")
     parser.add_argument("--quick", action="store_true",
                         help="serve: a tiny model and few requests (checks the report, not speed)")
     parser.add_argument("--no-drop-caches", action="store_true", help="do not drop the page cache between runs")

@@ -166,13 +166,15 @@ def log_level(text):
     return level
 
 
-def positive_int(text, least=1):
+def positive_int(text, least=1, most=None):
     try:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if n < least:
         raise argparse.ArgumentTypeError(f"{text!r}: must be >= {least}")
+    if most is not None and n > most:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at most {most}")
     return n
 
 

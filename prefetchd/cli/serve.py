@@ -44,7 +44,12 @@ def _ip_address(text):
 # config file, which is read as the flag's text is and named by key and file (it went
 # unchecked: `workers = "two"` failed in a worker's traceback, and `heartbeat_timeout = 0`
 # killed every worker as hung).
-_PARSERS = {"workers": positive_int, "models": positive_int, "hidden": positive_int,
+def _workers(text):
+    from ..serve.pool import MAX_WORKERS
+    return positive_int(text, most=MAX_WORKERS)
+
+
+_PARSERS = {"workers": _workers, "models": positive_int, "hidden": positive_int,
             "layers": positive_int, "batch": positive_int, "seq": positive_int,
             "lookahead": positive_int, "max_batch_size": positive_int, "request_timeout": seconds,
             "heartbeat_timeout": seconds, "start_timeout": seconds, "max_queue_delay_ms": _milliseconds,

@@ -19,6 +19,11 @@ log = logging.getLogger("prefetchd.serve.pool")
 MAX_START_FAILURES = 3          # deaths before READY, in a row, before a slot gives up
 
 
+# Each worker is a process with its own MindSpore and daemon: far fewer fit any machine, and a
+# typo (99999999) filled the RAM with slots before the first spawn.
+MAX_WORKERS = 256
+
+
 @dataclass
 class WorkerSlot:
     index: int
@@ -56,6 +61,8 @@ class WorkerPool:
     """`n` worker slots; `work_endpoint` is the front's ROUTER the workers connect to."""
 
     def __init__(self, n, control_endpoint, work_endpoint, spec, max_inflight):
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_WORKERS:
+            raise ValueError(f"workers: {n!r}: expected a whole number from 1 to {MAX_WORKERS}")
         self.slots = [WorkerSlot(i, control_endpoint(i)) for i in range(n)]
         self.work_endpoint = work_endpoint
         self.spec = spec

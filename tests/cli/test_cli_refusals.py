@@ -47,3 +47,37 @@ def test_keys_refuses_a_directory_holding_other_files_and_leaves_its_mode(tmp_pa
     for bad, named in (("", "an empty path"), (str(tmp_path / "loop"), "a symlink to nothing")):
         out = run("keys", bad)
         assert out.returncode in (1, 2) and named in one_error_line(out), out.stderr
+
+
+def test_worker_counts_are_bounded_and_bench_counts_are_not_read_as_the_default(tmp_path, capsys):
+    # `serve --workers 99999999` filled 21 GB with worker slots before the first spawn (the
+    # OOM killer ended it); `bench sched --requests 0` ran 200000, `--hidden -1` divided by 0.
+    # Parsed in this process: were one accepted, nothing would be spawned.
+    import pytest
+
+    from prefetchd.cli import build_parser
+    cases = [("--workers", "serve", "--workers", "99999999"), ("--workers", "bench", "serve", "--workers", "0"),
+             ("--workers", "bench", "serve", "--workers", "1000"), ("--requests", "bench", "sched", "--requests", "0"),
+             ("--requests", "bench", "sched", "--requests", "-5"), ("--hidden", "bench", "model", "--hidden", "-1"),
+             ("--layers", "bench", "model", "--layers", "0"), ("--batch", "bench", "model", "--batch", "4", "-1"),
+             ("--seconds", "bench", "soak", "--seconds", "nan"), ("--minutes", "bench", "soak", "--minutes", "-1")]
+    for flag, *args in cases:
+        with pytest.raises(SystemExit) as exit:
+            build_parser().parse_args(args)
+        assert exit.value.code == 2, args
+        assert f"argument {flag}:" in capsys.readouterr().err, args
+    out = run("bench", "model", "--hidden", "-1")          # as a user sees it: one line, exit 2
+    assert out.returncode == 2 and "argument --hidden: '-1': must be at least 1" in one_error_line(out)
+    config = tmp_path / "c.toml"
+    config.write_text("[serve]\nworkers = 99999999\n")
+    out = run("config", "validate", "--config", str(config))
+    assert out.returncode == 1 and "[serve] workers" in one_error_line(out) and "at most 256" in out.stderr
+
+
+def test_a_front_of_too_many_workers_is_refused_before_it_binds(tmp_path):
+    import pytest
+
+    from prefetchd.serve import Front
+    with pytest.raises(ValueError, match="workers: 257: expected a whole number from 1 to 256"):
+        Front(f"ipc://{tmp_path}/front.sock", workers=257)
+    assert os.listdir(tmp_path) == []
