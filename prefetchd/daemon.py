@@ -99,6 +99,11 @@ class Daemon:
     """An in-process tiered-memory daemon. See docs/daemon-api.md for the contract."""
 
     def __init__(self, config=None, *, backend=None, **overrides):
+        if isinstance(backend, str):        # the config key of that name ("cpu"), not an object
+            overrides["backend"], backend = backend, None
+        elif backend is not None and not callable(getattr(backend, "notify", None)):
+            raise TypeError(f"Daemon(backend=...): a backend object (or a name such as 'cpu'), "
+                            f"not {type(backend).__name__}")
         if config is None:
             config = Config.load(**overrides)
         elif overrides:

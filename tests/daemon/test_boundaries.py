@@ -399,3 +399,15 @@ def test_a_bounded_wait_or_another_daemons_wait_on_a_scheduler_thread_is_not_ref
     assert ran.wait(20)
     assert "error" not in outcome, outcome
     assert outcome["bounded"] in ("timed out", "settled") and outcome["other"] == "d"
+
+
+def test_backend_given_by_name_is_the_config_key_and_a_non_backend_is_refused(store_dir):
+    # Daemon(backend="cpu") was taken as a backend object: two AttributeError tracebacks,
+    # the second from the close at exit.
+    with Daemon(backend="cpu", device_budget="16MiB", store_dir=store_dir) as daemon:
+        assert daemon.status()["backend"] == "cpu"
+    with pytest.raises(ConfigError, match="backend: must be one of cpu"):
+        Daemon(backend="gpu", store_dir=store_dir)
+    with pytest.raises(TypeError, match=r"Daemon\(backend=...\): a backend object \(or a name such as 'cpu'\), "
+                                        r"not int"):
+        Daemon(backend=3, store_dir=store_dir)
