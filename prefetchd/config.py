@@ -81,7 +81,7 @@ def parse_fraction_or_size(value, budget, key):
             value = float(value.strip()[:-1]) / 100
         except ValueError:
             raise ConfigError(f"{key}: cannot read {value!r} as a percentage") from None
-    if isinstance(value, str):
+    if isinstance(value, str) and not value.strip().isdigit():    # "943718400": bytes, as in TOML
         try:
             value = float(value)
         except ValueError:
@@ -238,8 +238,9 @@ class Config:
     """Everything a Daemon needs. Build with `Config.load(...)`; fields are final."""
 
     device_budget: int = 1 << 30          # bytes of the device tier prefetchd may reserve
-    high_watermark: int = 0               # reservations never exceed this (0 -> 95% of budget)
-    low_watermark: int = 0                # eviction stops here (0 -> 85% of the high watermark)
+    high_watermark: int | None = None     # reservations never exceed this (None -> 95% of budget)
+    low_watermark: int | None = None      # eviction stops here (None -> 85% of the high watermark;
+                                          # 0: evict every unpinned tensor)
     host_budget: int | None = None        # bytes of host RAM (cache of the remote tier, host-tier
                                           # tensors); None: auto, see _auto_host_budget
     store_dir: str | None = None          # remote tier directory (None -> a private temp dir)
@@ -366,8 +367,8 @@ class Config:
             raise ConfigError(f"{e} (from {where})" if where else str(e)) from None
 
     def __post_init__(self):
-        high = self.high_watermark or int(self.device_budget * 0.95)
-        low = self.low_watermark or int(high * 0.85)
+        high = self.high_watermark if self.high_watermark is not None else int(self.device_budget * 0.95)
+        low = self.low_watermark if self.low_watermark is not None else int(high * 0.85)
         object.__setattr__(self, "high_watermark", high)
         _check_bounds(self)
         if high > self.device_budget:

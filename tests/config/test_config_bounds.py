@@ -66,6 +66,28 @@ def test_a_watermark_that_holds_nothing_is_refused_at_runtime_too(make_daemon):
     daemon.set_watermarks(4096).result(10)
 
 
+def test_a_watermark_reads_the_same_from_a_file_the_environment_and_an_argument(tmp_path):
+    # A file's `low_watermark = 0` silently became the default (85%) while the environment's
+    # "0" was refused; the environment's "943718400" was refused as a fraction above 1 while
+    # the file's 943718400 was bytes. Whole numbers are bytes and 0 is 0 everywhere.
+    budget = 1 << 30
+    path = tmp_path / "p.toml"
+    for key, value, want in (("low_watermark", 0, 0), ("high_watermark", 943718400, 943718400),
+                             ("low_watermark", "0.5", budget // 2),
+                             ("high_watermark", "90%", int(budget * 0.9))):
+        literal = f'"{value}"' if isinstance(value, str) else value
+        path.write_text(f"[prefetchd]\ndevice_budget = {budget}\n{key} = {literal}\n")
+        env = {"PREFETCHD_DEVICE_BUDGET": str(budget), f"PREFETCHD_{key.upper()}": str(value)}
+        readings = {getattr(Config.load(path=str(path), env={}), key),
+                    getattr(Config.load(env=env), key),
+                    getattr(Config.load(env={}, device_budget=budget, **{key: value}), key)}
+        assert readings == {want}, (key, value, readings)
+    for where in ({"env": {"PREFETCHD_HIGH_WATERMARK": "0"}}, {"env": {}, "high_watermark": 0}):
+        with pytest.raises(ConfigError, match="high_watermark: 0 is out of bounds: must be at least 4096"):
+            Config.load(**where)
+    assert Config.load(env={}, device_budget=budget).low_watermark == int(int(budget * 0.95) * 0.85)
+
+
 @pytest.mark.parametrize("addr", ["not-an-ip", "127.0.0.256", "::1::", "http://127.0.0.1"])
 def test_a_metrics_address_that_is_no_ip_address_is_refused_at_load(addr):
     with pytest.raises(ConfigError, match=rf"metrics_addr: '{addr}' is not an IP address"):
