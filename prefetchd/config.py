@@ -35,7 +35,7 @@ BOUNDS = {
                                              # above: parse_size's 1 PiB
     "high_watermark": (PAGE, None),          # above: device_budget
     "host_budget": (0, None),
-    "copy_streams": (1, 64),
+    "copy_streams": (1, 2),                  # a load stream and a store stream, or one for both
     "io_block_size": (PAGE, 256 << 20),
     "io_queue_depth": (1, 1024),
     "io_threads": (1, 256),
@@ -245,7 +245,8 @@ class Config:
                                           # tensors); None: auto, see _auto_host_budget
     store_dir: str | None = None          # remote tier directory (None -> a private temp dir)
     backend: str = "cpu"
-    copy_streams: int = 2
+    copy_streams: int = 2                 # 2: write-backs on their own stream, never queued behind
+                                          # the loads needing the space they free; 1: one for both
     io_engine: str = "auto"
     direct_io: bool = True
     huge_pages: bool = True               # cpu: transparent huge pages for device blocks of 2 MiB or more

@@ -17,7 +17,8 @@ from prefetchd.errors import ConfigError
 TOO_FAR = [
     ("io_queue_depth", 10 ** 9, "at least 1 and at most 1024"),
     ("io_threads", 5000, "at least 1 and at most 256"),
-    ("copy_streams", 1000, "at least 1 and at most 64"),
+    ("copy_streams", 1000, "at least 1 and at most 2"),
+    ("copy_streams", 3, "at least 1 and at most 2"),       # (was taken, and meant 2)
     ("io_nice", 20, "at least -20 and at most 19"),
     ("io_nice", -21, "at least -20 and at most 19"),
     ("high_watermark", 1, "at least 4096"),
@@ -27,7 +28,7 @@ TOO_FAR = [
     ("max_message_size", "2GiB", "at most 1073741824"),
     ("device_budget", 4096, "at least 8192"),
     ("io_threads", 0, "at least 1 and at most 256"),
-    ("copy_streams", 0, "at least 1 and at most 64"),
+    ("copy_streams", 0, "at least 1 and at most 2"),
 ]
 
 
