@@ -66,9 +66,24 @@ void clear_faults() {
 
 long faults_fired() { return g_fired.load(); }
 
+static void load_faults(const char *env);
+
+// What a refusal of PREFETCHD_FAULTS adds: the format, and that it is a test switch.
+static const char *const kFaultsFormat =
+    " (PREFETCHD_FAULTS injects storage faults for tests: entries OP:KIND[:nth=N][:count=N][:err=E]"
+    "[:delay_ms=N][:key=S] separated by ';', e.g. read:error:nth=3:err=5; unset it to run normally)";
+
 void load_faults_from_env() {
     const char *env = getenv("PREFETCHD_FAULTS");
     if (!env || !*env) return;
+    try {
+        load_faults(env);
+    } catch (const Error &e) {
+        throw Error(ErrKind::Value, std::string(e.what()) + kFaultsFormat);
+    }
+}
+
+static void load_faults(const char *env) {
     std::stringstream all(env);
     std::string spec;
     while (std::getline(all, spec, ';')) {

@@ -81,3 +81,19 @@ def test_a_front_of_too_many_workers_is_refused_before_it_binds(tmp_path):
     with pytest.raises(ValueError, match="workers: 257: expected a whole number from 1 to 256"):
         Front(f"ipc://{tmp_path}/front.sock", workers=257)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_bad_fault_spec_is_one_line_and_a_good_one_is_announced(tmp_path, monkeypatch, caplog):
+    # PREFETCHD_FAULTS=junk made every verb, --version included, a 24-line ImportError
+    # traceback; a valid spec injected faults into a production command without a word.
+    out = run("--version", env={"PREFETCHD_FAULTS": "junk"})
+    assert out.returncode == 1, out.stderr
+    line = one_error_line(out)
+    assert "PREFETCHD_FAULTS: bad entry 'junk'" in line and "unset it to run normally" in line, line
+    from prefetchd.backend.base import open_store
+    from prefetchd.config import Config
+    monkeypatch.setenv("PREFETCHD_FAULTS", "read:error:nth=1000000")
+    with caplog.at_level("WARNING", logger="prefetchd.store"):
+        open_store(Config.load(store_dir=str(tmp_path / "store"), env={})).close()
+    assert "PREFETCHD_FAULTS=read:error:nth=1000000 is set" in caplog.text
+    assert "fault injection for tests" in caplog.text

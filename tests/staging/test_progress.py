@@ -44,6 +44,8 @@ def test_progress_lines_reach_a_redirected_file_before_the_stage_ends(tmp_path):
     assert seen_while_running, "no progress line in the log while staging ran"
     lines = open(log_path).read().splitlines()
     assert "\r" not in open(log_path).read()
+    assert "PREFETCHD_FAULTS=" in lines[0]                # the test switch announces itself
+    lines = lines[1:]
     assert len(lines) >= 4, lines                       # periodic, not just the last line
     counts = [int(line.split(": ")[1].split("/")[0]) for line in lines]
     assert counts == sorted(counts) and counts[-1] == 40 and counts[0] < 40
