@@ -37,7 +37,7 @@ def register(sub):
     p.add_argument("--lease", type=seconds, default=None,
                    help="pin: lease seconds (renew before it ends; default the daemon's, 30); "
                         "renew: the lease's new length (default its own)")
-    p.add_argument("--priority", type=int, default=0, help="prefetch: priority (higher first; 0)")
+    p.add_argument("--priority", type=int, default=None, help="prefetch: priority (higher first; 0)")
     p.add_argument("--no-wait", action="store_true", help="prefetch/evict/flush: reply once queued")
     p.set_defaults(func=cmd_ctl)
 
@@ -217,8 +217,17 @@ def _target(values):
     return {"names": values}
 
 
-def _check_ctl_args(op, values):
+# The options each operation reads; another given is refused (it was dropped without a word).
+_CTL_OPTIONS = {"lease": ("pin", "renew"), "priority": ("prefetch",),
+                "no_wait": ("prefetch", "evict", "flush")}
+
+
+def _check_ctl_args(op, values, args):
     """Refuse, before connecting, arguments the operation does not take (they were ignored)."""
+    for option, ops in _CTL_OPTIONS.items():
+        if getattr(args, option) not in (None, False) and op not in ops:
+            flag = "--" + option.replace("_", "-")
+            raise UsageError(f"ctl {op}: takes no {flag} (only {', '.join(ops)} do)")
     most = {"ping": 0, "stats": 0, "status": 0, "list": 1, "set-watermarks": 2}.get(op)
     if most is not None and len(values) > most:
         takes = {0: "no arguments", 1: "at most one glob", 2: "HIGH [LOW]"}[most]
@@ -233,7 +242,7 @@ def _check_ctl_args(op, values):
 
 def cmd_ctl(args):
     op, values = args.op, args.args
-    _check_ctl_args(op, values)
+    _check_ctl_args(op, values, args)
     marks = [_watermark(v) for v in (values + [None])[:2]] if op == "set-watermarks" else None
     with _client(args) as c:
         if op in ("ping", "stats", "status"):
@@ -243,7 +252,7 @@ def cmd_ctl(args):
         elif op in ("prefetch", "evict", "pin"):
             extra = {"lease": args.lease} if op == "pin" else {"wait": not args.no_wait}
             if op == "prefetch":
-                extra["priority"] = args.priority
+                extra["priority"] = args.priority or 0
             result = c.call(op, **_target(values), **extra)
         elif op == "flush":
             result = c.call("flush", wait=not args.no_wait, **(_target(values) if values else {}))

@@ -97,3 +97,16 @@ def test_a_bad_fault_spec_is_one_line_and_a_good_one_is_announced(tmp_path, monk
         open_store(Config.load(store_dir=str(tmp_path / "store"), env={})).close()
     assert "PREFETCHD_FAULTS=read:error:nth=1000000 is set" in caplog.text
     assert "fault injection for tests" in caplog.text
+
+
+def test_ctl_refuses_an_option_its_operation_does_not_read(tmp_path):
+    # `ctl pin w0 --no-wait` still waited and `ctl ping --lease 5` dropped the lease, both
+    # without a word. Refused before connecting: nothing listens here.
+    nobody = f"ipc://{tmp_path}/nobody.sock"
+    for args, flag in ((("ping", "--lease", "5"), "--lease"), (("evict", "w0", "--priority", "9"), "--priority"),
+                       (("pin", "w0", "--no-wait"), "--no-wait"), (("prefetch", "w0", "--lease", "3"), "--lease"),
+                       (("unpin", "L1", "--lease", "3"), "--lease")):
+        out = run("ctl", "--endpoint", nobody, *args)
+        assert out.returncode == 2, (args, out.stderr)
+        line = one_error_line(out)
+        assert f"ctl {args[0]}: takes no {flag}" in line, line
