@@ -173,6 +173,24 @@ def run_demo(args=None, /, **options):
     return 0 if report["outputs_match"] and report["watermark_respected"] else 1
 
 
+# The configured settings the demo sets itself, with the flag that sets each: its budget is a
+# share of its own model, and its store is its own (removed at the end unless --store).
+_DEMO_SETS = {"device_budget": "--budget", "store_dir": "--store", "lookahead": "--lookahead"}
+
+
+def _apply_configured(o, config, say):
+    """Take the configured trace and metrics port where no option gave one (they only observe),
+    and say which configured settings the demo does not apply (they were dropped unsaid)."""
+    sources = config.sources()
+    for key, option in (("trace", "trace"), ("metrics_port", "metrics_port")):
+        if o[option] is None and key in sources:
+            o[option] = getattr(config, key)
+    kept = [key for key in _DEMO_SETS if key in sources]
+    if kept:
+        say(f"note: the demo sets {', '.join(kept)} itself ({', '.join(_DEMO_SETS[k] for k in kept)}): "
+            f"{', '.join(sources[k] for k in kept)} not applied")
+
+
 def _progress(label, quiet, total_bytes=None, total_tensors=None):
     return None if quiet else Progress(total_bytes, total_tensors, label=f"prefetchd demo: {label}")
 
@@ -186,6 +204,7 @@ def _run(o, say, quiet):
     from ..limits import available_memory
     from .model import build_model, estimate_bytes, init_values, layers_for, make_inputs
 
+    _apply_configured(o, Config.load(), say)
     ms = mindspore()
     ms.set_device("CPU")
     hidden = o["hidden"]

@@ -145,3 +145,18 @@ def test_demo_keeps_no_large_reference_beside_the_offloaded_model(ms, monkeypatc
     report = json.loads(capsys.readouterr().out)
     assert len(report["resident_pass_seconds"]) == report["passes"]
     assert report["outputs_match"]
+
+
+def test_the_configured_trace_is_written_and_settings_the_demo_sets_itself_are_named(ms, monkeypatch,
+                                                                                      capsys, tmp_path):
+    # PREFETCHD_TRACE, PREFETCHD_DEVICE_BUDGET, PREFETCHD_STORE_DIR and PREFETCHD_LOOKAHEAD
+    # were all dropped without a word: no trace file, and a budget not the one configured.
+    monkeypatch.setenv("PREFETCHD_TRACE", str(tmp_path / "t.json"))
+    monkeypatch.setenv("PREFETCHD_DEVICE_BUDGET", "8MiB")
+    monkeypatch.setenv("PREFETCHD_STORE_DIR", str(tmp_path / "store"))
+    assert demo_mod.run_demo(**SMALL) == 0
+    out = capsys.readouterr().out
+    assert ("note: the demo sets device_budget, store_dir itself (--budget, --store): env "
+            "PREFETCHD_DEVICE_BUDGET, env PREFETCHD_STORE_DIR not applied") in out, out
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert not (tmp_path / "store").exists()        # the demo's store is its own, removed after
