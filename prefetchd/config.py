@@ -239,14 +239,12 @@ class Config:
 
     device_budget: int = 1 << 30          # bytes of the device tier prefetchd may reserve
     high_watermark: int | None = None     # reservations never exceed this (None -> 95% of budget)
-    low_watermark: int | None = None      # eviction stops here (None -> 85% of the high watermark;
-                                          # 0: evict every unpinned tensor)
+    low_watermark: int | None = None      # eviction stops here (None -> 85% of the high watermark)
     host_budget: int | None = None        # bytes of host RAM (cache of the remote tier, host-tier
                                           # tensors); None: auto, see _auto_host_budget
     store_dir: str | None = None          # remote tier directory (None -> a private temp dir)
     backend: str = "cpu"
-    copy_streams: int = 2                 # 2: write-backs on their own stream, never queued behind
-                                          # the loads needing the space they free; 1: one for both
+    copy_streams: int = 2                 # 2: write-backs on a stream of their own; 1: one for both
     io_engine: str = "auto"
     direct_io: bool = True
     huge_pages: bool = True               # cpu: transparent huge pages for device blocks of 2 MiB or more

@@ -378,6 +378,7 @@ class Front(FrontSockets):
             where = (f"on worker {job.batch.worker.index}" if job.batch else "waiting for a worker")
             self._fail(job, P.TIMEOUT, f"{job.kind} did not complete within "
                                               f"{job.deadline - job.received:.3g}s ({where})")
+        self._heartbeats.attend(now)
         for s in self._heartbeats.hung(self._pool.slots, now):
             self._replace_hung(s)
         self._heartbeats.ping_due(self._pool.slots, now, self._new_ctl_rid)

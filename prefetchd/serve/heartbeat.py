@@ -17,6 +17,7 @@ class Heartbeats:
         self._heard = {}            # slot index -> last time its control socket answered
         self._pinged = {}           # slot index -> last ping sent
         self._rids = {}             # ping rid -> slot index
+        self._attended = None       # when the front's loop last looked (attend)
 
     def on_ready(self, slot, now=None):
         now = time.monotonic() if now is None else now
@@ -53,6 +54,17 @@ class Heartbeats:
     def sent(self, slot, rid, now):
         self._pinged[slot.index] = now
         self._rids[rid] = slot.index
+
+    def attend(self, now):
+        """The front's loop looks again. Longer than an interval away (one huge message
+        received whole, a swapped-out front) it read no replies either: that time is not
+        the workers' silence, and killing them for it killed healthy workers."""
+        if self._attended is not None:
+            away = now - self._attended - self.interval
+            if away > 0:
+                for index in self._heard:
+                    self._heard[index] += away
+        self._attended = now
 
     def hung(self, slots, now):
         return [s for s in slots if s.ready and s.index in self._heard

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from ..control.server_options import ipc_socket_files
-from .worker import remove_worker_store, worker_main
+from .worker import remove_worker_store, store_in_use, worker_main, worker_store_path
 
 log = logging.getLogger("prefetchd.serve.pool")
 
@@ -77,6 +77,8 @@ class WorkerPool:
 
     def spawn(self, slot):
         slot.generation += 1
+        while self.spec.store_dir and store_in_use(worker_store_path(self.spec, slot.index, slot.generation)):
+            slot.generation += 1           # a killed front's worker still holds that one
         slot.ready, slot.pid, slot.last_model = False, None, None
         slot.identity = f"w{slot.index}-{slot.generation}".encode()
         # Why it could not start comes through a pipe, written before it exits: read once it

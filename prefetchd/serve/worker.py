@@ -20,6 +20,7 @@ is safe because a FileStore never writes into an existing file (it writes a new
 version and renames it in), so the worker can never change the checkpoint.
 """
 import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -29,6 +30,7 @@ import time
 
 import zmq
 
+from ..backend.base import STORE_LOCK
 from ..errors import ConfigError
 from ..control import protocol as P
 from .execute import error_reply, run_batch, without_framework_stack
@@ -110,9 +112,30 @@ def link_checkpoint_store(src, dst, generation=None):
                           f"store {dst} was linked to it; restart the server")
 
 
+def worker_store_path(spec, index, generation):
+    return os.path.join(spec.store_dir, f"worker-{index}-{generation}")
+
+
+def store_in_use(store):
+    """Whether a live process holds `store`'s FileStore lock: a worker of a front killed with
+    SIGKILL still finishing its job, whose store a new front's worker of the same index and
+    generation must neither take nor remove."""
+    try:
+        fd = os.open(os.path.join(store, STORE_LOCK), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)          # (and with it the probe's shared lock)
+
+
 def worker_store(spec, index, generation):
     """The store directory of worker `index`'s daemon (see the module docstring)."""
-    store = os.path.join(spec.store_dir, f"worker-{index}-{generation}")
+    store = worker_store_path(spec, index, generation)
     if not spec.checkpoint_store:
         os.makedirs(store, exist_ok=True)
         return store
@@ -128,8 +151,9 @@ def remove_worker_store(spec, index, generation):
     """Remove the store of a worker that has exited (its files are derived: the
     weights it wrote, or links to the checkpoint store, which stays as it is)."""
     if spec.store_dir:
-        shutil.rmtree(os.path.join(spec.store_dir, f"worker-{index}-{generation}"),
-                      ignore_errors=True)
+        store = worker_store_path(spec, index, generation)
+        if not store_in_use(store):        # (a start refused "in use": another process's store)
+            shutil.rmtree(store, ignore_errors=True)
 
 
 def _exit_on_sigterm(signum, frame):
@@ -153,10 +177,14 @@ def _run(models, job_id, body, frames, index, max_bytes):
 
 
 def _exit_if_orphaned(parent_pid):
-    while not _ready:
-        if os.getppid() != parent_pid:
-            os._exit(0)              # nothing built is worth saving, nobody to answer
+    """Watch for the front's death (SIGKILL) from a thread: the work loop looks only between
+    jobs, and a long generate would run on for nobody, holding its store."""
+    while os.getppid() == parent_pid:
         time.sleep(0.5)
+    if not _ready:
+        os._exit(0)                  # nothing built is worth saving, nobody to answer
+    log.warning("worker: the front is gone; exiting")
+    os.kill(os.getpid(), signal.SIGTERM)     # the job unwinds, the daemon closes (_exit_on_sigterm)
 
 
 def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, parent_pid, failure):
@@ -178,8 +206,8 @@ def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, p
     sock.identity = f"w{index}-{generation}".encode()
     sock.connect(work_endpoint)
     daemon, models = None, {}
-    # Until it is ready the work loop below does not run: a front that dies (SIGKILL) while
-    # the model builds would leave this process behind, for ever if the factory blocks.
+    # A front that dies (SIGKILL) while the model builds (the work loop below not running yet)
+    # or while a job runs would leave this process behind, for ever if the factory blocks.
     threading.Thread(target=_exit_if_orphaned, args=(parent_pid,), name="prefetchd-worker-orphan",
                      daemon=True).start()
     try:

@@ -143,3 +143,30 @@ def test_a_front_on_the_same_store_removes_the_worker_stores_a_killed_one_left(t
             assert stop_serve(second) == 0
     finally:
         os.close(fd)
+
+
+def test_a_worker_store_another_process_still_holds_is_neither_taken_nor_removed(tmp_path):
+    """A front restarted on the same --store while a killed front's worker 0 still held
+    worker-0-1: the new worker 0 (also generation 1) failed to start ("in use by pid"), and
+    the cleanup of that failed start removed the live worker's store (outside probe)."""
+    store = tmp_path / "store"
+    held = store / "worker-0-1"
+    held.mkdir(parents=True)
+    (held / "still-in-use").write_text("x")
+    fd = os.open(held / ".pfd-lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)                 # as the orphaned worker's daemon holds it
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, *sys.path]))
+    args = ["--models", "1", "--hidden", "64", "--layers", "2", "--batch", "2", "--seq", "8", "--store", str(store)]
+    try:
+        serve = start_serve(f"ipc://{tmp_path}/serve.sock", args, env)
+        try:
+            from prefetchd.control import Client
+            with Client(f"ipc://{tmp_path}/serve.sock", timeout=10) as c:
+                (worker,) = c.status()["workers"]
+            assert worker["generation"] == 2 and worker["deaths"] == 0 and worker["start_error"] is None
+            assert (held / "still-in-use").exists()
+        finally:
+            assert stop_serve(serve) == 0
+        assert (held / "still-in-use").exists()
+    finally:
+        os.close(fd)

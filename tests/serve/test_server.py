@@ -395,3 +395,36 @@ def test_serve_options_flags_over_file_over_defaults(tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match=rf"\[serve\] {words}") as refused:
             serve_options(parser.parse_args(["serve", "--config", str(cfg)]))
         assert str(cfg) in str(refused.value)
+
+
+def _running_pid(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_worker_in_the_middle_of_a_job_exits_soon_after_its_front_is_killed(tmp_path):
+    """A ready worker looked for its front only between jobs: one inside a long forward (a
+    generate) ran on for nobody for tens of seconds after a SIGKILLed front, holding its
+    store, so a front restarted meanwhile found that store in use (outside probe)."""
+    from helpers import start_serve
+    endpoint = f"ipc://{tmp_path}/midjob.sock"
+    proc = start_serve(endpoint, ["--model", "_servables:sleepy", "--model-bytes", "1000000",
+                                  "--store", str(tmp_path / "store")], _serve_env())
+    try:
+        workers = children_of(proc.pid)
+        with ServeClient(endpoint, timeout=60) as c:
+            pending = c.submit("m0", np.full((1, 4), 25.0, np.float32))     # a 25 s forward
+            time.sleep(2.0)
+            assert not pending.done()
+            proc.kill()
+            proc.wait(5)
+            killed = time.monotonic()
+            assert wait_until(lambda: not any(map(_running_pid, workers)), 20, 0.1)
+            assert time.monotonic() - killed < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
