@@ -32,8 +32,16 @@ def _load(path):
         if magic != b"\x93NUMPY":     # else numpy tries a pickle and blames that
             raise ValueError("it does not start as a .npy file does (numpy.save writes one; .npz, text "
                              "and pickles are not read)")
-        return np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
+        # Mapped first: a header declaring more than the file holds (1.86 TiB) is refused
+        # before anything is allocated, not a MemoryError naming no file.
+        return np.array(np.load(path, mmap_mode="r", allow_pickle=False))
+    except ValueError as e:
+        if "mmap length is greater than file size" in str(e):
+            e = ValueError("its header declares more data than the file holds (truncated?)")
+        elif "Python objects" in str(e):
+            e = ValueError("it holds Python objects, a pickle, which is never read")
+        raise UsageError(f"infer: {path}: not a readable .npy of numbers ({e})") from None
+    except OSError as e:
         raise UsageError(f"infer: {path}: not a readable .npy of numbers ({e})") from None
 
 

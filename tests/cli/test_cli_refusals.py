@@ -110,3 +110,17 @@ def test_ctl_refuses_an_option_its_operation_does_not_read(tmp_path):
         assert out.returncode == 2, (args, out.stderr)
         line = one_error_line(out)
         assert f"ctl {args[0]}: takes no {flag}" in line, line
+
+
+def test_infer_refuses_an_npy_whose_header_declares_more_than_the_file_holds(tmp_path):
+    # It tried to allocate the declared array: "Unable to allocate 1.86 TiB ...", naming no file.
+    import numpy as np
+    huge = tmp_path / "huge.npy"
+    with open(huge, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": (1 << 39,)})
+        f.write(b"\0" * 16)
+    out = run("infer", "--endpoint", f"ipc://{tmp_path / 'nobody.sock'}", "--model", "m0", str(huge))
+    assert out.returncode == 2, out.stderr
+    line = one_error_line(out)
+    assert f"infer: {huge}: not a readable .npy of numbers (its header declares more data than the file " \
+           f"holds" in line, line
