@@ -43,10 +43,12 @@ class CausalLMServable:
 
     def _check_length(self, prompt, new):
         """BadArguments for an empty prompt, or one that with `new` ids is over the positions
-        (else the model fails inside MindSpore, a C++ stack for the client)."""
+        (else the model fails inside MindSpore, a C++ stack for the client). A greedy
+        generate of `new` ids feeds the prompt and the first new - 1 of them: the last is
+        only returned."""
         if prompt == 0:
             raise BadArguments("the input ids are empty (a prompt needs at least one token)")
-        if self.max_len is not None and prompt + new > self.max_len:
+        if self.max_len is not None and prompt + max(new - 1, 0) > self.max_len:
             raise BadArguments(f"a prompt of {prompt} token{'s' * (prompt != 1)}"
                                + (f" plus max_new_tokens={new}" if new else "")
                                + f" is over the model's {self.max_len} positions")

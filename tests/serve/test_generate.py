@@ -110,6 +110,17 @@ def test_generation_refusals(client):
     assert client.generate("m0", _ids(0, 1, 3), max_new_tokens=2).shape == (1, 2)
 
 
+def test_a_generate_may_use_every_position_the_last_new_token_is_not_fed(client, resident):
+    # 3 + 62 was refused "over the model's 64 positions", though a greedy generate feeds the
+    # prompt and 61 new ids (positions 0..63) and returns the 62nd; 3 + 63 needs 65.
+    ids = _ids(5, 1, 3)
+    got = client.generate("m0", ids, max_new_tokens=62)
+    assert np.array_equal(got, _own_generate(resident, ids, 62))
+    with pytest.raises(ServiceError, match="a prompt of 3 tokens plus max_new_tokens=63 is over the model's 64 "
+                                           "positions"):
+        client.generate("m0", ids, max_new_tokens=63)
+
+
 def test_infer_refuses_prompts_the_lm_has_no_positions_for(client):
     """An empty prompt, or an infer longer than the model's positions, failed inside MindSpore:
     INTERNAL with a C++ stack for the client. Now BAD_REQUEST saying why."""
