@@ -55,6 +55,11 @@ class MindSporeCheckpoint(CheckpointReader):
     def names(self):
         return [e.name for e in self._entries]
 
+    @property
+    def shapes(self):
+        """{name: shape} of every tensor, from the structure (no data read)."""
+        return {e.name: tuple(e.shape) for e in self._entries}
+
     # ------------------------------------------------------------ structure
     def _read_structure(self):
         self._scan()

@@ -33,6 +33,11 @@ class SafetensorsCheckpoint(CheckpointReader):
     def names(self):
         return [name for name, *_ in self._entries]
 
+    @property
+    def shapes(self):
+        """{name: shape} of every tensor, from the structure (no data read)."""
+        return {name: shape for name, shape, *_ in self._entries}
+
     def _read_structure(self):
         self._entries, self._expected_crc = self._scan()
 

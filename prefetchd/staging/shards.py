@@ -22,6 +22,7 @@ import fnmatch
 import json
 import os
 import re
+import resource
 import shutil
 import time
 
@@ -131,32 +132,13 @@ class RankSlice:
         self.tensors = getattr(self.reader, "tensors", None)
         self.nbytes = None                      # unknown until the spec meets the shapes
 
-    def _axis(self, name):
-        """The axis the spec cuts `name` along (None: replicated). Globs may overlap where
-        they agree; two that cut one tensor along different axes are refused, whichever
-        comes first."""
-        found = None
-        for glob, axis in self.spec:
-            if fnmatch.fnmatchcase(name, glob):
-                if found is not None and found[1] != axis:
-                    raise StagingError(f"sharding spec: tensor {name!r} matches {found[0]!r} (axis {found[1]}) "
-                                       f"and {glob!r} (axis {axis}); make the globs agree or not overlap")
-                found = found or (glob, axis)
-        return None if found is None else found[1]
-
     def __iter__(self):
         for name, shape, dtype, data in self.reader:
-            axis = self._axis(name)
+            shape = tuple(int(d) for d in shape)
+            axis = cut_axis(self.path, self.spec, name, shape, self.world_size)
             if axis is None:
                 yield name, shape, dtype, data          # replicated
                 continue
-            shape = tuple(int(d) for d in shape)
-            if axis >= len(shape):
-                raise StagingError(f"{self.path}: tensor {name!r} of shape {list(shape)} has no axis {axis} "
-                                   f"(sharding spec)")
-            if shape[axis] % self.world_size:
-                raise StagingError(f"{self.path}: tensor {name!r} axis {axis} of size {shape[axis]} does not "
-                                   f"divide into {self.world_size} ranks")
             itemsize = np.dtype(dtype).itemsize
             # By bytes (a trailing axis of itemsize): any dtype, bfloat16 included, slices the same.
             raw = np.frombuffer(data, np.uint8).reshape(*shape, itemsize)
@@ -169,17 +151,55 @@ class RankSlice:
         self.reader.close()
 
 
-def _check_globs_match(source, spec):
-    """Refuse a glob that matches no tensor of `source` from its structure, before any rank is
-    staged (found at the end, it came after rank 0's whole stage and progress line)."""
+def cut_axis(path, spec, name, shape, world_size):
+    """The axis `spec` cuts tensor `name` of `shape` along (None: replicated), or StagingError.
+    Globs may overlap where they agree; two that cut one tensor along different axes are
+    refused, whichever comes first."""
+    found = None
+    for glob, axis in spec:
+        if fnmatch.fnmatchcase(name, glob):
+            if found is not None and found[1] != axis:
+                raise StagingError(f"sharding spec: tensor {name!r} matches {found[0]!r} (axis {found[1]}) "
+                                   f"and {glob!r} (axis {axis}); make the globs agree or not overlap")
+            found = found or (glob, axis)
+    if found is None:
+        return None
+    axis = found[1]
+    if axis >= len(shape):
+        raise StagingError(f"{path}: tensor {name!r} of shape {list(shape)} has no axis {axis} (sharding spec)")
+    if shape[axis] % world_size:
+        raise StagingError(f"{path}: tensor {name!r} axis {axis} of size {shape[axis]} does not divide "
+                           f"into {world_size} ranks")
+    return axis
+
+
+def _check_spec(source, spec, world_size):
+    """Refuse, from `source`'s structure and before any directory is made, a glob that matches
+    no tensor and a tensor the spec cannot cut into `world_size` ranks (found while staging,
+    they came after rank 0's whole stage, and left rank directories behind)."""
     reader = iter_checkpoint(source)
     try:
-        names = reader.names
+        shapes = reader.shapes
     finally:
         reader.close()
     for glob, _ in spec:
-        if not any(fnmatch.fnmatchcase(name, glob) for name in names):
+        if not any(fnmatch.fnmatchcase(name, glob) for name in shapes):
             raise StagingError(f"sharding spec {glob!r} matches no tensor of {source}")
+    for name, shape in shapes.items():
+        cut_axis(source, spec, name, tuple(int(d) for d in shape), world_size)
+
+
+def _check_open_files(world_size):
+    """A stage holds every rank's lock at once: refuse, before any is taken, a world the
+    open-file limit cannot hold (the limit hit halfway left rank directories behind)."""
+    need = world_size + 64                 # the ranks' locks, and the files each stage opens
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        if hard == resource.RLIM_INFINITY or hard >= need:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+        else:
+            raise StagingError(f"staging {world_size} ranks holds one lock per rank, and the open-file limit "
+                               f"is {hard}: raise it (ulimit -n {need}) or stage fewer ranks")
 
 
 def stage_sharded(source, store_dir, *, spec=None, world_size=None, progress=False, config=None,
@@ -209,9 +229,10 @@ def stage_sharded(source, store_dir, *, spec=None, world_size=None, progress=Fal
         spec = parse_spec(spec) if isinstance(spec, str) else spec
         if not isinstance(world_size, int) or world_size < 1:
             raise StagingError(f"splitting {source} needs the number of ranks (--ranks N, N >= 1)")
-        _check_globs_match(source, spec)
+        _check_spec(source, spec, world_size)
         sources = [lambda r=r: RankSlice(source, spec, r, world_size) for r in range(world_size)]
         files, described = [str(source)] * world_size, {glob: axis for glob, axis in spec}
+    _check_open_files(world_size)
     root, parent, base, work = store_place(store_dir)
     with stage_lock(parent, base), contextlib.ExitStack() as rank_stages:
         remove_leftovers(parent, base)

@@ -166,6 +166,46 @@ def test_a_glob_that_matches_nothing_is_refused_before_any_rank_is_staged(tmp_pa
     assert not (tmp_path / "store").exists()
 
 
+def test_a_tensor_the_spec_cannot_cut_is_refused_before_any_rank_or_directory(tmp_path, monkeypatch):
+    # Found in rank 0's stage, it left an empty rank_0 behind, and a later stage of the right
+    # number of ranks into that root was refused (an outside probe).
+    from prefetchd.staging import shards
+    src = tmp_path / "whole.safetensors"
+    write_safetensors(src, WHOLE)
+    monkeypatch.setattr(shards, "stage_into", lambda *a, **k: pytest.fail("a rank was staged"))
+    for spec, says in (("*.wq.weight=0", "does not divide into 3 ranks"),
+                       ("*.wq.weight=5", r"of shape \[8, 6\] has no axis 5"),
+                       ("*.wq.*=0,*.wq.weight=1", "matches '\\*.wq.\\*' \\(axis 0\\) and '\\*.wq.weight' \\(axis 1\\)")):
+        with pytest.raises(StagingError, match=says):
+            stage_sharded(str(src), str(tmp_path / "store"), spec=spec, world_size=3)
+        assert os.listdir(tmp_path) == ["whole.safetensors"]
+
+
+def test_more_ranks_than_the_open_file_limit_holds_are_refused_before_any_lock(tmp_path):
+    # One lock per rank is held through the stage: at the limit, the rank that failed to
+    # open its lock and rank_0 were left behind. Refused at once where the hard limit is
+    # too low; the soft limit is raised where the hard one allows.
+    import resource
+    src = tmp_path / "whole.safetensors"
+    write_safetensors(src, {"w": np.ones((200, 2), np.float32)})
+    script = (f"import resource, sys\nresource.setrlimit(resource.RLIMIT_NOFILE, (64, {{hard}}))\n"
+              f"from prefetchd.staging import stage_sharded\n"
+              f"r = stage_sharded({str(src)!r}, sys.argv[1], spec='w=0', world_size=100)\n"
+              f"print(r['world_size'], resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n")
+    low = subprocess.run([sys.executable, "-c", script.format(hard=64), str(tmp_path / "low")],
+                         capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300)
+    assert low.returncode == 1 and "staging 100 ranks holds one lock per rank, and the open-file limit is " \
+                                   "64: raise it (ulimit -n 164)" in low.stderr, low.stderr
+    assert not (tmp_path / "low").exists()
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 164:
+        pytest.skip(f"this machine's hard open-file limit is {hard}")
+    ok = subprocess.run([sys.executable, "-c", script.format(hard=hard), str(tmp_path / "ok")],
+                        capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300)
+    assert ok.returncode == 0 and ok.stdout.split() == ["100", "164"], ok.stderr
+    assert len(os.listdir(tmp_path / "ok")) == 100 + 1        # rank_0..rank_99 and the shards file
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--shard", "*.w=0"], "needs --ranks N"),
     (["--shard", "per-rank", "--ranks", "2"], "--ranks is for splitting"),
