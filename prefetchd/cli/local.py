@@ -147,7 +147,10 @@ def cmd_demo(args):
                          f"{_mib(model_bytes)} of weights of the model --size {_mib(args.size)} "
                          f"--hidden {args.hidden} builds; expected a size (2GiB) up to that or a "
                          f"fraction of the model in (0, 100%] (25% or 0.25)")
-    o = checked_options(args)
+    try:
+        o = checked_options(args)
+    except ValueError as e:                  # an option the machine or the model cannot take
+        raise UsageError(f"demo: argument --{str(e).split()[0]}: {str(e).split(' ', 1)[1]}") from None
     need = smallest_budget(o)
     if need is not None:
         percent = -(-need * 100 // model_bytes)          # rounded up, as the MiB are

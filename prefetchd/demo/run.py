@@ -38,6 +38,8 @@ import time
 import numpy as np
 
 from ..staging import Progress, stage_tensors, write_index
+from .model import MAX_SEQ
+from ..telemetry.output_files import output_file_problem
 from ..telemetry.timeline import SCHEDULER
 from ..telemetry.timeline_report import plot as plot_timeline, require_plot, summarize
 
@@ -101,16 +103,23 @@ def device_budget_for(budget, model_bytes):
                      f"{model_bytes} bytes of weights, or a fraction of them in (0, 1] (a float)")
 
 
-def check_output_path(path, what):
-    """Refuse, before the run, a file the run could not write at its end."""
-    full = os.path.abspath(os.path.expanduser(path))
-    directory = os.path.dirname(full)
-    if os.path.isdir(full):
-        raise ValueError(f"{what} {path!r} is a directory, not a file")
-    if not os.path.isdir(directory):
-        raise ValueError(f"{what} {path!r}: directory {directory} does not exist")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise ValueError(f"{what} {path!r}: directory {directory} is not writable")
+def _check_resources(o, model_bytes):
+    """Refuse, before staging, a model this machine cannot hold: its weights are staged to
+    disk and built once in RAM (the resident reference; the host tier holds a second copy)."""
+    from ..limits import available_memory
+    memory = available_memory()
+    need = model_bytes * (2 if o["tier"] == "host" else 1) + o["device_budget"]
+    if need > 0.9 * memory.nbytes:
+        raise ValueError(f"size {_mib(o['size'])}: the demo needs about {_mib(need)} of RAM (the model "
+                         f"resident{', its host tier' if o['tier'] == 'host' else ''} and the device budget), "
+                         f"more than 90% of the {_mib(memory.nbytes)} of {memory.source}; give a smaller --size")
+    place = os.path.abspath(o["store"] or tempfile.gettempdir())
+    while not os.path.exists(place):
+        place = os.path.dirname(place)
+    free = shutil.disk_usage(place).free
+    if model_bytes > free:
+        raise ValueError(f"size {_mib(o['size'])}: staging it needs {_mib(model_bytes)} of disk, and "
+                         f"{place} has {_mib(free)} free; give a smaller --size or a --store with room")
 
 
 def checked_options(args=None, /, **options):
@@ -132,10 +141,14 @@ def checked_options(args=None, /, **options):
                              or not 0 <= port <= 65535):
         raise ValueError(f"metrics_port {port!r}: expected a port 0-65535 (0: any free one)")
     for key in ("trace", "plot"):
-        if o[key]:
-            check_output_path(o[key], key)
+        problem = o[key] and output_file_problem(o[key])
+        if problem:
+            raise ValueError(f"{key} {problem}")
     if o["tier"] not in ("remote", "host"):
         raise ValueError(f"run_demo: tier must be 'remote' or 'host', got {o['tier']!r}")
+    if not isinstance(o["seq"], int) or not 1 <= o["seq"] <= MAX_SEQ:
+        raise ValueError(f"seq {o['seq']!r}: the demo model has {MAX_SEQ} positions; give 1 to {MAX_SEQ}")
+    _check_resources(o, model_bytes_for(o["size"], o["hidden"]))
     if o["plot"]:
         require_plot()       # before the long run, not after it
     return o

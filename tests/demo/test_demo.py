@@ -119,10 +119,29 @@ def test_demo_takes_the_cli_namespace(ms, capsys):
     ({"budget": 0}, ValueError, "budget"),
     ({"tier": "tape"}, ValueError, "'tape'"),
     ({"colour": "blue"}, TypeError, "colour"),
+    ({"seq": 1000}, ValueError, "seq 1000: the demo model has 128 positions"),   # was refused after staging
 ])
 def test_bad_demo_options_are_refused_by_name(options, error, needle):
     with pytest.raises(error, match=needle):
         demo_mod.run_demo(**options)
+
+
+def test_a_model_the_machine_cannot_hold_is_refused_before_anything_is_staged(monkeypatch, tmp_path):
+    # `demo --size 100GiB` on a 24 GiB machine was accepted: it would fill the disk, then
+    # build the resident reference in RAM.
+    from prefetchd import limits
+    monkeypatch.setattr(limits, "available_memory", lambda: limits.Available(16 << 20, "a small test machine"))
+    with pytest.raises(ValueError, match=r"the demo needs about .* of RAM .* more than 90% of the 16.0 MiB of "
+                                         r"a small test machine; give a smaller --size"):
+        demo_mod.checked_options(**SMALL)
+    with pytest.raises(ValueError, match="its host tier"):
+        demo_mod.checked_options(**{**SMALL, "size": 32 << 20, "tier": "host"})
+    monkeypatch.undo()
+    import shutil
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 40, 1 << 40, 1 << 20))
+    with pytest.raises(ValueError, match=rf"staging it needs .* of disk, and {tmp_path} has 1.0 MiB free"):
+        demo_mod.checked_options(**SMALL, store=str(tmp_path / "new" / "store"))
+    assert not (tmp_path / "new").exists()
 
 
 def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch):
