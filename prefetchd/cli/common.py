@@ -74,6 +74,9 @@ def positive_size(text):
     return n
 
 
+MAX_MODELS = 1024     # a fraction above this many models' weights is bytes without a unit
+
+
 def budget(text, *, most=None):
     """A budget: "2GiB" (bytes, an int) or a fraction of the model: "25%" or 0.25
     (a float; above 1 means more than one model's weights, e.g. 150% or 1.5,
@@ -91,6 +94,10 @@ def budget(text, *, most=None):
         if not 0 < fraction < float("inf") or (most is not None and fraction > most):
             raise argparse.ArgumentTypeError(
                 f"{text!r} is out of range: expected {forms}")
+        if fraction > MAX_MODELS:      # bytes without a unit: it failed only once workers started
+            raise argparse.ArgumentTypeError(
+                f"{text!r} reads as a fraction of the model ({fraction:g} models' weights); for bytes "
+                f"give a unit ({value}B, or e.g. 2GiB)")
         return fraction
     try:
         nbytes = parse_size(value, "budget")

@@ -124,3 +124,20 @@ def test_infer_refuses_an_npy_whose_header_declares_more_than_the_file_holds(tmp
     line = one_error_line(out)
     assert f"infer: {huge}: not a readable .npy of numbers (its header declares more data than the file " \
            f"holds" in line, line
+
+
+def test_a_budget_of_bytes_without_a_unit_is_not_taken_as_a_billion_models(capsys, tmp_path):
+    # A bare number is a fraction of the model; `serve --budget 1073741824` failed only once
+    # the workers started, with a budget of 14273859951788032 bytes.
+    import pytest
+
+    from prefetchd.cli import build_parser
+    for args in (["serve", "--budget", "1073741824"], ["bench", "model", "--budget", "1e30"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(args)
+        assert "reads as a fraction of the model" in capsys.readouterr().err
+    assert build_parser().parse_args(["serve", "--budget", "1.5"]).budget == 1.5     # one and a half models
+    config = tmp_path / "c.toml"
+    config.write_text('[serve]\nbudget = "1073741824"\n')
+    out = run("config", "validate", "--config", str(config))
+    assert out.returncode == 1 and "[serve] budget" in one_error_line(out) and "give a unit" in out.stderr
