@@ -23,6 +23,6 @@ def warn_unknown_env(env, keys):
         if not name.startswith(ENV_PREFIX) or name in settings or name in OTHER_ENV or name in _warned_env:
             continue
         _warned_env.add(name)
-        close = difflib.get_close_matches(name, sorted(settings), n=1)
+        close = [name.upper()] if name.upper() in settings else difflib.get_close_matches(name, sorted(settings), n=1)
         log.warning("%s is not a prefetchd setting and is ignored%s", name,
                     f" (did you mean {close[0]}?)" if close else "")

@@ -18,6 +18,10 @@ def _is_table(value):
 
 def check_tables(doc, path):
     """ConfigError if the parsed TOML `doc` of file `path` holds what no reader reads."""
+    flat = [k for k in TABLES if k in doc and not isinstance(doc[k], dict)]
+    if flat:        # `serve = 3`, or [[serve]] (an array of tables): read as an unknown setting
+        raise ConfigError(f"config file {path}: {flat[0]} is not a table: write [{flat[0]}] on a line of "
+                          f"its own with its settings below it (not {flat[0]} = ..., nor [[{flat[0]}]])")
     unknown = [k for k, v in doc.items() if _is_table(v) and k not in TABLES]
     if unknown:
         close = difflib.get_close_matches(unknown[0], TABLES, n=1)

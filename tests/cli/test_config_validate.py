@@ -25,6 +25,10 @@ def error_line(out):
 BAD = [
     ("misspelled table", '[prefetch]\ndevice_budget = "1KiB"\n',
      ["unknown table [prefetch]", "did you mean [prefetchd]?"]),
+    ("serve table as a value", 'serve = 3\n',                  # was "serve: unknown setting"
+     ["serve is not a table: write [serve] on a line of its own"]),
+    ("serve table as an array of tables", '[[serve]]\nworkers = 2\n',
+     ["serve is not a table", "nor [[serve]]"]),
     ("top-level keys beside [prefetchd]", 'device_budget = "1KiB"\n[prefetchd]\nlookahead = 3\n',
      ["device_budget outside the [prefetchd] table", "move it into [prefetchd]"]),
     ("[serve] endpoint", '[serve]\nendpoint = "foo://x"\n',
