@@ -15,6 +15,7 @@ import json
 import math
 import os
 
+from ..errors import PrefetchdError
 from .common import UsageError, daemon_name, seconds
 
 
@@ -203,7 +204,13 @@ def cmd_status(args):
     if args.json:
         print(json.dumps(st, indent=2, sort_keys=True))
     else:
-        print(format_status(st))
+        try:
+            text = format_status(st)
+        except (TypeError, KeyError, AttributeError, ValueError) as e:
+            raise PrefetchdError(f"status: {args.endpoint or 'the endpoint'} answered with a status that is "
+                             f"neither a prefetchd daemon's nor a serve front's ({type(e).__name__}: {e}); "
+                             f"--json prints what it sent") from None
+        print(text)
     return 0
 
 

@@ -141,3 +141,41 @@ def test_a_budget_of_bytes_without_a_unit_is_not_taken_as_a_billion_models(capsy
     config.write_text('[serve]\nbudget = "1073741824"\n')
     out = run("config", "validate", "--config", str(config))
     assert out.returncode == 1 and "[serve] budget" in one_error_line(out) and "give a unit" in out.stderr
+
+
+def test_status_of_a_server_that_answers_no_prefetchd_status_says_so(tmp_path):
+    # A server speaking the protocol with another result printed
+    # "TypeError: argument of type 'int' is not iterable".
+    import threading
+
+    import zmq
+
+    from prefetchd.control import protocol as P
+    endpoint = f"ipc://{tmp_path}/other.sock"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    router.bind(endpoint)
+    stop = threading.Event()
+
+    def answer():
+        while not stop.is_set():
+            if router.poll(100):
+                envelope, (_, rid, *_) = P.split_envelope(router.recv_multipart())
+                router.send_multipart([*envelope, *P.encode_ok(rid, 12)])
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        out = run("status", "--endpoint", endpoint)
+        assert out.returncode == 1, out.stderr
+        line = one_error_line(out)
+        assert f"status: {endpoint} answered with a status that is neither a prefetchd daemon's nor a serve " \
+               f"front's" in line and "--json prints what it sent" in line, line
+        out = run("status", "--endpoint", endpoint, "--json")
+        assert out.returncode == 0 and out.stdout.strip() == "12"
+    finally:
+        stop.set()
+        thread.join(5)
+        router.close()
+        ctx.term()
