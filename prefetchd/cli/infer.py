@@ -45,6 +45,18 @@ def _load(path):
         raise UsageError(f"infer: {path}: not a readable .npy of numbers ({e})") from None
 
 
+def _check_out_dir(out):
+    """--out is a directory or can be made one (it said "[Errno 17] File exists" for a file)."""
+    path = os.path.abspath(out)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise UsageError(f"infer: argument --out: {path} is a file, not a directory; --out is the "
+                         f"directory the outputs are written to")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"infer: argument --out: {path} is not writable")
+
+
 def cmd_infer(args):
     import numpy as np
 
@@ -53,7 +65,7 @@ def cmd_infer(args):
     arrays = [_load(p) for p in args.inputs]
     if args.max_new_tokens is not None and len(arrays) != 1:
         raise UsageError("infer: --max-new-tokens takes one input, the prompt ids")
-    os.makedirs(args.out, exist_ok=True)
+    _check_out_dir(args.out)
     from ..control.endpoints import resolve_endpoint
     from .control import _refuse_missing_socket
     _refuse_missing_socket(resolve_endpoint(args.endpoint, "serve"), "serve front",
@@ -63,6 +75,7 @@ def cmd_infer(args):
             outputs = {"tokens": c.generate(args.model, arrays[0], args.max_new_tokens)}
         else:
             outputs = {f"output{i}": y for i, y in enumerate(c.infer(args.model, *arrays))}
+    os.makedirs(args.out, exist_ok=True)      # once there is something to put there
     for name, y in outputs.items():
         path = os.path.join(args.out, f"{name}.npy")
         np.save(path, np.asarray(y))

@@ -179,3 +179,16 @@ def test_status_of_a_server_that_answers_no_prefetchd_status_says_so(tmp_path):
         thread.join(5)
         router.close()
         ctx.term()
+
+
+def test_infer_checks_out_before_connecting_and_makes_it_only_for_outputs(tmp_path):
+    # `--out FILE` said "[Errno 17] File exists"; `--out NEWDIR` was made before a front was found.
+    import numpy as np
+    np.save(tmp_path / "x.npy", np.ones((1, 4), np.float32))
+    (tmp_path / "file").write_text("x")
+    nobody = f"ipc://{tmp_path / 'nobody.sock'}"
+    out = run("infer", "--endpoint", nobody, "--model", "m0", str(tmp_path / "x.npy"), "--out", str(tmp_path / "file"))
+    assert out.returncode == 2 and "argument --out: " in one_error_line(out) and "is a file, not a directory" in out.stderr
+    out = run("infer", "--endpoint", nobody, "--model", "m0", str(tmp_path / "x.npy"), "--out", str(tmp_path / "new"))
+    assert out.returncode == 1 and "no serve front at" in one_error_line(out)
+    assert not (tmp_path / "new").exists()
