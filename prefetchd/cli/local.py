@@ -110,8 +110,12 @@ def cmd_config(args):
     from ..config import Config
     config = Config.load(args.config)          # ConfigError: one line, exit 1
     if args.action == "validate":
-        from .serve import config_path, serve_table
-        serve_table(config_path(args))         # [serve]: what `prefetchd serve` would refuse
+        from .serve import check_combinations, serve_options
+        o = serve_options(args)                # [serve]: what `prefetchd serve` would refuse,
+        check_combinations(o, o["model"])      # alone and together, and a model it cannot load
+        if o["model"]:
+            from ..serve.spec import load_factory
+            load_factory(o["model"])
         if config.endpoint:                    # what the daemon's control server would refuse
             from types import SimpleNamespace
 

@@ -37,6 +37,10 @@ BAD = [
      ["[serve] endpoint (from file", "loopback"]),
     ("[serve] metrics_addr", '[serve]\nmetrics_addr = "not-an-ip"\n',
      ["[serve] metrics_addr (from file", "'not-an-ip' is not an IP address"]),
+    ("[serve] shared_host without a checkpoint store", '[serve]\nshared_host = true\n',   # validate said OK
+     ["--shared-host needs --checkpoint-store"]),
+    ("[serve] model that cannot be imported", '[serve]\nmodel = "nosuchmodule:build"\n',
+     ["cannot import nosuchmodule"]),
     ("allow_remote without keys", '[prefetchd]\nallow_remote = true\nendpoint = "tcp://0.0.0.0:5555"\n',
      ["allow_remote without curve_keys_dir"]),
 ]
