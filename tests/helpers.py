@@ -94,3 +94,12 @@ def ping_within(endpoint, within):
             except RequestTimeout:
                 pass
     return False
+
+
+def running(pid):
+    """Whether `pid` runs (a zombie does not: a container's init may never reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

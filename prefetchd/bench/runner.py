@@ -11,15 +11,22 @@ import shutil
 import tempfile
 
 
-def _fraction_of_the_model(text):
-    """--host-budget: a finite fraction >= 0 of the model's bytes (above 1 covers it)."""
+def _finite(text, least, *, above=False, means="a number"):
+    """A finite number >= `least` (> `least` if `above`): nan, inf and negatives ran for no
+    time and reported success, or divided by zero."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction of the model, e.g. 0.5, not {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"a fraction of the model must be finite and >= 0, not {text!r}")
+        raise argparse.ArgumentTypeError(f"{text!r} is not {means}") from None
+    if not math.isfinite(value) or value < least or (above and value == least):
+        raise argparse.ArgumentTypeError(f"{text!r}: {means} must be finite and "
+                                         f"{'above' if above else 'at least'} {least:g}")
     return value
+
+
+def _fraction_of_the_model(text):
+    """--host-budget: a fraction >= 0 of the model's bytes (above 1 covers it)."""
+    return _finite(text, 0, means="a fraction of the model (e.g. 0.5)")
 
 
 def _count(text):
@@ -42,14 +49,7 @@ def _workers(text):
 
 
 def _duration(text):
-    """A finite number > 0 (nan and negatives ran for no time and reported success)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number above 0")
-    return value
+    return _finite(text, 0, above=True, means="a duration")
 
 
 def add_arguments(parser):

@@ -7,7 +7,7 @@ import pathlib
 import sys
 import time
 
-from helpers import children_of, start_serve, stop_serve, wait_until
+from helpers import children_of, running, start_serve, stop_serve, wait_until
 from prefetchd.serve.front_sockets import SERVE_LOCK
 from prefetchd.serve.leftovers import MIN_AGE_SECONDS, remove_leftovers
 
@@ -102,15 +102,6 @@ def _killed_then_restarted(tmp_path, tmp, run):
     assert os.listdir(tmp) == []
 
 
-def _running(pid):
-    """Whether `pid` runs (a zombie does not: a container's init may never reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_a_front_on_the_same_store_removes_the_worker_stores_a_killed_one_left(tmp_path):
     """With --store, a front killed with SIGKILL left its workers' stores (worker-<i>-<gen>)
     there, and no later front removed them (probe I). The next front removes those no
@@ -125,7 +116,7 @@ def test_a_front_on_the_same_store_removes_the_worker_stores_a_killed_one_left(t
     first.wait(10)
     # Its workers exit once orphaned, letting their stores' locks go; a second front started
     # before that found them held (a flaky failure in a CI dry run).
-    assert wait_until(lambda: not any(map(_running, workers)), 30, 0.2)
+    assert wait_until(lambda: not any(map(running, workers)), 30, 0.2)
     left = [p for p in os.listdir(store) if p.startswith("worker-")]
     assert left, os.listdir(store)
     for name in left:

@@ -19,7 +19,7 @@ import time
 import pytest
 import zmq
 
-from helpers import children_of, wait_until as _wait_until
+from helpers import children_of, running, wait_until as _wait_until
 import numpy as np
 
 from prefetchd.control import Client, RequestTimeout, ServiceError
@@ -328,9 +328,7 @@ def test_a_worker_still_building_exits_when_its_front_is_killed(tmp_path):
         assert workers
         proc.kill()
         proc.wait(5)
-        assert wait_until(lambda: not any(os.path.exists(f"/proc/{w}") and
-                                          open(f"/proc/{w}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-                                          for w in workers), 10, 0.1)
+        assert wait_until(lambda: not any(map(running, workers)), 10, 0.1)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -397,14 +395,6 @@ def test_serve_options_flags_over_file_over_defaults(tmp_path, monkeypatch):
         assert str(cfg) in str(refused.value)
 
 
-def _running_pid(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_a_worker_in_the_middle_of_a_job_exits_soon_after_its_front_is_killed(tmp_path):
     """A ready worker looked for its front only between jobs: one inside a long forward (a
     generate) ran on for nobody for tens of seconds after a SIGKILLed front, holding its
@@ -422,7 +412,7 @@ def test_a_worker_in_the_middle_of_a_job_exits_soon_after_its_front_is_killed(tm
             proc.kill()
             proc.wait(5)
             killed = time.monotonic()
-            assert wait_until(lambda: not any(map(_running_pid, workers)), 20, 0.1)
+            assert wait_until(lambda: not any(map(running, workers)), 20, 0.1)
             assert time.monotonic() - killed < 10
     finally:
         if proc.poll() is None:
