@@ -26,7 +26,6 @@ named thread per track (`TRACKS`), "X" spans, "i" instants, "C" counters,
 bytes and tensor/unit names in `args`.
 """
 import collections
-import contextlib
 import json
 import os
 import queue
@@ -34,7 +33,7 @@ import threading
 import time
 
 from ..errors import ConfigError
-from .output_files import output_file_problem, writable_output
+from .output_files import output_file_problem, write_atomically
 
 __all__ = ["Timeline", "NullTimeline", "TRACKS", "KIND_TRACKS"]
 
@@ -296,17 +295,8 @@ class Timeline(NullTimeline):
         path = os.fspath(path or self.path or "")
         if not path:
             raise ValueError("Timeline.write: no path given and the timeline has none")
-        target = writable_output(path)      # (never renamed over a device, FIFO or directory)
         doc = self.to_json()
-        tmp = f"{target}.tmp{os.getpid()}"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(doc, f, separators=(",", ":"))
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_atomically(path, lambda f: f.write(json.dumps(doc, separators=(",", ":")).encode()))
         if path == self.path:
             self._written = True
         return path

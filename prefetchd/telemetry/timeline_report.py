@@ -7,6 +7,7 @@
 import json
 import os
 
+from .output_files import write_atomically
 from .timeline import COMPUTE, COPY_TRACKS, SCHEDULER, TRACKS, Timeline
 
 __all__ = ["breakdown", "plot", "require_plot", "spans", "summarize"]
@@ -150,6 +151,7 @@ def plot(source, path):
     ax.set_xlabel("seconds")
     ax.set_title("prefetchd timeline")
     fig.tight_layout()
-    fig.savefig(os.fspath(path), dpi=100)
-    plt.close(fig)
-    return os.fspath(path)
+    try:
+        return write_atomically(path, lambda f: fig.savefig(f, dpi=100, format="png"))
+    finally:
+        plt.close(fig)

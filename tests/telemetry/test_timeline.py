@@ -148,7 +148,7 @@ def _special_files(tmp_path):
     listener.bind(str(tmp_path / "sock"))
     (tmp_path / "dir").mkdir()
     os.symlink(tmp_path / "null", tmp_path / "link-to-null")
-    return listener, ["fifo", "null", "sock", "dir", "link-to-null"]
+    return listener, ["fifo", "null", "sock", "dir", "link-to-null"]   # (the link: refused as a link)
 
 
 @pytest.mark.skipif(sys.platform != "linux" or __import__("os").geteuid() != 0, reason="mknod needs root")
@@ -179,14 +179,24 @@ def test_a_trace_path_that_is_no_regular_file_is_refused_before_the_run_and_left
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)    # no PATH.tmpPID left
 
 
-def test_a_trace_path_through_a_symlink_writes_the_file_it_names(tmp_path):
+def test_a_trace_path_that_is_a_symlink_is_refused_and_neither_the_link_nor_its_file_changes(tmp_path):
+    # Followed, another user's link in a shared /tmp made root overwrite the file it named.
     import os
-    (tmp_path / "real.json").write_text("old")
-    os.symlink(tmp_path / "real.json", tmp_path / "link.json")
-    tl = Timeline.from_config(tmp_path / "link.json")
+    from prefetchd.errors import ConfigError
+    victim = tmp_path / "victim.conf"
+    victim.write_text("keep")
+    os.chmod(victim, 0o600)
+    os.symlink(victim, tmp_path / "trace.json")
+    with pytest.raises(ConfigError, match="is a symlink, not a regular file"):
+        Timeline.from_config(tmp_path / "trace.json")
+    with pytest.raises(ValueError, match="is a symlink"):
+        Timeline(None).write(tmp_path / "trace.json")
+    assert victim.read_text() == "keep" and os.stat(victim).st_mode & 0o777 == 0o600
+    assert os.readlink(tmp_path / "trace.json") == str(victim)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json", "victim.conf"]
+    tl = Timeline.from_config(tmp_path / "new.json")     # a plain new file is written, readable
     tl.close()
-    assert os.path.islink(tmp_path / "link.json")
-    assert "traceEvents" in _load(tmp_path / "real.json")
+    assert "traceEvents" in _load(tmp_path / "new.json") and os.stat(tmp_path / "new.json").st_mode & 0o777 == 0o644
 
 
 def test_breakdown_measures_busy_time_stalls_and_overlap():
