@@ -230,8 +230,20 @@ def _refuse_shared_dir(directory):
         return
     except OSError as e:
         raise ConfigError(f"keys: cannot read {directory}: {e.strerror}") from None
-    other = sorted(n for n in names if n != AUTHORIZED_DIR and not n.endswith((".key", ".key_secret")))
+    other = sorted(n for n in names if n != AUTHORIZED_DIR and not _is_certificate(os.path.join(directory, n)))
     if other:
         shown = ", ".join(repr(n) for n in other[:3]) + (", ..." if len(other) > 3 else "")
         raise ConfigError(f"keys: {directory} holds other files ({shown}); a keys directory is made "
-                          f"private (0700) and holds only certificates: give a new directory")
+                          f"private (0700) and holds only CURVE certificates: give a new directory")
+
+
+def _is_certificate(path):
+    """A ZeroMQ CURVE certificate file (NAME.key or NAME.key_secret) this command made: a TLS
+    server.key of the same name is not one, and would be overwritten."""
+    if not path.endswith((".key", ".key_secret")) or not os.path.isfile(path) or os.path.islink(path):
+        return False
+    try:
+        public, _ = zmq.auth.load_certificate(path)
+    except (OSError, ValueError, zmq.ZMQError):
+        return False
+    return public is not None and len(public) == 40

@@ -38,6 +38,13 @@ def test_keys_refuses_a_directory_holding_other_files_and_leaves_its_mode(tmp_pa
     assert "holds other files ('someone-elses.txt')" in line and "give a new directory" in line, line
     assert stat.S_IMODE(os.stat(shared).st_mode) == 0o1777
     assert os.listdir(shared) == ["someone-elses.txt"]
+    tls = tmp_path / "tls"              # a TLS key named like a certificate: not one, kept
+    tls.mkdir(mode=0o750)
+    (tls / "server.key").write_text("-----BEGIN PRIVATE KEY-----\nabc\n-----END PRIVATE KEY-----\n")
+    out = run("keys", str(tls))
+    assert out.returncode == 1 and "holds other files ('server.key')" in one_error_line(out), out.stderr
+    assert (tls / "server.key").read_text().startswith("-----BEGIN PRIVATE KEY")
+    assert stat.S_IMODE(os.stat(tls).st_mode) == 0o750
     # A new directory, then the same one again (adding a client), are taken.
     for extra in ((), ("--client", "ops")):
         out = run("keys", str(tmp_path / "keys"), *extra)
