@@ -101,9 +101,9 @@ class Daemon:
     def __init__(self, config=None, *, backend=None, **overrides):
         if isinstance(backend, str):        # the config key of that name ("cpu"), not an object
             overrides["backend"], backend = backend, None
-        elif backend is not None and not callable(getattr(backend, "notify", None)):
-            raise TypeError(f"Daemon(backend=...): a backend object (or a name such as 'cpu'), "
-                            f"not {type(backend).__name__}")
+        elif backend is not None and (isinstance(backend, type) or not callable(getattr(backend, "notify", None))):
+            what = f"the class {backend.__name__}" if isinstance(backend, type) else type(backend).__name__
+            raise TypeError(f"Daemon(backend=...): a backend object (or a name such as 'cpu'), not {what}")
         if config is None:
             config = Config.load(**overrides)
         elif overrides:

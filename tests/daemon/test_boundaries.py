@@ -416,3 +416,6 @@ def test_backend_given_by_name_is_the_config_key_and_a_non_backend_is_refused(st
     with pytest.raises(TypeError, match=r"Daemon\(backend=...\): a backend object \(or a name such as 'cpu'\), "
                                         r"not int"):
         Daemon(backend=3, store_dir=store_dir)
+    from prefetchd.backend.cpu import CpuBackend
+    with pytest.raises(TypeError, match="not the class CpuBackend"):        # (it has a notify method)
+        Daemon(backend=CpuBackend, store_dir=store_dir)
