@@ -8,8 +8,12 @@ path, dtype and shape printed, one line each. Inputs are read with
 allow_pickle=False: an .npy holding Python objects is refused.
 """
 import os
+import re
 
+from ..telemetry.output_files import output_file_problem, write_atomically
 from .common import UsageError, positive_int, seconds
+
+_OUTPUT = re.compile(r"output\d+\.npy|tokens\.npy")     # the names infer writes
 
 
 def register(sub):
@@ -26,15 +30,22 @@ def register(sub):
 
 def _load(path):
     import numpy as np
+
+    from ..serve.wire import DEFAULT_MAX_TENSOR_BYTES
     try:
         with open(path, "rb") as f:
             magic = f.read(6)
         if magic != b"\x93NUMPY":     # else numpy tries a pickle and blames that
             raise ValueError("it does not start as a .npy file does (numpy.save writes one; .npz, text "
                              "and pickles are not read)")
-        # Mapped first: a header declaring more than the file holds (1.86 TiB) is refused
-        # before anything is allocated, not a MemoryError naming no file.
-        return np.array(np.load(path, mmap_mode="r", allow_pickle=False))
+        # Mapped first: a header declaring more than the file holds (1.86 TiB), or more than a
+        # request carries (a sparse file as long as its header says), is refused before
+        # anything is allocated, not a MemoryError naming no file.
+        mapped = np.load(path, mmap_mode="r", allow_pickle=False)
+        if mapped.nbytes > DEFAULT_MAX_TENSOR_BYTES:
+            raise UsageError(f"infer: {path}: {mapped.nbytes} bytes, above the {DEFAULT_MAX_TENSOR_BYTES >> 20} "
+                             f"MiB a request may carry per tensor; send fewer rows")
+        return np.array(mapped)
     except ValueError as e:
         if "mmap length is greater than file size" in str(e):
             e = ValueError("its header declares more data than the file holds (truncated?)")
@@ -46,10 +57,18 @@ def _load(path):
 
 
 def _check_out_dir(out):
-    """--out is a directory or can be made one (it said "[Errno 17] File exists" for a file)."""
+    """--out is a directory or can be made one (it said "[Errno 17] File exists" for a file),
+    and no output it could write is there as anything but a file (a FIFO hung the write)."""
     path = os.path.abspath(out)
-    while not os.path.exists(path):
+    while not os.path.lexists(path):
         path = os.path.dirname(path)
+    if os.path.islink(path) and not os.path.exists(path):
+        raise UsageError(f"infer: argument --out: {path} is a symlink to nothing (dangling, or a loop)")
+    if os.path.isdir(path) and path == os.path.abspath(out):
+        for name in os.listdir(path):
+            problem = _OUTPUT.fullmatch(name) and output_file_problem(os.path.join(path, name))
+            if problem:
+                raise UsageError(f"infer: argument --out: {problem}")
     if not os.path.isdir(path):
         raise UsageError(f"infer: argument --out: {path} is a file, not a directory; --out is the "
                          f"directory the outputs are written to")
@@ -78,6 +97,6 @@ def cmd_infer(args):
     os.makedirs(args.out, exist_ok=True)      # once there is something to put there
     for name, y in outputs.items():
         path = os.path.join(args.out, f"{name}.npy")
-        np.save(path, np.asarray(y))
+        write_atomically(path, lambda f, y=y: np.save(f, np.asarray(y)))
         print(f"{path}\t{y.dtype}\t{list(y.shape)}")
     return 0

@@ -131,6 +131,12 @@ def test_infer_refuses_an_npy_whose_header_declares_more_than_the_file_holds(tmp
     line = one_error_line(out)
     assert f"infer: {huge}: not a readable .npy of numbers (its header declares more data than the file " \
            f"holds" in line, line
+    sparse = tmp_path / "sparse.npy"            # as long as its header says (1 GiB), all holes
+    with open(sparse, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": (1 << 28,)})
+        f.truncate(f.tell() + (1 << 30))
+    out = run("infer", "--endpoint", f"ipc://{tmp_path / 'nobody.sock'}", "--model", "m0", str(sparse))
+    assert out.returncode == 2 and "above the 256 MiB a request may carry" in one_error_line(out), out.stderr
 
 
 def test_a_budget_of_bytes_without_a_unit_is_not_taken_as_a_billion_models(capsys, tmp_path):
@@ -199,3 +205,11 @@ def test_infer_checks_out_before_connecting_and_makes_it_only_for_outputs(tmp_pa
     out = run("infer", "--endpoint", nobody, "--model", "m0", str(tmp_path / "x.npy"), "--out", str(tmp_path / "new"))
     assert out.returncode == 1 and "no serve front at" in one_error_line(out)
     assert not (tmp_path / "new").exists()
+    # A dangling link passed and the outputs were lost at the end; a FIFO where an output
+    # goes hung the write.
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    (tmp_path / "outs").mkdir()
+    os.mkfifo(tmp_path / "outs" / "output0.npy")
+    for where, says in (("dangling", "is a symlink to nothing"), ("outs", "output0.npy' is a FIFO")):
+        out = run("infer", "--endpoint", nobody, "--model", "m0", str(tmp_path / "x.npy"), "--out", str(tmp_path / where))
+        assert out.returncode == 2 and says in one_error_line(out), out.stderr
