@@ -151,10 +151,14 @@ def cmd_demo(args):
                          f"{_mib(model_bytes)} of weights of the model --size {_mib(args.size)} "
                          f"--hidden {args.hidden} builds; expected a size (2GiB) up to that or a "
                          f"fraction of the model in (0, 100%] (25% or 0.25)")
+    from ..errors import ConfigError
     try:
         o = checked_options(args)
+    except ConfigError:                      # a configured value (PREFETCHD_TRACE=...): named so
+        raise
     except ValueError as e:                  # an option the machine or the model cannot take
-        raise UsageError(f"demo: argument --{str(e).split()[0]}: {str(e).split(' ', 1)[1]}") from None
+        key, _, problem = str(e).partition(" ")
+        raise UsageError(f"demo: argument --{key.replace('_', '-')}: {problem}") from None
     need = smallest_budget(o)
     if need is not None:
         percent = -(-need * 100 // model_bytes)          # rounded up, as the MiB are

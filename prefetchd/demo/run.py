@@ -131,6 +131,9 @@ def checked_options(args=None, /, **options):
     if unknown:
         raise TypeError(f"run_demo: unknown option(s) {', '.join(sorted(unknown))}")
     o = {**DEFAULTS, **options}
+    from ..config import Config
+    config = Config.load()
+    o["note"] = _apply_configured(o, config)
     _check_model_size(o["size"], o["hidden"])
     o["device_budget"] = device_budget_for(o["budget"], model_bytes_for(o["size"], o["hidden"]))
     hold = o["hold"]
@@ -140,10 +143,13 @@ def checked_options(args=None, /, **options):
     if port is not None and (isinstance(port, bool) or not isinstance(port, int)
                              or not 0 <= port <= 65535):
         raise ValueError(f"metrics_port {port!r}: expected a port 0-65535 (0: any free one)")
+    problem = port and _port_problem(port, config.metrics_addr)
+    if problem:
+        _refuse(o, "metrics_port", problem)
     for key in ("trace", "plot"):
         problem = o[key] and output_file_problem(o[key])
         if problem:
-            raise ValueError(f"{key} {problem}")
+            _refuse(o, key, problem)
     if o["tier"] not in ("remote", "host"):
         raise ValueError(f"run_demo: tier must be 'remote' or 'host', got {o['tier']!r}")
     if not isinstance(o["seq"], int) or not 1 <= o["seq"] <= MAX_SEQ:
@@ -191,17 +197,36 @@ def run_demo(args=None, /, **options):
 _DEMO_SETS = {"device_budget": "--budget", "store_dir": "--store", "lookahead": "--lookahead"}
 
 
-def _apply_configured(o, config, say):
-    """Take the configured trace and metrics port where no option gave one (they only observe),
-    and say which configured settings the demo does not apply (they were dropped unsaid)."""
+def _apply_configured(o, config):
+    """Take the configured trace and metrics port where no option gave one (they only observe);
+    return the note naming the configured settings the demo sets itself (dropped unsaid)."""
     sources = config.sources()
-    for key, option in (("trace", "trace"), ("metrics_port", "metrics_port")):
-        if o[option] is None and key in sources:
-            o[option] = getattr(config, key)
+    o["configured"] = {}
+    for key in ("trace", "metrics_port"):
+        if o[key] is None and key in sources:
+            o[key], o["configured"][key] = getattr(config, key), sources[key]
     kept = [key for key in _DEMO_SETS if key in sources]
-    if kept:
-        say(f"note: the demo sets {', '.join(kept)} itself ({', '.join(_DEMO_SETS[k] for k in kept)}): "
-            f"{', '.join(sources[k] for k in kept)} not applied")
+    return (f"note: the demo sets {', '.join(kept)} itself ({', '.join(_DEMO_SETS[k] for k in kept)}): "
+            f"{', '.join(sources[k] for k in kept)} not applied") if kept else None
+
+
+def _port_problem(port, addr):
+    """Why the exporter could not listen on `port` (it failed only after staging), or None."""
+    import socket
+    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
+        try:
+            s.bind((addr, port))
+        except OSError as e:
+            return f"{port}: cannot listen on {addr}:{port}: {e.strerror}"
+    return None
+
+
+def _refuse(o, key, problem):
+    """ValueError naming option `key`; a ConfigError naming its source if it was configured."""
+    from ..errors import ConfigError
+    if key in o["configured"]:
+        raise ConfigError(f"{key} (from {o['configured'][key]}): {problem}")
+    raise ValueError(f"{key} {problem}")
 
 
 def _progress(label, quiet, total_bytes=None, total_tensors=None):
@@ -217,7 +242,8 @@ def _run(o, say, quiet):
     from ..limits import available_memory
     from .model import build_model, estimate_bytes, init_values, layers_for, make_inputs
 
-    _apply_configured(o, Config.load(), say)
+    if o["note"]:
+        say(o["note"])
     ms = mindspore()
     ms.set_device("CPU")
     hidden = o["hidden"]

@@ -213,3 +213,22 @@ def test_infer_checks_out_before_connecting_and_makes_it_only_for_outputs(tmp_pa
     for where, says in (("dangling", "is a symlink to nothing"), ("outs", "output0.npy' is a FIFO")):
         out = run("infer", "--endpoint", nobody, "--model", "m0", str(tmp_path / "x.npy"), "--out", str(tmp_path / where))
         assert out.returncode == 2 and says in one_error_line(out), out.stderr
+
+
+def test_demo_refuses_a_configured_trace_or_busy_port_before_staging_naming_the_setting(tmp_path):
+    # The configured ones were taken after staging and a pass: refused only at the end.
+    import socket
+    os.mkfifo(tmp_path / "fifo")
+    out = run("demo", "--size", "16MiB", "--hidden", "256", "--store", str(tmp_path / "store"),
+              env={"PREFETCHD_TRACE": str(tmp_path / "fifo")})
+    assert out.returncode == 1 and "trace (from env PREFETCHD_TRACE): " in one_error_line(out), out.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        out = run("demo", "--size", "16MiB", "--hidden", "256", "--store", str(tmp_path / "store"),
+                  env={"PREFETCHD_METRICS_PORT": port})
+        assert out.returncode == 1 and "metrics_port (from env PREFETCHD_METRICS_PORT): " in one_error_line(out)
+        out = run("demo", "--size", "16MiB", "--hidden", "256", "--metrics-port", port)
+        assert out.returncode == 2 and "argument --metrics-port: " in one_error_line(out)
+    assert not (tmp_path / "store").exists()

@@ -91,11 +91,12 @@ def test_a_metrics_port_in_use_is_named_with_its_setting(tmp_path):
     taken.listen()
     port = taken.getsockname()[1]
     try:
-        # It was a bare "[Errno 98] Address already in use": no port, no setting.
+        # It was a bare "[Errno 98] Address already in use": no port, no setting. (Refused
+        # before staging now: a usage error, exit 2.)
         out = run("demo", "--size", "96MiB", "--hidden", "512", "--passes", "1",
                   "--metrics-port", str(port), timeout=300)
         line = out.stderr.strip().splitlines()[-1]
-        assert out.returncode == 1 and line.startswith("prefetchd: error: "), out.stderr
+        assert out.returncode == 2 and line.startswith("prefetchd: error: "), out.stderr
         assert f"127.0.0.1:{port}" in line and "--metrics-port" in line, line
         d = prefetchd.Daemon(device_budget=1 << 20, store_dir=str(tmp_path), metrics_port=port)
         try:
