@@ -49,9 +49,15 @@ def _workers(text):
     return positive_int(text, most=MAX_WORKERS)
 
 
-_PARSERS = {"workers": _workers, "models": positive_int, "hidden": positive_int,
-            "layers": positive_int, "batch": positive_int, "seq": positive_int,
-            "lookahead": positive_int, "max_batch_size": positive_int, "request_timeout": seconds,
+def _count(most):
+    """Counts far beyond any machine (--models 99999999 grew each worker to 7 GB and was
+    respawned for minutes; --lookahead past the daemon's 1024 blamed the budget)."""
+    return lambda text: positive_int(text, most=most)
+
+
+_PARSERS = {"workers": _workers, "models": _count(1024), "hidden": _count(1 << 16),
+            "layers": _count(4096), "batch": _count(1 << 16), "seq": _count(1 << 16),
+            "lookahead": _count(1024), "max_batch_size": _count(1 << 16), "request_timeout": seconds,
             "heartbeat_timeout": seconds, "start_timeout": seconds, "max_queue_delay_ms": _milliseconds,
             "metrics_port": port, "metrics_addr": _ip_address, "model_bytes": _size, "budget": budget}
 _FILE_SWITCHES = ("hints", "shared_host")     # the rest are text: endpoint, model, store, ...

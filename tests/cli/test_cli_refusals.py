@@ -67,7 +67,9 @@ def test_worker_counts_are_bounded_and_bench_counts_are_not_read_as_the_default(
              ("--workers", "bench", "serve", "--workers", "1000"), ("--requests", "bench", "sched", "--requests", "0"),
              ("--requests", "bench", "sched", "--requests", "-5"), ("--hidden", "bench", "model", "--hidden", "-1"),
              ("--layers", "bench", "model", "--layers", "0"), ("--batch", "bench", "model", "--batch", "4", "-1"),
-             ("--seconds", "bench", "soak", "--seconds", "nan"), ("--minutes", "bench", "soak", "--minutes", "-1")]
+             ("--seconds", "bench", "soak", "--seconds", "nan"), ("--minutes", "bench", "soak", "--minutes", "-1"),
+             ("--models", "serve", "--models", "99999999"), ("--lookahead", "serve", "--lookahead", "2000"),
+             ("--hidden", "serve", "--hidden", "99999999")]
     for flag, *args in cases:
         with pytest.raises(SystemExit) as exit:
             build_parser().parse_args(args)
