@@ -110,12 +110,12 @@ def cmd_config(args):
     from ..config import Config
     config = Config.load(args.config)          # ConfigError: one line, exit 1
     if args.action == "validate":
-        from .serve import check_combinations, serve_options
+        from .serve import serve_options, serve_spec
         o = serve_options(args)                # [serve]: what `prefetchd serve` would refuse,
-        check_combinations(o, o["model"])      # alone and together, and a model it cannot load
-        if o["model"]:
-            from ..serve.spec import load_factory
-            load_factory(o["model"])
+        spec = serve_spec(o)                   # alone and together, a model it cannot load
+        if spec.checkpoint_store:              # and a checkpoint store it could not serve
+            from ..serve.spec import check_checkpoint_store
+            check_checkpoint_store(spec, o["store"])
         if config.endpoint:                    # what the daemon's control server would refuse
             from types import SimpleNamespace
 

@@ -41,6 +41,8 @@ BAD = [
      ["--shared-host needs --checkpoint-store"]),
     ("[serve] model that cannot be imported", '[serve]\nmodel = "nosuchmodule:build"\n',
      ["cannot import nosuchmodule"]),
+    ("[serve] checkpoint store that is not there", '[serve]\ncheckpoint_store = "/nonexistent/ckpt"\n',
+     ["--checkpoint-store /nonexistent/ckpt: not a directory"]),
     ("allow_remote without keys", '[prefetchd]\nallow_remote = true\nendpoint = "tcp://0.0.0.0:5555"\n',
      ["allow_remote without curve_keys_dir"]),
 ]
