@@ -232,7 +232,8 @@ _CTL_OPTIONS = {"lease": ("pin", "renew"), "priority": ("prefetch",),
 def _check_ctl_args(op, values, args):
     """Refuse, before connecting, arguments the operation does not take (they were ignored)."""
     for option, ops in _CTL_OPTIONS.items():
-        if getattr(args, option) not in (None, False) and op not in ops:
+        given = getattr(args, option)
+        if given is not None and given is not False and op not in ops:     # (--priority 0 is given)
             flag = "--" + option.replace("_", "-")
             raise UsageError(f"ctl {op}: takes no {flag} (only {', '.join(ops)} do)")
     most = {"ping": 0, "stats": 0, "status": 0, "list": 1, "set-watermarks": 2}.get(op)

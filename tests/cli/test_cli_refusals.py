@@ -113,6 +113,7 @@ def test_ctl_refuses_an_option_its_operation_does_not_read(tmp_path):
     # without a word. Refused before connecting: nothing listens here.
     nobody = f"ipc://{tmp_path}/nobody.sock"
     for args, flag in ((("ping", "--lease", "5"), "--lease"), (("evict", "w0", "--priority", "9"), "--priority"),
+                       (("ping", "--priority", "0"), "--priority"),
                        (("pin", "w0", "--no-wait"), "--no-wait"), (("prefetch", "w0", "--lease", "3"), "--lease"),
                        (("unpin", "L1", "--lease", "3"), "--lease")):
         out = run("ctl", "--endpoint", nobody, *args)
