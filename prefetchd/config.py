@@ -75,7 +75,7 @@ def parse_size(value, key="size"):
 
 
 def parse_fraction_or_size(value, budget, key):
-    """A watermark: a fraction 0 < f <= 1 of `budget` ("90%", "0.9", 0.9), or a size ("900MiB", 943718400)."""
+    """A watermark: a fraction in [0, 1] of `budget` ("90%", 0.9), or bytes ("900MiB", "9.4e8", 943718400)."""
     if isinstance(value, str) and value.strip().endswith("%"):
         try:
             value = float(value.strip()[:-1]) / 100
@@ -86,10 +86,10 @@ def parse_fraction_or_size(value, budget, key):
             value = float(value)
         except ValueError:
             return parse_size(value, key)
-    if isinstance(value, float):
-        if not math.isfinite(value) or not 0 < value <= 1:
-            raise ConfigError(f"{key}: a fraction of the budget must be in (0, 1], got {value}")
+    if isinstance(value, float) and math.isfinite(value) and 0 <= value <= 1:
         return int(budget * value)
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer() and value > 1):
+        raise ConfigError(f"{key}: expected a fraction of the budget in [0, 1] or whole bytes, got {value}")
     return parse_size(value, key)
 
 

@@ -83,6 +83,14 @@ def test_a_watermark_reads_the_same_from_a_file_the_environment_and_an_argument(
                     getattr(Config.load(env=env), key),
                     getattr(Config.load(env={}, device_budget=budget, **{key: value}), key)}
         assert readings == {want}, (key, value, readings)
+    # Every written form of a whole number is bytes, and 0, 0.0 and 0% are 0 (9.4e8 in TOML, "1e9"
+    # in the environment and `ctl set-watermarks 1e7` were refused as fractions above 1).
+    for value, want in (("943718400.0", 943718400), ("+943718400", 943718400), ("1e9", 10 ** 9),
+                        ("943_718_400", 943718400), (9.4e8, 940000000), ("0.0", 0), ("0%", 0), (0.0, 0)):
+        assert Config.load(env={}, device_budget=budget << 1, low_watermark=value).low_watermark == want, value
+    for value in ("150%", "-1", "nan", 1.5, "inf"):
+        with pytest.raises(ConfigError, match="expected a fraction of the budget in \\[0, 1\\] or whole bytes"):
+            Config.load(env={}, low_watermark=value)
     for where in ({"env": {"PREFETCHD_HIGH_WATERMARK": "0"}}, {"env": {}, "high_watermark": 0}):
         with pytest.raises(ConfigError, match="high_watermark: 0 is out of bounds: must be at least 4096"):
             Config.load(**where)
