@@ -61,9 +61,9 @@ class Heartbeats:
         the workers' silence, and killing them for it killed healthy workers."""
         if self._attended is not None:
             away = now - self._attended - self.interval
-            if away > 0:
-                for index in self._heard:
-                    self._heard[index] += away
+            if away > 0:       # (never past now: a reply read in this same round is fresh)
+                for index, heard in self._heard.items():
+                    self._heard[index] = min(heard + away, now)
         self._attended = now
 
     def hung(self, slots, now):

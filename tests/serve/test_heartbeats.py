@@ -32,3 +32,17 @@ def test_the_time_the_front_was_away_is_not_counted_against_the_workers():
     for second in range(37, 52):
         beats.attend(float(second))
     assert beats.hung(slots, 51.0) == [slots[1]]    # worker 1 stayed silent for 15 s of listening
+
+
+def test_a_reply_read_in_the_round_the_front_was_away_is_not_moved_into_the_future():
+    # The loop drains the replies (heard) before its timers (attend): the time away was
+    # added to a fresh reply, and a worker hung after it was found 35 s late.
+    beats, slot = Heartbeats(interval=1.0, timeout=15.0), _slot(0)
+    beats.on_ready(slot, now=0.0)
+    beats.attend(0.5)
+    beats.heard(slot, rid=b"r", now=35.9)            # drained first, in the round that took 35 s
+    beats.attend(36.0)
+    for second in range(37, 53):                     # then it hangs
+        beats.attend(float(second))
+    assert beats.hung([slot], 52.0) == [slot]        # 16 s of listening after its last reply
+

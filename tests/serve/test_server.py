@@ -418,3 +418,27 @@ def test_a_worker_in_the_middle_of_a_job_exits_soon_after_its_front_is_killed(tm
         if proc.poll() is None:
             proc.kill()
             proc.wait(5)
+
+
+def test_a_front_held_up_longer_than_the_heartbeat_timeout_keeps_its_workers(tmp_path):
+    """The front counted the time its own loop was held up (a message of six million frames
+    took 35 s to receive) as its workers' silence, and killed both healthy workers: here the
+    front is stopped (SIGSTOP) for twice the timeout instead."""
+    from helpers import start_serve, stop_serve
+    endpoint = f"ipc://{tmp_path}/held.sock"
+    proc = start_serve(endpoint, ["--hidden", "32", "--layers", "2", "--batch", "2", "--seq", "4",
+                                  "--heartbeat-timeout", "3", "--store", str(tmp_path / "store")], _serve_env())
+    try:
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(6.0)
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(2.0)                                   # its timers ran again: none found hung
+        with Client(endpoint, timeout=10) as c:
+            (worker,) = c.status()["workers"]
+        assert worker["generation"] == 1 and worker["deaths"] == 0, worker
+        with ServeClient(endpoint, timeout=30) as c:
+            (y,) = c.infer("m0", np.ones((2, 4, 32), np.float32))
+        assert np.isfinite(y).all()
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        assert stop_serve(proc) == 0
