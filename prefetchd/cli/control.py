@@ -204,14 +204,25 @@ def cmd_status(args):
     if args.json:
         print(json.dumps(st, indent=2, sort_keys=True))
     else:
-        try:
-            text = format_status(st)
-        except (TypeError, KeyError, AttributeError, ValueError) as e:
-            raise PrefetchdError(f"status: {args.endpoint or 'the endpoint'} answered with a status that is "
-                             f"neither a prefetchd daemon's nor a serve front's ({type(e).__name__}: {e}); "
-                             f"--json prints what it sent") from None
-        print(text)
+        print(_printable(_formatted(st, args.endpoint)))
     return 0
+
+
+def _formatted(st, endpoint):
+    """format_status of a daemon's or a serve front's status; PrefetchdError for anything else."""
+    why = None if isinstance(st, dict) and ("front" in st or "device" in st) else "no 'device' or 'front' in it"
+    if why is None:
+        try:
+            return format_status(st)
+        except (TypeError, KeyError, AttributeError, ValueError, OverflowError) as e:
+            why = f"{type(e).__name__}: {str(e)[:200]}"
+    raise PrefetchdError(f"status: {endpoint or 'the endpoint'} answered with a status that is neither a "
+                         f"prefetchd daemon's nor a serve front's ({why}); --json prints what it sent")
+
+
+def _printable(text):
+    """`text` without the control characters a server's strings could carry to the terminal."""
+    return "".join(c if c.isprintable() or c == "\n" else "?" for c in text)
 
 
 # ----------------------------------------------------------------------------- ctl
