@@ -20,7 +20,7 @@ def warn_unknown_env(env, keys):
     once per name, with the setting it is closest to."""
     settings = {ENV_PREFIX + k.upper() for k in keys}
     for name in env:
-        if not name.startswith(ENV_PREFIX) or name in settings or name in OTHER_ENV or name in _warned_env:
+        if not name.upper().startswith(ENV_PREFIX) or name in settings or name in OTHER_ENV or name in _warned_env:
             continue
         _warned_env.add(name)
         close = [name.upper()] if name.upper() in settings else difflib.get_close_matches(name, sorted(settings), n=1)

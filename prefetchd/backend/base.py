@@ -181,7 +181,8 @@ def open_store(config):
     from .. import _native
     from ..errors import ConfigError
     from ..errors import StorageError
-    if os.environ.get("PREFETCHD_FAULTS"):     # a test switch, never silently on in production
+    if any(part.strip() for part in os.environ.get("PREFETCHD_FAULTS", "").split(";")):   # a test switch,
+        # never silently on in production
         logging.getLogger("prefetchd.store").warning(
             "PREFETCHD_FAULTS=%s is set: this process's store reads and writes fail or stall on purpose "
             "(fault injection for tests); unset it to run normally", os.environ["PREFETCHD_FAULTS"])

@@ -97,7 +97,7 @@ def budget(text, *, most=None):
         if fraction > MAX_MODELS:      # bytes without a unit: it failed only once workers started
             raise argparse.ArgumentTypeError(
                 f"{text!r} reads as a fraction of the model ({fraction:g} models' weights); for bytes "
-                f"give a unit ({value}B, or e.g. 2GiB)")
+                f"give a unit ({f'{int(fraction)}B' if fraction.is_integer() else 'e.g. 2GiB'})")
         return fraction
     try:
         nbytes = parse_size(value, "budget")

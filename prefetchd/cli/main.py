@@ -65,7 +65,9 @@ def main(argv=None):
     except BrokenPipeError as e:        # --help or --version printed into a closed pipe
         return _ended_by_reader() if _stdout_closed() else _fail(argparse.Namespace(debug=False), e, 1)
     except ImportError as e:            # the verbs' modules: e.g. a bad PREFETCHD_FAULTS refused by the engine
-        return _fail(argparse.Namespace(debug="--debug" in (sys.argv[1:] if argv is None else argv)), e, 1)
+        from ..errors import PrefetchdError
+        debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+        return _fail(argparse.Namespace(debug=debug), PrefetchdError(f"cannot load prefetchd: {e}"), 1)
     try:
         level = args.log_level or _env_log_level()
     except UsageError as e:

@@ -98,7 +98,8 @@ def test_a_bad_fault_spec_is_one_line_and_a_good_one_is_announced(tmp_path, monk
     out = run("--version", env={"PREFETCHD_FAULTS": "junk"})
     assert out.returncode == 1, out.stderr
     line = one_error_line(out)
-    assert "PREFETCHD_FAULTS: bad entry 'junk'" in line and "unset it to run normally" in line, line
+    assert line.startswith("prefetchd: error: cannot load prefetchd: PREFETCHD_FAULTS: bad entry 'junk'") \
+        and "unset it to run normally" in line, line
     from prefetchd.backend.base import open_store
     from prefetchd.config import Config
     monkeypatch.setenv("PREFETCHD_FAULTS", "read:error:nth=1000000")
@@ -106,6 +107,11 @@ def test_a_bad_fault_spec_is_one_line_and_a_good_one_is_announced(tmp_path, monk
         open_store(Config.load(store_dir=str(tmp_path / "store"), env={})).close()
     assert "PREFETCHD_FAULTS=read:error:nth=1000000 is set" in caplog.text
     assert "fault injection for tests" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("PREFETCHD_FAULTS", ";")                  # injects nothing: not announced
+    with caplog.at_level("WARNING", logger="prefetchd.store"):
+        open_store(Config.load(store_dir=str(tmp_path / "store"), env={})).close()
+    assert "PREFETCHD_FAULTS" not in caplog.text
 
 
 def test_ctl_refuses_an_option_its_operation_does_not_read(tmp_path):
@@ -153,6 +159,10 @@ def test_a_budget_of_bytes_without_a_unit_is_not_taken_as_a_billion_models(capsy
             build_parser().parse_args(args)
         assert "reads as a fraction of the model" in capsys.readouterr().err
     assert build_parser().parse_args(["serve", "--budget", "1.5"]).budget == 1.5     # one and a half models
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--budget", "1e9"])
+    suggested = capsys.readouterr().err.split("give a unit (")[1].split(")")[0]
+    assert suggested == "1000000000B" and build_parser().parse_args(["serve", "--budget", suggested]).budget == 10 ** 9
     config = tmp_path / "c.toml"
     config.write_text('[serve]\nbudget = "1073741824"\n')
     out = run("config", "validate", "--config", str(config))

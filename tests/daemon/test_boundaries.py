@@ -246,9 +246,10 @@ def test_a_misspelled_setting_in_the_environment_is_warned_about_once(caplog):
                     "(did you mean PREFETCHD_LOOKAHEAD?)"]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="prefetchd.config"):
-        Config.load(env={"PREFETCHD_lookahead": "3"})     # was "did you mean PREFETCHD_RANK?"
-    assert [r.getMessage() for r in caplog.records] == [
-        "PREFETCHD_lookahead is not a prefetchd setting and is ignored (did you mean PREFETCHD_LOOKAHEAD?)"]
+        Config.load(env={"PREFETCHD_lookahead": "3", "prefetchd_LOOKAHEAD": "3"})   # (was PREFETCHD_RANK?; none)
+    assert sorted(r.getMessage() for r in caplog.records) == [
+        f"{name} is not a prefetchd setting and is ignored (did you mean PREFETCHD_LOOKAHEAD?)"
+        for name in ("PREFETCHD_lookahead", "prefetchd_LOOKAHEAD")]
 
 
 def test_a_tensor_managed_by_one_live_daemon_is_refused_by_another(make_daemon, ms, tmp_path):
