@@ -38,10 +38,10 @@ import time
 import numpy as np
 
 from ..staging import Progress, stage_tensors, write_index
-from .model import MAX_SEQ
 from ..telemetry.output_files import output_file_problem
 from ..telemetry.timeline import SCHEDULER
 from ..telemetry.timeline_report import plot as plot_timeline, require_plot, summarize
+from .model import MAX_SEQ
 
 DEFAULTS = dict(size=2 << 30, hidden=1024, budget=0.25, batch=8, seq=16, lookahead=2, passes=3,
                 tier="remote", store=None, metrics_port=None, hold=0.0, json=False, trace=None, plot=None,
@@ -214,6 +214,7 @@ def _port_problem(port, addr):
     """Why the exporter could not listen on `port` (it failed only after staging), or None."""
     import socket
     with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as the exporter binds
         try:
             s.bind((addr, port))
         except OSError as e:
