@@ -40,14 +40,6 @@ def _count(text):
     return value
 
 
-def _workers(text):
-    from ..serve.pool import MAX_WORKERS
-    value = _count(text)
-    if value > MAX_WORKERS:
-        raise argparse.ArgumentTypeError(f"{text!r}: at most {MAX_WORKERS} worker processes")
-    return value
-
-
 def _duration(text):
     return _finite(text, 0, above=True, means="a duration")
 
@@ -71,7 +63,7 @@ def add_arguments(parser):
     parser.add_argument("--lookahead", type=int, default=2)
     parser.add_argument("--minutes", type=_duration, default=1.0, help="soak: duration")
     parser.add_argument("--seconds", type=_duration, default=None, help="soak: duration in seconds (overrides --minutes)")
-    parser.add_argument("--workers", type=_workers, default=2, help="serve: worker processes of the hints phases")
+    parser.add_argument("--workers", type=_count, default=2, help="serve: worker processes of the hints phases")
     parser.add_argument("--quick", action="store_true",
                         help="serve: a tiny model and few requests (checks the report, not speed)")
     parser.add_argument("--no-drop-caches", action="store_true", help="do not drop the page cache between runs")

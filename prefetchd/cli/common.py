@@ -185,6 +185,12 @@ def positive_int(text, least=1, most=None):
     return n
 
 
+def workers(text):
+    """Worker processes: 1 to serve's MAX_WORKERS (99999999 filled the RAM with slots)."""
+    from ..serve.pool import MAX_WORKERS
+    return positive_int(text, most=MAX_WORKERS)
+
+
 def lookahead(text):
     """Units prefetched ahead: 0 (each loaded when it runs) or more."""
     return positive_int(text, least=0)

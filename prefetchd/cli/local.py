@@ -4,7 +4,7 @@ import os
 
 from .common import (DEMO_BUDGET_HELP, UsageError, budget, budget_fraction, demo_budget,
                      emit, lookahead, path_given, port, positive_int, positive_size, seconds_or_zero, size,
-                     writable_file)
+                     workers, writable_file)
 
 
 def register(sub):
@@ -73,6 +73,7 @@ def register(sub):
     p.add_argument("--repeats", type=positive_int, default=None,
                    help="runs of each measurement (3; serve --quick: 1)")
     p.add_argument("--lookahead", type=positive_int, default=2, help="model/serve: units prefetched ahead (2)")
+    p.add_argument("--workers", type=workers, default=2, help="serve: worker processes of the hints phases (2)")
     # serve: run only the shared_host section (prefetchd.bench.serve's docstring); not advertised.
     p.add_argument("--only", choices=["shared"], default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)

@@ -10,7 +10,7 @@ import threading
 from ..config import ENV_PREFIX
 
 from ..errors import ConfigError
-from .common import BUDGET_HELP, UsageError, budget, port, positive_int, seconds
+from .common import BUDGET_HELP, UsageError, budget, port, positive_int, seconds, workers
 
 from ..serve.spec import SERVE_OPTIONS as SERVE_DEFAULTS
 
@@ -44,18 +44,13 @@ def _ip_address(text):
 # config file, which is read as the flag's text is and named by key and file (it went
 # unchecked: `workers = "two"` failed in a worker's traceback, and `heartbeat_timeout = 0`
 # killed every worker as hung).
-def _workers(text):
-    from ..serve.pool import MAX_WORKERS
-    return positive_int(text, most=MAX_WORKERS)
-
-
 def _count(most):
     """Counts far beyond any machine (--models 99999999 grew each worker to 7 GB and was
     respawned for minutes; --lookahead past the daemon's 1024 blamed the budget)."""
     return lambda text: positive_int(text, most=most)
 
 
-_PARSERS = {"workers": _workers, "models": _count(1024), "hidden": _count(1 << 16),
+_PARSERS = {"workers": workers, "models": _count(1024), "hidden": _count(1 << 16),
             "layers": _count(4096), "batch": _count(1 << 16), "seq": _count(1 << 16),
             "lookahead": _count(1024), "max_batch_size": _count(1 << 16), "request_timeout": seconds,
             "heartbeat_timeout": seconds, "start_timeout": seconds, "max_queue_delay_ms": _milliseconds,

@@ -135,7 +135,8 @@ def checked_options(args=None, /, **options):
     config = Config.load()
     o["note"] = _apply_configured(o, config)
     _check_model_size(o["size"], o["hidden"])
-    o["device_budget"] = device_budget_for(o["budget"], model_bytes_for(o["size"], o["hidden"]))
+    model_bytes = model_bytes_for(o["size"], o["hidden"])
+    o["device_budget"] = device_budget_for(o["budget"], model_bytes)
     hold = o["hold"]
     if isinstance(hold, bool) or not isinstance(hold, (int, float)) or not 0 <= hold <= 86400:
         raise ValueError(f"hold {hold!r}: expected seconds from 0 to 86400")
@@ -154,7 +155,7 @@ def checked_options(args=None, /, **options):
         raise ValueError(f"run_demo: tier must be 'remote' or 'host', got {o['tier']!r}")
     if not isinstance(o["seq"], int) or not 1 <= o["seq"] <= MAX_SEQ:
         raise ValueError(f"seq {o['seq']!r}: the demo model has {MAX_SEQ} positions; give 1 to {MAX_SEQ}")
-    _check_resources(o, model_bytes_for(o["size"], o["hidden"]))
+    _check_resources(o, model_bytes)
     if o["plot"]:
         require_plot()       # before the long run, not after it
     return o
