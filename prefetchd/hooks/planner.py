@@ -26,7 +26,7 @@ The rules it follows are stated once, in docs/offload.md; in short:
 unit larger than the high watermark beside the root (at lookahead 0 a unit is
 loaded after the one before is released), or, at a lookahead >= 1, a root plus
 two consecutive units (including the wrap from the last to the first) above
-it. The message ends with the smallest device_budget under which re-planning
+it (prefetchd.hooks.plan_fit), naming what binds in the plan that needs the least. The message ends with the smallest device_budget under which re-planning
 the same model fits (Plan.min_device_budget), at the plan's lookahead and at 0:
 the bisection and the text are prefetchd.hooks.budget_hint's.
 """
@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .construct_reads import direct_reads
 from .budget_hint import DEFAULT_HIGH_FRACTION, budget_for_high_watermark, hint_text, lowest_fitting
 from ..errors import BudgetError, PrefetchdError
+from .plan_fit import need, problem, union_bytes
 from .jit_graphs import cells_in_jit_graphs, refuse_units_in_jit_graphs
 from .unit_search import Facts, block_units, called_units, is_compiled, is_uncalled, parent_name
 
@@ -113,7 +113,7 @@ class Plan:
             return None
         lookahead = self.lookahead if lookahead is None else lookahead
         return lowest_fitting(lambda high: self.replan(high, lookahead).fits(),
-                              max(_union_bytes(self.root, *self.units), 1))
+                              max(union_bytes(self.root, *self.units), 1))
 
     def min_device_budget(self, lookahead=None):
         """The smallest device_budget whose high watermark (`high_fraction` of it, as the
@@ -124,51 +124,15 @@ class Plan:
     def budget_hint(self):
         """'; ... device_budget >= ... at lookahead k (lookahead 0: ...)', or '' (no replan)."""
         return hint_text(self.min_high_watermark, self.lookahead, self.high_fraction,
-                         resident=_union_bytes(self.root, *self.units))
+                         resident=union_bytes(self.root, *self.units))
 
     def _problem(self):
         """What can never fit under the high watermark (a message), or None."""
-        high = self.high_watermark
-        for unit in [self.root, *self.units]:
-            for p in unit.params:
-                if unit.size(p) > high:
-                    return (f"tensor {p.name!r} needs {unit.size(p)} bytes on the device tier; the high "
-                            f"watermark is {high} bytes: it can never be resident")
-        if self.root.nbytes > high and self.compiled_model:
-            return (f"the model's construct is compiled (@jit): its cells run inside one graph where "
-                    f"MindSpore skips their hooks, so all {self.root.nbytes} bytes of parameters form the root "
-                    f"unit, above the high watermark {high}; compile its blocks' constructs instead of the "
-                    f"model's, or raise device_budget")
-        if self.root.nbytes > high:
-            return (f"the root unit (parameters of cells outside every unit, and parameters a construct "
-                    f"outside their unit reads directly: {_short(self.root.param_names)}) needs "
-                    f"{self.root.nbytes} bytes, above the high watermark {high}; pass units= to stream "
-                    f"some of those cells, or raise device_budget" + _root_reads(self.root_reads))
-        for unit in self.units:
-            need = _union_bytes(self.root, unit)
-            if need > high:
-                return (f"unit {unit.name!r} ({unit.nbytes} bytes) with the root unit ({self.root.nbytes} "
-                        f"bytes) needs {need} bytes, above the high watermark {high}: it can never be resident"
-                        f" (raise device_budget, or split it: units= / drop its class from no_split=)"
-                        + _kept_whole(unit))
-        # Lookahead 0: each unit is loaded after the one before is released, so it runs alone
-        # beside the root (checked above). A larger lookahead loads the next unit while one
-        # computes: two consecutive units (and the wrap to the next pass) beside the root.
-        n = len(self.units) if self.lookahead > 0 else 0
-        for i in range(n if n > 1 else 0):
-            a, b = self.units[i], self.units[(i + 1) % n]
-            need = _union_bytes(self.root, a, b)
-            if need > high:
-                where = ("the last and the first in the order the model declares its cells: the next pass "
-                         "starts while this one ends" if i == n - 1 else
-                         "next to each other in the order the model declares its cells")
-                return (f"units {a.name!r} ({a.nbytes} bytes) and {b.name!r} ({b.nbytes} bytes) are {where} "
-                        f"(the order they run is known only after a forward, so offload() checks this one); "
-                        f"with the root unit ({self.root.nbytes} bytes) they need {need} bytes, "
-                        f"above the high watermark {high}: at lookahead {self.lookahead} the next unit could never "
-                        f"load while one computes (raise device_budget, pass units= with smaller units, or "
-                        f"lookahead=0: each unit fits alone)" + _kept_whole(a) + _kept_whole(b))
-        return None
+        return problem(self)
+
+    def need(self):
+        """The smallest high watermark under which this plan, as it is, fits (bytes)."""
+        return need(self)
 
     def format_table(self):
         width = max([len(u.name) for u in self.units] + [len(ROOT_NAME), 4])
@@ -264,7 +228,7 @@ def _plan(model, high, lookahead, units, facts):
     if max((facts.size(p) for p in all_params), default=0) > high:
         # A tensor above the high watermark: no plan fits (the refusal names it).
         return _search(model, called_units, False, lookahead, high, lookahead, all_params, total, facts)
-    reported = None
+    closest = None
     for sizing in range(lookahead, max(lookahead, _FINEST_SIZING) + 1):
         # The blocks first (the rest pinned in the root); splitting moves a block's own
         # parameters to the root, so keeping such blocks whole may fit where that did not;
@@ -273,11 +237,14 @@ def _plan(model, high, lookahead, units, facts):
         for search in (block_units, called_units):
             for keep_owners in (False, True):
                 plan = _search(model, search, keep_owners, sizing, high, lookahead, all_params, total, facts)
-                if plan.fits():
+                key = (plan.need(), search is not called_units)
+                if key[0] <= high:       # it fits
                     return plan
-                if reported is None and search is called_units:
-                    reported = plan           # the finest-grained refusal names what can never fit
-    return reported
+                # The refusal names the plan closest to fitting (on a tie, the finest-grained):
+                # what binds there is what a larger budget relieves.
+                if closest is None or key < closest[0]:
+                    closest = (key, plan)
+    return closest[1]
 
 
 def _search(model, search, keep_owners, sizing, high, lookahead, all_params, total, facts):
@@ -298,7 +265,7 @@ def _merge(units, share):
     for unit in units:
         last = merged[-1] if merged else None
         if last is not None and parent_name(last.cells[-1][0]) == parent_name(unit.cells[0][0]) \
-                and (last.nbytes < tiny or unit.nbytes < tiny) and _union_bytes(last, unit) <= share:
+                and (last.nbytes < tiny or unit.nbytes < tiny) and union_bytes(last, unit) <= share:
             combined = PlannedUnit(f"{last.name}+{unit.cells[0][0].rsplit('.', 1)[-1]}",
                                    last.cells + unit.cells, size=last.size)
             combined.add_params(last.params)
@@ -390,29 +357,6 @@ def _resolve(model, units):
     return resolved
 
 
-def _root_reads(reads):
-    """The reads outside every unit that pinned units' parameters in the root, named (units=
-    does not move those: the read does)."""
-    if not reads:
-        return ""
-    return (f"; of those, units' parameters are in the root because a construct outside every unit "
-            f"reads them directly: {_first_reads(reads)} (read a weight through its cell's call, "
-            f"or by its own path, e.g. self.blocks[1].fc.weight, which pins that one alone)")
-
-
-def _kept_whole(unit):
-    """Why a single-cell unit was not split, if its construct is the reason; else ''. Each
-    read is named once: the expression, and the call it goes through (a helper given the cell)."""
-    if len(unit.cells) != 1:
-        return ""
-    cell = unit.cells[0][1]
-    own = {id(p) for p in cell.get_parameters(expand=False)}
-    reads = list(dict.fromkeys(expr for expr, p in direct_reads(cell) if id(p) not in own))
-    if not reads:
-        return ""
-    return (f"; {unit.name!r} is kept whole because its construct reads {_first_reads(reads)} "
-            f"directly, outside that sub-cell's call (units= naming its sub-cells pins those in the root "
-            f"instead)")
 
 
 def _ancestors(name):
@@ -427,24 +371,3 @@ def _unique(params):
             seen.add(id(p))
             out.append(p)
     return out
-
-
-def _union_bytes(*units):
-    seen, total = set(), 0
-    for unit in units:
-        for p in unit.params:
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += unit.size(p)
-    return total
-
-
-def _first_reads(reads, limit=3):
-    """'a, b, c and N more' of read expressions."""
-    more = f" and {len(reads) - limit} more" if len(reads) > limit else ""
-    return ", ".join(reads[:limit]) + more
-
-
-def _short(names, limit=4):
-    shown = ", ".join(repr(n) for n in names[:limit])
-    return shown + (f", ... ({len(names)} tensors)" if len(names) > limit else "")

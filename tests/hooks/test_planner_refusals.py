@@ -518,3 +518,54 @@ def test_a_root_too_large_for_reads_outside_every_unit_names_those_reads(ms):
     with pytest.raises(BudgetError, match=r"a construct outside every unit reads them directly: "
                                           r"self\.get_parameters\(\)\['.*'\]"):
         plan_units(model, 180_000, 0).check_fits()
+
+
+def test_a_refusal_names_what_binds_in_the_plan_closest_to_fitting(ms):
+    """An encoder whose construct reads its position table directly (Whisper's does) is kept
+    whole in one plan and split, with the table pinned in the root, in another. Below the
+    budget where the split plan fits, the refusal named the whole encoder ("kept whole",
+    8 times the need) while a larger budget would be relieved by the root beside a layer:
+    the refusal now names what binds in the plan that needs the least."""
+    nn = ms.nn
+
+    class Block(nn.Cell):
+        def __init__(self, d):
+            super().__init__()
+            self.a, self.b = nn.Dense(d, d), nn.Dense(d, d)
+
+        def construct(self, x):
+            return self.b(self.a(x))
+
+    class Encoder(nn.Cell):
+        def __init__(self, d, n):
+            super().__init__()
+            self.stem = nn.Dense(d, d)
+            self.positions = nn.Embedding(16, d)
+            self.layers = nn.CellList([Block(d) for _ in range(n)])
+
+        def construct(self, x):
+            x = self.stem(x) + self.positions.embedding_table[:x.shape[0]]
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    class Net(nn.Cell):
+        def __init__(self, d=64):
+            super().__init__()
+            self.encoder, self.head = Encoder(d, 4), nn.Dense(d, d)
+
+        def construct(self, x):
+            return self.head(self.encoder(x))
+
+    model = Net()
+    total = nbytes(model)
+    for fraction in (0.22, 0.30):
+        plan = plan_units(model, int(total * fraction), 0)
+        with pytest.raises(BudgetError) as refused:
+            plan.check_fits()
+        message = str(refused.value)
+        assert "kept whole" not in message, message
+        named = int(re.search(r"needs (\d+) bytes", message).group(1))
+        assert named == plan.need() < total / 2, message
+        assert "the root is the larger part: it holds" in message and "encoder.positions" in message
+        assert plan_units(model, named, 0).fits()          # the need it names is what it needs
