@@ -5,6 +5,7 @@ return data.
 Skips when no `prometheus` binary is installed, except under CI (env CI set),
 where a skip would hide a broken deploy config: then it fails.
 """
+import contextlib
 import json
 import os
 import re
@@ -209,31 +210,43 @@ def test_promtool_checks_deploy_files():
         assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_dashboard_and_alert_queries_against_real_prometheus(tmp_path, load_daemon):
+@contextlib.contextmanager
+def prometheus_scraping(tmp_path, target):
+    """A real Prometheus running deploy/prometheus/ (every second) against `target`; its base URL."""
     prometheus = _binary("prometheus")
     promtool = _binary("promtool")
-    target = f"127.0.0.1:{load_daemon.port}"
     config = tmp_path / "prometheus.yml"
     config.write_text(rewrite_config(PROM_CONFIG.read_text(), target, ALERTS))
     r = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
 
     port = _free_port()
-    base = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "prometheus.log", "w")
     proc = subprocess.Popen(
         [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
          f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
         stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    proc.log_path = tmp_path / "prometheus.log"
     try:
-        def target_up():
-            if proc.poll() is not None:
-                raise AssertionError(f"prometheus exited: {(tmp_path / 'prometheus.log').read_text()}")
-            if load_daemon.proc.poll() is not None:
-                raise AssertionError(load_daemon.describe())
-            active = _get(base, "/api/v1/targets")["data"]["activeTargets"]
-            return [t for t in active if t["scrapeUrl"].startswith(f"http://{target}/") and t["health"] == "up"]
-        _wait("prometheus to scrape the daemon", target_up, 40)
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def _target_up(base, proc, target, daemon):
+    if proc.poll() is not None:
+        raise AssertionError(f"prometheus exited: {proc.log_path.read_text()}")
+    if daemon.proc.poll() is not None:
+        raise AssertionError(daemon.describe())
+    active = _get(base, "/api/v1/targets")["data"]["activeTargets"]
+    return [t for t in active if t["scrapeUrl"].startswith(f"http://{target}/") and t["health"] == "up"]
+
+
+def test_dashboard_and_alert_queries_against_real_prometheus(tmp_path, load_daemon):
+    target = f"127.0.0.1:{load_daemon.port}"
+    with prometheus_scraping(tmp_path, target) as (base, proc):
+        _wait("prometheus to scrape the daemon", lambda: _target_up(base, proc, target, load_daemon), 40)
         # rate() over RATE_INTERVAL needs two samples; wait for a few scrapes and
         # for the load to have moved bytes between two of them.
         _wait("five scrapes", lambda: _scalar(base, f'count_over_time(up{{instance="{target}"}}[1m])') >= 5, 30)
@@ -290,9 +303,6 @@ def test_dashboard_and_alert_queries_against_real_prometheus(tmp_path, load_daem
             if rule["name"] in MUST_STAY_INACTIVE:
                 assert rule["state"] == "inactive", rule
         assert {r["name"] for r in got} == {n for n, _ in rules}
-    finally:
-        _stop(proc)
-        log.close()
 
 
 def _scalar(base, expr):
@@ -300,3 +310,58 @@ def _scalar(base, expr):
     assert res.get("status") == "success", res
     result = res["data"]["result"]
     return float(result[0]["value"][1]) if result else 0.0
+
+
+FAULTED_DAEMON = """
+import errno, json, os, sys
+import numpy as np, mindspore as ms
+import prefetchd
+from prefetchd import _native
+daemon = prefetchd.Daemon(device_budget="8MiB", store_dir=sys.argv[1], metrics_port=0, name="faulted")
+with daemon:
+    weights = [ms.Parameter(ms.Tensor(np.ones((64, 64), np.float32)), name=f"w{i}") for i in range(2)]
+    daemon.register_all(weights, tier="remote")
+    for name, fault in zip(daemon.names(), [dict(kind="bitflip"), dict(kind="error", err=errno.EIO)]):
+        _native.inject_fault("read", fault.pop("kind"), nth=1, count=1, **fault)
+        try:
+            daemon.prefetch(name).result(30)
+        except prefetchd.PrefetchdError as e:
+            print(type(e).__name__, e, file=sys.stderr, flush=True)
+    print(json.dumps({"port": daemon.metrics_port, "pid": os.getpid()}), flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_failures_counted_before_the_first_scrape_fire_their_alerts(tmp_path):
+    """A checksum failure and a read error that happen before Prometheus first scrapes the
+    daemon (it reads its model as it starts; a serve front exports once its workers are up):
+    their counters' first samples are 1, and increase() over them stays 0, so the alerts that
+    used increase() alone never fired. Both fire now, from the shipped alerts.yml."""
+    import prefetchd
+    pkg_root = str(Path(prefetchd.__file__).resolve().parent.parent)
+    script = tmp_path / "faulted.py"
+    script.write_text(FAULTED_DAEMON)
+    stderr = open(tmp_path / "faulted.log", "w")
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "store")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": pkg_root + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    daemon = LoadDaemon(None, proc, tmp_path / "faulted.log")
+    try:
+        line = _wait("the faulted daemon's metrics port", lambda: _readline(proc, daemon.log_path), 60, interval=0)
+        target = f"127.0.0.1:{json.loads(line)['port']}"
+        with prometheus_scraping(tmp_path, target) as (base, prom):
+            _wait("prometheus to scrape the daemon", lambda: _target_up(base, prom, target, daemon), 40)
+            assert _scalar(base, f'sum(prefetchd_checksum_failures_total{{instance="{target}"}})') == 1
+            assert _scalar(base, f'sum(prefetchd_io_errors_total{{instance="{target}",op="read"}})') >= 1
+
+            def firing():
+                alerts = _get(base, "/api/v1/alerts")["data"]["alerts"]
+                names = {a["labels"]["alertname"] for a in alerts if a["state"] == "firing"}
+                return names if {"PrefetchdChecksumFailures", "PrefetchdIOErrors"} <= names else None
+            firing_now = _wait("both alerts to fire", firing, 20)
+            assert "PrefetchdWatermarkBreached" not in firing_now
+    finally:
+        proc.stdin.close()
+        _stop(proc)
+        proc.stdout.close()
+        stderr.close()
