@@ -38,6 +38,7 @@ import time
 import numpy as np
 
 from ..staging import Progress, stage_tensors, write_index
+from ..telemetry.metrics_server import check_listenable
 from ..telemetry.output_files import output_file_problem
 from ..telemetry.timeline import SCHEDULER
 from ..telemetry.timeline_report import plot as plot_timeline, require_plot, summarize
@@ -144,9 +145,10 @@ def checked_options(args=None, /, **options):
     if port is not None and (isinstance(port, bool) or not isinstance(port, int)
                              or not 0 <= port <= 65535):
         raise ValueError(f"metrics_port {port!r}: expected a port 0-65535 (0: any free one)")
-    problem = port and _port_problem(port, config.metrics_addr)
-    if problem:
-        _refuse(o, "metrics_port", problem)
+    try:
+        check_listenable(config.metrics_addr, port)      # else it failed only after staging
+    except OSError as e:
+        _refuse(o, "metrics_port", f"{port}: {e.strerror}")
     for key in ("trace", "plot"):
         problem = o[key] and output_file_problem(o[key])
         if problem:
@@ -210,17 +212,6 @@ def _apply_configured(o, config):
     return (f"note: the demo sets {', '.join(kept)} itself ({', '.join(_DEMO_SETS[k] for k in kept)}): "
             f"{', '.join(sources[k] for k in kept)} not applied") if kept else None
 
-
-def _port_problem(port, addr):
-    """Why the exporter could not listen on `port` (it failed only after staging), or None."""
-    import socket
-    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as the exporter binds
-        try:
-            s.bind((addr, port))
-        except OSError as e:
-            return f"{port}: cannot listen on {addr}:{port}: {e.strerror}"
-    return None
 
 
 def _refuse(o, key, problem):

@@ -24,6 +24,7 @@ from ..control.endpoints import resolve_endpoint, runtime_dir
 from ..control.guarded import GuardedListening
 from ..control.router import RouterEndpoint
 from ..socket_dirs import ensure_private_dir
+from ..telemetry.metrics_server import check_listenable
 from ..staging.generations import lock_or_holder, read_index
 from .leftovers import remove_dead_worker_stores, remove_leftovers
 from .spec import check_checkpoint_store
@@ -127,6 +128,8 @@ class FrontSockets(RouterEndpoint):
         ShutdownError instead of waiting out start_timeout."""
         if self._loop.running:
             return self
+        if self.metrics_port:   # a busy port failed the start only once every worker was up
+            check_listenable(self.metrics_addr, self.metrics_port)
         ensure_private_dir(runtime_dir())
         remove_leftovers(self.spec.checkpoint_store, runtime_dir(), SERVE_LOCK)   # of killed fronts
         if self._owns_store:

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client.exposition import choose_encoder
 
-__all__ = ["Exporter", "MetricsServer", "serve_registry"]
+__all__ = ["Exporter", "MetricsServer", "check_listenable", "listener", "serve_registry"]
 
 log = logging.getLogger("prefetchd.metrics")
 
@@ -53,22 +53,7 @@ class MetricsServer:
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.registry, self.max_connections, self.timeout = registry, int(max_connections), float(timeout)
-        family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM,
-                                                       flags=socket.AI_PASSIVE)[0]
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._listener.bind(sockaddr)
-            self._listener.listen(128)
-        except OSError as e:
-            self._listener.close()
-            # The bare "[Errno 98] Address already in use" named neither port nor setting.
-            where = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
-            fix = ("the metrics_addr setting, or --metrics-addr: an address of this machine"
-                   if e.errno == errno.EADDRNOTAVAIL else
-                   "the metrics_port setting, or --metrics-port: choose a free port, or 0 for any free one")
-            raise OSError(e.errno, f"metrics exporter: cannot listen on {where}: "
-                                   f"{e.strerror} ({fix})") from e
+        self._listener = listener(addr, port)
         self._listener.setblocking(False)
         self.server_address = self._listener.getsockname()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -244,6 +229,35 @@ def _is_loopback(host):
         return ipaddress.ip_address(host.split("%")[0]).is_loopback
     except ValueError:
         return False
+
+
+def listener(addr, port):
+    """A TCP socket listening on addr:port as the exporter listens; OSError naming the port
+    and the setting to change where it cannot."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM,
+                                                   flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        # The bare "[Errno 98] Address already in use" named neither port nor setting.
+        where = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+        fix = ("the metrics_addr setting, or --metrics-addr: an address of this machine"
+               if e.errno == errno.EADDRNOTAVAIL else
+               "the metrics_port setting, or --metrics-port: choose a free port, or 0 for any free one")
+        raise OSError(e.errno, f"metrics exporter: cannot listen on {where}: {e.strerror} ({fix})") from e
+    return sock
+
+
+def check_listenable(addr, port):
+    """OSError (as listener's) if the exporter could not listen on addr:port now: checked
+    before work that takes long (staging a model, starting workers) and would be lost when
+    the exporter fails after it. Port 0 (any free one) always can."""
+    if port:
+        listener(addr or "127.0.0.1", int(port)).close()
 
 
 def serve_registry(registry, addr="127.0.0.1", port=0, *, name="", max_connections=64, timeout=10.0):

@@ -51,8 +51,10 @@ def processes_with(env_value):
 
 
 def test_a_busy_metrics_port_leaves_nothing_behind(tmp_path, short_dir):
+    """...and is refused before any worker starts: it failed once every worker was up, so a
+    service manager restarting it paid the whole start each time."""
     run_dir, store = short_dir, tmp_path / "sstore"
-    env = dict(ENV, XDG_RUNTIME_DIR=str(run_dir))
+    env = dict(ENV, XDG_RUNTIME_DIR=str(run_dir), PREFETCHD_LOG_LEVEL="INFO")
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen()
@@ -65,6 +67,7 @@ def test_a_busy_metrics_port_leaves_nothing_behind(tmp_path, short_dir):
     assert out.returncode == 1, out.stderr[-2000:]
     error = next(x for x in out.stderr.splitlines() if x.startswith("prefetchd: error: "))
     assert f"127.0.0.1:{busy}" in error and "--metrics-port" in error and "Address already in use" in error
+    assert "worker 0 ready" not in out.stderr and "workers ready" not in out.stderr, out.stderr[-2000:]
     sockets = run_dir / "prefetchd"
     assert sorted(os.listdir(sockets)) == [], os.listdir(sockets)        # front and work sockets
     assert not store.exists(), sorted(os.listdir(store))                  # lock and worker-0-*
