@@ -14,7 +14,7 @@ import time
 
 import zmq
 
-from ..config import ConfigError
+from ..config import Config, ConfigError
 from ..errors import ShutdownError
 from ..control import protocol as P
 from ..control.connections import DEFAULT_MAX_CONNECTIONS, IDLE_EVICT_AFTER
@@ -91,6 +91,7 @@ class FrontSockets(RouterEndpoint):
                                          remote_hint=FRONT_REMOTE_HINT)
         self.metrics_port, self.metrics_addr = metrics_port, metrics_addr
         self.start_timeout = start_timeout
+        self.stop_timeout = max(10.0, Config.load(spec.config_path).shutdown_timeout + 5.0)
         self._exporter = None
         self._owns_store = spec.store_dir is None    # a temporary one, made by start()
         if spec.checkpoint_store:     # refused here, not by every worker as it starts
@@ -185,13 +186,16 @@ class FrontSockets(RouterEndpoint):
             self.metrics_port = self._exporter.port
         log.info("prefetchd serve: %d workers ready; front on %s", self.n_workers, self.endpoint)
 
-    def close(self, timeout=10.0):
+    def close(self, timeout=None):
         """Stop within `timeout` (a few seconds more if the workers must be killed): what is
         outstanding is answered SHUTDOWN, and so is every request that comes while the
-        workers stop (the clients' socket was closed first: those went unanswered)."""
+        workers stop (the clients' socket was closed first: those went unanswered).
+        None: `stop_timeout`, the workers' configured shutdown_timeout and 5 s more, at
+        least 10 s (a fixed 10 s killed workers a longer shutdown_timeout let write back)."""
         if self._closed:
             return
         self._closed = True
+        timeout = self.stop_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         if self._exporter is not None:
             self._exporter.close(1.0)

@@ -31,3 +31,16 @@ def test_requests_sent_while_the_front_stops_are_answered_shutdown(tmp_path):
     assert proc.wait(30) == 0, proc.stderr.read()[-2000:]
     # The last one may go with the socket, in the instant the front exits.
     assert shutdowns >= 1 and lost <= 1, (answered, shutdowns, lost)
+
+
+def test_the_front_gives_its_workers_their_configured_shutdown_timeout(tmp_path):
+    """A worker closes its daemon within the configured shutdown_timeout (dirty write-back):
+    the front's close() waited a fixed 10 s and then killed it, whatever that said."""
+    from prefetchd.serve.front import Front
+    from prefetchd.serve.spec import ServeSpec
+    config = tmp_path / "prefetchd.toml"
+    config.write_text("[prefetchd]\nshutdown_timeout = 40\n")
+    front = Front(f"ipc://{tmp_path}/t.sock", spec=ServeSpec(config_path=str(config)))
+    assert front.stop_timeout == 45.0
+    config.write_text("[prefetchd]\nshutdown_timeout = 1\n")
+    assert Front(f"ipc://{tmp_path}/u.sock", spec=ServeSpec(config_path=str(config))).stop_timeout == 10.0
