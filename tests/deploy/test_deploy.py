@@ -143,7 +143,23 @@ def test_kubernetes_example(tmp_path):
     Config.load(str(config), env={})                   # unknown keys or bad values raise
     mount = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}["config"]
     assert env["PREFETCHD_CONFIG"] == f"{mount}/prefetchd.toml"
-    _check_serve_command(container["args"], config)
+    spec = _check_serve_command(container["args"], config)
+    # The metrics port opens once the workers are ready: liveness waits for a startup probe
+    # that allows longer than serve's own start timeout (it killed a slow start in a loop).
+    startup, liveness = container["startupProbe"], container["livenessProbe"]
+    assert startup["tcpSocket"]["port"] == liveness["tcpSocket"]["port"] == "metrics"
+    start_timeout = _serve_parser().parse_args(container["args"]).start_timeout
+    assert startup["periodSeconds"] * startup["failureThreshold"] > (start_timeout or 180.0), spec
+
+
+def test_the_unit_stops_retrying_a_start_that_keeps_failing_and_allows_io_nice():
+    """RestartSec=5 never trips systemd's default start limit (5 in 10 s): a bad setting
+    restarted forever. io_nice (default -10) needs RLIMIT_NICE without CAP_SYS_NICE."""
+    (interval,), (burst,) = _unit_values("StartLimitIntervalSec"), _unit_values("StartLimitBurst")
+    (restart_sec,) = _unit_values("RestartSec")
+    assert int(burst) * float(restart_sec) < float(interval)
+    (nice,) = _unit_values("LimitNICE")
+    assert int(nice) <= Config().io_nice
 
 
 def _quantity(text):

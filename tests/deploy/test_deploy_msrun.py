@@ -27,6 +27,8 @@ def test_the_indexed_job_wires_msrun_ranks_and_stores(tmp_path):
     assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
     assert pod["enableServiceLinks"] is False
     assert service["spec"]["clusterIP"] == "None" and pod["subdomain"] == service["metadata"]["name"]
+    # msrun resolves --master_addr once: pod 0's name must resolve before it is Ready.
+    assert service["spec"]["publishNotReadyAddresses"] is True
     assert service["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
     assert not service["metadata"]["name"].lower().startswith("prefetchd")
     config = tmp_path / "prefetchd.toml"
