@@ -50,11 +50,20 @@ def _count(most):
     return lambda text: positive_int(text, most=most)
 
 
+def _request_bytes(text):
+    from ..serve.spec import MAX_REQUEST_BYTES_RANGE
+    n, (least, most) = _size(text), MAX_REQUEST_BYTES_RANGE
+    if not least <= n <= most:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: expected {least} bytes to 4GiB")
+    return n
+
+
 _PARSERS = {"workers": workers, "models": _count(1024), "hidden": _count(1 << 16),
             "layers": _count(4096), "batch": _count(1 << 16), "seq": _count(1 << 16),
             "lookahead": _count(1024), "max_batch_size": _count(1 << 16), "request_timeout": seconds,
             "heartbeat_timeout": seconds, "start_timeout": seconds, "max_queue_delay_ms": _milliseconds,
-            "metrics_port": port, "metrics_addr": _ip_address, "model_bytes": _size, "budget": budget}
+            "metrics_port": port, "metrics_addr": _ip_address, "model_bytes": _size, "budget": budget,
+            "max_request_bytes": _request_bytes}
 _FILE_SWITCHES = ("hints", "shared_host")     # the rest are text: endpoint, model, store, ...
 
 
@@ -99,6 +108,10 @@ def register(sub):
                    help="rows of one batch: requests for a model are joined up to this (8; 1: off)")
     p.add_argument("--max-queue-delay-ms", type=_PARSERS["max_queue_delay_ms"],
                    help="how long a request may wait for others to join its batch (2)")
+    p.add_argument("--max-request-bytes", type=_PARSERS["max_request_bytes"],
+                   help="bytes of a request's tensors, in all, and of each reply tensor (256MiB); "
+                        "a worker's memory grows with the rows of the largest forward it ran, so "
+                        "lower it to bound that (clients check 256MiB unless told otherwise)")
     p.add_argument("--heartbeat-timeout", type=_PARSERS["heartbeat_timeout"],
                    help="seconds a worker may not answer its heartbeat before it is replaced (15)")
     p.add_argument("--start-timeout", type=_PARSERS["start_timeout"],
@@ -214,7 +227,8 @@ def serve_spec(o, log_level="WARNING"):
                      seq=o["seq"], budget=o["budget"], lookahead=o["lookahead"],
                      store_dir=o["store"], log_level=log_level, config_path=o["config"],
                      model=model, model_bytes_hint=o["model_bytes"], checkpoint_store=checkpoint,
-                     shared_host=bool(o["shared_host"]))
+                     shared_host=bool(o["shared_host"]),
+                     **({"max_tensor_bytes": o["max_request_bytes"]} if o["max_request_bytes"] else {}))
 
 
 def check_flags(args):

@@ -273,7 +273,7 @@ def _check_output_sizes(arrays, max_bytes):
     for i, a in enumerate(arrays):
         if a.nbytes > max_bytes:
             raise BadArguments(f"output {i} would be {a.nbytes} bytes ({list(a.shape)} of {a.dtype}), over "
-                               f"the server's max_tensor_bytes of {max_bytes}: send fewer rows")
+                               f"the server's limit of {max_bytes} (--max-request-bytes): send fewer rows")
 
 
 def run_batch(model, job, frames, max_bytes, worker=None):

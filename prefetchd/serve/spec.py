@@ -21,8 +21,12 @@ from dataclasses import dataclass
 
 from ..config import BOUNDS, ENV_PREFIX, Config
 from ..errors import ConfigError
+from .wire import DEFAULT_MAX_TENSOR_BYTES
 
 DEMO_FACTORY = "prefetchd.serve.spec:demo_model"
+# --max-request-bytes: a worker's memory grows with the rows of the largest forward it ran
+# (MindSpore's pool keeps its peak), so an operator bounds it here, from a page up.
+MAX_REQUEST_BYTES_RANGE = (4096, 4 << 30)
 
 # The options of `prefetchd serve` and their defaults: the keys its [serve] table may set.
 SERVE_OPTIONS = {"endpoint": None, "workers": 2, "models": None, "hidden": 256, "layers": 4,
@@ -30,7 +34,8 @@ SERVE_OPTIONS = {"endpoint": None, "workers": 2, "models": None, "hidden": 256, 
                  "hints": True, "request_timeout": 30.0, "metrics_port": None,
                  "metrics_addr": "127.0.0.1", "model": None, "model_bytes": None,
                  "checkpoint_store": None, "max_batch_size": 8, "max_queue_delay_ms": 2.0,
-                 "heartbeat_timeout": 15.0, "start_timeout": 180.0, "shared_host": False}
+                 "heartbeat_timeout": 15.0, "start_timeout": 180.0, "shared_host": False,
+                 "max_request_bytes": None}
 
 
 @dataclass
@@ -57,7 +62,8 @@ class ServeSpec:
     checkpoint_store: str | None = None  # a `prefetchd stage` store the weights are served from
     checkpoint_generation: int | None = None  # its generation when the front started (set by it):
                                  # a worker started later links only that one
-    max_tensor_bytes: int = 256 << 20  # a request's tensors, in all (and its reply's, per tensor)
+    max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES  # a request's tensors, in all (and its
+                                 # reply's, per tensor): --max-request-bytes
     shared_host: bool = False  # one host tier for all workers, owned by the front (prefetchd.sharedhost)
     shared_socket: str | None = None  # its socket, set by the front for the workers
 

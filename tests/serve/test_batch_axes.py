@@ -178,7 +178,7 @@ def test_an_output_over_the_tensor_limit_is_refused_by_the_worker_saying_so(mind
     x = np.ones((4, 16), np.float32)                         # 256 bytes in, 16 KiB out
     assert _batch(model, [[x]], max_bytes=16 << 10)[0][0].shape == (4, 1024)
     (error,) = _batch(model, [[x]], max_bytes=8 << 10)
-    assert error["code"] == "BAD_REQUEST" and "over the server's max_tensor_bytes of 8192: send fewer rows" \
+    assert error["code"] == "BAD_REQUEST" and "over the server's limit of 8192 (--max-request-bytes): send fewer rows" \
         in error["reason"], error
 
 
