@@ -221,6 +221,11 @@ class Daemon:
             live_daemons.discard(self)
         self.timeline.close()      # writes config.trace once the scheduler has stopped
 
+    @property
+    def forked(self):
+        """This is a forked child's copy of a daemon of the parent process (refuses everything)."""
+        return self._state == "forked"
+
     def check_open(self):
         """Raise ShutdownError, saying which, unless the daemon is started and not closed."""
         if self._state != "running":

@@ -184,6 +184,10 @@ class Offloaded(refusals.NotCopyable, HandleReadings):
 
     def _begin_pass(self, opener):
         """Open a pass for `opener`'s call: the model's, or an outer cell's (outer_calls.py)."""
+        if self.daemon.forked:
+            # Before any lock: one another thread of the parent held at the fork (its daemon's,
+            # this model's pass turn) stays held in the child, and the forward waited for good.
+            self.daemon.check_open()
         self._compiled_later.refuse_compiled_holders()
         self.turn.take(opener=opener)        # (the same thread: a nested call runs through)
         if self.closed or self.half_loaded:  # closed, or a load failed, while this forward waited
