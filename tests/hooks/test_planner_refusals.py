@@ -520,21 +520,14 @@ def test_a_root_too_large_for_reads_outside_every_unit_names_those_reads(ms):
         plan_units(model, 180_000, 0).check_fits()
 
 
-def test_a_refusal_names_what_binds_in_the_plan_closest_to_fitting(ms):
+def test_a_refusal_names_what_binds_in_the_plan_closest_to_fitting(ms, kinds):
     """An encoder whose construct reads its position table directly (Whisper's does) is kept
     whole in one plan and split, with the table pinned in the root, in another. Below the
     budget where the split plan fits, the refusal named the whole encoder ("kept whole",
     8 times the need) while a larger budget would be relieved by the root beside a layer:
     the refusal now names what binds in the plan that needs the least."""
     nn = ms.nn
-
-    class Block(nn.Cell):
-        def __init__(self, d):
-            super().__init__()
-            self.a, self.b = nn.Dense(d, d), nn.Dense(d, d)
-
-        def construct(self, x):
-            return self.b(self.a(x))
+    Block = kinds[0]
 
     class Encoder(nn.Cell):
         def __init__(self, d, n):
