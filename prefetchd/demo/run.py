@@ -213,7 +213,6 @@ def _apply_configured(o, config):
             f"{', '.join(sources[k] for k in kept)} not applied") if kept else None
 
 
-
 def _refuse(o, key, problem):
     """ValueError naming option `key`; a ConfigError naming its source if it was configured."""
     from ..errors import ConfigError

@@ -26,9 +26,10 @@ The rules it follows are stated once, in docs/offload.md; in short:
 unit larger than the high watermark beside the root (at lookahead 0 a unit is
 loaded after the one before is released), or, at a lookahead >= 1, a root plus
 two consecutive units (including the wrap from the last to the first) above
-it (prefetchd.hooks.plan_fit), naming what binds in the plan that needs the least. The message ends with the smallest device_budget under which re-planning
-the same model fits (Plan.min_device_budget), at the plan's lookahead and at 0:
-the bisection and the text are prefetchd.hooks.budget_hint's.
+it (the rules: prefetchd.hooks.plan_fit), naming what binds in the plan tried that
+needs the least. The message ends with the smallest device_budget under which
+re-planning the same model fits (Plan.min_device_budget), at the plan's lookahead
+and at 0: the bisection and the text are prefetchd.hooks.budget_hint's.
 """
 from dataclasses import dataclass, field
 
