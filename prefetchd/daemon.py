@@ -99,11 +99,7 @@ class Daemon:
     """An in-process tiered-memory daemon. See docs/daemon-api.md for the contract."""
 
     def __init__(self, config=None, *, backend=None, **overrides):
-        if isinstance(backend, str):        # the config key of that name ("cpu"), not an object
-            overrides["backend"], backend = backend, None
-        elif backend is not None and (isinstance(backend, type) or not callable(getattr(backend, "notify", None))):
-            what = f"the class {backend.__name__}" if isinstance(backend, type) else type(backend).__name__
-            raise TypeError(f"Daemon(backend=...): a backend object (or a name such as 'cpu'), not {what}")
+        backend = backends.object_argument(backend, overrides)
         if config is None:
             config = Config.load(**overrides)
         elif overrides:

@@ -28,6 +28,18 @@ def create(config):
     raise ValueError(f"unknown backend {config.backend!r}")
 
 
+def object_argument(backend, overrides):
+    """Daemon(backend=...) as an object, or None: a name ("cpu") is the config key of that
+    name (moved into `overrides`); a class or anything else is refused."""
+    if isinstance(backend, str):
+        overrides["backend"] = backend
+        return None
+    if backend is not None and (isinstance(backend, type) or not callable(getattr(backend, "notify", None))):
+        what = f"the class {backend.__name__}" if isinstance(backend, type) else type(backend).__name__
+        raise TypeError(f"Daemon(backend=...): a backend object (or a name such as 'cpu'), not {what}")
+    return backend
+
+
 def block_bytes_for(name):
     """Backend `name`'s rule for the bytes a block of n bytes reserves, without making one
     (what a budget for a model of many small tensors must count)."""
