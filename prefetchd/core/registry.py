@@ -124,7 +124,7 @@ class Registry:
         if rec.index is not self.index:
             raise UnknownTensorError(
                 f"tensor {rec.name!r} is not registered with daemon {self.daemon_name!r}: its handle "
-                f"belongs to another daemon, or the tensor was dropped")
+                f"belongs to another daemon, or the tensor was unregistered (or dropped)")
         return rec
 
     def name_of(self, tensor):
