@@ -27,11 +27,13 @@ import selectors
 import socket
 import struct
 import threading
+import time
 
 from ..errors import ConfigError
 from ..socket_dirs import listener_at, private_socket_dir, refuse_non_socket
 from . import policy, wire
 from .blocks import SharedBlock, segment_size, shmem_huge_mode
+from .fill_threads import FillThreads
 from .table import BlockTable
 
 log = logging.getLogger("prefetchd.sharedhost")
@@ -124,7 +126,8 @@ class SharedHostOwner:
         self._lock = threading.Lock()
         self._ids = 0
         self._done = collections.deque()   # (entry, error) from fill threads
-        self._fills = concurrent.futures.ThreadPoolExecutor(fill_threads, "prefetchd-shared-fill")
+        self._fills = FillThreads(fill_threads, "prefetchd-shared-fill")
+        self._filling = set()       # fill futures not done: close() waits for them, bounded
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = False
         self._thread = None
@@ -150,21 +153,31 @@ class SharedHostOwner:
         return self
 
     def close(self, timeout=10.0):
+        """Stop within `timeout`. A store read that does not return by then (a hung disk)
+        cannot be cancelled: its block and the store stay open for the process's exit (memfd
+        segments: nothing outlives it), rather than close() waiting for the read for good."""
         if self._thread is None:
             return
+        deadline = time.monotonic() + timeout
         self._stop = True
         self._wake_w.send(b"x")
         self._thread.join(timeout)
-        self._fills.shutdown(wait=True)
+        self._fills.shutdown()
+        _, stuck = concurrent.futures.wait(list(self._filling), max(0.0, deadline - time.monotonic()))
+        if stuck:
+            log.error("shared host tier: %d store read(s) did not return within %.1fs of close; their "
+                      "blocks and the store are left open to the process's exit", len(stuck), timeout)
         with self._lock:
             for conn in list(self._conns.values()):
                 self._drop_conn(conn, "owner closing")
-            self._blocks.close()
+            if not stuck:
+                self._blocks.close()
         self._sel.close()
         self._listen.close()
         self._wake_r.close()
         self._wake_w.close()
-        self.store.close()
+        if not stuck:
+            self.store.close()
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -335,7 +348,9 @@ class SharedHostOwner:
                 return
             self.counters["fills"] += 1
             conn.fills += 1
-            self._fills.submit(self._fill, entry)
+            future = self._fills.submit(self._fill, entry)
+            self._filling.add(future)
+            future.add_done_callback(self._filling.discard)
         elif entry.block.crc != crc or entry.block.nbytes != nbytes:
             self._refuse(conn, wire.MISMATCH, f"{key!r} version {version}: the shared block holds "
                                               f"{entry.block.nbytes} bytes with crc {entry.block.crc:#x}", named)

@@ -410,3 +410,44 @@ def test_the_standalone_owner_says_why_it_cannot_start_in_one_line(tmp_path, src
                          capture_output=True, text=True, timeout=60, cwd=REPO, env=ENV)
     assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
     assert out.stderr.startswith("python -m prefetchd.sharedhost: error: ") and "world-writable" in out.stderr
+
+
+STUCK_READ = """
+import os, sys, threading, time
+sys.path[:0] = [sys.argv[2], os.path.dirname(sys.argv[2])]
+from prefetchd import _native
+from prefetchd.sharedhost.client import SharedHostClient
+from prefetchd.sharedhost.owner import SharedHostOwner
+from procs import link_store
+src, root = sys.argv[1], sys.argv[3]
+owner = SharedHostOwner(root + "/h.sock", link_store(src, root + "/own"), 64 << 20).start()
+store = _native.FileStore(link_store(src, root + "/ident"))
+info = store.info("t0")
+store.close()
+_native.inject_fault("read", "delay", nth=1, count=1, delay_ms=120000)     # a hung disk
+client = SharedHostClient(owner.path, "c")
+threading.Thread(target=lambda: client.acquire("t0", info["version"], info["nbytes"], info["crc"]),
+                 daemon=True).start()
+time.sleep(1.0)                    # the fill is in the read now
+started = time.monotonic()
+owner.close(timeout=1.0)
+print(f"closed in {time.monotonic() - started:.1f}s", flush=True)
+"""
+
+
+def test_close_and_exit_are_bounded_while_a_fill_is_stuck_in_a_store_read(tmp_path, src):
+    """A store read that does not return (a hung disk) held the owner's close() -- and a serve
+    front's SIGTERM with it -- until it did: the fills ran on a ThreadPoolExecutor, shut down
+    with wait=True and joined again at the interpreter's exit. In a child process: its exit too."""
+    import subprocess
+    import sys
+    import time
+    tests = os.path.dirname(os.path.abspath(__file__))
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", STUCK_READ, src, tests, str(tmp_path)], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    closed = float(run.stdout.split()[-1].rstrip("s"))
+    assert closed < 3.0, run.stdout
+    assert "did not return within 1.0s of close" in run.stderr, run.stderr[-2000:]
+    assert time.monotonic() - started < 50          # the process exited, the read still stuck
