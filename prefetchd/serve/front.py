@@ -286,12 +286,12 @@ class Front(FrontSockets):
 
     def _on_batch_reply(self, s, batch, doc, out_frames):
         if not doc.get("ok"):
-            s.failed += 1
+            s.count_reply(len(batch.jobs), [doc.get("code")] * len(batch.jobs))
             for job in batch.pending():
                 self._fail(job, doc.get("code", P.INTERNAL), doc.get("reason", ""))
             return
-        s.served += 1
         now, r, at = time.monotonic(), doc["result"], 0
+        s.count_reply(len(batch.jobs), [e["code"] for e in r["errors"].values()])
         hs = self.histograms[batch.model]
         for rows in r["forwards"]:          # the forwards it ran: joined, or one per request
             hs["batch_size"].observe(rows)

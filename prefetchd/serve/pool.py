@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from ..control.protocol import STORAGE
 from ..control.server_options import ipc_socket_files
 from .worker import remove_worker_store, store_in_use, worker_main, worker_store_path
 
@@ -39,12 +40,21 @@ class WorkerSlot:
     last_model: str | None = None
     served: int = 0
     failed: int = 0
+    storage_streak: int = 0        # its batches in a row whose every request failed STORAGE
     deaths: int = 0
     start_failures: int = 0
     start_error: str | None = None   # why it could not start, from its `failure` pipe
     failure: object = None           # read end of the pipe its start failure comes through
     exit_how: str | None = None      # how its last process ended: "exit 3", "signal 9"
     spawned_at: float = 0.0
+
+    def count_reply(self, requests, failed_codes):
+        """A batch of `requests` answered, those that failed with `failed_codes`: served
+        unless every one failed (a worker whose store was gone counted as serving), and
+        `storage_streak` (WorkerPool.pick) grows while they all fail STORAGE."""
+        every = len(failed_codes) == requests
+        self.served, self.failed = self.served + (not every), self.failed + every
+        self.storage_streak = self.storage_streak + 1 if every and set(failed_codes) == {STORAGE} else 0
 
     def public(self):
         """A JSON-able snapshot (what status and metrics report)."""
@@ -54,7 +64,12 @@ class WorkerSlot:
                 "start_error": self.start_error,
                 "generation": self.generation, "control": self.control,
                 "inflight": len(self.inflight), "served": self.served, "failed": self.failed,
-                "deaths": self.deaths, "last_model": self.last_model}
+                "deaths": self.deaths, "last_model": self.last_model,
+                "storage_failures_in_a_row": self.storage_streak}
+
+
+# Batches in a row failed STORAGE after which a worker is picked only when the others are full.
+STORAGE_STREAK = 3
 
 
 class WorkerPool:
@@ -79,7 +94,7 @@ class WorkerPool:
         slot.generation += 1
         while self.spec.store_dir and store_in_use(worker_store_path(self.spec, slot.index, slot.generation)):
             slot.generation += 1           # a killed front's worker still holds that one
-        slot.ready, slot.pid, slot.last_model = False, None, None
+        slot.ready, slot.pid, slot.last_model, slot.storage_streak = False, None, None, 0
         slot.identity = f"w{slot.index}-{slot.generation}".encode()
         # Why it could not start comes through a pipe, written before it exits: read once it
         # is reaped, it is there (a message on the work socket could arrive after the death).
@@ -114,12 +129,15 @@ class WorkerPool:
 
     def pick(self, model):
         """The ready worker with the fewest requests in flight, preferring one whose
-        last model is `model`; None if all are full."""
+        last model is `model`; None if all are full. A worker whose store keeps failing
+        (STORAGE_STREAK batches in a row failed STORAGE: its store directory removed, its
+        disk gone) goes last: it answers at once, so it had the fewest in flight and took
+        every request while a healthy worker idled. A success puts it back."""
         best, best_key = None, None
         for s in self.slots:
             if not s.ready or len(s.inflight) >= self.max_inflight:
                 continue
-            key = (len(s.inflight), s.last_model != model, s.index)
+            key = (s.storage_streak >= STORAGE_STREAK, len(s.inflight), s.last_model != model, s.index)
             if best_key is None or key < best_key:
                 best, best_key = s, key
         return best

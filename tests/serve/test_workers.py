@@ -155,3 +155,30 @@ def test_no_worker_store_is_left_after_a_clean_shutdown(served):
     front.close(15)
     assert not any(_alive(p) for p in pids)
     assert _stores(root) == []
+
+
+def test_a_worker_whose_store_keeps_failing_is_picked_last():
+    """A worker whose store reads fail (its store directory removed by a cleanup script, an
+    outside probe) answers STORAGE at once, so it had the fewest requests in flight and was
+    picked for every request while a healthy worker idled; its status said served, failed 0.
+    After STORAGE_STREAK batches in a row that all failed STORAGE it is picked only when the
+    others are full, it counts them failed, and one success puts it back. (The routing, no
+    processes: WorkerPool.pick and WorkerSlot.count_reply.)"""
+    from prefetchd.serve.pool import STORAGE_STREAK, WorkerPool
+    from prefetchd.serve.spec import ServeSpec
+    pool = WorkerPool(2, lambda i: f"ipc://w{i}", "ipc://work", ServeSpec(), max_inflight=2)
+    broken, healthy = pool.slots
+    for slot in pool.slots:
+        slot.ready, slot.last_model = True, "m0"
+    for n in range(STORAGE_STREAK):
+        assert pool.pick("m0") is broken                  # a tie goes to the first, as before
+        broken.count_reply(2, ["STORAGE", "STORAGE"])
+    assert (broken.failed, broken.served, broken.storage_streak) == (STORAGE_STREAK, 0, STORAGE_STREAK)
+    assert pool.pick("m0") is healthy
+    healthy.inflight = {b"a": None, b"b": None}           # full: the failing one still serves
+    assert pool.pick("m0") is broken
+    healthy.inflight = {}
+    broken.count_reply(2, ["STORAGE"])                      # one of two answered: it works again
+    assert broken.storage_streak == 0 and pool.pick("m0") is broken
+    broken.count_reply(1, ["INTERNAL"])                     # another failure: no streak
+    assert broken.storage_streak == 0 and broken.failed == STORAGE_STREAK + 1
