@@ -7,6 +7,7 @@ block (`map_into`). The backend's load seam built on them is prefetchd.sharedhos
 import logging
 import os
 import socket
+import struct
 import threading
 
 from . import wire
@@ -29,6 +30,17 @@ class Refused(Exception):
         self.code = code
 
 
+def _check_owner_uid(sock, path):
+    """PermissionError unless the owner runs as this process's uid: a block is checked only by
+    its CRC32C, which the acquire names, so an owner of another uid (its socket put at this
+    path by a user who could rename a parent directory) could hand out any bytes."""
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          struct.calcsize("3i")))
+    if uid != os.getuid():
+        raise PermissionError(f"shared host tier {path}: its owner runs as uid {uid}, not {os.getuid()} "
+                              f"(this process): refused")
+
+
 class SharedHostClient:
     """One connection to the owner. Thread-safe (requests are serialised)."""
 
@@ -38,6 +50,7 @@ class SharedHostClient:
         self.sock.settimeout(timeout)
         try:
             self.sock.connect(path)
+            _check_owner_uid(self.sock, path)
         except OSError:
             self.sock.close()
             raise

@@ -12,11 +12,12 @@ _STOP = object()
 class FillThreads:
     """`submit(fn, *args)` -> a concurrent.futures.Future run by one of `n` daemon threads, in
     submission order. `shutdown()` cancels what has not started and lets the threads end once
-    their current call returns; it waits for nothing (concurrent.futures.wait does, bounded)."""
+    their current call returns; it waits for nothing: `wait(timeout)` does, bounded."""
 
     def __init__(self, n, name):
         self._work = queue.SimpleQueue()
         self._stopped = False
+        self._pending = set()          # futures not done
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)]
         for thread in self._threads:
             thread.start()
@@ -25,8 +26,15 @@ class FillThreads:
         if self._stopped:
             raise RuntimeError("cannot submit after shutdown")
         future = concurrent.futures.Future()
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
         self._work.put((future, fn, args))
         return future
+
+    def wait(self, timeout):
+        """How many submitted calls are still not done after waiting up to `timeout` seconds."""
+        _, not_done = concurrent.futures.wait(list(self._pending), timeout)
+        return len(not_done)
 
     def shutdown(self):
         self._stopped = True

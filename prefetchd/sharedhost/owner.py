@@ -20,7 +20,6 @@ unreadable or stops reading its replies is closed. Nothing a peer sends can
 crash the owner or make it hand out bytes the store did not verify.
 """
 import collections
-import concurrent.futures
 import logging
 import os
 import selectors
@@ -39,9 +38,13 @@ from .table import BlockTable
 log = logging.getLogger("prefetchd.sharedhost")
 
 FILL_THREADS = 2
+# Connections at once: a daemon holds one (a serve worker, a process sharing the tier); a peer
+# of the same uid that opens them without end is refused past this, not given every descriptor.
+MAX_CONNECTIONS = 1024
+ACCEPT_PAUSE = 1.0          # seconds new connections wait after accept() ran out of descriptors
 COUNTERS = ("hits", "fills", "fill_bytes", "fill_errors", "evictions", "attached", "detached",
             "acquire_requests", "release_requests", "stray_releases", "leases_released_on_close",
-            "bad_requests", "refused_peers")
+            "bad_requests", "refused_peers", "refused_over_cap")
 
 
 class _Conn:
@@ -101,6 +104,18 @@ def _listening_socket(path):
     return sock
 
 
+def _status_of(owner):
+    """SharedHostOwner.status(), its lock held."""
+    return {
+        "socket": owner.path, "budget": owner.budget, "covering": owner.covering, **owner._blocks.summary(),
+        "shmem_huge_pages": owner._huge_mode,
+        "counters": dict(owner.counters),
+        "workers": [{"pid": c.pid, "name": c.name, "leases": sum(c.leases.values()),
+                     "hits": c.hits, "fills": c.fills, "refused": c.refused,
+                     "trace": c.trace is not None} for c in owner._conns.values()],
+    }
+
+
 class SharedHostOwner:
     """`SharedHostOwner(socket_path, store_dir, budget).start()`; `close()` stops it.
 
@@ -127,9 +142,9 @@ class SharedHostOwner:
         self._ids = 0
         self._done = collections.deque()   # (entry, error) from fill threads
         self._fills = FillThreads(fill_threads, "prefetchd-shared-fill")
-        self._filling = set()       # fill futures not done: close() waits for them, bounded
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = False
+        self._accept_paused = 0.0   # when to listen again after running out of descriptors
         self._thread = None
         self._listen = None
 
@@ -163,21 +178,17 @@ class SharedHostOwner:
         self._wake_w.send(b"x")
         self._thread.join(timeout)
         self._fills.shutdown()
-        _, stuck = concurrent.futures.wait(list(self._filling), max(0.0, deadline - time.monotonic()))
+        stuck = self._fills.wait(max(0.0, deadline - time.monotonic()))
         if stuck:
             log.error("shared host tier: %d store read(s) did not return within %.1fs of close; their "
-                      "blocks and the store are left open to the process's exit", len(stuck), timeout)
+                      "blocks and the store are left open to the process's exit", stuck, timeout)
         with self._lock:
             for conn in list(self._conns.values()):
                 self._drop_conn(conn, "owner closing")
             if not stuck:
                 self._blocks.close()
-        self._sel.close()
-        self._listen.close()
-        self._wake_r.close()
-        self._wake_w.close()
-        if not stuck:
-            self.store.close()
+        for closable in [self._sel, self._listen, self._wake_r, self._wake_w] + ([] if stuck else [self.store]):
+            closable.close()
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -188,22 +199,15 @@ class SharedHostOwner:
     def status(self):
         """Bytes, blocks, hits and the leases each attached process holds."""
         with self._lock:
-            return self._status()
-
-    def _status(self):
-        return {
-            "socket": self.path, "budget": self.budget, "covering": self.covering, **self._blocks.summary(),
-            "shmem_huge_pages": self._huge_mode,
-            "counters": dict(self.counters),
-            "workers": [{"pid": c.pid, "name": c.name, "leases": sum(c.leases.values()),
-                         "hits": c.hits, "fills": c.fills, "refused": c.refused,
-                         "trace": c.trace is not None} for c in self._conns.values()],
-        }
+            return _status_of(self)
 
     # -- the loop
     def _run(self):
         while not self._stop:
             events = self._sel.select(1.0)
+            if self._accept_paused and time.monotonic() >= self._accept_paused:
+                self._accept_paused = 0.0
+                self._sel.register(self._listen, selectors.EVENT_READ, "listen")
             with self._lock:
                 for key, _ in events:
                     try:
@@ -227,6 +231,18 @@ class SharedHostOwner:
         try:
             sock, _ = self._listen.accept()
         except BlockingIOError:
+            return
+        except OSError as e:
+            # Out of descriptors (EMFILE): the listener stays readable, and accepting in a loop
+            # spun a core and logged a traceback per try. Pause accepting for a second.
+            log.warning("shared host tier: cannot accept a connection (%s); pausing new ones for %gs",
+                        e.strerror, ACCEPT_PAUSE)
+            self._sel.unregister(self._listen)
+            self._accept_paused = time.monotonic() + ACCEPT_PAUSE
+            return
+        if len(self._conns) >= MAX_CONNECTIONS:     # a peer of ours opening them without end
+            self.counters["refused_over_cap"] += 1
+            sock.close()
             return
         pid, uid, _gid = struct.unpack("3i", sock.getsockopt(
             socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
@@ -300,7 +316,7 @@ class SharedHostOwner:
         self._reply(conn, {"ok": True, "budget": self.budget, "covering": self.covering})
 
     def _op_status(self, conn):
-        self._reply(conn, {"ok": True, "status": self._status()})
+        self._reply(conn, {"ok": True, "status": _status_of(self)})
 
     def _op_trace(self, conn, names):
         conn.trace = policy.Trace(names) if names else None
@@ -348,9 +364,7 @@ class SharedHostOwner:
                 return
             self.counters["fills"] += 1
             conn.fills += 1
-            future = self._fills.submit(self._fill, entry)
-            self._filling.add(future)
-            future.add_done_callback(self._filling.discard)
+            self._fills.submit(self._fill, entry)
         elif entry.block.crc != crc or entry.block.nbytes != nbytes:
             self._refuse(conn, wire.MISMATCH, f"{key!r} version {version}: the shared block holds "
                                               f"{entry.block.nbytes} bytes with crc {entry.block.crc:#x}", named)

@@ -451,3 +451,121 @@ def test_close_and_exit_are_bounded_while_a_fill_is_stuck_in_a_store_read(tmp_pa
     assert closed < 3.0, run.stdout
     assert "did not return within 1.0s of close" in run.stderr, run.stderr[-2000:]
     assert time.monotonic() - started < 50          # the process exited, the read still stuck
+
+
+def test_connections_past_the_cap_are_refused_and_counted(tmp_path, src, monkeypatch):
+    """A peer of our uid opening connections without end took every descriptor of the front."""
+    from prefetchd.sharedhost import owner as owner_module
+    monkeypatch.setattr(owner_module, "MAX_CONNECTIONS", 3)
+    o = _owner(tmp_path, src, 64 << 20)
+    try:
+        kept = [SharedHostClient(o.path, f"c{i}") for i in range(3)]
+        extra = _raw(o)
+        assert wait_until(lambda: o.status()["counters"]["refused_over_cap"] == 1, timeout=10)
+        assert extra.recv(16) == b""                      # closed by the owner
+        extra.close()
+        assert kept[0].status()["leases"] == 0            # the others are served
+        for c in kept:
+            c.close()
+    finally:
+        o.close()
+
+
+OUT_OF_DESCRIPTORS = """
+import os, resource, socket, sys, time
+sys.path[:0] = [sys.argv[2], os.path.dirname(sys.argv[2])]
+from prefetchd.sharedhost.owner import SharedHostOwner
+from procs import link_store
+src, root = sys.argv[1], sys.argv[3]
+owner = SharedHostOwner(root + "/h.sock", link_store(src, root + "/own"), 64 << 20).start()
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 20, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+for _ in range(40):                 # the client ends use descriptors of this process too
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    except OSError:
+        break
+    try:
+        s.connect(owner.path)
+    except OSError:
+        s.close()
+        break
+    held.append(s)
+time.sleep(0.5)
+cpu = time.process_time()
+time.sleep(2.0)
+print(f"cpu {time.process_time() - cpu:.2f}", flush=True)
+"""
+
+
+def test_running_out_of_descriptors_pauses_accepting_instead_of_spinning(tmp_path, src):
+    """accept() failing with EMFILE left the listener readable: the owner's thread looped on
+    it at 100% CPU and logged a traceback per try (131 MB of log in 10 s, an outside probe)."""
+    import subprocess
+    import sys
+    tests = os.path.dirname(os.path.abspath(__file__))
+    run = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS, src, tests, str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout.split()[-1]) < 0.5, (run.stdout, run.stderr[-1000:])
+    assert 1 <= run.stderr.count("cannot accept a connection") <= 6, run.stderr[-2000:]
+    assert len(run.stderr) < 20000
+
+
+FOREIGN_OWNER = """
+import os, socket, sys, time
+path = sys.argv[1]
+os.setgid(65534)
+os.setuid(65534)                    # nobody: an owner of another uid at our socket's path
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.bind(path)
+os.chmod(path, 0o777)
+s.listen()
+print("listening", flush=True)
+c, _ = s.accept()
+time.sleep(5)
+"""
+
+
+def test_a_daemon_refuses_a_shared_tier_owned_by_another_uid(tmp_path):
+    """Blocks are checked by their CRC32C only, which the acquire names: an owner of another
+    uid at our socket's path (put there by a user who could rename its directory) handed a
+    worker forged blocks, and the server answered wrong outputs (an outside probe)."""
+    import subprocess
+    import sys
+    import tempfile
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a peer as another uid")
+    place = tempfile.mkdtemp(prefix="pfd-uid-")
+    os.chmod(place, 0o777)
+    path = os.path.join(place, "h.sock")
+    peer = subprocess.Popen([sys.executable, "-c", FOREIGN_OWNER, path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout.readline().strip() == "listening"
+        with pytest.raises(PermissionError, match="its owner runs as uid 65534"):
+            SharedHostClient(path, "w")
+    finally:
+        peer.kill()
+        peer.wait(10)
+        import shutil
+        shutil.rmtree(place, ignore_errors=True)
+
+
+@pytest.mark.parametrize("owner_uid, mode", [(65534, 0o700), (0, 0o777)])
+def test_a_runtime_directory_others_can_write_to_is_refused(tmp_path, monkeypatch, owner_uid, mode):
+    """$XDG_RUNTIME_DIR kept across su (another user's) or open to others: they could rename
+    our private prefetchd/ aside and put their sockets at its paths."""
+    from prefetchd.control.endpoints import runtime_dir
+    from prefetchd.errors import ConfigError
+    if os.getuid() != 0:
+        pytest.skip("needs root to give a directory to another uid")
+    base = tmp_path / "run"
+    base.mkdir()
+    os.chown(base, owner_uid, owner_uid)
+    os.chmod(base, mode)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(base))
+    with pytest.raises(ConfigError, match=r"\$XDG_RUNTIME_DIR is .*(owned by uid 65534|writable by others)"):
+        runtime_dir()
+    os.chmod(base, mode | 0o1000)                 # sticky, as /tmp: fine if it is ours
+    if owner_uid == 0:
+        assert runtime_dir() == str(base / "prefetchd")
