@@ -29,9 +29,10 @@ import threading
 import time
 
 from ..errors import ConfigError
+from ..limits import raise_open_files
 from ..socket_dirs import listener_at, private_socket_dir, refuse_non_socket
 from . import policy, wire
-from .blocks import SharedBlock, segment_size, shmem_huge_mode
+from .blocks import PAGE, SharedBlock, segment_size, shmem_huge_mode
 from .fill_threads import FillThreads
 from .table import BlockTable
 
@@ -104,6 +105,21 @@ def _listening_socket(path):
     return sock
 
 
+def _check_open_files(store, budget):
+    """A block holds two descriptors (its memfd, and the one Python's mmap keeps): raise the
+    soft limit for the most the tier can hold at once, or refuse now. Past the limit every
+    fill failed with EMFILE and the front stopped accepting its clients (an outside probe,
+    580 tensors under `ulimit -n 1024`)."""
+    blocks = min(len(store.keys()), budget // PAGE)
+    need = 2 * blocks + 128                    # and the front's sockets, the store's files
+    hard = raise_open_files(need)
+    if hard is not None:
+        store.close()
+        raise ConfigError(f"the shared host tier may hold {blocks} blocks at once, two open files each, "
+                          f"and this process's open-file limit is {hard}: raise it (ulimit -n {need}, "
+                          f"LimitNOFILE= in a systemd unit) or give a smaller host budget")
+
+
 def _status_of(owner):
     """SharedHostOwner.status(), its lock held."""
     return {
@@ -137,6 +153,7 @@ class SharedHostOwner:
         # daemon may keep a lease for as long as it keeps the pages mapped under a home
         # whose tensor is not resident (parked: docs/shared-host.md, "Parked mappings").
         self.covering = sum(segment_size(self.store.info(k)["nbytes"]) for k in self.store.keys()) <= budget
+        _check_open_files(self.store, budget)
         self._conns = {}            # fd -> _Conn
         self._lock = threading.Lock()
         self._ids = 0

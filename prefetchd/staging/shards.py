@@ -22,13 +22,13 @@ import fnmatch
 import json
 import os
 import re
-import resource
 import shutil
 import time
 
 import numpy as np
 
 from ..backend.base import SHARDS_FILE, STORE_LOCK
+from ..limits import raise_open_files
 from .checks import DuplicateKey, unique_keys
 from .errors import StagingError
 from .generations import (RANK_DIR, fsync_dir, hold_store_lock, link_current, remove_leftovers, stage_into,
@@ -193,13 +193,10 @@ def _check_open_files(world_size):
     """A stage holds every rank's lock at once: refuse, before any is taken, a world the
     open-file limit cannot hold (the limit hit halfway left rank directories behind)."""
     need = world_size + 64                 # the ranks' locks, and the files each stage opens
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < need:
-        if hard == resource.RLIM_INFINITY or hard >= need:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
-        else:
-            raise StagingError(f"staging {world_size} ranks holds one lock per rank, and the open-file limit "
-                               f"is {hard}: raise it (ulimit -n {need}) or stage fewer ranks")
+    hard = raise_open_files(need)
+    if hard is not None:
+        raise StagingError(f"staging {world_size} ranks holds one lock per rank, and the open-file limit "
+                           f"is {hard}: raise it (ulimit -n {need}) or stage fewer ranks")
 
 
 def stage_sharded(source, store_dir, *, spec=None, world_size=None, progress=False, config=None,

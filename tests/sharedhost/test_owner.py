@@ -569,3 +569,39 @@ def test_a_runtime_directory_others_can_write_to_is_refused(tmp_path, monkeypatc
     os.chmod(base, mode | 0o1000)                 # sticky, as /tmp: fine if it is ours
     if owner_uid == 0:
         assert runtime_dir() == str(base / "prefetchd")
+
+
+OPEN_FILES = """
+import os, resource, sys
+sys.path[:0] = [sys.argv[2], os.path.dirname(sys.argv[2])]
+from prefetchd.errors import ConfigError
+from prefetchd.sharedhost.owner import SharedHostOwner
+from procs import link_store
+src, root, soft, hard = sys.argv[1], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+try:
+    owner = SharedHostOwner(root + "/h.sock", link_store(src, root + "/own"), 64 << 20).start()
+except ConfigError as e:
+    print("refused:", e, flush=True)
+else:
+    print("started, soft limit", resource.getrlimit(resource.RLIMIT_NOFILE)[0], flush=True)
+    owner.close()
+"""
+
+
+@pytest.mark.parametrize("soft, hard", [(256, 256), (256, 4096)])
+def test_an_owner_raises_its_open_file_limit_or_refuses_to_start(tmp_path, soft, hard):
+    """Every block keeps two descriptors: past the limit every fill failed with EMFILE and the
+    front stopped accepting its clients (an outside probe: 580 tensors, ulimit -n 1024)."""
+    import subprocess
+    import sys
+    src = stage(str(tmp_path), {f"t{i}": [i, 16] for i in range(200)})
+    tests = os.path.dirname(os.path.abspath(__file__))
+    run = subprocess.run([sys.executable, "-c", OPEN_FILES, src, tests, str(tmp_path), str(soft), str(hard)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    if hard == 256:
+        assert run.stdout.startswith("refused: the shared host tier may hold 200 blocks at once"), run.stdout
+        assert "ulimit -n 528" in run.stdout, run.stdout
+    else:
+        assert run.stdout.strip() == "started, soft limit 528", run.stdout
