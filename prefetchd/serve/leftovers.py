@@ -32,6 +32,7 @@ _NEAR_CHECKPOINT = re.compile(r"\.prefetchd-serve-[a-z0-9_]{8}$")
 _IN_TMP = re.compile(r"prefetchd-serve-[a-z0-9_]{8}$")
 _WORKER_ENTRY = re.compile(r"(worker-\d+-\d+|shared-host-.+)$")   # what a front puts in one
 _WORKER_STORE = re.compile(r"worker-\d+-\d+$")
+_SHARED_STORE = re.compile(r"shared-host-.+-\d+-[0-9a-f]{4}$")     # sharedhost.serving: its front's tag
 _SOCKET = re.compile(r"-(\d+)-[0-9a-f]{4}-(?:w\d+|work|host)(?:-events)?\.sock$")
 
 
@@ -55,8 +56,11 @@ def remove_dead_worker_stores(store_dir):
     removed them; one whose lock file is not there yet only once older than
     MIN_AGE_SECONDS. Returns what was removed."""
     removed = []
-    for path in _entries(store_dir, "worker-"):
-        if _WORKER_STORE.match(os.path.basename(path)) and _remove_unlocked_store(path, STORE_LOCK):
+    # ...and the shared host tier's store (`shared-host-<front tag>`): the owner's FileStore
+    # holds the same lock, and one accumulated per killed front.
+    for path in _entries(store_dir, "worker-") + _entries(store_dir, "shared-host-"):
+        name = os.path.basename(path)
+        if (_WORKER_STORE.match(name) or _SHARED_STORE.match(name)) and _remove_unlocked_store(path, STORE_LOCK):
             removed.append(path)
             log.info("prefetchd serve: removed %s, left by a server that was killed", path)
     return removed

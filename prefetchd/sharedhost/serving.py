@@ -25,8 +25,8 @@ def start_owner(spec, runtime_dir, tag, link_store):
     store = os.path.join(spec.store_dir, f"shared-host-{tag}")
     shutil.rmtree(store, ignore_errors=True)
     os.makedirs(spec.store_dir, exist_ok=True)
-    link_store(spec.checkpoint_store, store)
-    try:
+    try:     # (a link refused, e.g. another filesystem, left the directory behind)
+        link_store(spec.checkpoint_store, store)
         return SharedHostOwner(os.path.join(runtime_dir, f"{tag}-host.sock"), store, budget).start(), store
     except BaseException:
         shutil.rmtree(store, ignore_errors=True)

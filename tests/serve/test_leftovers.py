@@ -161,3 +161,39 @@ def test_a_worker_store_another_process_still_holds_is_neither_taken_nor_removed
         assert (held / "still-in-use").exists()
     finally:
         os.close(fd)
+
+
+def test_a_killed_fronts_shared_host_store_goes_and_a_held_one_stays(tmp_path):
+    """The shared host tier's store (`shared-host-<front tag>`) a front killed with SIGKILL left
+    stayed for good, one more per kill, keeping an old checkpoint's blocks on disk (an outside
+    probe); removed now like the worker stores, and only where no owner holds its lock."""
+    from prefetchd.backend.base import STORE_LOCK
+    from prefetchd.serve.leftovers import remove_dead_worker_stores
+    store = tmp_path / "store"
+    dead, live = store / "shared-host-serve-8120-c682", store / "shared-host-serve-8173-eaa0"
+    for path in (dead, live):
+        path.mkdir(parents=True)
+        (path / "t0-1.pfd").write_bytes(b"x" * 4096)
+        (path / STORE_LOCK).write_text("")
+    fd = os.open(live / STORE_LOCK, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)                 # as a running owner's FileStore holds it
+    try:
+        assert remove_dead_worker_stores(str(store)) == [str(dead)]
+        assert not dead.exists() and live.exists()
+    finally:
+        os.close(fd)
+
+
+def test_a_shared_tier_that_cannot_link_the_checkpoint_leaves_no_directory(tmp_path):
+    """A link refused (the checkpoint on another filesystem) left shared-host-<tag> behind."""
+    import pytest
+    from prefetchd.serve.spec import ServeSpec
+    from prefetchd.sharedhost.serving import start_owner
+
+    def refuse(src, dst):
+        os.mkdir(dst)
+        raise OSError(18, "Invalid cross-device link")
+    spec = ServeSpec(models=1, checkpoint_store=str(tmp_path / "ckpt"), store_dir=str(tmp_path / "s"))
+    with pytest.raises(OSError, match="cross-device"):
+        start_owner(spec, str(tmp_path), "serve-1-abcd", refuse)
+    assert os.listdir(tmp_path / "s") == []
