@@ -4,6 +4,7 @@ shared host tier's owner socket)."""
 import os
 import socket
 import stat
+import struct
 
 from .errors import ConfigError
 
@@ -53,6 +54,14 @@ def private_socket_dir(path, hint="e.g. ipc://name.sock for the runtime director
         ensure_private_dir(parent)
     else:
         check_private_dir(parent, hint)
+
+
+_PEERCRED = struct.Struct("3i")
+
+
+def peer_credentials(sock):
+    """(pid, uid, gid) of the process at the other end of unix socket `sock` (SO_PEERCRED)."""
+    return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
 
 
 def refuse_non_socket(path, what):

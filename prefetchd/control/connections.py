@@ -55,6 +55,7 @@ import time
 
 import zmq
 
+from ..socket_dirs import peer_credentials
 from .borrowed import borrowed, socket_id
 from .descriptors import open_descriptors, raise_fd_limit
 from .gates import Gates
@@ -74,7 +75,6 @@ HEARTBEAT_TIMEOUT_MS = 30000
 RECHECK_INTERVAL = 2.0           # seconds between looks for connections closed without a DISCONNECTED
 FD_CHECK_INTERVAL = 0.5          # seconds between looks at the descriptors in use, accepts or not
 
-_PEERCRED = struct.Struct("3i")
 _MONITORS = itertools.count()
 
 
@@ -104,8 +104,7 @@ def _peer_of(fd):
             return None
         try:
             if sock.family == socket.AF_UNIX:
-                pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                               _PEERCRED.size))
+                pid, uid, _ = peer_credentials(sock)
                 return ("pid", pid, uid)
             return ("addr", sock.getpeername()[0])
         except OSError:

@@ -7,9 +7,9 @@ block (`map_into`). The backend's load seam built on them is prefetchd.sharedhos
 import logging
 import os
 import socket
-import struct
 import threading
 
+from ..socket_dirs import peer_credentials
 from . import wire
 from .blocks import check_received
 
@@ -34,8 +34,7 @@ def _check_owner_uid(sock, path):
     """PermissionError unless the owner runs as this process's uid: a block is checked only by
     its CRC32C, which the acquire names, so an owner of another uid (its socket put at this
     path by a user who could rename a parent directory) could hand out any bytes."""
-    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                          struct.calcsize("3i")))
+    _pid, uid, _gid = peer_credentials(sock)
     if uid != os.getuid():
         raise PermissionError(f"shared host tier {path}: its owner runs as uid {uid}, not {os.getuid()} "
                               f"(this process): refused")

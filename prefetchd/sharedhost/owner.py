@@ -24,13 +24,12 @@ import logging
 import os
 import selectors
 import socket
-import struct
 import threading
 import time
 
 from ..errors import ConfigError
 from ..limits import raise_open_files
-from ..socket_dirs import listener_at, private_socket_dir, refuse_non_socket
+from ..socket_dirs import listener_at, peer_credentials, private_socket_dir, refuse_non_socket
 from . import policy, wire
 from .blocks import PAGE, SharedBlock, segment_size, shmem_huge_mode
 from .fill_threads import FillThreads
@@ -261,8 +260,7 @@ class SharedHostOwner:
             self.counters["refused_over_cap"] += 1
             sock.close()
             return
-        pid, uid, _gid = struct.unpack("3i", sock.getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        pid, uid, _gid = peer_credentials(sock)
         if uid != os.getuid():
             log.warning("shared host tier: refused a peer of uid %d (pid %d)", uid, pid)
             self.counters["refused_peers"] += 1
