@@ -45,6 +45,23 @@ def check_private_dir(path, hint="e.g. ipc://name.sock for the runtime directory
     return path
 
 
+def check_parent_dir(path, name, hint):
+    """Refuse a directory that will hold our private socket directory unless it is ours (or
+    root's) and writable by no one else, or sticky as /tmp is. Laxer than check_private_dir,
+    for a parent: whoever can write to it (and rename in it) can move our private directory
+    aside and put sockets of theirs at its paths (a worker attaching to a shared host tier
+    there would take its blocks). `name` says what the path is, `hint` what to do."""
+    st = os.stat(path)
+    mine = st.st_uid in (os.getuid(), 0)
+    open_to_others = stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX
+    if not mine or open_to_others:
+        who = f"owned by uid {st.st_uid}" if not mine else \
+            f"writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+        raise ConfigError(f"{name} is {path}, {who}: its sockets could be replaced by another user "
+                          f"{hint}")
+    return path
+
+
 def private_socket_dir(path, hint="e.g. ipc://name.sock for the runtime directory"):
     """Make the directory of socket file `path` (0700) if it is missing, else refuse one that
     is not private (check_private_dir): anyone who can write there could replace the socket."""

@@ -16,7 +16,7 @@ import random
 import zmq
 
 from ..errors import ConfigError
-from ..socket_dirs import (check_private_dir, ensure_private_dir, listener_at, private_socket_dir,
+from ..socket_dirs import (check_parent_dir, check_private_dir, ensure_private_dir, listener_at, private_socket_dir,
                            refuse_non_socket)
 
 IPC_PATH_MAX = 107          # sun_path is 108 bytes with the terminating NUL
@@ -33,25 +33,11 @@ def runtime_dir():
                           f"another session?): set it to an existing directory of yours, unset "
                           f"it (/tmp/prefetchd-<uid> is used then), or give an ipc:// path")
     if base:
-        _check_runtime_base(base)
+        check_parent_dir(base, "$XDG_RUNTIME_DIR", "(kept from another session, across su or sudo?): "
+                         "set it to a directory of yours, unset it (/tmp/prefetchd-<uid> is used "
+                         "then), or give an ipc:// path")
     path = os.path.join(base, "prefetchd") if base else f"/tmp/prefetchd-{os.getuid()}"
     return ensure_private_dir(path)
-
-
-def _check_runtime_base(base):
-    """$XDG_RUNTIME_DIR must be this uid's (or root's) and writable by no one else (or
-    sticky, as /tmp is): whoever can write to it can rename our private prefetchd/ aside and
-    put sockets of theirs at its paths (a worker that connects to a shared host tier there
-    would take its blocks)."""
-    st = os.stat(base)
-    mine = st.st_uid in (os.getuid(), 0)
-    open_to_others = st.st_mode & 0o022 and not st.st_mode & 0o1000
-    if not mine or open_to_others:
-        who = f"owned by uid {st.st_uid}" if not mine else f"writable by others (mode {st.st_mode & 0o7777:o})"
-        raise ConfigError(f"$XDG_RUNTIME_DIR is {base}, {who} (kept from another session, across "
-                          f"su or sudo?): its sockets could be replaced by another user; set it to "
-                          f"a directory of yours, unset it (/tmp/prefetchd-<uid> is used then), or "
-                          f"give an ipc:// path")
 
 
 def default_endpoint(name="default"):
