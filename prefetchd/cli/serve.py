@@ -227,8 +227,7 @@ def serve_spec(o, log_level="WARNING"):
                      seq=o["seq"], budget=o["budget"], lookahead=o["lookahead"],
                      store_dir=o["store"], log_level=log_level, config_path=o["config"],
                      model=model, model_bytes_hint=o["model_bytes"], checkpoint_store=checkpoint,
-                     shared_host=bool(o["shared_host"]),
-                     **({"max_tensor_bytes": o["max_request_bytes"]} if o["max_request_bytes"] else {}))
+                     shared_host=bool(o["shared_host"]), max_tensor_bytes=o["max_request_bytes"])
 
 
 def check_flags(args):

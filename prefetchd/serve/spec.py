@@ -35,7 +35,7 @@ SERVE_OPTIONS = {"endpoint": None, "workers": 2, "models": None, "hidden": 256, 
                  "metrics_addr": "127.0.0.1", "model": None, "model_bytes": None,
                  "checkpoint_store": None, "max_batch_size": 8, "max_queue_delay_ms": 2.0,
                  "heartbeat_timeout": 15.0, "start_timeout": 180.0, "shared_host": False,
-                 "max_request_bytes": None}
+                 "max_request_bytes": DEFAULT_MAX_TENSOR_BYTES}
 
 
 @dataclass
