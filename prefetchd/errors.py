@@ -86,3 +86,26 @@ class DaemonClosedError(NotResidentError):
 
 class UseAfterFreeError(NotResidentError):
     """A tensor used after prefetchd.ops.free() or detach() released its device memory."""
+
+
+class DuplicateKey(ValueError):
+    """A key given twice in one JSON object (unique_keys); `key` is the key."""
+
+    def __init__(self, key):
+        super().__init__(f"the key {key[:64]!r} is given twice")
+        self.key = key
+
+
+def unique_keys(pairs):
+    """json object_pairs_hook: a dict, refusing a key given twice (DuplicateKey), where json
+    kept the last without a word. For JSON a client or a file hands us: a request body, a
+    safetensors header, a sharding spec, a shared host tier message. Linear: finding the
+    key with keys.count() took 51 s for a 650 KB body of 60,000 keys, the last one twice."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKey(key)
+            seen.add(key)
+    return obj

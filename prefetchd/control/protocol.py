@@ -20,6 +20,8 @@ import math
 import os
 import struct
 
+from ..errors import unique_keys
+
 MAGIC = b"PFD1"
 RID_SIZE = 8
 DEFAULT_MAX_MESSAGE_SIZE = 1 << 20
@@ -75,20 +77,6 @@ def dumps(obj):
 
 def loads(data, object_pairs_hook=None):
     return json.loads(data, parse_constant=_no_constants, object_pairs_hook=object_pairs_hook)
-
-
-def _unique_keys(pairs):
-    """json object_pairs_hook: a dict, refusing a key given twice (else the last silently won).
-    Linear: finding the key with keys.count() took 51 s of the I/O thread for a 650 KB body of
-    60,000 keys, the last one twice. (staging.checks.unique_keys is its twin for files.)"""
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise ValueError(f"the key {key[:64]!r} is given twice")
-            seen.add(key)
-    return obj
 
 
 def encode_request(rid, op, args=None, timeout=None, tensors=()):
@@ -152,7 +140,7 @@ def decode_request(payload, max_message_size=DEFAULT_MAX_MESSAGE_SIZE):
     except UnicodeDecodeError as e:
         raise ProtocolError(BAD_REQUEST, f"body is not UTF-8: {e.reason} at byte {e.start}", rid) from None
     try:
-        doc = loads(text, object_pairs_hook=_unique_keys)
+        doc = loads(text, object_pairs_hook=unique_keys)
     except (ValueError, RecursionError) as e:
         raise ProtocolError(BAD_REQUEST, f"body is not JSON: {str(e)[:200]}", rid) from None
     if not isinstance(doc, dict):

@@ -30,6 +30,8 @@ item), never a crash of the owner.
 import json
 import socket
 
+from ..errors import unique_keys
+
 MAX_MESSAGE = 192 << 10          # below the default unix socket send buffer (208 KiB)
 MAX_KEY_BYTES = 1024             # the FileStore's key limit
 MAX_NBYTES = 1 << 46
@@ -58,8 +60,8 @@ def encode(obj):
 
 def decode(data):
     try:
-        obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+        obj = json.loads(data.decode("utf-8"), object_pairs_hook=unique_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise WireError(f"not a JSON message: {e}") from None
     if not isinstance(obj, dict):
         raise WireError(f"a message is a JSON object, got {type(obj).__name__}")

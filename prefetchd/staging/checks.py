@@ -6,7 +6,7 @@ a hostile header can be large (100 MiB of JSON, a protobuf of any size) and an
 exact product of 100,000 dimensions is quadratic (and has too many digits for
 str()), so the rank is bounded before any product is taken. And a JSON object that
 names a key twice (a safetensors header, a sharding spec) is refused, where json kept
-the last without a word (`unique_keys`).
+the last without a word (errors.unique_keys).
 """
 MAX_KEY_BYTES = 1024          # the FileStore's key limit (prefetchd._native.MAX_KEY_BYTES)
 MAX_RANK = 32                 # numpy<2's NPY_MAXDIMS: a tensor of higher rank cannot be loaded
@@ -49,23 +49,3 @@ def shape_problem(shape, itemsize):
         return (f"shape {shown(list(shape))} overflows: its elements times {itemsize} bytes "
                 f"exceed 2**63-1 bytes")
     return None
-
-
-class DuplicateKey(ValueError):
-    """A key given twice in one JSON object; `key` is the key."""
-
-    def __init__(self, key):
-        super().__init__(f"the key {key[:64]!r} is given twice")
-        self.key = key
-
-
-def unique_keys(pairs):
-    """json object_pairs_hook: a dict, refusing a key given twice (DuplicateKey)."""
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise DuplicateKey(key)
-            seen.add(key)
-    return obj

@@ -8,7 +8,8 @@ import json
 import zlib
 
 from .. import dtypes
-from .checks import DuplicateKey, name_problem, shape_problem, shown, unique_keys
+from ..errors import DuplicateKey, unique_keys
+from .checks import name_problem, shape_problem, shown
 from .source import CheckpointReader, buffer
 
 HEADER_LIMIT = 100 << 20   # the safetensors format's own cap on the JSON header

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..backend.base import SHARDS_FILE, STORE_LOCK
 from ..limits import raise_open_files
-from .checks import DuplicateKey, unique_keys
+from ..errors import DuplicateKey, unique_keys
 from .errors import StagingError
 from .generations import (RANK_DIR, fsync_dir, hold_store_lock, link_current, remove_leftovers, stage_into,
                           stage_lock, store_place, swap_in)

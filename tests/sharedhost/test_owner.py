@@ -88,7 +88,8 @@ HOSTILE = [
     b'{"op": "trace", "names": "t0"}', b'{"op": "trace", "names": [1, 2]}',
     b'{"op": "hello", "pid": "me"}', b'{"op": "release", "key": null, "version": 1}',
     b'{"op": "acquire", "key": "\\ud800", "version": 1, "nbytes": 4, "crc": 1}',
-    b"{" * 100000,
+    b"{" * 100000, b"[" * 100000,         # the second nests: json's RecursionError
+    b'{"op": "acquire", "key": "t0", "key": "t1", "version": 1, "nbytes": 4, "crc": 1}',
     b'{"op": "acquire", "items": []}', b'{"op": "acquire", "items": "t0"}',
     b'{"op": "acquire", "items": [1]}', b'{"op": "release", "items": [{"key": "t0"}]}',
     json.dumps({"op": "acquire", "items": [{"key": "t0", "version": 1, "nbytes": 4, "crc": 1}] * 17}).encode(),
