@@ -115,13 +115,17 @@ def check_budgets(device_budget, host_budget, available=None):
 
 def raise_open_files(need):
     """Raise this process's soft open-file limit to `need` where the hard limit allows (the
-    default soft limit, 1024, is far below most hard ones). Returns None, or the hard limit
-    when it is below `need` (the caller refuses, naming what needs them)."""
+    default soft limit, 1024, is far below most hard ones). Returns None, or the limit that
+    stays below `need`: the hard one, or the soft one when the kernel refused to raise it
+    (the caller refuses, naming what needs them)."""
     import resource
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= need:
         return None
     if hard != resource.RLIM_INFINITY and hard < need:
         return hard
-    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    except (ValueError, OSError):     # e.g. above fs.nr_open
+        return soft
     return None

@@ -8,6 +8,8 @@ import logging
 import os
 import resource
 
+from ..limits import raise_open_files
+
 log = logging.getLogger("prefetchd.control.descriptors")
 
 MAX_RAISED_FD_LIMIT = 1 << 16
@@ -33,12 +35,10 @@ def raise_fd_limit(cap=MAX_RAISED_FD_LIMIT):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = min(cap, hard if hard != resource.RLIM_INFINITY else cap)
     if soft != resource.RLIM_INFINITY and soft < want:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        if raise_open_files(want) is None:
             log.info("prefetchd server: raised the descriptor limit from %d to %d", soft, want)
             return want
-        except (ValueError, OSError) as e:
-            log.warning("prefetchd server: could not raise the descriptor limit from %d: %s", soft, e)
+        log.warning("prefetchd server: could not raise the descriptor limit from %d to %d", soft, want)
     limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if limit != resource.RLIM_INFINITY and limit < LOW_FD_LIMIT:
         # libzmq's ipc listener aborts the process at EMFILE, and a burst of connects
