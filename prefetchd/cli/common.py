@@ -2,7 +2,6 @@
 import argparse
 import json
 import logging
-import os
 import re
 import sys
 

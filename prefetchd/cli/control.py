@@ -167,6 +167,11 @@ def _daemon_lines(st, indent=""):
     return lines
 
 
+def _given_up(worker):
+    retry = worker.get("retry_in")
+    return "given up, not restarted" if retry is None else f"given up, trying again in {retry:.0f}s"
+
+
 def format_status(st):
     if "front" in st:
         front = st["front"]
@@ -183,7 +188,7 @@ def format_status(st):
                          f"hits {counters.get('hits')}, fills {counters.get('fills')}, evictions "
                          f"{counters.get('evictions')}, covering {'yes' if shared.get('covering') else 'no'}")
         for w in st["workers"]:
-            state = "ready" if w["ready"] else "given up, not restarted" if w.get("given_up") else "starting"
+            state = "ready" if w["ready"] else _given_up(w) if w.get("given_up") else "starting"
             lines.append(f"worker {w['index']}: pid {w['pid']}, {state}, "
                          f"in flight {w['inflight']}, served {w['served']}, failed {w['failed']}, "
                          f"deaths {w['deaths']}, last model {w['last_model']}")

@@ -295,5 +295,8 @@ def cmd_serve(args):
 def _say_ready(front):
     metrics = f"; metrics on http://{front.metrics_addr}:{front.metrics_port}/metrics" \
         if front.metrics_port is not None else ""
-    print(f"prefetchd serve: ready: {front.n_workers} workers; front on {front.endpoint}{metrics}",
+    workers = front.snapshot()["workers"]
+    ready = sum(w["ready"] for w in workers)
+    short = "" if ready == len(workers) else f" of {len(workers)} (the others could not start: see above)"
+    print(f"prefetchd serve: ready: {ready} workers{short}; front on {front.endpoint}{metrics}",
           file=sys.stderr, flush=True)

@@ -25,6 +25,7 @@ respawned; one that stops answering its heartbeat (prefetchd.serve.heartbeat) is
 killed and replaced the same way; a request that outlives `request_timeout` is
 answered TIMEOUT. The `status` op is prefetchd.serve.status.
 """
+import functools
 import itertools
 import logging
 import os
@@ -107,7 +108,7 @@ class Front(FrontSockets):
                                 max_inflight_per_worker)
         self._loop = IOLoop(self, f"prefetchd-front-{name}", max_poll=0.5)
         self._ops = {"ping": Op(self._op_ping), "status": Op(self._op_status),
-                     "infer": Op(self._op_infer, TENSOR_ARGS), "generate": Op(self._op_generate, GENERATE_ARGS)}
+                     "infer": Op(self._op_infer, TENSOR_ARGS), "generate": Op(functools.partial(self._op_infer, kind="generate"), GENERATE_ARGS)}
         self._models = {}              # name -> ModelInfo, from the first worker's READY
         self._batcher = Batcher(max_batch_size, max_queue_delay_ms / 1000.0)
         self._deadlines = Deadlines()
@@ -135,8 +136,7 @@ class Front(FrontSockets):
         self._batcher.max_batch_size = rows
 
     def snapshot(self):
-        """What the front's metrics report: counters, queue depth, each worker's public
-        state and the per-model histograms (safe from another thread: copies only)."""
+        """What the front's metrics report, copied (so safe from another thread)."""
         return {"counters": dict(self.counters), "errors": dict(self.counters.errors),
                 "queued": len(self._batcher),
                 "workers": [s.public() for s in list(self._pool.slots)],
@@ -166,7 +166,8 @@ class Front(FrontSockets):
         # would poll with timeout 0, spinning a core the workers need, until then.
         batch_due = self._batcher.next_wakeup() if self._pool.has_room() else None
         nearest = min((t for t in (self._deadlines.nearest(), self._status.nearest_deadline(),
-                                   batch_due, self._heartbeats.next_due(), self.connections.wake_at)
+                                   batch_due, self._heartbeats.next_due(), self.connections.wake_at,
+                                   self._pool.next_retry())
                        if t is not None), default=None)
         return None if nearest is None else nearest - time.monotonic()
 
@@ -229,9 +230,6 @@ class Front(FrontSockets):
         self._deadlines.add(job)
         self.counters["requests"] += 1
 
-    def _op_generate(self, envelope, rid, args, timeout, tensors):
-        self._op_infer(envelope, rid, args, timeout, tensors, kind="generate")
-
     # -- batching and routing
 
     def _dispatch(self):
@@ -277,7 +275,7 @@ class Front(FrontSockets):
             self._heartbeats.on_ready(s)
             for name, doc in info["models"].items():
                 self._models.setdefault(name, ModelInfo.from_json(doc))
-            if self._pool.all_ready():
+            if self._pool.settled():
                 self._ready_event.set()
             return
         batch = s.inflight.pop(frames[1].bytes, None)
@@ -327,6 +325,7 @@ class Front(FrontSockets):
             why = s.start_error or f"it ended ({s.exit_how}) before it was ready, with no error to report"
             self._start_error = RuntimeError(f"prefetchd serve: no worker could be started{' again' if self._models else ''}: "
                                              f"worker {s.index}: {why} (--debug shows its traceback)")
+        if self._pool.settled():           # starting: this one gave up, the rest are ready (or none is left)
             self._ready_event.set()
 
     def _replace_hung(self, s):
@@ -382,4 +381,5 @@ class Front(FrontSockets):
         for s in self._heartbeats.hung(self._pool.slots, now):
             self._replace_hung(s)
         self._heartbeats.ping_due(self._pool.slots, now, self._new_ctl_rid)
+        self._pool.retry_due(now)
         self._status.finish(now)

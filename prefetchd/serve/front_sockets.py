@@ -184,7 +184,8 @@ class FrontSockets(RouterEndpoint):
                 self.close(10)
                 raise
             self.metrics_port = self._exporter.port
-        log.info("prefetchd serve: %d workers ready; front on %s", self.n_workers, self.endpoint)
+        log.info("prefetchd serve: %d of %d workers ready; front on %s",
+                 sum(s.ready for s in self._pool.slots), self.n_workers, self.endpoint)
 
     def close(self, timeout=None):
         """Stop within `timeout` (a few seconds more if the workers must be killed): what is

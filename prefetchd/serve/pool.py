@@ -18,6 +18,11 @@ from .worker import remove_worker_store, store_in_use, worker_main, worker_store
 log = logging.getLogger("prefetchd.serve.pool")
 
 MAX_START_FAILURES = 3          # deaths before READY, in a row, before a slot gives up
+# A slot given up tries once more after RETRY_AFTER seconds, then after twice as long each
+# time it fails again, at most RETRY_AT_MOST (a cause that passes, a full disk cleaned or a
+# model file put back, left the server a worker short until it was restarted).
+RETRY_AFTER = 60.0
+RETRY_AT_MOST = 600.0
 
 
 # Each worker is a process with its own MindSpore and daemon: far fewer fit any machine, and a
@@ -47,6 +52,8 @@ class WorkerSlot:
     failure: object = None           # read end of the pipe its start failure comes through
     exit_how: str | None = None      # how its last process ended: "exit 3", "signal 9"
     spawned_at: float = 0.0
+    retry_at: float | None = None    # given up: when it tries once more (WorkerPool.retry_due)
+    retries: int = 0                 # of those, since it was last ready
 
     def count_reply(self, requests, failed_codes):
         """A batch of `requests` answered, those that failed with `failed_codes`: served
@@ -61,6 +68,7 @@ class WorkerSlot:
         return {"index": self.index, "pid": self.pid, "ready": self.ready,
                 # no process and no respawn coming: it failed to start too often (on_death)
                 "given_up": self.process is None and self.start_failures >= MAX_START_FAILURES,
+                "retry_in": None if self.retry_at is None else max(0.0, self.retry_at - time.monotonic()),
                 "start_error": self.start_error,
                 "generation": self.generation, "control": self.control,
                 "inflight": len(self.inflight), "served": self.served, "failed": self.failed,
@@ -116,12 +124,14 @@ class WorkerPool:
         return next((s for s in self.slots if s.identity == identity), None)
 
     def on_ready(self, slot, info):
-        slot.ready, slot.pid, slot.start_failures = True, info["pid"], 0
+        slot.ready, slot.pid, slot.start_failures, slot.retries = True, info["pid"], 0, 0
+        slot.start_error = None
         slot.hints = {name: doc.get("hints", []) for name, doc in info.get("models", {}).items()}
         log.info("prefetchd serve: worker %d ready (pid %d)", slot.index, slot.pid)
 
-    def all_ready(self):
-        return all(s.ready for s in self.slots)
+    def settled(self):
+        """Whether every worker is ready or given up (start is over: serve with the ready ones)."""
+        return all(s.ready or s.process is None for s in self.slots)
 
     def has_room(self):
         """Whether some ready worker can take another batch now."""
@@ -165,14 +175,30 @@ class WorkerPool:
             self._remove_leftovers(slot)
         slot.inflight.clear()
         slot.deaths += 1
-        if slot.start_failures >= MAX_START_FAILURES and any(s.ready for s in self.slots):
-            log.error("prefetchd serve: worker %d failed to start %d times in a row; giving up (%s)",
-                      slot.index, MAX_START_FAILURES, slot.start_error or "see its log above")
         if respawn and slot.start_failures < MAX_START_FAILURES:
             self.spawn(slot)
-        else:
-            slot.process, slot.ready = None, False
+            return reason, jobs
+        slot.process, slot.ready = None, False
+        if respawn:
+            wait = min(RETRY_AFTER * 2 ** slot.retries, RETRY_AT_MOST)
+            slot.retry_at, slot.retries = time.monotonic() + wait, slot.retries + 1
+            if not self.none_alive():     # else the front stops, saying why
+                log.error("prefetchd serve: worker %d failed to start %s; giving up, trying once more "
+                          "in %.0fs (%s)", slot.index, "again" if slot.retries > 1 else
+                          f"{MAX_START_FAILURES} times in a row", wait, slot.start_error or "see its log above")
         return reason, jobs
+
+    def retry_due(self, now):
+        """Start once more each given-up slot whose retry_at has come: one failure gives it
+        up again (on_death), for twice as long."""
+        for slot in self.slots:
+            if slot.retry_at is not None and slot.retry_at <= now:
+                slot.retry_at, slot.start_failures = None, MAX_START_FAILURES - 1
+                log.info("prefetchd serve: worker %d: trying to start it again", slot.index)
+                self.spawn(slot)
+
+    def next_retry(self):
+        return min((s.retry_at for s in self.slots if s.retry_at is not None), default=None)
 
     def take_inflight(self):
         """Every slot's in-flight batches, taken (the front is closing: it answers them)."""

@@ -96,6 +96,19 @@ def raises(seed=0):
     raise RuntimeError(f"factory of seed {seed} failed on purpose")
 
 
+def broken_but_the_first(seed=0):
+    """Sleepy for the first worker to build it; the others fail while the file named by
+    $PFD_TEST_BROKEN exists (a cause that passes: a model file put back, a disk cleaned)."""
+    import os
+    flag = os.environ["PFD_TEST_BROKEN"]
+    try:
+        os.close(os.open(flag + ".first", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        if os.path.exists(flag):
+            raise RuntimeError(f"{flag} is there: failing on purpose") from None
+    return Sleepy(seed)
+
+
 def exits(seed=0):
     """A factory that calls sys.exit (argparse in a model library does): not an Exception."""
     import sys

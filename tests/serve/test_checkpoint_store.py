@@ -211,7 +211,7 @@ def test_a_worker_respawned_after_a_new_stage_is_refused_not_served_other_weight
             assert "replaced it since the server started" in doc["workers"][0]["start_error"]
             assert not doc["workers"][1]["given_up"] and doc["workers"][1]["ready"]
             text = format_status(doc)
-            assert "worker 0: pid None, given up, not restarted" in text and "  could not start: " in text, text
+            assert "worker 0: pid None, given up, trying again in " in text and "  could not start: " in text, text
     finally:
         stop_serve(proc)
 

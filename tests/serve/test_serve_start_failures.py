@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import ENV
+from helpers import ENV, wait_until
 
 SMALL = ["--workers", "1", "--models", "1", "--hidden", "64", "--layers", "2", "--seq", "8"]
 
@@ -244,3 +244,44 @@ def test_a_framework_error_in_a_request_is_answered_without_its_cpp_stack():
     reply = error_reply(raised.value, worker=0)
     assert reply["reason"].startswith("worker 0: ") and "Arange" in reply["reason"], reply
     assert "C++ Call Stack" not in reply["reason"] and "ccsrc" not in reply["reason"], reply
+
+
+def test_a_worker_given_up_is_tried_again_and_serves_once_its_cause_is_gone(tmp_path, monkeypatch):
+    """A worker that failed to start 3 times in a row was given up for the server's life,
+    a cause that had passed (a model file put back) or not: the server served a worker short
+    until it was restarted, and one that could not start a worker at all waited out its whole
+    --start-timeout. Now the start settles with the workers that are ready, and a given-up
+    worker tries once more after RETRY_AFTER, then after twice as long each time."""
+    import mindspore as ms
+
+    from prefetchd.serve import Client, Front, ServeSpec, pool
+    from tests.serve._servables import sleepy
+    flag = tmp_path / "broken"
+    flag.write_text("")
+    monkeypatch.setenv("PFD_TEST_BROKEN", str(flag))
+    monkeypatch.setattr(pool, "RETRY_AFTER", 2.0)
+    spec = ServeSpec(models=1, model="tests.serve._servables:broken_but_the_first", model_bytes_hint=80,
+                     budget=1 << 20, store_dir=str(tmp_path / "store"))
+    x = np.full((1, 4), -1.0, np.float32)            # (a positive x[0, 0] makes sleepy sleep)
+    want = sleepy(seed=spec.seed).cell(ms.Tensor(x)).asnumpy()
+    t0 = time.monotonic()
+    with Front(f"ipc://{tmp_path}/retry.sock", workers=2, spec=spec, name=f"retry{os.getpid()}",
+               start_timeout=150).start() as front:
+        assert time.monotonic() - t0 < 120, "the start waited out its timeout"
+        workers = front.snapshot()["workers"]
+        assert sorted(w["ready"] for w in workers) == [False, True], workers
+        gave_up = next(w for w in workers if not w["ready"])
+        assert gave_up["given_up"] and "failing on purpose" in gave_up["start_error"], gave_up
+        assert 0 <= gave_up["retry_in"] <= 2.0, gave_up
+
+        def given_up_again():                         # its retry failed: twice as long now
+            w = front.snapshot()["workers"][gave_up["index"]]
+            return w["given_up"] and w["deaths"] > gave_up["deaths"] and w["retry_in"] > 2.0
+        assert wait_until(given_up_again, 60, 0.1)
+        flag.unlink()
+        assert wait_until(lambda: all(w["ready"] for w in front.snapshot()["workers"]), 60, 0.2)
+        back = front.snapshot()["workers"][gave_up["index"]]
+        assert (back["given_up"], back["retry_in"], back["start_error"]) == (False, None, None), back
+        with Client(front.endpoint, timeout=60) as client:
+            for _ in range(4):
+                np.testing.assert_array_equal(client.infer("m0", x)[0], want)
