@@ -60,10 +60,12 @@ _USE_HINT = ("outside an offloaded model's forward, use managed weights inside `
              "which keeps them resident until the block ends")
 _MISSED_READ_HINT = (
     "the read is inside the offloaded model's forward, where offload() did not see it: its planner follows "
-    "a construct's attribute reads (self.blocks[3].w1, getattr; docs/offload.md, \"The plan\"), "
-    "not reads through cells_and_names(), name_cells(), a module-level object or a weakref. Read "
-    "the weight through its cell's attributes there, or leave the cell that owns it out of "
-    "units= (its weights then stay in the root, pinned for the whole forward)")
+    "a construct's attribute reads (self.blocks[3].w1, getattr; docs/offload.md, \"The plan\") and "
+    "those of the forward hooks registered before offload(), not a hook registered after it, nor "
+    "reads through cells_and_names(), name_cells(), a module-level object or a weakref. Read "
+    "the weight through its cell's attributes there (a hook: register it before offload()), or "
+    "leave the cell that owns it out of units= (its weights then stay in the root, pinned for "
+    "the whole forward)")
 _LOAD_HINT = ("load new values with prefetchd.load_param_into_net (gradients and training through an "
               "offloaded model are not supported)")
 

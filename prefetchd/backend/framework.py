@@ -117,6 +117,24 @@ def abandon_grad():
         _pynative_executor.clear_res()
 
 
+def user_forward_hooks(cell):
+    """The forward pre-hooks and hooks on `cell` that are not prefetchd's own."""
+    def ours(hook):
+        function = getattr(hook, "func", hook)          # a functools.partial's
+        return (getattr(function, "__module__", None) or "").startswith("prefetchd.")
+    return [h for hooks in (cell._forward_pre_hook, cell._forward_hook) for h in hooks.values() if not ours(h)]
+
+
+def keep_forward_hook_last(cell, handle):
+    """Move the forward hook of `handle` (cell.register_forward_hook's) after every other
+    one of `cell`, where one registered since went after it. MindSpore 2.10 keeps a cell's
+    forward hooks in an OrderedDict by handle id and runs them in its order (its own
+    register_forward_hook(prepend=True) moves one to the front the same way)."""
+    hooks = cell._forward_hook
+    if hooks and next(reversed(hooks)) != handle.handle_id and handle.handle_id in hooks:
+        hooks.move_to_end(handle.handle_id)
+
+
 def backward_pre_hook(cell_id, hook):
     """A CellBackwardHook primitive whose backward pre-hook is hook(grads): a gradient
     reaching a Tensor the primitive returned runs it before any backward kernel of what

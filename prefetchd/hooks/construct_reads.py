@@ -33,18 +33,10 @@ the chains of steps from `self`), resolved here against the live cells:
   every cell and parameter it holds (bound arguments, closure, defaults, its own
   attributes): a lambda has no source of its own to follow;
 - where the analysis cannot see — a callee without source, a MindSpore
-  function given a cell, `*args`, deeper than _MAX_INLINE — the cell counts as
+  function given a cell, `*args`, deeper than MAX_INLINE — the cell counts as
   reading all of its parameters (safe: pinned, never read unmapped).
 A construct without source (built at run time) reports nothing.
 
-    compiled_calls(cell) -> [("self._mlp", owner, "_mlp", [("self.fc1", fc1), ...]), ...]
-
-The `@mindspore.jit` methods (other than `construct`) that `cell`'s construct
-calls, directly or through plain helper methods, each with the sub-cells its
-body uses (called or otherwise). Those sub-cells run inside the method's
-graph: MindSpore 2.10 compiles their forward hooks into it (a prefetchd hook
-there fails to compile, and would run once at trace time, not at each call),
-so none of them, nor any cell under them, may carry a prefetchd hook.
 """
 import builtins
 import collections.abc
@@ -60,15 +52,36 @@ from ..backend import framework
 METADATA = frozenset({"shape", "dtype", "ndim", "name", "itemsize", "nbytes", "requires_grad", "size",
                       "strides", "is_init", "param_info", "is_floating_point", "numel", "nelement", "dim",
                       "ndimension", "is_complex", "element_size", "has_init", "data_type"})
-_MAX_INLINE = 4       # depth of methods and helpers read as part of a construct
+MAX_INLINE = 4       # depth of methods and helpers read as part of a construct
 
 
 def direct_reads(cell):
-    """(expression, Parameter) for each Parameter `cell`'s construct may read without a call
-    of the sub-cell that owns it."""
-    found = {}
-    _collect(cell, type(cell).construct, None, (), found, depth=0, seen=set())
+    """(expression, Parameter) for each Parameter `cell`'s construct, or a forward (pre-)hook
+    a user registered on it, may read without a call of the sub-cell that owns it."""
+    found, seen = {}, set()
+    _collect(cell, type(cell).construct, None, (), found, depth=0, seen=seen)
+    for hook in framework.user_forward_hooks(cell):
+        _hook_reads(cell, hook, found, seen)
     return list(found.values())
+
+
+def _hook_reads(cell, hook, found, seen):
+    """A forward hook or pre-hook on `cell` (weight-norm logging, an observer) runs outside
+    the calls of its sub-cells: what it reads from its first argument (the cell) is read
+    there. One whose source cannot be read (a lambda) counts what it holds (_held_read)."""
+    function, arg = hook, None
+    if inspect.ismethod(hook):             # hook(cell, ...) bound to an object: its 2nd argument
+        function = hook.__func__
+        names = list(inspect.signature(function).parameters)
+        arg = names[1] if len(names) > 1 else None
+    inner = {}
+    if not (inspect.isfunction(function) and (arg or not inspect.ismethod(hook))
+            and _collect(cell, function, arg, (), inner, depth=1, seen=seen)):
+        _held_read(f"its forward hook {getattr(hook, '__qualname__', type(hook).__name__)}", hook, found)
+        return
+    where = f" (in its forward hook {function.__qualname__})"
+    for pid, (expr, p) in inner.items():
+        found.setdefault(pid, (expr + where, p))
 
 
 def _collect(root, function, arg, prefix, found, depth, seen):
@@ -83,7 +96,7 @@ def _collect(root, function, arg, prefix, found, depth, seen):
         inner = _wrapped(function) if arg is None else None
         return inner is not None and _collect(root, inner, arg, prefix, found, depth, seen)
     for chain in steps:
-        for expr, obj, rest in _resolve(root, prefix + chain, function):
+        for expr, obj, rest in resolve(root, prefix + chain, function):
             _note(root, function, expr, obj, rest, found, depth, seen)
     return True
 
@@ -103,10 +116,10 @@ def _note(root, function, expr, obj, rest, found, depth, seen):
     elif rest and rest[0] == CALL and inspect.ismethod(obj) and isinstance(obj.__self__, ms.nn.Cell):
         # A method of a cell called directly: its hooks do not run, so its body reads as ours.
         owner, method = obj.__self__, obj.__func__
-        if _is_framework(method):
+        if is_framework(method):
             return
         base = expr[:-len(obj.__name__) - 1]     # the owner's expression: "self.attn" of "self.attn.project"
-        if depth >= _MAX_INLINE:
+        if depth >= MAX_INLINE:
             _all_read(owner, f"{expr}() (not followed deeper)", found)
             return
         inner = {}
@@ -179,7 +192,7 @@ def _follow_passed(root, function, expr, cell, step, found, depth, seen):
     targets = [_function_of(obj) for obj in _callee_objects(root, function, callee)]
     args = [None if t is None else _argument(t[0], slot, t[1]) for t in targets]
     name = _callee_name(callee)
-    if not args or None in args or depth >= _MAX_INLINE:
+    if not args or None in args or depth >= MAX_INLINE:
         _all_read(cell, f"{expr} (passed to {name}, not followed)", found)
         return
     for target, arg in zip(targets, args):
@@ -216,7 +229,7 @@ def _callee_object(root, function, callee):
     if kind in ("any", "values"):
         return None                                  # several: _callee_objects
     if kind == "self":
-        found = [obj for _, obj, _ in _resolve(root, ref + (CALL,), function)]
+        found = [obj for _, obj, _ in resolve(root, ref + (CALL,), function)]
         return found[0] if len(found) == 1 else None
     names = (ref,) if kind == "name" else ref
     obj = _free_variable(function, names[0])
@@ -252,7 +265,7 @@ def _function_of(obj):
     else:
         return None
     obj = inspect.unwrap(obj)
-    return None if _is_framework(obj) else (obj, bound)
+    return None if is_framework(obj) else (obj, bound)
 
 
 def _wrapped(function):
@@ -294,10 +307,10 @@ def _argument(function, slot, bound):
 def _is_framework_object(obj):
     """A callable MindSpore defines (an op, a Primitive, a function): it holds no weight."""
     defined = obj if inspect.isfunction(obj) or inspect.ismethod(obj) else type(obj)
-    return _is_framework(defined)
+    return is_framework(defined)
 
 
-def _is_framework(function):
+def is_framework(function):
     """Methods MindSpore itself defines (Cell's own API): they read no weights of the model."""
     function = inspect.unwrap(function)          # a @jit method: its wrapper is MindSpore's, not it
     module = getattr(function, "__module__", "") or ""
@@ -333,7 +346,7 @@ def _attributes(cell):
             if v is not None]
 
 
-def _resolve(root, chain, function=None):
+def resolve(root, chain, function=None):
     """Follow `chain` from `root`: (expression, object reached, the steps after it) for each
     object a Parameter, a cell used as the chain says, or a method called. `function`: the
     one whose chains they are (a super() in it is resolved from its class)."""
@@ -411,40 +424,3 @@ def _unique(params):
 def is_jit(function):
     """True if `function` is wrapped by mindspore.jit (MindSpore marks the wrapper)."""
     return bool(getattr(function, "__wrapped_by_jit__", False))
-
-
-def compiled_calls(cell):
-    """(method expression, owner cell, method name, [(expression, sub-cell)]) for each
-    @jit method `cell`'s construct calls (through plain helpers too), with the sub-cells
-    run inside its graph. A compiled construct itself is not reported (the planner
-    treats the whole cell as compiled)."""
-    found = {}
-    if not is_jit(cell.construct):
-        _walk_calls(cell, type(cell).construct, (), "self", found, None, 0, set())
-    return [(expr, owner, name, list(cells.values())) for expr, owner, name, cells in found.values()]
-
-
-def _walk_calls(root, function, prefix, base, found, inside, depth, seen):
-    """Follow `function`'s chains from `root` (written `base`); `inside`: the key in `found`
-    of the jit method whose graph this body runs in, or None."""
-    ms = framework.mindspore()
-    key = (function, id(root), inside)
-    if key in seen or depth > _MAX_INLINE:
-        return
-    seen.add(key)
-    for chain in chains(function) or ():
-        for expr, obj, rest in _resolve(root, prefix + chain, function):
-            expr = base + expr[len("self"):]
-            if isinstance(obj, ms.nn.Cell):
-                if inside is not None:
-                    found[inside][3].setdefault(id(obj), (expr, obj))
-            elif rest and rest[0] == CALL and inspect.ismethod(obj) and isinstance(obj.__self__, ms.nn.Cell) \
-                    and not _is_framework(obj.__func__):
-                owner, method = obj.__self__, obj.__func__
-                owner_expr = expr[:-len(obj.__name__) - 1]
-                if inside is None and is_jit(method):
-                    here = (id(owner), method)
-                    found.setdefault(here, (expr, owner, obj.__name__, {}))
-                    _walk_calls(owner, method, (), owner_expr, found, here, depth + 1, seen)
-                else:
-                    _walk_calls(owner, method, (), owner_expr, found, inside, depth + 1, seen)

@@ -63,7 +63,7 @@ from .passes import RecordingPass, StreamingPass
 from .root_calls import hook_root_cells
 from .planner import fitting_plan
 from .trace_cursor import ROOT, TraceCursor
-from .units import Pins, Unit, cell_name, first_tensor
+from .units import Pins, Unit, cell_name, first_tensor, hook_unit_cell
 from .views import ViewCopies
 
 log = logging.getLogger("prefetchd.hooks")
@@ -163,8 +163,7 @@ class Offloaded(refusals.NotCopyable, HandleReadings):
         self._handles.append(model.register_forward_hook(self._refusal.forward_hook))    # the last one
 
     def _hook_unit_cell(self, cell):
-        self._handles.append(cell.register_forward_pre_hook(self._before_unit))
-        self._handles.append(cell.register_forward_hook(self._after_unit))
+        self._handles += hook_unit_cell(cell, self._before_unit, self._after_unit)
 
     @contextlib.contextmanager
     def between_passes(self):

@@ -44,7 +44,7 @@ class PartProbes:
                 self._of.setdefault(id(part), []).append(unit)
                 if id(part) not in self._probes:
                     self._probes[id(part)] = [part.register_forward_pre_hook(before),
-                                              part.register_forward_hook(after)]
+                                              part.register_forward_hook(after, always_call=True)]
 
     def entry(self, cell, recording):
         """Before `cell` (a part) runs: the unit its call must pin, or None."""

@@ -15,6 +15,25 @@ from .interrupts import sigint_deferred
 log = logging.getLogger("prefetchd.hooks")
 
 
+def hook_unit_cell(cell, before, after):
+    """Install a unit's pin (`before`, a forward pre-hook) and release (`after`, a forward
+    hook) on one of its cells; their handles. A user's own hooks on the cell may read its
+    weights (weight-norm logging, an observer), so the pin runs before every pre-hook of the
+    cell (prepend) and the release after every hook, one registered after offload() too
+    (moved back behind it at each call). `after` runs when the cell raises, too (always_call):
+    a unit whose raise the model caught stayed pinned for the rest of the pass, and a later
+    unit found no room."""
+    release = None
+
+    def pin(cell, inputs):
+        framework.keep_forward_hook_last(cell, release)
+        return before(cell, inputs)
+
+    handles = [cell.register_forward_pre_hook(pin, prepend=True)]
+    release = cell.register_forward_hook(after, always_call=True)
+    return handles + [release]
+
+
 class Unit:
     """A planned unit at run time: its cells, the daemon records of its parameters, pin state."""
     __slots__ = ("index", "name", "cells", "records", "nbytes", "held", "ran", "params", "compiled",

@@ -46,8 +46,22 @@ class ViewCopies:
                 self._positions[key] = positions
                 log.info("prefetchd.offload: %s returns a view of the weights of unit %r; that output "
                          "is copied before the unit is released", self._name_of_cell(cell), unit.name)
+                _warn_returned_parameters(self._name_of_cell(cell), output, positions)
         positions = self._positions.get(key)
         return output if not positions else copy_positions(output, positions)
+
+
+def _warn_returned_parameters(cell_name, output, positions):
+    """A cell that returns its Parameter itself (a cache, HF-style `past`) hands the caller
+    the copy: a write through it (`cache[:] = 0` between sequences) no longer reaches the
+    model, where resident it did. Said once, at the recording pass."""
+    tensors = flat_tensors(output)
+    names = [t.name for i, t in enumerate(tensors) if i in positions and framework.is_parameter(t)]
+    if names:
+        log.warning("prefetchd.offload: %s returns its Parameter %s itself; the caller gets a copy "
+                    "(the weight's pages go once its unit is released), so a write through the "
+                    "returned object does not reach the model: write through the cell's attribute, "
+                    "inside the forward or `with daemon.use([...])`", cell_name, ", ".join(map(repr, names)))
 
 
 def view_positions(output, records):

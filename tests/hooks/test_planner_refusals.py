@@ -305,7 +305,8 @@ def test_jit_layouts_that_stream_soundly_match_the_model_on_every_pass(ms, jit_m
 def test_direct_reads_follow_into_jit_helpers(ms):
     """A @jit helper reading a sub-cell's weight directly was skipped as 'MindSpore's own'
     (its wrapper's module is mindspore's): its reads count like a plain helper's."""
-    from prefetchd.hooks.construct_reads import compiled_calls, direct_reads
+    from prefetchd.hooks.construct_reads import direct_reads
+    from prefetchd.hooks.jit_graphs import compiled_calls
     nn, ops = ms.nn, ms.ops
 
     class Tied(nn.Cell):
