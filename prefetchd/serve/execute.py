@@ -217,21 +217,28 @@ def _run_parts(model, kind, run, parts, rows, axis, worker, deadlines):
         split = None
     if check.verdict is None:
         done.alone(parts, rows, run)
-        if split is not None and not done.errors and _alike(split, done.outputs):
+        # The parts that ran alone are compared. One whose deadline passed meanwhile (a slow
+        # model: n parts cost n + 1 forwards here) is left out: counting no batch that had one,
+        # every joined batch of such a model was checked again, and timed out again, for good.
+        ran = [i for i in range(len(parts)) if i not in done.errors]
+        if not ran or any(e["code"] != P.TIMEOUT for e in done.errors.values()):
+            return done                  # a part's own error: this batch shows nothing
+        alone = [done.outputs[i] for i in ran]
+        if split is not None and _alike([split[i] for i in ran], alone):
             # Rows whose outputs are all the same show no reordering: distinct prompts whose
             # tokens coincided passed three checks of a generate that reversed its rows. (Rows
             # only partly alike still show most; requiring all to differ, a small LM's few
             # likely tokens kept its generates from ever joining.)
-            if _rows_differ(done.outputs, axis):
+            if _rows_differ(alone, axis):
                 check.checks += 1
                 check.verdict = True if check.checks >= JOIN_CHECKS else None
-        elif not done.errors:
+        else:
             check.verdict = False
             log.warning("model %s: its %s outputs do not split into each request's rows along axis %s "
                         "(shapes %s joined, %s alone), or its rows depend on each other (batch statistics, "
                         "a reordering); its %s requests run one at a time from now on (a servable "
                         "object's output_batch_axis says where a forward's rows are)", model.name, kind,
-                        axis, [list(o.shape) for o in outs], [list(o.shape) for o in done.outputs[0]], kind)
+                        axis, [list(o.shape) for o in outs], [list(o.shape) for o in alone[0]], kind)
         return done
     if split is None:            # checked once, and the shapes changed since: never guess
         done.alone(parts, rows, run)

@@ -319,3 +319,44 @@ def test_a_generate_that_returns_other_than_new_token_ids_fails_its_request(mind
             assert answer.dtype == np.int64 and answer.tolist() == [[0, 1, 2, 3]]
         else:
             assert answer["code"] == "INTERNAL" and "returns the new token ids" in answer["reason"], answer
+
+
+def test_a_slow_models_join_check_counts_the_parts_that_ran_before_their_deadline(mindspore_cpu):
+    """The first joined batches run joined, then each part alone (n parts: n + 1 forwards),
+    and a part whose deadline passed meanwhile got TIMEOUT, which made the batch count as no
+    check: a model slow enough to time a part out was checked again at every joined batch,
+    and timed out again, for as long as the server ran (an outside probe: 4 requests of a
+    2 s model under --request-timeout 8, TIMEOUT every round). Now the parts that ran are
+    compared and the batch counts; after JOIN_CHECKS batches the model's batches run joined."""
+    import time
+
+    from prefetchd.serve.execute import JOIN_CHECKS
+    ms = mindspore_cpu
+    cell = ms.nn.Dense(4, 4)
+    servable = as_servable((cell, [TensorSpec((None, 4), "float32", name="x")]), "t:f")
+    model = ServedModel("m0", servable, handle=None, hints=[])
+    rng = np.random.default_rng(2)
+
+    def batch(expired):
+        requests = [[rng.standard_normal((1, 4)).astype(np.float32)] for _ in range(4)]
+        parts, frames = [], []
+        for i, arrays in enumerate(requests):
+            headers, buffers = encode_arrays(arrays)
+            late = i == 3 and expired                     # its deadline passed while others ran
+            parts.append({"inputs": headers, "deadline": time.monotonic() + (-1 if late else 600)})
+            frames.extend(buffers)
+        result, out = run_batch(model, {"model": "m0", "kind": "infer", "parts": parts}, frames, 1 << 20)
+        answered = [i for i in range(4) if str(i) not in result["errors"]]
+        for at, i in enumerate(answered):                    # one output each
+            (y,) = decode_arrays(result["outputs"][i], out[at:at + 1], what="output")
+            np.testing.assert_allclose(np.array(y), cell(ms.Tensor(requests[i][0])).asnumpy(), rtol=1e-6,
+                                       atol=1e-6)
+        return result, answered
+
+    for _ in range(JOIN_CHECKS):
+        result, answered = batch(expired=True)
+        assert answered == [0, 1, 2] and result["errors"]["3"]["code"] == "TIMEOUT"
+        assert result["forwards"] == [4, 1, 1, 1]           # joined, then each part that could run
+    assert model.joins["infer"].verdict is True
+    result, answered = batch(expired=False)
+    assert answered == [0, 1, 2, 3] and result["forwards"] == [4]
