@@ -144,6 +144,17 @@ class Batcher:
         q = self._queues.get(job.model)
         return q is not None and q.remove(job)
 
+    def full_for(self, identity, max_queue):
+        """Whether a request of the client `identity` is refused BUSY: the queue holds
+        `max_queue`, and this client has some of them queued already or the reserve beyond it
+        (max_queue // 8, for clients with none) is taken too. One client's burst filled the
+        queue and every other client was BUSY until it drained."""
+        queued = len(self)
+        if queued < max_queue:
+            return False
+        mine = any(identity in q.clients for q in self._queues.values())
+        return mine or queued >= max_queue + max_queue // 8
+
     def abandon(self, identity):
         """Drop the queued jobs of the client whose routing identity is `identity` (a reply to
         it found it gone: nobody will take theirs); returns how many, now done."""

@@ -217,7 +217,7 @@ class Front(FrontSockets):
             raise BadArguments("needs 'inputs': a {dtype, shape} header per tensor frame")
         rows, key = admit(info, kind, args["inputs"], tensors, self.spec.max_tensor_bytes,
                           args.get("max_new_tokens"))
-        if len(self._batcher) >= self.max_queue:
+        if self._batcher.full_for(envelope[0], self.max_queue):
             self.counters["busy"] += 1
             self._reply_error(envelope, rid, P.BUSY, f"{len(self._batcher)} requests queued")
             return

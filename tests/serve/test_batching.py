@@ -25,6 +25,22 @@ def test_a_client_that_floods_delays_anothers_request_by_one_batch_not_by_its_wh
     assert [n for c, n in first if c == b"flood"] == [0, 1, 2]        # its own still in order
 
 
+def test_a_client_that_filled_the_queue_does_not_keep_the_others_out():
+    """An outside probe: one client's burst of 1500 filled the front's queue (1024) and
+    another client's single request was BUSY until it drained. A client with nothing queued
+    has a reserve beyond the cap (max_queue // 8); the flooding one stays refused."""
+    b = Batcher()
+    for n in range(1024):
+        assert not b.full_for(b"flood", 1024)
+        b.add(job(b"flood", n))
+    assert b.full_for(b"flood", 1024)
+    for client in range(128):                       # the reserve: one request each
+        assert not b.full_for(b"c%d" % client, 1024)
+        b.add(job(b"c%d" % client, 0))
+        assert b.full_for(b"c%d" % client, 1024)    # ...then it has one queued
+    assert b.full_for(b"late", 1024) and len(b) == 1024 + 128
+
+
 def test_batches_alternate_between_busy_clients_least_recently_served_first():
     b = Batcher(max_batch_size=1)
     for n in range(3):
