@@ -122,7 +122,9 @@ def user_forward_hooks(cell):
     def ours(hook):
         function = getattr(hook, "func", hook)          # a functools.partial's
         return (getattr(function, "__module__", None) or "").startswith("prefetchd.")
-    return [h for hooks in (cell._forward_pre_hook, cell._forward_hook) for h in hooks.values() if not ours(h)]
+    # (the lazy dicts read as they are: the properties would give every cell an empty one)
+    hooks = [getattr(cell, "_lazy_forward_pre_hook", None), getattr(cell, "_lazy_forward_hook", None)]
+    return [h for found in hooks if found for h in found.values() if not ours(h)]
 
 
 def keep_forward_hook_last(cell, handle):

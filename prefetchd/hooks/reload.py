@@ -15,10 +15,14 @@ write-backs, a Ctrl-C) leaves old values beside new ones, which no forward may
 read as a model: the model then refuses to run (`handle.half_loaded`, a
 HalfLoad) until a load that writes every parameter left out completes.
 """
+import logging
+
 import numpy as np
 
 from ..errors import IntegrityError, PrefetchdError
 from ..guard import is_managed
+
+log = logging.getLogger("prefetchd.hooks")
 
 
 # A weight is written in place, so its stored value is read first: a damaged one (an
@@ -54,8 +58,10 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
         raise PrefetchdError(f"prefetchd.load_param_into_net(strict_load=True) refused, nothing loaded: "
                              f"{'; '.join(missing + extra)}")
     todo = [(params[name], value) for name, value in parameter_dict.items() if name in params]
+    converted = set()
     for param, value in todo:
-        _check(param, value)
+        if _check(param, value, strict_load):
+            converted.add(param.name)
         if is_managed(value):
             # Its data may be refused mid-load (not resident), leaving the net half-loaded.
             raise PrefetchdError(f"prefetchd.load_param_into_net refused, nothing loaded: the value for "
@@ -69,7 +75,8 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
                 with handle.daemon.use([param]):
                     writing = True
                     # np.require keeps a 0-d value 0-d (np.ascontiguousarray makes it 1-d)
-                    param.set_data(ms.Tensor(np.require(array, requirements="C")))
+                    dtype = param.dtype if param.name in converted else None
+                    param.set_data(ms.Tensor(np.require(array, requirements="C"), dtype=dtype))
                     written.append(param.name)
         except BaseException as e:
             if isinstance(e, IntegrityError) and not writing:
@@ -138,12 +145,24 @@ def _meta(value):
                         f"array") from None
 
 
-def _check(param, value):
+# The dtypes MindSpore's load_param_into_net converts between (strict_load=False): a float to
+# another float, an int to another int (mindspore.train.serialization._type_convert, 2.10).
+_CONVERTIBLE = ({"float16", "float32", "float64", "bfloat16"}, {"int8", "int16", "int32", "int64"})
+
+
+def _check(param, value, strict_load):
+    """Refuse a value of another shape, or of a dtype MindSpore's own load would not convert
+    to the parameter's; True if it is converted (logged, as MindSpore does)."""
     shape, dtype = _meta(value)
     want_shape, want_dtype = _meta(param)
-    if shape != want_shape or dtype != want_dtype:
+    convertible = not strict_load and any({dtype, want_dtype} <= kinds for kinds in _CONVERTIBLE)
+    if shape != want_shape or (dtype != want_dtype and not convertible):
         raise PrefetchdError(f"prefetchd.load_param_into_net refused, nothing loaded: {param.name!r} is "
                              f"{want_shape} {want_dtype}, the value given is {shape} {dtype}")
+    if dtype != want_dtype:
+        log.warning("prefetchd.load_param_into_net: the value for %r is %s, converted to the parameter's "
+                    "%s (as mindspore.load_param_into_net does)", param.name, dtype, want_dtype)
+    return dtype != want_dtype
 
 
 def _array(value):

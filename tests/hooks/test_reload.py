@@ -38,6 +38,25 @@ def test_a_checkpoint_loads_into_an_offloaded_model_and_stays_through_evictions(
     assert daemon.snapshot()[1].writebacks > 0
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float16])
+def test_a_float_value_of_another_width_is_converted_as_mindspores_own_load_does(ms, setup, dtype, caplog):
+    """mindspore.load_param_into_net converts a float64 (or float16) value to a float32
+    parameter, with a warning; ours refused it, so a checkpoint that loads into the resident
+    model did not load into the offloaded one. strict_load=True refuses it, as MindSpore's."""
+    model, _, x, before, path, _ = setup
+    params = {name: ms.Parameter(ms.Tensor(value.asnumpy().astype(dtype)), name=name)
+              for name, value in ms.load_checkpoint(path).items()}
+    with pytest.raises(PrefetchdError, match=r"the value given is \(128, 128\) float"):
+        prefetchd.load_param_into_net(model, params, strict_load=True)
+    np.testing.assert_array_equal(model(x).asnumpy(), before)
+    resident = _seeded(ms, 0)
+    ms.load_param_into_net(resident, params)
+    with caplog.at_level("WARNING", logger="prefetchd.hooks"):
+        assert prefetchd.load_param_into_net(model, params) == ([], [])
+    assert any("converted to the parameter's float32" in r.getMessage() for r in caplog.records)
+    np.testing.assert_array_equal(model(x).asnumpy(), resident(x).asnumpy())
+
+
 def test_mindspores_own_loader_is_refused_and_points_to_ours(ms, setup):
     model, _, x, before, path, _ = setup
     with pytest.raises(NotResidentError, match=r"prefetchd\.load_param_into_net"):
@@ -70,9 +89,9 @@ def test_a_wrong_value_is_refused_before_anything_is_written(ms, setup, bad):
     if bad == "shape":
         params[last] = ms.Tensor(np.zeros((128, 64), np.float32))
         match = r"'blocks.7.fc.weight' is \(128, 128\) float32, the value given is \(128, 64\) float32"
-    elif bad == "dtype":
-        params[last] = ms.Tensor(np.zeros((128, 128), np.float16))
-        match = r"the value given is \(128, 128\) float16"
+    elif bad == "dtype":             # (MindSpore's own load converts float to float, int to int only)
+        params[last] = ms.Tensor(np.zeros((128, 128), np.int32))
+        match = r"the value given is \(128, 128\) int32"
     elif bad == "type":
         params[last] = [[0.0] * 128] * 128
         match = "not a Parameter, Tensor or numpy array"
