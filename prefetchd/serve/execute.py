@@ -191,17 +191,21 @@ def _run_parts(model, kind, run, parts, rows, axis, worker, deadlines):
     first JOIN_CHECKS joined batches of distinct requests were cut into what each part computes
     alone: an output whose rows are on another axis, or that has none (a state, a fixed
     vector), whose size there happens to equal the batch's rows, would be cut with no error,
-    and a generate that reorders its rows would hand clients each other's tokens. A model
-    that fails a check runs that kind of call one request at a time from then on. Identical
-    requests (warm-up or health-check traffic) prove nothing about rows that depend on each
-    other (batch statistics), so they run alone and do not count. A joined call that raises
-    runs each part alone: the failure is one part's own."""
+    and a generate that reorders its rows would hand clients each other's tokens. Until then
+    each part runs alone and is answered from that, and the joined call that checks the model
+    waits in `JoinCheck.pending` until the worker has replied (finish_join_checks): checked
+    first, a batch of n parts cost n + 1 forwards before any reply, and a slow model's joined
+    requests timed out while each alone was answered in time. A model that fails a check runs
+    that kind of call one request at a time from then on. A joined call that raises runs each
+    part alone: the failure is one part's own."""
     check = model.joins[kind]
     done = Outcomes(len(parts), worker, deadlines)
     if done.all_expired():
         return done
-    if len(parts) == 1 or check.verdict is False or (check.verdict is None and not _distinct(parts)):
-        done.alone(parts, rows, run)             # (identical parts: a joined call checks nothing)
+    if len(parts) == 1 or check.verdict is not True:
+        done.alone(parts, rows, run)
+        if check.verdict is None:
+            check.pending = _join_check(model, kind, run, parts, rows, axis, done)
         return done
     try:
         outs = run(_join(model.servable, parts))
@@ -212,39 +216,61 @@ def _run_parts(model, kind, run, parts, rows, axis, worker, deadlines):
         return done
     done.forwards.append(sum(rows))
     try:
+        done.joined(_split_all(outs, rows, axis), rows)
+    except SplitError:                   # checked, and the shapes changed since: never guess
+        done.alone(parts, rows, run)
+    return done
+
+
+def _join_check(model, kind, run, parts, rows, axis, done):
+    """The check of a joined call against the parts that ran alone (one whose deadline passed
+    left out), or None when they show nothing: fewer than two, all the same bytes (warm-up or
+    health-check traffic: identical rows prove nothing about rows that depend on each other),
+    or a part's own error among them."""
+    ran = [i for i in range(len(parts)) if i not in done.errors]
+    if len(ran) < 2 or any(e["code"] != P.TIMEOUT for e in done.errors.values()):
+        return None
+    parts = [parts[i] for i in ran]
+    if not _distinct(parts):
+        return None
+    alone, rows = [done.outputs[i] for i in ran], [rows[i] for i in ran]
+    return lambda: _check_join(model, kind, run(_join(model.servable, parts)), rows, axis, alone)
+
+
+def finish_join_checks(models):
+    """Run the join checks the last batch left pending (the worker calls this once it has
+    replied). A check that fails to run shows nothing; it never fails the worker."""
+    for model in models:
+        for kind, check in model.joins.items():
+            pending, check.pending = check.pending, None
+            if pending is not None:
+                try:
+                    pending()
+                except Exception:        # noqa: BLE001 - the joined call raised: no verdict
+                    log.debug("model %s: a joined %s check raised", model.name, kind, exc_info=True)
+
+
+def _check_join(model, kind, outs, rows, axis, alone):
+    check = model.joins[kind]
+    try:
         split = _split_all(outs, rows, axis)
     except SplitError:
         split = None
-    if check.verdict is None:
-        done.alone(parts, rows, run)
-        # The parts that ran alone are compared. One whose deadline passed meanwhile (a slow
-        # model: n parts cost n + 1 forwards here) is left out: counting no batch that had one,
-        # every joined batch of such a model was checked again, and timed out again, for good.
-        ran = [i for i in range(len(parts)) if i not in done.errors]
-        if not ran or any(e["code"] != P.TIMEOUT for e in done.errors.values()):
-            return done                  # a part's own error: this batch shows nothing
-        alone = [done.outputs[i] for i in ran]
-        if split is not None and _alike([split[i] for i in ran], alone):
-            # Rows whose outputs are all the same show no reordering: distinct prompts whose
-            # tokens coincided passed three checks of a generate that reversed its rows. (Rows
-            # only partly alike still show most; requiring all to differ, a small LM's few
-            # likely tokens kept its generates from ever joining.)
-            if _rows_differ(alone, axis):
-                check.checks += 1
-                check.verdict = True if check.checks >= JOIN_CHECKS else None
-        else:
-            check.verdict = False
-            log.warning("model %s: its %s outputs do not split into each request's rows along axis %s "
-                        "(shapes %s joined, %s alone), or its rows depend on each other (batch statistics, "
-                        "a reordering); its %s requests run one at a time from now on (a servable "
-                        "object's output_batch_axis says where a forward's rows are)", model.name, kind,
-                        axis, [list(o.shape) for o in outs], [list(o.shape) for o in alone[0]], kind)
-        return done
-    if split is None:            # checked once, and the shapes changed since: never guess
-        done.alone(parts, rows, run)
-    else:
-        done.joined(split, rows)
-    return done
+    if split is not None and _alike(split, alone):
+        # Rows whose outputs are all the same show no reordering: distinct prompts whose
+        # tokens coincided passed three checks of a generate that reversed its rows. (Rows
+        # only partly alike still show most; requiring all to differ, a small LM's few
+        # likely tokens kept its generates from ever joining.)
+        if _rows_differ(alone, axis):
+            check.checks += 1
+            check.verdict = True if check.checks >= JOIN_CHECKS else None
+        return
+    check.verdict = False
+    log.warning("model %s: its %s outputs do not split into each request's rows along axis %s "
+                "(shapes %s joined, %s alone), or its rows depend on each other (batch statistics, "
+                "a reordering); its %s requests run one at a time from now on (a servable "
+                "object's output_batch_axis says where a forward's rows are)", model.name, kind,
+                axis, [list(o.shape) for o in outs], [list(o.shape) for o in alone[0]], kind)
 
 
 def _forward_parts(model, parts, rows, worker, deadlines):

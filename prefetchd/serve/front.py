@@ -107,8 +107,8 @@ class Front(FrontSockets):
         self._pool = WorkerPool(workers, self._control_endpoint, self._work_endpoint, self.spec,
                                 max_inflight_per_worker)
         self._loop = IOLoop(self, f"prefetchd-front-{name}", max_poll=0.5)
-        self._ops = {"ping": Op(self._op_ping), "status": Op(self._op_status),
-                     "infer": Op(self._op_infer, TENSOR_ARGS), "generate": Op(functools.partial(self._op_infer, kind="generate"), GENERATE_ARGS)}
+        self._ops = {"ping": Op(self._op_ping), "status": Op(self._op_status), "infer": Op(self._op_infer, TENSOR_ARGS),
+                     "generate": Op(functools.partial(self._op_infer, kind="generate"), GENERATE_ARGS)}
         self._models = {}              # name -> ModelInfo, from the first worker's READY
         self._batcher = Batcher(max_batch_size, max_queue_delay_ms / 1000.0)
         self._deadlines = Deadlines()

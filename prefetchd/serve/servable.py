@@ -84,6 +84,8 @@ class JoinCheck:
     joined batches of distinct requests that did; True or False once settled."""
     verdict: bool | None = None
     checks: int = 0
+    pending: object = field(default=None, repr=False, compare=False)   # the next check, run once
+                                 # the worker replied (execute.finish_join_checks)
 
 
 @dataclass

@@ -33,7 +33,7 @@ import zmq
 from ..backend.base import STORE_LOCK
 from ..errors import ConfigError
 from ..control import protocol as P
-from .execute import error_reply, run_batch, without_framework_stack
+from .execute import error_reply, finish_join_checks, run_batch, without_framework_stack
 from .servable import ServedModel
 from .spec import ServeSpec, build_weight_set, sized, worker_config
 
@@ -239,6 +239,7 @@ def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, p
                 continue
             sock.send_multipart(_run(models, frames[0].bytes, frames[1].bytes, frames[2:], index,
                                      spec.max_tensor_bytes), copy=False)
+            finish_join_checks(models.values())       # after the reply: nobody waits on them
     finally:
         _stopping = True
         for model in models.values():

@@ -7,7 +7,7 @@ import pytest
 
 from prefetchd.config import ConfigError
 from prefetchd.serve import TensorSpec
-from prefetchd.serve.execute import run_batch
+from prefetchd.serve.execute import finish_join_checks, run_batch
 from prefetchd.serve.servable import JoinCheck, ServedModel, as_servable
 from prefetchd.serve.wire import decode_arrays, encode_arrays
 
@@ -20,6 +20,7 @@ def _batch(model, requests, max_bytes=1 << 30):
         parts.append({"inputs": headers})
         frames.extend(buffers)
     result, out = run_batch(model, {"model": "m0", "kind": "infer", "parts": parts}, frames, max_bytes)
+    finish_join_checks([model])                   # as a worker does once it replied
     answers, at = [], 0
     for i, headers in enumerate(result["outputs"]):
         if str(i) in result["errors"]:            # this request's own error
@@ -40,6 +41,7 @@ def _generate_batch(model, prompts, n=2):
         frames.extend(buffers)
     result, out = run_batch(model, {"model": "m0", "kind": "generate", "parts": parts, "max_new_tokens": n},
                             frames, 1 << 20)
+    finish_join_checks([model])
     answers, at = [], 0
     for i in range(len(prompts)):
         if str(i) in result["errors"]:
@@ -255,7 +257,7 @@ def test_a_model_whose_rows_are_independent_keeps_joining_despite_rounding(minds
     for _ in range(3):
         _batch(model, [[rng.integers(0, 64, (1, 6)).astype(np.int64)] for _ in range(8)])
     assert model.joins["infer"].verdict is True
-    assert _batch.last["ran"] == [1] * 8 and _batch.last["forwards"] == [8] + [1] * 8   # checked: ran alone
+    assert _batch.last["ran"] == [1] * 8 and _batch.last["forwards"] == [1] * 8   # checked: answered alone
     _batch(model, [[rng.integers(0, 64, (1, 6)).astype(np.int64)] for _ in range(8)])
     assert _batch.last["forwards"] == [8] and _batch.last["ran"] == [8] * 8     # one forward now
 
@@ -322,12 +324,13 @@ def test_a_generate_that_returns_other_than_new_token_ids_fails_its_request(mind
 
 
 def test_a_slow_models_join_check_counts_the_parts_that_ran_before_their_deadline(mindspore_cpu):
-    """The first joined batches run joined, then each part alone (n parts: n + 1 forwards),
-    and a part whose deadline passed meanwhile got TIMEOUT, which made the batch count as no
-    check: a model slow enough to time a part out was checked again at every joined batch,
-    and timed out again, for as long as the server ran (an outside probe: 4 requests of a
-    2 s model under --request-timeout 8, TIMEOUT every round). Now the parts that ran are
-    compared and the batch counts; after JOIN_CHECKS batches the model's batches run joined."""
+    """The first joined batches ran joined, then each part alone (n parts: n + 1 forwards
+    before any reply), and a part whose deadline passed meanwhile got TIMEOUT, which made the
+    batch count as no check: a model slow enough to time a part out was checked again at
+    every joined batch, and timed out again, for as long as the server ran (an outside probe:
+    4 requests of a 2 s model under --request-timeout 8, TIMEOUT every round). Now each part
+    is answered from its own forward and the joined call runs after the reply, compared with
+    the parts that ran; after JOIN_CHECKS batches the model's batches run joined."""
     import time
 
     from prefetchd.serve.execute import JOIN_CHECKS
@@ -346,6 +349,7 @@ def test_a_slow_models_join_check_counts_the_parts_that_ran_before_their_deadlin
             parts.append({"inputs": headers, "deadline": time.monotonic() + (-1 if late else 600)})
             frames.extend(buffers)
         result, out = run_batch(model, {"model": "m0", "kind": "infer", "parts": parts}, frames, 1 << 20)
+        finish_join_checks([model])
         answered = [i for i in range(4) if str(i) not in result["errors"]]
         for at, i in enumerate(answered):                    # one output each
             (y,) = decode_arrays(result["outputs"][i], out[at:at + 1], what="output")
@@ -356,7 +360,7 @@ def test_a_slow_models_join_check_counts_the_parts_that_ran_before_their_deadlin
     for _ in range(JOIN_CHECKS):
         result, answered = batch(expired=True)
         assert answered == [0, 1, 2] and result["errors"]["3"]["code"] == "TIMEOUT"
-        assert result["forwards"] == [4, 1, 1, 1]           # joined, then each part that could run
+        assert result["forwards"] == [1, 1, 1]        # each part that could run (the joined call: after)
     assert model.joins["infer"].verdict is True
     result, answered = batch(expired=False)
     assert answered == [0, 1, 2, 3] and result["forwards"] == [4]
