@@ -583,12 +583,12 @@ def test_dashboard_panels_name_their_metrics_which_exist(daemon, front_families)
             assert name in p["description"], (p["title"], name)
 
 
-def test_alert_rules_refer_to_exposed_metrics(daemon):
-    exposed = set(parse(metrics.render(daemon)))
+def test_alert_rules_refer_to_exposed_metrics(daemon, front_families):
+    exposed = set(parse(metrics.render(daemon))) | set(front_families)      # a daemon's, a serve front's
     exprs = re.findall(r"^\s*expr:\s*(.+)$", ALERTS.read_text(), re.M)
     alerts = re.findall(r"^\s*- alert:\s*(\S+)", ALERTS.read_text(), re.M)
     assert len(exprs) == len(alerts) >= 5
     assert {"PrefetchdWatermarkBreached", "PrefetchdSustainedStalls", "PrefetchdChecksumFailures",
-            "PrefetchdIOErrors", "PrefetchdExporterDown"} <= set(alerts)
+            "PrefetchdIOErrors", "PrefetchdExporterDown", "PrefetchdServeWorkerDown"} <= set(alerts)
     for expr in exprs:
         assert _metric_names(expr) <= exposed, expr
