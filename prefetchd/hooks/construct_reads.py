@@ -67,8 +67,9 @@ def direct_reads(cell):
 
 def _hook_reads(cell, hook, found, seen):
     """A forward hook or pre-hook on `cell` (weight-norm logging, an observer) runs outside
-    the calls of its sub-cells: what it reads from its first argument (the cell) is read
-    there. One whose source cannot be read (a lambda) counts what it holds (_held_read)."""
+    the calls of its sub-cells: what it reads from its first argument (the cell), and from
+    `self` for a cell's method, is read there (a plain object's `self` is not followed). One
+    whose source cannot be read (a lambda) counts what it holds (_held_read)."""
     function, arg = hook, None
     if inspect.ismethod(hook):             # hook(cell, ...) bound to an object: its 2nd argument
         function = hook.__func__
@@ -79,7 +80,10 @@ def _hook_reads(cell, hook, found, seen):
             and _collect(cell, function, arg, (), inner, depth=1, seen=seen)):
         _held_read(f"its forward hook {getattr(hook, '__qualname__', type(hook).__name__)}", hook, found)
         return
-    where = f" (in its forward hook {function.__qualname__})"
+    owner = getattr(hook, "__self__", None)
+    if isinstance(owner, framework.mindspore().nn.Cell):    # a cell's method: its `self` too
+        _collect(owner, function, None, (), inner, depth=1, seen=seen)
+    where = f" (in its forward hook {function.__qualname__.rsplit('<locals>.', 1)[-1]})"
     for pid, (expr, p) in inner.items():
         found.setdefault(pid, (expr + where, p))
 

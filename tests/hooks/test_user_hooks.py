@@ -168,3 +168,26 @@ def test_a_cell_returning_its_own_parameter_warns_that_writes_through_it_are_los
     assert caches[0] is not model.layers[0].cache
     warned = [r.getMessage() for r in caplog.records if "returns its Parameter" in r.getMessage()]
     assert len(warned) == 3 and "'layers.0.cache'" in warned[0] and "does not reach the model" in warned[0]
+
+
+def test_a_cells_own_method_as_its_hook_is_read_through_self_too(ms):
+    """A block registering its own method as a forward hook (`self.register_forward_hook(
+    self._log)`) reads its sub-cell's weight through `self`, not its cell argument."""
+    from prefetchd.hooks.construct_reads import direct_reads
+    nn, ops = ms.nn, ms.ops
+
+    class Logged(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Dense(4, 4)
+            self.norms = []
+            self.register_forward_hook(self._log)
+
+        def _log(self, cell, inputs, output):
+            self.norms.append(ops.norm(self.fc.weight))
+
+        def construct(self, x):
+            return self.fc(x)
+
+    (read,) = direct_reads(Logged())
+    assert read[0] == "self.fc.weight (in its forward hook Logged._log)", read
