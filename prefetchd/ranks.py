@@ -77,9 +77,12 @@ def detect(env=None):
     if info is not None:
         return info
     env = os.environ if env is None else env
-    size = _env_int(env, "RANK_SIZE")
-    if size is None:
-        size = _env_int(env, "MS_WORKER_NUM")
+    size, workers = _env_int(env, "RANK_SIZE"), _env_int(env, "MS_WORKER_NUM")
+    if size is not None and workers is not None and size != workers:
+        # (msrun exports both, equal: one left over from another job would pick the wrong shards)
+        raise ConfigError(f"RANK_SIZE={size} and MS_WORKER_NUM={workers} disagree on the world size; "
+                          f"unset the one left over from another job")
+    size = workers if size is None else size
     rank = _env_int(env, "RANK_ID")
     if size is None and rank is None:
         return None
@@ -160,25 +163,43 @@ def rank_store(root, info):
                               f"(emptied?); stage it again with `prefetchd stage --shard`")
         ranks = shards.get("ranks")
         entry = ranks.get(str(info.rank)) if isinstance(ranks, dict) else None   # (a hand-edited document)
-        return _own_shard(place, entry.get("checkpoint") if isinstance(entry, dict) else None)
+        return _own_shard(place, info.rank, entry.get("checkpoint") if isinstance(entry, dict) else None,
+                          shards)
     if any(name == INDEX_FILE or name.endswith(STORE_SUFFIX) for name in entries):
         raise ConfigError(f"store {root} is a plain store (no {SHARDS_FILE}): a rank reads its shard from "
                           f"{root}/rank_N; stage the model with `prefetchd stage --shard`, or run it "
                           f"without ranks")
-    return _own_shard(place)
+    return _own_shard(place, info.rank)
 
 
-def _own_shard(place, sharded_from=None):
-    """`place`, unless its index says it was staged from another rank's checkpoint (a plain
-    `prefetchd stage rank_1/net.ckpt --store STORE/rank_0`, before stage refused it). What
-    `stage --shard` staged there (`sharded_from`, its record) is this rank's by construction,
-    wherever the file lies (one whole checkpoint split for every rank may sit in a rank_0/)."""
+def _own_shard(place, rank, sharded_from=None, shards=None):
+    """`place`, unless its index says it holds another rank's shard: staged from another
+    rank's checkpoint (a plain `prefetchd stage rank_1/net.ckpt --store STORE/rank_0`, before
+    stage refused it), or staged for another rank (its "rank": rank_1/ copied to rank_0/, an
+    rsync of the wrong directory), or, in a sharded store (`shards`, its document), staged
+    alone since the sharded stage (another generation: another version of the weights beside
+    the other ranks'). What `stage --shard` staged there (`sharded_from`, its record) is this
+    rank's by construction, wherever the file lies (one whole checkpoint split for every rank
+    may sit in a rank_0/). Indexes written before they said a rank are taken as they are."""
     index = read_index(place)
     staged_from = str(index.get("checkpoint", ""))
-    trusted = staged_from == sharded_from or index.get("any_rank") is True
+    any_rank = index.get("any_rank") is True
+    trusted = staged_from == sharded_from or any_rank
     why = None if trusted else rank_mismatch(staged_from, place)
     if why is not None:
         raise ConfigError(f"store {place}: {why}; stage it again from rank_N/'s file")
+    staged_for = index.get("rank")
+    if not any_rank and type(staged_for) is int and staged_for != rank:
+        raise ConfigError(f"store {place} holds rank {staged_for}'s shard (its index says so: copied from "
+                          f"rank_{staged_for}/?), and this is rank {rank}: it would compute with another "
+                          f"rank's weights; stage it again with `prefetchd stage --shard`")
+    generation, sharded = index.get("generation"), (shards or {}).get("generation")
+    if type(generation) is int and type(sharded) is int and generation != sharded:
+        raise ConfigError(f"store {place} was staged alone (generation {generation}, from {staged_from}) "
+                          f"after the sharded stage of generation {sharded} (from {shards.get('source')}): "
+                          f"its weights may be another version than the other ranks'; stage every rank again "
+                          f"with `prefetchd stage --shard`, or, to run rank stores staged one by one, remove "
+                          f"{os.path.join(os.path.dirname(place), SHARDS_FILE)}")
     return place
 
 

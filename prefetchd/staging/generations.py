@@ -60,6 +60,12 @@ def rank_of_path(path):
     return None
 
 
+def rank_of_store(store_dir):
+    """The rank a store directory is for by its name (STORE/rank_<N>), or None."""
+    m = RANK_DIR.match(os.path.basename(os.path.normpath(store_dir)))
+    return int(m.group(1)) if m else None
+
+
 def rank_mismatch(checkpoint, store_dir):
     """Why staging `checkpoint` into `store_dir` would give a rank another rank's shard
     (rank_1/net.ckpt into STORE/rank_0, a slip outputs would never show), or None."""
@@ -72,9 +78,10 @@ def rank_mismatch(checkpoint, store_dir):
             f"rank's shard")
 
 
-def write_index(directory, index, generation=None, source=None, any_rank=False):
+def write_index(directory, index, generation=None, source=None, any_rank=False, rank=None):
     """Atomically replace `directory`'s index: {"format", "tensors": {name: {shape, dtype, nbytes}}};
-    `any_rank`: the source is every rank's (staged with --any-rank), whatever rank it names."""
+    `any_rank`: the source is every rank's (staged with --any-rank), whatever rank it names;
+    `rank`: the rank whose shard it holds (a copy of rank_1/ put at rank_0/ is refused by it)."""
     doc = {"format": INDEX_FORMAT, "tensors": index}
     if generation is not None:
         doc["generation"] = generation
@@ -82,6 +89,8 @@ def write_index(directory, index, generation=None, source=None, any_rank=False):
         doc["checkpoint"] = source
     if any_rank:
         doc["any_rank"] = True
+    elif rank is not None:
+        doc["rank"] = rank
     tmp = os.path.join(directory, INDEX_FILE + ".tmp")
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)
@@ -132,7 +141,7 @@ def stage_checkpoint(path, store_dir, progress=False, *, config=None, progress_i
                 config = (config or Config.load()).replace(store_dir=work)
                 report = stage_into(work, checkpoint, config, progress, progress_interval, progress_stream,
                                      generation=previous.get("generation", 0) + 1, source=str(path),
-                                     any_rank=any_rank)
+                                     any_rank=any_rank, rank=rank_of_store(store_dir))
                 swap_in(work, store_dir, parent, base)
                 swapped = True
             finally:
@@ -164,7 +173,7 @@ def store_place(store_dir):
 
 
 def stage_into(work, checkpoint, config, progress, interval, stream, generation, source,
-               label="prefetchd stage", any_rank=False):
+               label="prefetchd stage", any_rank=False, rank=None):
     store = open_store(config)
     try:
         if progress:
@@ -194,7 +203,7 @@ def stage_into(work, checkpoint, config, progress, interval, stream, generation,
             index[key] = {"shape": list(shape), "dtype": dtype, "nbytes": info["nbytes"]}
     finally:
         store.close()
-    write_index(work, index, generation=generation, source=source, any_rank=any_rank)
+    write_index(work, index, generation=generation, source=source, any_rank=any_rank, rank=rank)
     return {"tensors": len(staged), "bytes": sum(t["nbytes"] for t in staged.values()),
             "generation": generation, "store_tensors": len(index)}
 

@@ -270,7 +270,7 @@ def stage_sharded(source, store_dir, *, spec=None, world_size=None, progress=Fal
                 try:
                     report = stage_into(rank_work, reader, config.replace(store_dir=rank_work),
                                          progress, None, progress_stream, generation=generation,
-                                         source=files[rank], label=f"prefetchd stage rank {rank}")
+                                         source=files[rank], label=f"prefetchd stage rank {rank}", rank=rank)
                 finally:
                     reader.close()
                 ranks[str(rank)] = {"checkpoint": files[rank], "tensors": report["tensors"],

@@ -38,6 +38,7 @@ def test_detect_reads_msruns_environment():
     ({"RANK_ID": "2", "RANK_SIZE": "2"}, "outside the world of 2"),
     ({"RANK_ID": "x", "RANK_SIZE": "2"}, "RANK_ID='x'"),
     ({"RANK_ID": "0", "RANK_SIZE": "2", "DEVICE_ID": "-1"}, "local rank -1 must be >= 0"),
+    ({"RANK_ID": "1", "RANK_SIZE": "2", "MS_WORKER_NUM": "4"}, "RANK_SIZE=2 and MS_WORKER_NUM=4 disagree"),
 ])
 def test_detect_refuses_an_environment_it_cannot_trust(env, words):
     with pytest.raises(ConfigError, match=words):
@@ -299,3 +300,34 @@ def test_a_whole_checkpoint_split_from_a_rank_0_directory_opens_on_every_rank(tm
     json.dump({**doc, "ranks": {"0": None, "1": "x"}}, open(root / "prefetchd-shards.json", "w"))
     with pytest.raises(ConfigError, match=r"rank_0/whole.safetensors is rank 0's checkpoint"):
         rank_config(Config.load(env={}, store_dir=str(root)), RankInfo(1, 2, 1, "argument"))
+
+
+def test_a_copy_of_another_ranks_store_or_a_rank_restaged_alone_is_refused(tmp_path):
+    """Two silent wrong answers an outside probe found under msrun (exit 0, outputs off by
+    0.02): rank_1/ copied over rank_0/ (an rsync of the wrong directory) opened as rank 0's,
+    since a rank's index said nothing of its rank; and rank_1 restaged alone with the plain
+    verb from another checkpoint opened beside rank 0's older shard. The index now says whose
+    shard it is, and a rank whose generation is not the sharded stage's is refused."""
+    from prefetchd.staging import stage_checkpoint, stage_sharded
+    src = tmp_path / "whole.safetensors"
+    write_safetensors(src, {"w": np.arange(8, dtype=np.float32).reshape(2, 4)})
+    root = tmp_path / "sharded"
+    stage_sharded(str(src), str(root), spec="w=0", world_size=2)
+    config = Config.load(env={}, store_dir=str(root))
+    assert [json.load(open(root / f"rank_{r}" / "prefetchd-index.json"))["rank"] for r in (0, 1)] == [0, 1]
+    shutil.rmtree(root / "rank_0")
+    shutil.copytree(root / "rank_1", root / "rank_0")
+    with pytest.raises(ConfigError, match=rf"store {root}/rank_0 holds rank 1's shard .* this is rank 0"):
+        rank_config(config, RankInfo(0, 2, 0, "argument"))
+    assert rank_config(config, RankInfo(1, 2, 1, "argument")).store_dir == str(root / "rank_1")
+
+    stage_sharded(str(src), str(root), spec="w=0", world_size=2)      # whole again
+    newer = tmp_path / "ckpt" / "rank_1" / "net.safetensors"
+    newer.parent.mkdir(parents=True)
+    write_safetensors(newer, {"w": np.full((1, 4), 7, np.float32)})
+    stage_checkpoint(str(newer), str(root / "rank_1"))
+    with pytest.raises(ConfigError, match=rf"store {root}/rank_1 was staged alone \(generation 3, from .*\) "
+                                          rf"after the sharded stage of generation 2"):
+        rank_config(config, RankInfo(1, 2, 1, "argument"))
+    os.unlink(root / "prefetchd-shards.json")          # rank stores staged one by one: the user's call
+    assert rank_config(config, RankInfo(1, 2, 1, "argument")).store_dir == str(root / "rank_1")
