@@ -78,6 +78,9 @@ def parse_spec(text):
         for item in filter(None, (p.strip() for p in text.split(","))):
             glob, sep, axis = item.rpartition("=")
             if not sep or not glob:
+                if "=" not in text and text.endswith(".json"):     # a spec file's name, mistyped
+                    raise StagingError(f"sharding spec {text}: no such file (a spec is a JSON file "
+                                       f"{{\"GLOB\": AXIS}} or GLOB=AXIS,...)")
                 raise StagingError(f"sharding spec {item!r}: expected GLOB=AXIS (e.g. '*.wq.weight=0')")
             pairs.append((glob, axis))
     spec, seen = [], set()

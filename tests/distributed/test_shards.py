@@ -213,6 +213,7 @@ def test_more_ranks_than_the_open_file_limit_holds_are_refused_before_any_lock(t
     (["--shard", "per-rank", "--any-rank"], "--any-rank is for one checkpoint"),
     (["--shard", "*.w=x", "--ranks", "2"], "axis 'x' is not an integer"),
     (["--shard", "*.w", "--ranks", "2"], "expected GLOB=AXIS"),
+    (["--shard", "nospec.json", "--ranks", "2"], "sharding spec nospec.json: no such file"),
     (["--shard", "*.wq.weight=5", "--ranks", "2"], "has no axis 5"),
 ])
 def test_stage_shard_command_line_errors_are_one_line(tmp_path, argv, words):
