@@ -31,8 +31,8 @@ from ..backend.base import SHARDS_FILE, STORE_LOCK
 from ..limits import raise_open_files
 from ..errors import DuplicateKey, unique_keys
 from .errors import StagingError
-from .generations import (RANK_DIR, fsync_dir, hold_store_lock, link_current, remove_leftovers, stage_into,
-                          stage_lock, store_place, swap_in)
+from .generations import (RANK_DIR, fsync_dir, hold_store_lock, link_current, lock_or_holder, remove_leftovers,
+                          stage_into, stage_lock, store_place, swap_in)
 from .readers import iter_checkpoint
 
 SHARDS_FORMAT = 1
@@ -236,6 +236,7 @@ def stage_sharded(source, store_dir, *, spec=None, world_size=None, progress=Fal
     root, parent, base, work = store_place(store_dir)
     with stage_lock(parent, base), contextlib.ExitStack() as rank_stages:
         remove_leftovers(parent, base)
+        _remove_empty_rank_dirs(root)
         previous = _check_root(root, world_size)
         if os.path.isdir(root):
             # A machine stages its own ranks with the plain verb (--store ROOT/rank_N): refuse
@@ -320,6 +321,32 @@ def _check_root(root, world_size):
         raise StagingError(f"{root}: holds {stray[0]!r}, which is neither {what} nor {SHARDS_FILE}"
                            + ("" if doc else ": not a sharded store; stage a sharded model into a new directory"))
     return doc
+
+
+def _remove_empty_rank_dirs(root):
+    """A first `stage --shard` killed midway (SIGKILL: no cleanup) leaves the rank_N
+    directories it made before any rank was staged, each holding only its lock file, and
+    a stage of another world size was then refused until they were removed by hand. Such
+    a directory holds nothing: removed here, its lock held meanwhile (one a daemon has open
+    is kept). Not in a sharded store: its rank stores are its generation's. (A directory
+    with no lock file is no stage's: refused as before.)"""
+    if not os.path.isdir(root) or os.path.exists(os.path.join(root, SHARDS_FILE)):
+        return
+    for entry in os.scandir(root):
+        if not (RANK_DIR.match(entry.name) and entry.is_dir(follow_symlinks=False)):
+            continue
+        if os.listdir(entry.path) != [STORE_LOCK]:
+            continue                                   # a rank store, or not ours (an empty one too)
+        try:
+            fd = os.open(os.path.join(entry.path, STORE_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+        except OSError:
+            continue
+        if lock_or_holder(fd) is None:                 # (else it closed fd: a daemon has it)
+            try:
+                shutil.rmtree(entry.path, ignore_errors=True)
+            finally:
+                os.close(fd)
 
 
 def _plain_stage_sibling(entry, world_size):

@@ -365,3 +365,32 @@ def test_a_first_sharded_stage_takes_a_root_holding_only_what_ranks_made(tmp_pat
         with pytest.raises(StagingError, match=rf"holds '{name}', which is neither a rank store of 2 ranks"):
             stage_sharded(str(src), str(other), spec=SPEC, world_size=2)
         assert os.listdir(other) == [name]
+
+
+def test_the_empty_rank_directories_of_a_killed_first_stage_are_removed_by_the_next(tmp_path):
+    """A first `stage --shard --ranks 256` SIGKILLed before any rank was staged left 256
+    rank_N directories holding only their lock files, and a stage of 2 ranks was refused
+    ("holds 'rank_10', which is neither a rank store of 2 ranks...") until they were removed
+    by hand (an outside probe). They hold nothing: the next stage removes them, but keeps
+    one whose lock a daemon holds (and is refused by it, as before)."""
+    import fcntl
+
+    from prefetchd.backend.base import STORE_LOCK
+    src = tmp_path / "whole.safetensors"
+    write_safetensors(src, WHOLE)
+    root = tmp_path / "store"
+    root.mkdir()
+    (root / STORE_LOCK).write_text("")
+    for r in range(10):                                   # what the killed stage made
+        (root / f"rank_{r}").mkdir()
+        (root / f"rank_{r}" / STORE_LOCK).write_text("123\n")
+    held = os.open(root / "rank_5" / STORE_LOCK, os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)                      # a daemon has rank_5 open
+    try:
+        with pytest.raises(StagingError, match="holds 'rank_5', which is neither"):
+            stage_sharded(str(src), str(root), spec=SPEC, world_size=2)
+    finally:
+        os.close(held)
+    assert sorted(os.listdir(root)) == sorted([STORE_LOCK, "rank_5"])       # the others held nothing
+    stage_sharded(str(src), str(root), spec=SPEC, world_size=2)
+    assert sorted(os.listdir(root)) == sorted([SHARDS_FILE, "rank_0", "rank_1"])
