@@ -69,12 +69,11 @@ def rank_of_store(store_dir):
 def rank_mismatch(checkpoint, store_dir):
     """Why staging `checkpoint` into `store_dir` would give a rank another rank's shard
     (rank_1/net.ckpt into STORE/rank_0, a slip outputs would never show), or None."""
-    store = RANK_DIR.match(os.path.basename(os.path.normpath(store_dir)))
-    source = rank_of_path(checkpoint)
-    if store is None or source is None or source == int(store.group(1)):
+    store, source = rank_of_store(store_dir), rank_of_path(checkpoint)
+    if store is None or source is None or source == store:
         return None
     return (f"{checkpoint} is rank {source}'s checkpoint (its rank_{source}/ directory) and "
-            f"{store_dir} is rank {store.group(1)}'s store: that rank would compute with another "
+            f"{store_dir} is rank {store}'s store: that rank would compute with another "
             f"rank's shard")
 
 

@@ -31,8 +31,8 @@ from ..backend.base import SHARDS_FILE, STORE_LOCK
 from ..limits import raise_open_files
 from ..errors import DuplicateKey, unique_keys
 from .errors import StagingError
-from .generations import (RANK_DIR, fsync_dir, hold_store_lock, link_current, lock_or_holder, remove_leftovers,
-                          stage_into, stage_lock, store_place, swap_in)
+from .generations import (RANK_DIR, fsync_dir, hold_store_lock, link_current, remove_leftovers, stage_into,
+                          stage_lock, store_place, swap_in)
 from .readers import iter_checkpoint
 
 SHARDS_FORMAT = 1
@@ -338,15 +338,15 @@ def _remove_empty_rank_dirs(root):
         if os.listdir(entry.path) != [STORE_LOCK]:
             continue                                   # a rank store, or not ours (an empty one too)
         try:
-            fd = os.open(os.path.join(entry.path, STORE_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o600)
-        except OSError:
-            continue
-        if lock_or_holder(fd) is None:                 # (else it closed fd: a daemon has it)
-            try:
-                shutil.rmtree(entry.path, ignore_errors=True)
-            finally:
-                os.close(fd)
+            lock = hold_store_lock(entry.path)
+        except StagingError:
+            continue                                   # a daemon has it open (or it cannot be opened)
+        if lock is None:
+            continue                                   # gone meanwhile
+        try:
+            shutil.rmtree(entry.path, ignore_errors=True)
+        finally:
+            lock.release(swapped=False)                # (it made nothing there: this only lets go)
 
 
 def _plain_stage_sibling(entry, world_size):
