@@ -401,14 +401,16 @@ class ConnectionGuard:
         return max(1, min(self.max_per_peer, self.admit_line // 4))
 
     def _set_paused(self, paused, in_use):
-        self.paused = paused
-        self.pauses += paused
         if paused:
             log.warning("prefetchd server: %d of %d descriptors in use; not accepting connections "
                         "until some close (%d dropped so far)", in_use, self.fd_limit, self.dropped)
         callback = self._on_pause if paused else self._on_resume
         if callback is not None:
             callback()
+        # Counted once the listeners have stopped (or resumed): status read from another
+        # thread never reports a pause whose socket file a new client can still find.
+        self.paused = paused
+        self.pauses += paused
 
     def _drain(self):
         for _, mon, through, idle in self._monitors:
