@@ -169,15 +169,17 @@ class Batcher:
         self._queues.clear()
         return jobs
 
-    def _compatible(self, q):
-        """The jobs joined with q's next one: same key, in fair order, up to max_batch_size rows."""
+    def _compatible(self, q, parts_for=None):
+        """The jobs joined with q's next one: same key, in fair order, up to max_batch_size rows
+        and `parts_for(kind)` jobs (None: no limit but the rows)."""
         order = q.fair(self._served)
         head = next(order)
         chosen, rows = [head], head.rows
         if head.key is None:
             return chosen, rows
+        most = parts_for(head.kind) if parts_for is not None else None
         for job in order:
-            if rows >= self.max_batch_size:
+            if rows >= self.max_batch_size or (most is not None and len(chosen) >= most):
                 break
             if job.key == head.key and rows + job.rows <= self.max_batch_size:
                 chosen.append(job)
@@ -196,10 +198,11 @@ class Batcher:
                 ready.append((oldest, model))
         return [m for _, m in sorted(ready)]
 
-    def take(self, model):
-        """Pop and return the jobs of `model`'s next batch."""
+    def take(self, model, parts_for=None):
+        """Pop and return the jobs of `model`'s next batch (at most `parts_for(kind)` of them,
+        when given: the worker it goes to runs them one after another)."""
         q = self._queues[model]
-        chosen, _ = self._compatible(q)
+        chosen, _ = self._compatible(q, parts_for)
         for job in chosen:
             q.remove(job)
             self._served[job.envelope[0]] = next(self._turns)

@@ -9,8 +9,10 @@ outputs split back into each part's rows.
     result {"outputs": [[headers] or None per part], "errors": {part index: {"code",
             "reason"}} (the parts that failed), "ran": [rows of the forward each part's
             outputs came from], "forwards": [rows of each forward run], "batch": rows,
-            "compute_seconds", "started": time.monotonic() as the worker began it} plus the
-            output frames of the parts that succeeded
+            "compute_seconds", "started": time.monotonic() as the worker began it,
+            "joined": whether this kind of call on this model runs joined (True), one
+            request at a time (False), or is still being checked (None)} plus the output
+            frames of the parts that succeeded
 
 A part's failure is its own: when a joined forward or generate raises, each part runs
 alone, so one request's bad input (a model that raises on NaN) fails that request only.
@@ -322,7 +324,8 @@ def run_batch(model, job, frames, max_bytes, worker=None):
         raise BadArguments(f"{len(frames) - at} frames beyond the parts' inputs")
     rows = [_rows(servable, p) for p in parts]
     deadlines = [_deadline(part) for part in job["parts"]]
-    if job.get("kind") == "generate":
+    kind = "generate" if job.get("kind") == "generate" else "infer"
+    if kind == "generate":
         done = _generate_parts(model, parts, rows, int(job["max_new_tokens"]), worker, deadlines)
     else:
         done = _forward_parts(model, parts, rows, worker, deadlines)
@@ -341,7 +344,8 @@ def run_batch(model, job, frames, max_bytes, worker=None):
         out_frames.extend(f)
     return ({"outputs": headers, "errors": {str(i): e for i, e in done.errors.items()}, "ran": done.ran,
              "forwards": done.forwards, "batch": sum(rows),
-             "compute_seconds": time.perf_counter() - started, "started": began}, out_frames)
+             "compute_seconds": time.perf_counter() - started, "started": began,
+             "joined": model.joins[kind].verdict}, out_frames)
 
 
 def _deadline(part):

@@ -239,7 +239,7 @@ class Front(FrontSockets):
                 s = self._pool.pick(model)
                 if s is None:
                     return
-                self._send_batch(s, model, self._batcher.take(model), now)
+                self._send_batch(s, model, self._batcher.take(model, functools.partial(s.parts_for, model)), now)
 
     def _send_batch(self, s, model, jobs, now):
         batch = Batch(P.new_rid(next(self._batch_ids)), model, jobs, s, now)
@@ -289,6 +289,7 @@ class Front(FrontSockets):
                 self._fail(job, doc.get("code", P.INTERNAL), doc.get("reason", ""))
             return
         now, r, at = time.monotonic(), doc["result"], 0
+        s.joined[(batch.model, batch.jobs[0].kind)] = r.get("joined")
         s.count_reply(len(batch.jobs), [e["code"] for e in r["errors"].values()])
         hs = self.histograms[batch.model]
         for rows in r["forwards"]:          # the forwards it ran: joined, or one per request

@@ -43,6 +43,7 @@ class WorkerSlot:
     hints: dict = field(default_factory=dict)   # model -> tensor names of its first units
     inflight: dict = field(default_factory=dict)   # batch job id -> prefetchd.serve.batching.Batch
     last_model: str | None = None
+    joined: dict = field(default_factory=dict)   # (model, kind) -> its "joined" verdict (front.parts_per_batch)
     served: int = 0
     failed: int = 0
     storage_streak: int = 0        # its batches in a row whose every request failed STORAGE
@@ -62,6 +63,17 @@ class WorkerSlot:
         every = len(failed_codes) == requests
         self.served, self.failed = self.served + (not every), self.failed + every
         self.storage_streak = self.storage_streak + 1 if every and set(failed_codes) == {STORAGE} else 0
+
+    def parts_for(self, model, kind):
+        """The most requests one batch of `kind` for `model` may carry to this worker, by its
+        verdict on joining them (prefetchd.serve.execute: a result's "joined"); None: no limit
+        but the rows. Until it has checked that the model's joined outputs split into each
+        request's own, it runs the requests one after another, and so it does for good once
+        the check failed: a full batch of a slow model's requests timed out at its tail while
+        each alone was answered in time. Two is the fewest a check compares; one at a time,
+        the rest go to other workers."""
+        joined = self.joined.get((model, kind))
+        return None if joined is True else 1 if joined is False else 2
 
     def public(self):
         """A JSON-able snapshot (what status and metrics report)."""
@@ -125,7 +137,7 @@ class WorkerPool:
 
     def on_ready(self, slot, info):
         slot.ready, slot.pid, slot.start_failures, slot.retries = True, info["pid"], 0, 0
-        slot.start_error = None
+        slot.start_error, slot.joined = None, {}     # a new process checks its joins afresh
         slot.hints = {name: doc.get("hints", []) for name, doc in info.get("models", {}).items()}
         log.info("prefetchd serve: worker %d ready (pid %d)", slot.index, slot.pid)
 

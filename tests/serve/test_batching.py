@@ -1,6 +1,8 @@
 """The front's Batcher by itself (no sockets, no workers): which queued requests each
 batch takes. Round-robin over the clients (connections) with requests queued, the one
 served least recently first; each client's own in order; only compatible ones joined."""
+import functools
+
 from prefetchd.serve.batching import Batcher, Job
 
 
@@ -84,3 +86,22 @@ def test_the_clients_it_remembers_are_bounded_by_those_with_requests_queued():
         b.add(job(n.to_bytes(4, "big"), n))
         b.take("m0")
     assert len(b._served) <= 64 + 1
+
+
+def test_a_workers_join_verdict_bounds_the_requests_one_batch_carries_to_it():
+    """A worker runs a batch's requests one after another until it has checked that the
+    model's joined outputs split per request, and for good once that check failed: so a
+    batch carries two requests to it while it checks (the fewest a check compares), one
+    after a failed check, and up to max_batch_size rows once it joins them."""
+    from prefetchd.serve.pool import WorkerSlot
+    slot = WorkerSlot(0, "ipc://unused")
+    sizes = []
+    for verdict in ("unknown", None, False, True):
+        if verdict != "unknown":
+            slot.joined[("m0", "infer")] = verdict
+        b = Batcher(max_batch_size=8)
+        for n in range(8):
+            b.add(job(b"c%d" % n, n))
+        sizes.append(len(b.take("m0", functools.partial(slot.parts_for, "m0"))))
+    assert sizes == [2, 2, 1, 8]
+    assert slot.parts_for("m0", "generate") == 2 and slot.parts_for("m1", "infer") == 2
