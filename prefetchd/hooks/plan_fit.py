@@ -53,8 +53,7 @@ def problem(plan):
         if together > high:
             return (f"unit {unit.name!r} ({unit.nbytes} bytes) with the root unit ({root.nbytes} "
                     f"bytes) needs {together} bytes, above the high watermark {high}: it can never be "
-                    f"resident (raise device_budget, or split it: units= / drop its class from "
-                    f"no_split=)" + _kept_whole(unit) + _root_binds(plan, unit))
+                    f"resident ({_relief(unit)})" + _kept_whole(unit) + _root_binds(plan, unit))
     pairs = _neighbours(plan)
     for i, (a, b) in enumerate(pairs):
         together = union_bytes(root, a, b)
@@ -78,6 +77,16 @@ def _neighbours(plan):
     pass (the last and the first)."""
     n = len(plan.units) if plan.lookahead > 0 else 0
     return [(plan.units[i], plan.units[(i + 1) % n]) for i in range(n if n > 1 else 0)]
+
+
+def _relief(unit):
+    """What lets `unit` fit: a larger budget, or smaller units where it has sub-cells to split
+    into (one layer's own parameters, a Dense's weight and bias, never split)."""
+    layer = unit.cells[0][1] if len(unit.cells) == 1 else None
+    if layer is not None and not any(next(c.get_parameters(expand=False), None) is not None
+                                     for _, c in layer.cells_and_names() if c is not layer):
+        return f"it is one {type(layer).__name__}, with no sub-cell to split it into: raise device_budget"
+    return "raise device_budget, or split it: units= / drop its class from no_split="
 
 
 def _root_binds(plan, unit):

@@ -563,3 +563,17 @@ def test_a_refusal_names_what_binds_in_the_plan_closest_to_fitting(ms, kinds):
         assert named == plan.need() < total / 2, message
         assert "the root is the larger part: it holds" in message and "encoder.positions" in message
         assert plan_units(model, named, 0).fits()          # the need it names is what it needs
+
+
+def test_a_single_layer_over_the_watermark_is_not_told_to_split(ms):
+    """A Dense whose weight fits under the watermark but whose weight and bias together do not
+    has nothing to split into: its refusal said "split it: units= / no_split=" (an outside
+    probe's Whisper), now it names the watermark the layer needs."""
+    model = ms.nn.SequentialCell([ms.nn.Dense(64, 64) for _ in range(3)])
+    plan = plan_units(model, pages(64 * 64 * 4), 0, block_bytes=pages)
+    with pytest.raises(BudgetError) as refused:
+        plan.check_fits()
+    message = str(refused.value)
+    assert "unit '0' (20480 bytes)" in message and "units=" not in message, message
+    assert "it is one Dense, with no sub-cell to split it into: raise device_budget" in message, message
+    assert suggested(message)[0] == budget_for_high_watermark(20480)
