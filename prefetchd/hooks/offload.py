@@ -57,7 +57,7 @@ from .compiled_later import CompiledLater
 from .handle_readings import HandleReadings
 from .outer_calls import OuterCalls, outer_cells
 from .parts import PartProbes
-from . import jit_calls
+from . import graph_mode, jit_calls
 from .pass_turn import PassTurn
 from .passes import RecordingPass, StreamingPass
 from .root_calls import hook_root_cells
@@ -122,6 +122,7 @@ class Offloaded(refusals.NotCopyable, HandleReadings):
         self.closed = self._given_back = False
         self.half_loaded = None        # why a load stopped part-way (hooks/reload.py): passes refused
         self._install_hooks()
+        graph_mode.refuse_graph_calls(model)
         self._dropped = registration.forget_when_dropped(self, [self.root, *self.units])
 
     def _register(self, checkpoint):

@@ -40,6 +40,27 @@ def test_a_closed_handle_makes_the_model_refuse_to_run(ms, tmp_path, x):
             model(x)
 
 
+def test_graph_mode_set_after_offload_is_refused_by_name_and_pynative_runs_again(ms, tmp_path, x):
+    """offload() refuses graph mode, but the mode can be set after it: MindSpore's compile then
+    failed with "Unable to cast Python instance of type <class 'NoneType'> to C++ type
+    'std::string'". Now the model, or a cell of it, called in graph mode says why."""
+    model = stack(ms)
+    want = model(x).asnumpy()
+    with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "s")) as daemon:
+        prefetchd.offload(model, daemon, lookahead=1)
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
+        try:
+            ms.set_context(mode=ms.GRAPH_MODE)
+            with pytest.raises(PrefetchdError, match=r"'SequentialCell' was called in graph mode.*PYNATIVE_MODE"):
+                model(x)
+            with pytest.raises(PrefetchdError, match=r"'2\.0' was called in graph mode"):
+                model[2][0](x)
+            assert model[2][1](x).shape == x.shape          # a ReLU holds no weight: it compiles
+        finally:
+            ms.set_context(mode=ms.PYNATIVE_MODE)
+        np.testing.assert_array_equal(model(x).asnumpy(), want)
+
+
 def test_a_second_offload_is_refused_and_the_first_keeps_working(ms, tmp_path, x):
     model = stack(ms)
     want = model(x).asnumpy()
