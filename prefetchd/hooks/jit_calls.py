@@ -15,7 +15,9 @@ run, and the graph read the weights of units not resident, unmapped: SIGSEGV.
 For a cell of an offloaded model, the call is refused when no pass of that model
 runs on this thread (a @jit block called by the model's forward is the supported
 way: its unit is pinned by then) and one of the cell's weights is not resident.
-Inside `daemon.use([...])` of all its weights, the same call runs.
+Inside `daemon.use([...])` of all its weights, the same call runs. So is a call of
+any other cell holding such weights: an optimizer built over the model's parameters
+(its construct is @jit) stepped outside `daemon.use` read them unmapped (SIGSEGV).
 """
 import contextlib
 import functools
@@ -48,16 +50,22 @@ def check_jit_call(cell):
     (not a cell of an offloaded model, or called inside its forward)."""
     ref = _watched.get(cell)
     handle = ref() if ref is not None else None
-    if handle is None or handle.turn.held_here():     # (closed: its weights refuse use too)
+    if handle is not None and handle.turn.held_here():     # (closed: its weights refuse use too)
         return None
     absent = [p.name for p in cell.get_parameters() if guard.is_guarded(p)]
     if absent:
         framework.abandon_grad()          # (refused inside a gradient's forward: see there)
         more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
+        names = f"{', '.join(map(repr, absent[:3]))}{more}"
+        if handle is None:                # another cell holding them: an optimizer over the model's
+            raise PrefetchdError(
+                f"mindspore.jit over this {type(cell).__name__} runs its graph on weights of an offloaded "
+                f"model that are not resident ({names}): run it inside `with daemon.use([...])` of "
+                f"those weights")
         raise PrefetchdError(
             f"mindspore.jit over a cell of an offloaded model ({type(cell).__name__}) runs its graph "
             f"without the cell's hooks, and weights it reads are not resident "
-            f"({', '.join(map(repr, absent[:3]))}{more}): call the model itself (its blocks may be "
+            f"({names}): call the model itself (its blocks may be "
             f"@jit-compiled), or run this inside `with daemon.use([...])` of its weights")
     return handle
 
@@ -126,20 +134,19 @@ def _out_of_tables(hook_handles, cells):
 
 
 def _named_cells(fn):
-    """The objects a function's code names as globals or holds in its closure (its cells)."""
+    """The cells a function's code names as globals or holds in its closure."""
     code = getattr(fn, "__code__", None)
     if code is None:
         return []
     found = [fn.__globals__.get(name) for name in code.co_names]
     found += [c.cell_contents for c in fn.__closure__ or () if c.cell_contents is not None]
-    return [obj for obj in found if obj is not None and _is_watched(obj)]
+    return [obj for obj in found if _is_cell(obj)]
 
 
-def _is_watched(obj):
-    try:
-        return obj in _watched
-    except TypeError:            # unhashable: no cell
-        return False
+def _is_cell(obj):
+    """A cell whose graph could read offloaded weights: one of an offloaded model's, or any
+    other (an optimizer holds the model's parameters)."""
+    return isinstance(obj, framework.mindspore().nn.Cell)
 
 
 def _check_executor(executor):
@@ -165,7 +172,7 @@ def _traced(original):
             def call(*args, **kwargs):
                 if not _watched:
                     return inner(*args, **kwargs)
-                calls = [(check_jit_call(args[0]), args[0], False)] if args and _is_watched(args[0]) else []
+                calls = [(check_jit_call(args[0]), args[0], False)] if args and _is_cell(args[0]) else []
                 calls += [(check_jit_call(cell), cell, True) for cell in _named_cells(fn)]   # one reaching the model
                 return _run(calls, inner, *args, **kwargs)
             return types.MethodType(call, out.__self__) if isinstance(out, types.MethodType) else call

@@ -513,6 +513,43 @@ def test_mindspore_jit_of_an_offloaded_model_is_refused_outside_its_forward(ms, 
             ms.jit(model)(x)
 
 
+@pytest.mark.parametrize("optimizer", ["SGD", "Adam"])
+def test_an_optimizer_over_offloaded_weights_stepped_outside_daemon_use_is_refused(ms, tmp_path, x, optimizer):
+    """An nn optimizer built over the model's parameters (the usual fine-tuning setup) is a
+    cell of its own whose construct is @jit: stepped outside daemon.use, its graph read the
+    weights not resident, unmapped, and the process died (SIGSEGV; an outside probe). Refused
+    now, weights untouched; inside daemon.use the step runs and equals the resident one's."""
+    def make(params):
+        return ms.nn.SGD(params, learning_rate=0.1) if optimizer == "SGD" else ms.nn.Adam(params, learning_rate=0.1)
+    twin, model = stack(ms), stack(ms)
+    resident = [p.asnumpy() for p in model.get_parameters()]
+    opt, twin_opt = make(model[1].trainable_params()), make(twin[1].trainable_params())
+    grads = tuple(ms.Tensor(np.full(p.shape, 0.5, np.float32)) for p in model[1].trainable_params())
+    twin_opt(grads)
+    with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "o")) as daemon:
+        prefetchd.offload(model, daemon, lookahead=1)
+        model(x)
+        assert prefetchd.tier(model[1][0].weight) != "device"
+
+        @ms.jit
+        def step(g):                   # a function naming the optimizer
+            return opt(g)
+        for call in (opt, step):
+            with pytest.raises(PrefetchdError, match=rf"over this {optimizer} runs its graph on weights of an "
+                                                     r"offloaded model that are not resident \('1\.0\.weight'"):
+                call(grads)
+        params = list(model.get_parameters())
+        for p, r in zip(params, resident):
+            with daemon.use([p]):
+                assert np.array_equal(p.asnumpy(), r), p.name          # the refused steps wrote nothing
+        with daemon.use(model[1].trainable_params()):
+            opt(grads)
+        for p, q in zip(params, twin.get_parameters()):
+            with daemon.use([p]):
+                np.testing.assert_array_equal(p.asnumpy(), q.asnumpy())
+        np.testing.assert_array_equal(model(x).asnumpy(), twin(x).asnumpy())
+
+
 @pytest.mark.parametrize("write", ["set_data_transposed", "set_data_wider", "assign_value_wider",
                                    "assign_value_int32", "assign_value_float16", "set_dtype"])
 def test_a_write_that_changes_a_weights_layout_is_refused_before_it_changes_anything(ms, tmp_path, x, write):
