@@ -46,7 +46,7 @@ import functools
 import logging
 import os
 
-from . import backward, registration, refusals
+from . import backward, registration, refusals, reload
 from ..backend import framework
 from ..daemon import Daemon
 from ..errors import PrefetchdError, ShutdownError
@@ -120,9 +120,8 @@ class Offloaded(refusals.NotCopyable, HandleReadings):
         self._ran = 0                  # unit hooks fired during the current forward
         self.turn = PassTurn(model, self._abandon_pass)   # one thread's pass at a time
         self.closed = self._given_back = False
-        self.half_loaded = None        # why a load stopped part-way (hooks/reload.py): passes refused
         self._install_hooks()
-        graph_mode.refuse_graph_calls(model)
+        self.half_loaded = reload.after_crash(self, model, checkpoint)   # a load cut short: passes refused
         self._dropped = registration.forget_when_dropped(self, [self.root, *self.units])
 
     def _register(self, checkpoint):
@@ -162,6 +161,7 @@ class Offloaded(refusals.NotCopyable, HandleReadings):
         # always_call: MindSpore runs it when the forward or another hook raised, too.
         self._handles.append(model.register_forward_hook(self._end_pass, always_call=True))
         self._handles.append(model.register_forward_hook(self._refusal.forward_hook))    # the last one
+        graph_mode.refuse_graph_calls(model)
 
     def _hook_unit_cell(self, cell):
         self._handles += hook_unit_cell(cell, self._before_unit, self._after_unit)

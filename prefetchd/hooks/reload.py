@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import IntegrityError, PrefetchdError
 from ..guard import is_managed
+from ..staging import load_markers
 
 log = logging.getLogger("prefetchd.hooks")
 
@@ -67,8 +68,12 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
             raise PrefetchdError(f"prefetchd.load_param_into_net refused, nothing loaded: the value for "
                                  f"{param.name!r} is itself managed by prefetchd; load from a checkpoint "
                                  f"(mindspore.load_checkpoint) or from arrays")
+    store = handle.daemon.config.store_dir
     with handle.between_passes():     # a forward on another thread never reads a half-written weight
         written, writing = [], False       # (writing: a write may have begun, e.g. Ctrl-C right after it)
+        if todo:                           # a crash from here on leaves the store mixed: say so in it
+            load_markers.begin(store, list(params), {p.name for p, _ in todo}
+                               | (handle.half_loaded.pending if handle.half_loaded else set()))
         try:
             for param, value in todo:
                 array = _array(value)
@@ -92,7 +97,23 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
         if handle.half_loaded and handle.half_loaded.pending <= set(written):
             handle.half_loaded.remove()
             handle.half_loaded = None
+        if todo and handle.half_loaded is None:      # complete: durable once written back
+            handle.daemon.flush([p for p, _ in todo]).result()
+            load_markers.finish(store, list(params))
     return not_loaded, unused
+
+
+def after_crash(handle, net, checkpoint):
+    """`handle.half_loaded` for a model just offloaded: a HalfLoad when its weights come from
+    a store (checkpoint=True) holding the marker of a load into it that did not finish
+    (prefetchd.staging.load_markers); else None (weights written whole, from the model's
+    values or a checkpoint file, clear a marker left)."""
+    store, names = handle.daemon.config.store_dir, [p.name for p in net.get_parameters()]
+    if checkpoint is not True:
+        load_markers.finish(store, names)
+        return None
+    pending = load_markers.left_by_a_crash(store, names)
+    return HalfLoad(handle, net, [], pending, None, crashed=store) if pending else None
 
 
 class HalfLoad:
@@ -102,15 +123,25 @@ class HalfLoad:
     cells gets a pre-hook refusing a call of it alone (a unit, a cell inside one, a root
     cell) until remove(), or the handle is closed."""
 
-    def __init__(self, handle, net, written, left, error, earlier=None):
+    def __init__(self, handle, net, written, left, error, earlier=None, crashed=None):
+        """crashed: the store directory whose marker says a load's process ended during it
+        (then error is None)."""
         self.pending = set(left) | (earlier.pending - set(written) if earlier else set())
-        cause = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-        remedy = DAMAGED if isinstance(error, IntegrityError) else "run the same load again once its cause is fixed"
-        self.message = (f"prefetchd: a load_param_into_net into this {type(net).__name__} stopped after "
-                        f"{len(written)} of {len(written) + len(left)} parameters ({cause[:300]}), so the "
-                        f"model holds old values beside new ones: it refuses to run until a "
-                        f"load_param_into_net that writes the {_names(sorted(self.pending))} parameters not "
-                        f"loaded completes ({remedy})")
+        if crashed is not None:
+            self.message = (f"prefetchd: a load_param_into_net into this {type(net).__name__} did not finish "
+                            f"before its process ended (a marker in {crashed} says so), so the store may "
+                            f"hold old values beside new ones: the model refuses to run until a "
+                            f"prefetchd.load_param_into_net that writes the {_names(sorted(self.pending))} "
+                            f"parameters it was loading completes (or the checkpoint is staged again)")
+        else:
+            cause = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+            remedy = (DAMAGED if isinstance(error, IntegrityError)
+                      else "run the same load again once its cause is fixed")
+            self.message = (f"prefetchd: a load_param_into_net into this {type(net).__name__} stopped after "
+                            f"{len(written)} of {len(written) + len(left)} parameters ({cause[:300]}), so "
+                            f"the model holds old values beside new ones: it refuses to run until a "
+                            f"load_param_into_net that writes the {_names(sorted(self.pending))} parameters "
+                            f"not loaded completes ({remedy})")
         self._handle = handle
         self._hooks = [cell.register_forward_pre_hook(self._refuse, prepend=True)    # before its pins
                        for _, cell in net.cells_and_names() if cell is not net]

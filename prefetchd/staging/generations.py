@@ -38,6 +38,7 @@ from .errors import StagingError
 from .progress import Progress
 from .readers import iter_checkpoint
 from .writer import meta_fields, stage_tensors
+from . import load_markers
 
 INDEX_FILE = "prefetchd-index.json"
 INDEX_FORMAT = 1
@@ -202,6 +203,7 @@ def stage_into(work, checkpoint, config, progress, interval, stream, generation,
             index[key] = {"shape": list(shape), "dtype": dtype, "nbytes": info["nbytes"]}
     finally:
         store.close()
+    load_markers.forget_staged(work, staged)       # written whole: no longer mixed by a cut-short load
     write_index(work, index, generation=generation, source=source, any_rank=any_rank, rank=rank)
     return {"tensors": len(staged), "bytes": sum(t["nbytes"] for t in staged.values()),
             "generation": generation, "store_tensors": len(index)}
