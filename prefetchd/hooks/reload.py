@@ -98,7 +98,13 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
             handle.half_loaded.remove()
             handle.half_loaded = None
         if todo and handle.half_loaded is None:      # complete: durable once written back
-            handle.daemon.flush([p for p, _ in todo]).result()
+            try:
+                handle.daemon.flush([p for p, _ in todo]).result()
+            except BaseException as e:
+                e.add_note("prefetchd: the load is in the model, but not all of it is in the store yet: "
+                           "daemon.flush() once the store is fixed; a process that ends before leaves the "
+                           "store marked half-loaded")
+                raise
             load_markers.finish(store, list(params))
     return not_loaded, unused
 

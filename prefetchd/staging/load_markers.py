@@ -19,10 +19,13 @@ store keep theirs apart. A stage (generations.stage_into) writes whole tensors: 
 staged are no longer mixed, and leave the markers (the store's recovery ignores these
 files: it reads only *.pfd and *.tmp).
 """
+import contextlib
 import hashlib
 import json
 import logging
 import os
+
+from ..errors import StorageError
 
 log = logging.getLogger("prefetchd.staging")
 
@@ -43,16 +46,27 @@ def begin(store, names, pending):
     path = _path(store, names)
     if path is None:
         return
-    _write(path, pending)
+    try:
+        _write(path, pending)
+    except OSError as e:
+        raise StorageError(f"prefetchd.load_param_into_net refused, nothing loaded: it cannot record the "
+                           f"load in the store {store} ({e.strerror or e})") from None
 
 
 def _write(path, pending):
-    tmp = f"{path}.tmp-{os.getpid()}"       # (a new file: a stage's generation may link the old one)
-    with open(tmp, "w") as f:
-        json.dump({"pending": sorted(pending)}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # A new file (a stage's generation may link the old one), named *.tmp so that the store's
+    # recovery removes it if the process dies before the rename.
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"pending": sorted(pending)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     _sync_dir(path)
 
 

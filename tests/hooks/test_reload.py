@@ -407,3 +407,24 @@ def test_a_load_over_a_damaged_stored_value_says_that_no_load_can_pass_it(ms, ma
         prefetchd.load_param_into_net(model, ms.load_checkpoint(path))
     note = " ".join(getattr(failed.value, "__notes__", []))
     assert "stored value is damaged" in note and "stage the checkpoint again" in note, note
+
+
+def test_a_load_that_cannot_record_itself_in_the_store_loads_nothing_and_says_why(ms, setup):
+    """A load marks the store before its first write (staging/load_markers.py: a crash during
+    it must be seen by the next process); a store where the mark cannot be made refuses the
+    load whole, naming the store, and the model keeps its weights."""
+    import os
+    from prefetchd.errors import StorageError
+    from prefetchd.staging import load_markers
+    model, daemon, x, before, path, want = setup
+    store = daemon.config.store_dir
+    marker = load_markers._path(store, [p.name for p in model.get_parameters()])
+    os.mkdir(marker)                   # a rename cannot replace a directory
+    with pytest.raises(StorageError, match=rf"refused, nothing loaded: it cannot record the load in the store {store}"):
+        prefetchd.load_param_into_net(model, ms.load_checkpoint(path))
+    np.testing.assert_array_equal(model(x).asnumpy(), before)
+    os.rmdir(marker)
+    assert not [n for n in os.listdir(store) if n.startswith(".pfd-load-")]     # nor a file half-made
+    assert prefetchd.load_param_into_net(model, ms.load_checkpoint(path)) == ([], [])
+    np.testing.assert_array_equal(model(x).asnumpy(), want)
+    assert not [n for n in os.listdir(store) if n.startswith(".pfd-load-")]
