@@ -79,26 +79,48 @@ def _split_all(outs, rows, axis):
     return [[p[i] for p in pieces] for i in range(len(rows))]
 
 
-def _alike(split, alone):
-    """Whether a joined batch's split outputs are what each part computes alone (floats up to
-    the rounding a different batch size brings: relative to the output's own scale, since an
-    element near zero carries the rounding of the large ones it was summed from; rows that
-    depend on each other differ by far more)."""
-    for mine, theirs in zip(split, alone):
-        if len(mine) != len(theirs):
-            return False
-        for a, b in zip(mine, theirs):
-            if a.shape != b.shape or a.dtype != b.dtype:
+def _alike(split, alone, axis):
+    """Whether a joined batch's split outputs are what each part computes alone: integers
+    equal, floats up to the rounding a different batch size brings. An element near zero
+    carries the rounding of the large ones it was summed from, so its tolerance is relative
+    to the magnitudes around it (_tolerances); rows that depend on each other differ by far
+    more."""
+    if any(len(mine) != len(theirs) or any(a.shape != b.shape or a.dtype != b.dtype
+                                           for a, b in zip(mine, theirs))
+           for mine, theirs in zip(split, alone)):
+        return False
+    for o in range(len(alone[0]) if alone else 0):
+        joined, reference = [mine[o] for mine in split], [theirs[o] for theirs in alone]
+        if reference[0].dtype.kind not in "fc":
+            if not all(np.array_equal(a, b) for a, b in zip(joined, reference)):
                 return False
-            if a.dtype.kind in "fc":
-                tolerance = 2e-2 if a.dtype.itemsize <= 2 else 1e-4
-                finite = np.abs(b[np.isfinite(b)])
-                scale = float(finite.max()) if finite.size else 0.0
-                if not np.allclose(a, b, rtol=tolerance, atol=tolerance * scale + 1e-12, equal_nan=True):
-                    return False
-            elif not np.array_equal(a, b):
+            continue
+        tolerance = 2e-2 if reference[0].dtype.itemsize <= 2 else 1e-4
+        rowed = all(b.ndim > axis for b in reference)     # the parts' rows, side by side
+        a = np.concatenate(joined, axis) if rowed else None
+        b = np.concatenate(reference, axis) if rowed else None
+        pairs = [(a, b)] if rowed else list(zip(joined, reference))
+        for a, b in pairs:
+            if not np.allclose(a, b, rtol=tolerance, atol=_tolerances(b, tolerance), equal_nan=True):
                 return False
     return True
+
+
+def _tolerances(b, tolerance):
+    """Per element: `tolerance` times the smallest of the largest finite magnitudes along
+    each axis through it (axes of one element left out). The largest of the whole output
+    was the scale, and one masked logit at -1e9 made every row's tolerance 1e5: a model
+    whose rows depend on each other passed its checks and clients got each other's rows
+    (an outside probe). Along some axis an element's neighbours are unmasked."""
+    magnitude = np.where(np.isfinite(b), np.abs(b), 0).astype(np.float64)
+    if magnitude.size == 0:
+        return 1e-12
+    scale = None
+    for k in range(magnitude.ndim):
+        if magnitude.shape[k] > 1:
+            along = magnitude.max(axis=k, keepdims=True)
+            scale = along if scale is None else np.minimum(scale, along)
+    return tolerance * (magnitude if scale is None else scale) + 1e-12
 
 
 # Joined batches of distinct requests checked against each request alone before a model's
@@ -258,7 +280,7 @@ def _check_join(model, kind, outs, rows, axis, alone):
         split = _split_all(outs, rows, axis)
     except SplitError:
         split = None
-    if split is not None and _alike(split, alone):
+    if split is not None and _alike(split, alone, axis):
         # Rows whose outputs are all the same show no reordering: distinct prompts whose
         # tokens coincided passed three checks of a generate that reversed its rows. (Rows
         # only partly alike still show most; requiring all to differ, a small LM's few

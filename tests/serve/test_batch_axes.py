@@ -262,6 +262,57 @@ def test_a_model_whose_rows_are_independent_keeps_joining_despite_rounding(minds
     assert _batch.last["forwards"] == [8] and _batch.last["ran"] == [8] * 8     # one forward now
 
 
+@pytest.mark.parametrize("mask", ["column", "position"])
+def test_a_masked_logit_does_not_hide_rows_that_depend_on_each_other(mindspore_cpu, mask):
+    """The tolerance was relative to the largest magnitude of the whole output: one logit
+    masked at -1e9 (a banned token's column, or a padded position) made it 1e5, a model that
+    subtracts the batch mean passed its checks, and clients got rows mixed with each other's
+    (an outside probe). Along some axis each element's neighbours are unmasked now."""
+    ms = mindspore_cpu
+
+    class Centred(ms.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.dense = ms.nn.Dense(8, 16)
+
+        def construct(self, x):
+            y = self.dense(x)
+            y = y - y.mean(axis=0, keep_dims=True)          # rows depend on each other
+            if mask == "column":
+                return ms.ops.concat((ms.ops.full((y.shape[0], y.shape[1], 1), -1e9, dtype=ms.float32), y[..., 1:]), -1)
+            return ms.ops.concat((ms.ops.full((y.shape[0], 1, y.shape[2]), -1e9, dtype=ms.float32), y[:, 1:]), 1)
+    cell = Centred()
+    servable = as_servable((cell, [TensorSpec((None, 3, 8), "float32", name="x")]), "t:f")
+    model = ServedModel("m0", servable, handle=None, hints=[])
+    rng = np.random.default_rng(3)
+    for rows in (1, 2):
+        requests = [[rng.standard_normal((rows, 3, 8)).astype(np.float32)] for _ in range(4)]
+        for (x,), (y,) in zip(requests, _batch(model, requests)):
+            np.testing.assert_array_equal(y, cell(ms.Tensor(x)).asnumpy())
+    assert model.joins["infer"].verdict is False
+
+
+def test_a_model_with_masked_logits_whose_rows_are_independent_still_joins(mindspore_cpu):
+    """The per-element tolerance keeps a model whose rows are independent joining though
+    some of its outputs are -1e9 and others near zero."""
+    ms = mindspore_cpu
+
+    class Masked(ms.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.dense = ms.nn.Dense(8, 64)
+
+        def construct(self, x):
+            y = self.dense(x)
+            return ms.ops.concat((ms.ops.full((y.shape[0], 2), -1e9, dtype=ms.float32), y[:, 2:]), -1)
+    servable = as_servable((Masked(), [TensorSpec((None, 8), "float32", name="x")]), "t:f")
+    model = ServedModel("m0", servable, handle=None, hints=[])
+    rng = np.random.default_rng(4)
+    for _ in range(3):
+        _batch(model, [[rng.standard_normal((1, 8)).astype(np.float32) * 10] for _ in range(8)])
+    assert model.joins["infer"].verdict is True
+
+
 def test_a_generate_that_reorders_its_rows_never_hands_a_client_anothers_tokens(mindspore_cpu):
     """A joined generate's output was split by rows with no check: a servable whose batched
     generate returns its rows in another order (here reversed) gave each client another's
