@@ -261,6 +261,20 @@ def _join_check(model, kind, run, parts, rows, axis, done):
     return lambda: _check_join(model, kind, run(_join(model.servable, parts)), rows, axis, alone)
 
 
+def checks_fit(next_parts, seconds_per_forward, now):
+    """Whether the join checks the last batch left (its joined call, taken as two forwards)
+    can run before the next batch, received already (`next_parts`, its parts' documents),
+    with every part of it still done by its deadline, each part taken as one forward of
+    `seconds_per_forward` (the last batch's). Run regardless, the check's forward came ahead
+    of the next batch and timed its last requests out (an outside probe: 10 requests of 1 s
+    on 2 workers under --request-timeout 6.5, 2 TIMEOUT); put off, it runs once the worker
+    is idle or has the time."""
+    deadlines = [d for d in map(_deadline, next_parts) if d is not None]
+    if not deadlines:
+        return True
+    return now + seconds_per_forward * (2 + len(next_parts)) <= min(deadlines)
+
+
 def finish_join_checks(models):
     """Run the join checks the last batch left pending (the worker calls this once it has
     replied). A check that fails to run shows nothing; it never fails the worker."""

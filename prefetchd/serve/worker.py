@@ -33,7 +33,7 @@ import zmq
 from ..backend.base import STORE_LOCK
 from ..errors import ConfigError
 from ..control import protocol as P
-from .execute import error_reply, finish_join_checks, run_batch, without_framework_stack
+from .execute import checks_fit, error_reply, finish_join_checks, run_batch, without_framework_stack
 from .servable import ServedModel
 from .spec import ServeSpec, build_weight_set, sized, worker_config
 
@@ -176,6 +176,15 @@ def _run(models, job_id, body, frames, index, max_bytes):
         return [job_id, P.dumps({"ok": False, **error_reply(e, index)})]
 
 
+def _parts(frames):
+    """The parts of a job's frames ([] for anything else: a STOP, a job that does not parse)."""
+    try:
+        parts = P.loads(frames[1].bytes).get("parts") if len(frames) > 1 else None
+    except Exception:            # noqa: BLE001 - _run answers that job with the error
+        return []
+    return [p for p in parts if isinstance(p, dict)] if isinstance(parts, list) else []
+
+
 def _exit_if_orphaned(parent_pid):
     """Watch for the front's death (SIGKILL) from a thread: the work loop looks only between
     jobs, and a long generate would run on for nobody, holding its store."""
@@ -226,20 +235,29 @@ def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, p
             "control": control_endpoint,
             "models": {name: m.describe() for name, m in models.items()}})])
         _ready = True
+        held = None                  # the next job, received while deciding on the join checks
         while True:
-            if not sock.poll(250):
-                if os.getppid() != parent_pid:
-                    log.warning("worker %d: the front is gone; exiting", index)
-                    return
-                continue
-            frames = sock.recv_multipart(copy=False)
+            if held is None:
+                if not sock.poll(250):
+                    finish_join_checks(models.values())     # idle: the checks put off run now
+                    if os.getppid() != parent_pid:
+                        log.warning("worker %d: the front is gone; exiting", index)
+                        return
+                    continue
+                held = sock.recv_multipart(copy=False)
+            frames, held = held, None
             if frames[0].bytes == STOP:
                 return
             if len(frames) < 2:
                 continue
+            began = time.monotonic()
             sock.send_multipart(_run(models, frames[0].bytes, frames[1].bytes, frames[2:], index,
                                      spec.max_tensor_bytes), copy=False)
-            finish_join_checks(models.values())       # after the reply: nobody waits on them
+            # After the reply (nobody waits on them), unless the next job would miss a deadline.
+            per_forward = (time.monotonic() - began) / max(1, len(_parts(frames)))
+            held = sock.recv_multipart(copy=False) if sock.poll(0) else None
+            if held is None or (held[0].bytes != STOP and checks_fit(_parts(held), per_forward, time.monotonic())):
+                finish_join_checks(models.values())
     finally:
         _stopping = True
         for model in models.values():

@@ -55,3 +55,30 @@ def test_once_a_worker_has_checked_the_model_its_batches_run_joined(front):
             if max(f.reply["batch_size"] for f in futures) > 2:
                 return
     pytest.fail(f"no batch of more than two ran joined: {[f.reply['batch_size'] for f in futures]}")
+
+
+def test_a_check_is_put_off_while_the_next_batch_would_miss_its_deadline(tmp_path):
+    """The check's joined call ran right after each reply, ahead of the next batch already
+    sent to that worker: ten 1 s requests on two workers under --request-timeout 7.5 timed
+    out their last ones (an outside probe, at 6.5). Now a worker puts a check off while a
+    batch it has received would miss a deadline, and runs it once idle."""
+    spec = ServeSpec(models=1, model="tests.serve._servables:sleepy", model_bytes_hint=80, budget=1 << 20,
+                     store_dir=str(tmp_path / "store"))
+    f = Front(f"ipc://{tmp_path}/f.sock", workers=2, spec=spec, name=f"joinlate{os.getpid()}",
+              max_batch_size=BURST, max_queue_delay_ms=50, request_timeout=7.5).start()
+    try:
+        rng = np.random.default_rng(9)
+        with Client(f.endpoint, timeout=60) as c:
+            futures = [c.submit("m0", _distinct(rng, SLEEP)) for _ in range(10)]
+            for fut in futures:
+                fut.result(60)      # raises on TIMEOUT
+    finally:
+        f.close(10)
+
+
+def test_checks_fit_counts_the_next_batch_and_the_check_against_its_earliest_deadline():
+    from prefetchd.serve.execute import checks_fit
+    parts = [{"deadline": 10.0}, {"deadline": 7.0}, {"inputs": []}]
+    assert checks_fit(parts, 1.0, now=2.0)          # 2 + (2 + 3) * 1 = 7
+    assert not checks_fit(parts, 1.0, now=2.5)
+    assert checks_fit([{"inputs": []}], 100.0, now=0.0) and checks_fit([], 100.0, now=0.0)
