@@ -1,6 +1,8 @@
 """The operators' process-wide state (prefetchd.ops): what is known of each tensor they
 touched (Entry), their tiers and store (Runtime), and how a block and a remote replica
 outlive exactly the references to them."""
+import atexit
+import shutil
 import threading
 import weakref
 
@@ -61,6 +63,10 @@ class Runtime:
             for key in store.keys():
                 if key.startswith(SCRATCH_PREFIX):
                     remove_quietly(store, key)
+            if not self.config.store_dir:
+                # A private temporary directory: no later process opens it to clean up, so
+                # each run left its replicas (the size of every tensor still alive) in /tmp.
+                atexit.register(remove_private_store, store)
             self._store = store
         return self._store
 
@@ -71,6 +77,16 @@ def forget(rt, key):
         e = rt.entries.pop(key, None)
     if e is not None and e.remote_key is not None and rt._store is not None:
         remove_quietly(rt._store, e.remote_key)
+
+
+def remove_private_store(store):
+    """At exit: close the operators' store in its temporary directory and remove both."""
+    directory = store.directory
+    try:
+        store.close()
+    except Exception:    # noqa: BLE001 - closing at exit: the directory goes regardless
+        pass
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def remove_quietly(store, key):

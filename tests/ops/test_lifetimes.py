@@ -259,3 +259,23 @@ def test_operators_do_not_wait_for_good_on_their_own_locks(tmp_path, case):
     run = subprocess.run([sys.executable, "-c", CHILD, case], capture_output=True, text=True, timeout=120,
                          env=env)
     assert run.returncode == 0 and run.stdout == "ok\n", (run.returncode, run.stdout, run.stderr[-2000:])
+
+
+def test_a_process_without_a_store_dir_leaves_no_temporary_store_behind(tmp_path):
+    """Without PREFETCHD_STORE_DIR the operators' store is a private temporary directory,
+    which no later process opens to clean: each run left it in /tmp with the replicas of
+    every tensor still alive at exit (an outside probe). It is removed at exit now."""
+    import subprocess
+    import sys
+    from helpers import ENV
+    code = ("import numpy as np, mindspore as ms\n"
+            "from prefetchd import ops\n"
+            "y = ops.copy_to_device(ms.Tensor(np.arange(1 << 20, dtype=np.float32)))\n"
+            "ops.update_to_remote(y)\n"
+            "print(ops._runtime.store.directory)\n")
+    env = {k: v for k, v in ENV.items() if k != "PREFETCHD_STORE_DIR"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(env, TMPDIR=str(tmp_path)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    directory = out.stdout.strip().splitlines()[-1]
+    assert directory.startswith(str(tmp_path)) and not os.path.exists(directory), os.listdir(tmp_path)
