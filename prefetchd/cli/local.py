@@ -70,8 +70,8 @@ def register(sub):
                         "model's weights (default 25%%)")
     p.add_argument("--size", type=positive_size, default="1GiB",
                    help="io: file size; model, accelerate: weight bytes (default 1GiB; model holds "
-                        "about 10x that in RAM at its peak: the resident model, each case's and their "
-                        "host tiers and page cache)")
+                        "about 10x that in RAM at its peak: the resident model and each case's offloaded "
+                        "copy and host tier)")
     p.add_argument("--repeats", type=positive_int, default=None,
                    help="runs of each measurement (3; serve --quick: 1)")
     p.add_argument("--lookahead", type=positive_int, default=2, help="model/serve: units prefetched ahead (2)")
