@@ -112,7 +112,8 @@ def _tolerances(b, tolerance):
     was the scale, and one masked logit at -1e9 made every row's tolerance 1e5: a model
     whose rows depend on each other passed its checks and clients got each other's rows
     (an outside probe). Along some axis an element's neighbours are unmasked."""
-    magnitude = np.where(np.isfinite(b), np.abs(b), 0).astype(np.float64)
+    width = np.float64 if np.abs(b[:0]).dtype == np.float64 else np.float32    # (outputs can be large)
+    magnitude = np.where(np.isfinite(b), np.abs(b), 0).astype(width, copy=False)
     if magnitude.size == 0:
         return 1e-12
     scale = None

@@ -43,7 +43,7 @@ class WorkerSlot:
     hints: dict = field(default_factory=dict)   # model -> tensor names of its first units
     inflight: dict = field(default_factory=dict)   # batch job id -> prefetchd.serve.batching.Batch
     last_model: str | None = None
-    joined: dict = field(default_factory=dict)   # (model, kind) -> its "joined" verdict (front.parts_per_batch)
+    joined: dict = field(default_factory=dict)   # (model, kind) -> its "joined" verdict (parts_for)
     served: int = 0
     failed: int = 0
     storage_streak: int = 0        # its batches in a row whose every request failed STORAGE
