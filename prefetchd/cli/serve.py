@@ -183,11 +183,17 @@ def serve_options(args):
             options["from_flags"].add(key)
         options[key] = flag if flag is not None else table.get(key, default)
     options["config"] = path
-    if "metrics_addr" not in options["from_flags"] and "metrics_addr" not in table:
-        # The [prefetchd] table's (or PREFETCHD_METRICS_ADDR's) address, as for any daemon: a
-        # pod's Prometheus cannot reach loopback, and that was ignored here.
+    inherited = [key for key in ("metrics_addr", "metrics_port", "endpoint")
+                 if key not in options["from_flags"] and key not in table]
+    if inherited:
+        # The [prefetchd] table's (or PREFETCHD_*'s) values, as for any daemon (flags > env >
+        # file): a pod's Prometheus cannot reach loopback, and PREFETCHD_METRICS_PORT or
+        # PREFETCHD_ENDPOINT moved out of a unit's command line were ignored without a word.
         from ..config import Config
-        options["metrics_addr"] = Config.load(path).metrics_addr
+        config = Config.load(path)
+        for key in inherited:
+            if getattr(config, key) is not None:
+                options[key] = getattr(config, key)
     return options
 
 

@@ -373,6 +373,18 @@ def test_serve_options_flags_over_file_over_defaults(tmp_path, monkeypatch):
     cfg.write_text('[prefetchd]\nmetrics_addr = "0.0.0.0"\n')
     assert serve_options(parser.parse_args(["serve", "--config", str(cfg)]))["metrics_addr"] == "0.0.0.0"
     assert serve_options(parser.parse_args(["serve"]))["metrics_addr"] == "127.0.0.1"
+    # So are the exporter's port and the front's endpoint (they were dropped without a word).
+    monkeypatch.setenv("PREFETCHD_METRICS_PORT", "19470")
+    monkeypatch.setenv("PREFETCHD_ENDPOINT", "ipc://from-env.sock")
+    o = serve_options(parser.parse_args(["serve"]))
+    assert (o["metrics_port"], o["endpoint"]) == (19470, "ipc://from-env.sock")
+    o = serve_options(parser.parse_args(["serve", "--metrics-port", "19471", "--endpoint", "ipc://flag.sock"]))
+    assert (o["metrics_port"], o["endpoint"]) == (19471, "ipc://flag.sock")
+    monkeypatch.delenv("PREFETCHD_METRICS_PORT")
+    monkeypatch.delenv("PREFETCHD_ENDPOINT")
+    cfg.write_text('[prefetchd]\nmetrics_port = 19472\n')
+    assert serve_options(parser.parse_args(["serve", "--config", str(cfg)]))["metrics_port"] == 19472
+    assert serve_options(parser.parse_args(["serve"]))["metrics_port"] is None
     cfg.write_text('[prefetchd]\n[serve]\nwrokers = 3\n')
     with pytest.raises(ConfigError, match="wrokers"):
         serve_options(parser.parse_args(["serve", "--config", str(cfg)]))
