@@ -2,7 +2,9 @@
 
 Modules, by role (imports point down this list, never up):
 
-    offload          offload() / @offloaded and the Offloaded handle: hooks, pass lock, close
+    offload          offload() / @offloaded: the arguments checked, the handle made
+    handle           the Offloaded handle: plan, registration, the units' hooks, close
+    pass_boundaries  where a pass begins and ends: the model's own hooks
     handle_readings  what the handle tells its user: plan, trace, stats()
     reload           load_param_into_net: new values for an offloaded model, between its passes
     registration     the planned parameters handed to the daemon, once; register_checkpoint
@@ -11,6 +13,7 @@ Modules, by role (imports point down this list, never up):
     outer_calls      cells between the model and its units called alone: a pass of their own
     root_calls       root cells called alone, outside the model's forward
     jit_calls        mindspore.jit(cell)(x) on a cell of an offloaded model, outside its forward
+    graph_mode       a model called in graph mode after offload(), refused by name
     backward         the backward pre-hook that refuses gradients, and the Tensors it sees
     units            units at run time and their pins
     interrupts       Ctrl-C held off for the lines that must run together
@@ -22,6 +25,7 @@ Modules, by role (imports point down this list, never up):
     trace_cursor     the recorded order and where a pass is in it (no I/O)
     planner          the unit plan from the cell tree (no daemon, no side effects)
     unit_search      the candidate units, before the root is settled
+    plan_fit         whether a plan's units fit under the high watermark, and what never can
     budget_hint      the smallest device_budget a refused plan would fit under
     jit_graphs       cells a @jit method's graph runs (never units)
     construct_reads  the weight reads a construct's source makes

@@ -1,6 +1,6 @@
 """What an offloaded model's handle tells its user: the plan, the trace, and per-pass counts.
 
-A mixin of prefetchd.hooks.offload.Offloaded, kept apart so that class reads one screen
+A mixin of prefetchd.hooks.handle.Offloaded, kept apart so that class reads one screen
 at a time; it reads the handle's estimator, plan, trace cursor and pins.
 """
 

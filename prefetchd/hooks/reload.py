@@ -125,7 +125,7 @@ def after_crash(handle, net, checkpoint):
 class HalfLoad:
     """A load into an offloaded model that stopped part-way: `pending`, the names of the
     parameters it did not write (with those an earlier one left, not written since); str()
-    is the refusal. The model's own pass refuses to begin (hooks/offload.py); each of its
+    is the refusal. The model's own pass refuses to begin (hooks/pass_boundaries.py); each of its
     cells gets a pre-hook refusing a call of it alone (a unit, a cell inside one, a root
     cell) until remove(), or the handle is closed."""
 
