@@ -97,13 +97,21 @@ def _refuse_missing_socket(endpoint, what="daemon", hint="under this --name or -
     it would be (a daemon, a serve front) and where to look."""
     from ..control.path_gate import asides
     from ..errors import ConfigError
+    from ..socket_dirs import listener_at
     if not endpoint.startswith("ipc://"):
         return
     path = endpoint[len("ipc://"):]
-    if os.path.exists(path) or asides(path):
+    if asides(path):
         return
-    raise ConfigError(f"no {what} at {endpoint}: the socket file does not exist (is the {what} "
-                      f"running, {hint}?)")
+    if not os.path.exists(path):
+        raise ConfigError(f"no {what} at {endpoint}: the socket file does not exist (is the {what} "
+                          f"running, {hint}?)")
+    if listener_at(path) is False:
+        # A server killed before it closed leaves its file: the kernel refuses the connect, so
+        # waiting --timeout for a reply would only end in "no reply".
+        raise ConfigError(f"no {what} at {endpoint}: the socket file is there but nothing listens "
+                          f"on it (left by a {what} that ended without closing; it is replaced "
+                          f"when one starts there)")
 
 
 def _curve_file(directory, name):

@@ -108,6 +108,12 @@ def resolve_endpoint(endpoint, name="default", *, bind=False, allow_remote=False
         host, port = split_tcp(endpoint)
         if host in ("", "localhost"):
             host = "127.0.0.1"
+        if not (port in ("", "*") or (port.isdigit() and int(port) <= 65535)):
+            raise ConfigError(f"endpoint {endpoint!r}: the port must be a number from 0 to 65535 "
+                              f"(tcp://127.0.0.1:5555)")
+        if not bind and (port in ("", "*") or int(port) == 0):
+            raise ConfigError(f"endpoint {endpoint!r}: a client connects to the port its server "
+                              f"listens on (0 and * let a server pick one at bind)")
         if bind:
             if not is_loopback(host) and not allow_remote:
                 raise ConfigError(f"endpoint {endpoint!r}: tcp binds loopback unless told otherwise; "

@@ -153,3 +153,40 @@ def test_infer_on_a_file_that_is_not_npy_says_so_not_pickle(tmp_path):
     assert out.returncode == 2, out.stderr
     line = one_error_line(out)
     assert "does not start as a .npy file does" in line and "pickle" not in line.split("(")[0], line
+
+
+def test_status_of_a_killed_daemons_socket_says_nothing_listens_at_once(tmp_path):
+    import signal
+    import time
+
+    # A daemon killed before it closed leaves its socket file: status waited its whole
+    # --timeout and said "no reply", as if the daemon were only slow.
+    sock = tmp_path / "killed.sock"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, prefetchd\n"
+        f"d = prefetchd.Daemon(device_budget=1 << 20, store_dir={str(tmp_path / 'store')!r}, "
+        f"endpoint={'ipc://' + str(sock)!r}).start()\n"
+        "print('up', flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        assert run("status", "--endpoint", f"ipc://{sock}", "--timeout", "30").returncode == 0
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    assert sock.exists()
+    started = time.monotonic()
+    out = run("status", "--endpoint", f"ipc://{sock}", "--timeout", "30")
+    assert out.returncode == 1 and time.monotonic() - started < 20, out.stderr
+    line = one_error_line(out)
+    assert "nothing listens" in line and str(sock) in line, line
+
+
+def test_a_client_endpoints_port_out_of_range_is_a_bad_command_line(tmp_path):
+    # tcp://127.0.0.1:99999 was handed to libzmq and waited --timeout for "no reply".
+    for endpoint, named in (("tcp://127.0.0.1:99999", "from 0 to 65535"), ("tcp://127.0.0.1:x", "from 0 to 65535"),
+                            ("tcp://127.0.0.1:0", "the port its server listens on")):
+        out = run("status", "--endpoint", endpoint, "--timeout", "30")
+        assert out.returncode == 2, (endpoint, out.stderr)
+        line = one_error_line(out)
+        assert "--endpoint" in line and named in line, line
