@@ -29,7 +29,8 @@ class ExplicitRequests:
         busy = next((r for r in req.recs if r.pins or any(w.demand for w in r.waiters)), None)
         if busy is not None:
             self._outcomes.fail(req, PinnedError(
-                f"cannot unregister {busy.name!r}: compute holds it ({busy.pins} pin(s)) or waits for it"))
+                f"cannot unregister {busy.name!r}: compute holds it ({busy.pins} pin(s)) or waits for it"),
+                "refused")
             return
         for rec in req.recs:
             self._outcomes.fail_waiters(rec, unregistered())
@@ -40,7 +41,7 @@ class ExplicitRequests:
             if rec.pins:
                 self._outcomes.fail(req, PinnedError(
                     f"cannot evict {rec.name!r}: it is pinned ({rec.pins} pin(s): a running unit, a daemon.use "
-                    f"block or a control-plane lease); unpin it first"))
+                    f"block or a control-plane lease); unpin it first"), "refused")
                 return
         pending = []
         for rec in req.recs:

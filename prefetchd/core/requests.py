@@ -77,8 +77,9 @@ class Outcomes:
     def resolve(self, req, error=None):
         self.items.append((req, error))
 
-    def fail(self, req, error):
-        """Fail req once: undo its pins, stop it waiting, count it."""
+    def fail(self, req, error, outcome="failed"):
+        """Fail req once: undo its pins, stop it waiting, count it as `outcome` ("failed", or
+        "refused" for one the tensor's state forbids: see prefetchd.telemetry.stats)."""
         if req.future is None or req.future.done() or any(r is req for r, _ in self.items):
             return
         for rec in req.pinned:
@@ -87,7 +88,7 @@ class Outcomes:
         for rec in req.recs or ():
             if req in rec.waiters:
                 rec.waiters.remove(req)
-        self._stats.count(req.counted_as, "failed")
+        self._stats.count(req.counted_as, outcome)
         log.info("prefetchd: %s refused: %s", req.kind.value, error)     # one line per refusal
         self.resolve(req, error)
 

@@ -18,7 +18,9 @@ SECONDS_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05
 
 DIRECTIONS = ("load", "store", "h2d", "d2h")
 REQUEST_OPS = ("prefetch", "evict", "pin", "flush", "fetch")
-OUTCOMES = ("hit", "miss", "issued", "failed", "cancelled")
+# "refused": the caller asked what the tensor's state forbids (an evict of a pinned one), its
+# to resolve; "failed": the daemon could not do it (budget, storage, shutdown), which alerts watch.
+OUTCOMES = ("hit", "miss", "issued", "failed", "refused", "cancelled")
 EVICTION_REASONS = ("watermark", "explicit", "shutdown")
 
 

@@ -293,6 +293,18 @@ def test_pinned_gauges(daemon):
     assert value(fams, "prefetchd_pinned_tensors") == 0
 
 
+def test_an_evict_of_a_pinned_tensor_is_counted_refused_not_failed(daemon):
+    # An operator's `ctl evict` of a pinned tensor counted as a failed request, which
+    # PrefetchdRequestsFailing watches: one refused evict on a quiet daemon sent it pending.
+    handles = register_remote(daemon, 1)
+    with daemon.use(handles[0]):
+        with pytest.raises(prefetchd.PinnedError, match="pinned"):
+            daemon.evict(handles).result(timeout=30)
+    fams = parse(metrics.render(daemon))
+    assert value(fams, "prefetchd_requests", op="evict", outcome="refused") == 1
+    assert value(fams, "prefetchd_requests", op="evict", outcome="failed") == 0
+
+
 def test_one_snapshot_per_scrape(daemon):
     calls = []
     real = daemon.snapshot
