@@ -184,7 +184,8 @@ def free(x, sync=False):
         remove_quietly(runtime().store, e.remote_key)
     e.remote_key = e.remote_crc = e.remote_layout = None
     guard.guard(x, lambda: UseAfterFreeError(e.label, "", "freed",
-                                              f"tensor {e.label!r} was freed by prefetchd.ops.free()"))
+                                              f"tensor {e.label!r} was freed by prefetchd.ops.free()"),
+                name=e.label)
     return x
 
 
@@ -259,7 +260,7 @@ def detach(x, sync=False):
     guard.guard(x, lambda: UseAfterFreeError(
         e.label, "remote", "detached", f"tensor {e.label!r} was detached by prefetchd.ops.detach(): "
                                        f"only its remote replica is left (prefetchd.ops.update_to_device "
-                                       f"loads it back)"))
+                                       f"loads it back)"), name=e.label)
     return x
 
 

@@ -77,6 +77,16 @@ def test_free_makes_later_use_a_clear_error(ms):
         ms.ops.matmul(tensor(ms, np.ones((4, 4), np.float32)), y).asnumpy()
 
 
+def test_a_freed_or_detached_unnamed_tensor_says_which_it_is(ms):
+    # Their repr said "<prefetchd tensor None: not resident>": no name to find it by.
+    freed = ops.copy_to_device(tensor(ms, np.ones(3, np.float32)))
+    ops.free(freed)
+    detached = ops.update_to_remote(ops.copy_to_device(tensor(ms, np.ones(3, np.float32))))
+    ops.detach(detached)
+    for x in (freed, detached):
+        assert f"tensor@{id(x):x}" in repr(x) and "None" not in repr(x), repr(x)
+
+
 def test_double_free_is_an_error(ms):
     y = ops.copy_to_device(tensor(ms, np.ones(3, np.float32)))
     ops.Free()(y)
