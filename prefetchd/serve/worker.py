@@ -165,10 +165,24 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(0)       # unwinds through the finally that closes the daemon
 
 
-def _run(models, job_id, body, frames, index, max_bytes):
+def _received(frames):
+    """(frames, the job's header parsed or the error parsing it raised); None for a STOP or a
+    message too short to be a job (ignored)."""
+    if frames[0].bytes == STOP:
+        return frames, None
+    if len(frames) < 2:
+        return None
+    try:
+        return frames, P.loads(frames[1].bytes)
+    except Exception as e:       # noqa: BLE001 - _run answers that job with the error
+        return frames, e
+
+
+def _run(models, job_id, job, frames, index, max_bytes):
     """The reply frames of one job (see prefetchd.serve.execute)."""
     try:
-        job = P.loads(body)
+        if isinstance(job, Exception):
+            raise job
         result, out = run_batch(models[job["model"]], job, frames, max_bytes, worker=index)
         result.update(worker=index, pid=os.getpid())
         return [job_id, P.dumps({"ok": True, "result": result}), *out]
@@ -176,12 +190,9 @@ def _run(models, job_id, body, frames, index, max_bytes):
         return [job_id, P.dumps({"ok": False, **error_reply(e, index)})]
 
 
-def _parts(frames):
-    """The parts of a job's frames ([] for anything else: a STOP, a job that does not parse)."""
-    try:
-        parts = P.loads(frames[1].bytes).get("parts") if len(frames) > 1 else None
-    except Exception:            # noqa: BLE001 - _run answers that job with the error
-        return []
+def _parts(job):
+    """The parts of a parsed job ([] for a STOP, a job that did not parse, or one without)."""
+    parts = job.get("parts") if isinstance(job, dict) else None
     return [p for p in parts if isinstance(p, dict)] if isinstance(parts, list) else []
 
 
@@ -244,19 +255,19 @@ def worker_main(index, generation, spec_dict, work_endpoint, control_endpoint, p
                         log.warning("worker %d: the front is gone; exiting", index)
                         return
                     continue
-                held = sock.recv_multipart(copy=False)
-            frames, held = held, None
-            if frames[0].bytes == STOP:
-                return
-            if len(frames) < 2:
+                held = _received(sock.recv_multipart(copy=False))
+            if held is None:
                 continue
+            (frames, job), held = held, None
+            if job is None:
+                return                # a STOP
             began = time.monotonic()
-            sock.send_multipart(_run(models, frames[0].bytes, frames[1].bytes, frames[2:], index,
+            sock.send_multipart(_run(models, frames[0].bytes, job, frames[2:], index,
                                      spec.max_tensor_bytes), copy=False)
             # After the reply (nobody waits on them), unless the next job would miss a deadline.
-            per_forward = (time.monotonic() - began) / max(1, len(_parts(frames)))
-            held = sock.recv_multipart(copy=False) if sock.poll(0) else None
-            if held is None or (held[0].bytes != STOP and checks_fit(_parts(held), per_forward, time.monotonic())):
+            per_forward = (time.monotonic() - began) / max(1, len(_parts(job)))
+            held = _received(sock.recv_multipart(copy=False)) if sock.poll(0) else None
+            if held is None or (held[1] is not None and checks_fit(_parts(held[1]), per_forward, time.monotonic())):
                 finish_join_checks(models.values())
     finally:
         _stopping = True
