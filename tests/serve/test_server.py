@@ -1,6 +1,6 @@
 """`prefetchd serve`: a front and spawned workers running the demo model with
 their own daemons. Routing, status aggregation, prefetch hints, metrics, bounded
-close and the CLI (`bench serve`: tests/bench/test_bench_serve.py). Tensors,
+close and the CLI (`bench serve`: tests/_bench_serve_report.py, on the README's run). Tensors,
 batching and hostile requests are tests/serve/test_requests.py; timeouts, deaths
 and hangs test_workers.py.
 
