@@ -81,6 +81,7 @@ class WorkerSlot:
                 # no process and no respawn coming: it failed to start too often (on_death)
                 "given_up": self.process is None and self.start_failures >= MAX_START_FAILURES,
                 "retry_in": None if self.retry_at is None else max(0.0, self.retry_at - time.monotonic()),
+                "retries": self.retries,         # given up: the waits so far (each twice the last)
                 "start_error": self.start_error,
                 "generation": self.generation, "control": self.control,
                 "inflight": len(self.inflight), "served": self.served, "failed": self.failed,
