@@ -234,12 +234,12 @@ class Front(FrontSockets):
 
     def _dispatch(self):
         now = time.monotonic()
-        for model in self._batcher.ready_models(now):
-            while model in self._batcher.ready_models(now):
-                s = self._pool.pick(model)
-                if s is None:
-                    return
-                self._send_batch(s, model, self._batcher.take(model, functools.partial(s.parts_for, model)), now)
+        while True:                       # one batch at a time: the first ready model may change
+            ready = self._batcher.ready_models(now)
+            s = self._pool.pick(ready[0]) if ready else None
+            if s is None:
+                return
+            self._send_batch(s, ready[0], self._batcher.take(ready[0], functools.partial(s.parts_for, ready[0])), now)
 
     def _send_batch(self, s, model, jobs, now):
         batch = Batch(P.new_rid(next(self._batch_ids)), model, jobs, s, now)

@@ -27,6 +27,29 @@ def test_a_client_that_floods_delays_anothers_request_by_one_batch_not_by_its_wh
     assert [n for c, n in first if c == b"flood"] == [0, 1, 2]        # its own still in order
 
 
+def test_a_flood_for_one_model_delays_anothers_request_for_another_by_one_batch():
+    """An outside probe: one client's 400 requests for m0, then another client's one for m1,
+    which waited 10 s (behind 1200, its 30 s TIMEOUT): models went by their oldest job's age,
+    and the flood's was always the oldest. Across models the clients' round-robin holds too."""
+    b = Batcher(max_batch_size=4)
+    for n in range(400):
+        b.add(job(b"flood", n, received=float(n) / 1000))
+    assert [c for c, _ in taken(b, "m0")] == [b"flood"] * 4          # it is being served
+    b.add(job(b"other", 0, model="m1", received=1.0))
+    assert b.ready_models(now=2.0) == ["m1", "m0"]
+    assert taken(b, "m1") == [(b"other", 0)]
+    assert b.ready_models(now=2.0) == ["m0"]
+    # Two clients each on their own model alternate, whoever queued first.
+    for n in range(3):
+        b.add(job(b"third", n, model="m2", key=None, received=3.0))     # (one a batch)
+    order = []
+    for _ in range(4):
+        model = b.ready_models(now=4.0)[0]
+        order.append(model)
+        b.take(model)
+    assert order == ["m2", "m0", "m2", "m0"]
+
+
 def test_a_client_that_filled_the_queue_does_not_keep_the_others_out():
     """An outside probe: one client's burst of 1500 filled the front's queue (1024) and
     another client's single request was BUSY until it drained. A client with nothing queued
