@@ -33,9 +33,9 @@ class Offloaded(refusals.NotCopyable, PassBoundaries, HandleReadings):
     """The hooks installed on one model. `close()` removes them (and an owned daemon).
 
     The hooks hand each step to the current pass (prefetchd.hooks.passes): the recording
-    pass until one pass ran a unit, then the streaming pass. Where a pass begins and ends
-    is PassBoundaries'. Pins (prefetchd.hooks.units)
-    hold units on the device while their cells compute.
+    pass until one pass ran a unit, then the streaming pass. Pins (prefetchd.hooks.units)
+    hold units on the device while their cells compute. Where a pass begins and ends is
+    PassBoundaries' (pass_boundaries.py).
     """
 
     def __init__(self, model, daemon, *, lookahead=None, units=None, auto_fetch=None, tier="remote",
