@@ -15,7 +15,8 @@ The rules it follows are stated once, in docs/offload.md; in short:
   the previous unit's memory waiting on its compute fence), is split into its
   children, and tiny neighbours (under unit_share / 8) merge;
 - if no blocks-only plan fits, every called cell that owns parameters can be a
-  unit (prefetchd.hooks.unit_search.called_units);
+  unit (prefetchd.hooks.unit_search.called_units); last, cells reading a
+  sub-cell's weight are split too, the root pinning the weights they read;
 - units are sized for the plan's lookahead first, then for finer shares (up to
   lookahead _FINEST_SIZING's), so a smaller lookahead never needs more budget;
 - weights a construct reads directly (construct_reads) stay pinned: the block
@@ -39,7 +40,7 @@ from .budget_hint import DEFAULT_HIGH_FRACTION, budget_for_high_watermark, hint_
 from ..errors import BudgetError, PrefetchdError
 from .plan_fit import need, problem, union_bytes
 from .jit_graphs import cells_in_jit_graphs, refuse_units_in_jit_graphs
-from .unit_search import Facts, block_units, called_units, is_compiled, is_uncalled, parent_name
+from .unit_search import SEARCHES, Facts, Search, is_compiled, is_uncalled, parent_name
 
 ROOT_NAME = "<root>"
 _MERGE_FRACTION = 8          # siblings under unit_share / 8 are "tiny"
@@ -228,30 +229,29 @@ def _plan(model, high, lookahead, units, facts):
         return _finish(model, chosen, all_params, high, lookahead, lookahead, total, facts, explicit=True)
     if max((facts.size(p) for p in all_params), default=0) > high:
         # A tensor above the high watermark: no plan fits (the refusal names it).
-        return _search(model, called_units, False, lookahead, high, lookahead, all_params, total, facts)
+        return _search(model, Search(called=True), lookahead, high, lookahead, all_params, total, facts)
     closest = None
     for sizing in range(lookahead, max(lookahead, _FINEST_SIZING) + 1):
         # The blocks first (the rest pinned in the root); splitting moves a block's own
         # parameters to the root, so keeping such blocks whole may fit where that did not;
         # then every called cell as a unit (embeddings, heads, stems...): the root keeps only
-        # what no call can own.
-        for search in (block_units, called_units):
-            for keep_owners in (False, True):
-                plan = _search(model, search, keep_owners, sizing, high, lookahead, all_params, total, facts)
-                key = (plan.need(), search is not called_units)
-                if key[0] <= high:       # it fits
-                    return plan
-                # The refusal names the plan closest to fitting (on a tie, the finest-grained):
-                # what binds there is what a larger budget relieves.
-                if closest is None or key < closest[0]:
-                    closest = (key, plan)
+        # what no call can own; last, cells reading a sub-cell's weight split too (SEARCHES).
+        for search in SEARCHES:
+            plan = _search(model, search, sizing, high, lookahead, all_params, total, facts)
+            key = (plan.need(), not search.called)
+            if key[0] <= high:       # it fits
+                return plan
+            # The refusal names the plan closest to fitting (on a tie, the finest-grained):
+            # what binds there is what a larger budget relieves.
+            if closest is None or key < closest[0]:
+                closest = (key, plan)
     return closest[1]
 
 
-def _search(model, search, keep_owners, sizing, high, lookahead, all_params, total, facts):
+def _search(model, search, sizing, high, lookahead, all_params, total, facts):
     share = high
     for _ in range(_MAX_ROUNDS):
-        chosen = [_make_unit(name, cells, facts) for name, cells in search(model, share, facts, keep_owners)]
+        chosen = [_make_unit(name, cells, facts) for name, cells in search.units(model, share, facts)]
         plan = _finish(model, _merge(chosen, share), all_params, high, lookahead, sizing, total, facts)
         if plan.unit_share >= share:   # stable: no unit was sized for a larger share
             return plan

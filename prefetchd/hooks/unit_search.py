@@ -16,9 +16,17 @@ the first plan that fits:
   (T5's `shared` embedding is also `encoder.embed_tokens`) is one unit, and a
   unit inside another unit's cells is dropped (the outer pins its parameters).
 
+A cell whose construct reads a sub-cell's weight directly is kept whole, so the
+read is pinned with it; the last search (`Search.split_readers`) splits such a
+cell instead, and the root pins only the weights it reads (WhisperEncoder reads
+its 8 KiB position table, RWKV's model rescales six block weights: kept whole,
+each was one unit of most of the model).
+
 `Facts` caches what the search asks of cells (parameters, direct reads): the
 budget hint re-plans a model many times (prefetchd.hooks.budget_hint).
 """
+from typing import NamedTuple
+
 from ..backend import framework
 from .construct_reads import direct_reads, is_jit
 
@@ -116,7 +124,7 @@ def find_blocks(cell, prefix, facts):
     return found
 
 
-def split(name, cell, share, facts, keep_owners=False):
+def split(name, cell, share, facts, keep_owners=False, split_readers=False):
     """(name, [cells]) candidates for `cell`: itself if it fits `share`, else its children's."""
     children = [(n, c) for n, c in cell.name_cells().items() if c is not None and facts.has_params(c)]
     if children and is_uncalled(cell):
@@ -124,13 +132,14 @@ def split(name, cell, share, facts, keep_owners=False):
     else:
         no_split = facts.no_split
         whole = facts.nbytes(cell) <= share or not children or (no_split and isinstance(cell, no_split)) \
-            or is_compiled(cell) or facts.reads_descendants(cell) or any(id(c) in facts.jit for _, c in children) \
+            or is_compiled(cell) or (not split_readers and facts.reads_descendants(cell)) \
+            or any(id(c) in facts.jit for _, c in children) \
             or (keep_owners and any(True for _ in cell.get_parameters(expand=False)))
     if whole:
         return [(name, [(name, cell)])]
     parts = []
     for child_name, child in children:
-        parts.extend(split(join(name, child_name), child, share, facts, keep_owners))
+        parts.extend(split(join(name, child_name), child, share, facts, keep_owners, split_readers))
     return parts
 
 
@@ -142,15 +151,32 @@ def block_units(model, share, facts, keep_owners):
     return _drop_shared(chosen)
 
 
-def called_units(model, share, facts, keep_owners):
+def called_units(model, share, facts, keep_owners, split_readers=False):
     """Every called cell that owns parameters as a candidate, split top-down to `share`."""
     if is_compiled(model):
         return []                     # one graph: its cells' hooks never fire
     chosen = []
     for name, child in model.name_cells().items():
         if child is not None and facts.has_params(child) and id(child) not in facts.jit:
-            chosen.extend(split(name, child, share, facts, keep_owners))
+            chosen.extend(split(name, child, share, facts, keep_owners, split_readers))
     return _drop_nested(chosen)
+
+
+class Search(NamedTuple):
+    """One way to cut a model into candidate units; the planner tries SEARCHES in order and
+    keeps the first plan that fits."""
+    called: bool                  # every called cell (called_units), else the blocks (block_units)
+    keep_owners: bool = False     # a cell owning parameters itself is never split
+    split_readers: bool = False   # a cell reading a sub-cell's weight is split (the root pins the weight)
+
+    def units(self, model, share, facts):
+        if self.called:
+            return called_units(model, share, facts, self.keep_owners, self.split_readers)
+        return block_units(model, share, facts, self.keep_owners)
+
+
+SEARCHES = (Search(False), Search(False, keep_owners=True),
+            Search(True), Search(True, keep_owners=True), Search(True, split_readers=True))
 
 
 def _drop_shared(units):

@@ -526,7 +526,8 @@ def test_a_refusal_names_what_binds_in_the_plan_closest_to_fitting(ms, kinds):
     whole in one plan and split, with the table pinned in the root, in another. Below the
     budget where the split plan fits, the refusal named the whole encoder ("kept whole",
     8 times the need) while a larger budget would be relieved by the root beside a layer:
-    the refusal now names what binds in the plan that needs the least."""
+    the refusal now names what binds in the plan that needs the least. (At 22% and 30% of
+    the weights, refused here before, the split plan now fits: tests/hooks/test_reader_cells.py.)"""
     nn = ms.nn
     Block = kinds[0]
 
@@ -553,7 +554,7 @@ def test_a_refusal_names_what_binds_in_the_plan_closest_to_fitting(ms, kinds):
 
     model = Net()
     total = nbytes(model)
-    for fraction in (0.22, 0.30):
+    for fraction in (0.10, 0.12):
         plan = plan_units(model, int(total * fraction), 0)
         with pytest.raises(BudgetError) as refused:
             plan.check_fits()
@@ -561,8 +562,11 @@ def test_a_refusal_names_what_binds_in_the_plan_closest_to_fitting(ms, kinds):
         assert "kept whole" not in message, message
         named = int(re.search(r"needs (\d+) bytes", message).group(1))
         assert named == plan.need() < total / 2, message
-        assert "the root is the larger part: it holds" in message and "encoder.positions" in message
+        # the stem beside the root, which holds the position table alone
+        assert plan.root.param_names == ["encoder.positions.embedding_table"], plan.format_table()
+        assert "unit 'encoder.stem'" in message and f"the root unit ({plan.root.nbytes} bytes)" in message
         assert plan_units(model, named, 0).fits()          # the need it names is what it needs
+    assert plan_units(model, int(total * 0.22), 0).fits()
 
 
 def test_a_single_layer_over_the_watermark_is_not_told_to_split(ms):
