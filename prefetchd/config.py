@@ -184,6 +184,12 @@ def _parse_ip(value, key):
 _HOST_RE = re.compile(r"^(\*|[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*)$")
 
 
+def is_tcp_port(text):
+    """True for a tcp endpoint's port as written: a number from 0 to 65535, or '*' (any: bind only).
+    The config parser and the clients' endpoint resolution (control/endpoints.py) share it."""
+    return text == "*" or (text.isascii() and text.isdigit() and int(text) <= 65535)
+
+
 def _parse_endpoint(value, key):
     """ipc://[path] or tcp://host:port, read now so that a bad one fails at load: the host
     an IPv4 address, an IPv6 address in brackets (tcp://[::1]:5555), '*' or a name."""
@@ -193,7 +199,7 @@ def _parse_endpoint(value, key):
     if not text.startswith("tcp://"):
         raise ConfigError(f"{key}: {text!r} is neither ipc://[path] nor tcp://host:port")
     host, sep, port = text[len("tcp://"):].rpartition(":")
-    if not sep or not (port == "*" or (port.isdigit() and int(port) <= 65535)):
+    if not sep or not is_tcp_port(port):
         raise ConfigError(f"{key}: {text!r} needs a port from 0 to 65535 (tcp://127.0.0.1:5555)")
     if host.startswith("[") and host.endswith("]"):
         try:

@@ -15,6 +15,7 @@ import random
 
 import zmq
 
+from ..config import is_tcp_port
 from ..errors import ConfigError
 from ..socket_dirs import (check_parent_dir, check_private_dir, ensure_private_dir, listener_at, private_socket_dir,
                            refuse_non_socket)
@@ -108,7 +109,7 @@ def resolve_endpoint(endpoint, name="default", *, bind=False, allow_remote=False
         host, port = split_tcp(endpoint)
         if host in ("", "localhost"):
             host = "127.0.0.1"
-        if not (port in ("", "*") or (port.isdigit() and int(port) <= 65535)):
+        if not (port == "" or is_tcp_port(port)):
             raise ConfigError(f"endpoint {endpoint!r}: the port must be a number from 0 to 65535 "
                               f"(tcp://127.0.0.1:5555)")
         if not bind and (port in ("", "*") or int(port) == 0):
