@@ -52,6 +52,7 @@ class WorkerSlot:
     start_error: str | None = None   # why it could not start, from its `failure` pipe
     failure: object = None           # read end of the pipe its start failure comes through
     exit_how: str | None = None      # how its last process ended: "exit 3", "signal 9"
+    hung_batches: int | None = None  # killed as hung (replace_hung): its batches, failed then
     spawned_at: float = 0.0
     retry_at: float | None = None    # given up: when it tries once more (WorkerPool.retry_due)
     retries: int = 0                 # of those, since it was last ready
@@ -170,15 +171,19 @@ class WorkerPool:
         store, then respawns it unless `respawn` is false or it failed to start too often."""
         slot.process.join(1.0)        # the sentinel fires just before the child is reapable
         code = slot.process.exitcode
-        if not slot.ready:
+        hung, slot.hung_batches = slot.hung_batches, None
+        if not slot.ready and hung is None:      # a worker killed as hung had started
             slot.start_failures += 1
         how = slot.exit_how = f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
         failure = _failure_of(slot)              # read (and closed) whether it was ready or not
-        slot.start_error = None if slot.ready else failure
+        slot.start_error = None if slot.ready or hung is not None else failure
         pid = slot.process.pid
         reason = f"worker {slot.index} (pid {pid}) died ({how}) while serving the request"
         jobs = list(slot.inflight.values())
-        if slot.ready or slot.start_error is None:
+        if hung is not None:
+            log.warning("prefetchd serve: worker %d (pid %s), killed as hung, ended (%s); its %d batches "
+                        "failed when it was replaced", slot.index, pid, how, hung)
+        elif slot.ready or slot.start_error is None:
             log.warning("prefetchd serve: worker %d (pid %s) died (%s); %d batches failed",
                         slot.index, pid, how, len(jobs))
         else:          # said once, by the front's error, or below once it gives up
@@ -226,6 +231,7 @@ class WorkerPool:
         slot.ready = False
         batches = list(slot.inflight.values())
         slot.inflight.clear()
+        slot.hung_batches = len(batches)
         try:
             os.kill(slot.pid, signal.SIGKILL)
         except (ProcessLookupError, TypeError):
@@ -242,8 +248,13 @@ class WorkerPool:
                 s.ctl = None
 
     def stop(self, deadline):
-        """Wait for the workers (they got STOP), then SIGTERM, then SIGKILL, by `deadline`."""
+        """Wait for the ready workers (they got STOP), then SIGTERM, then SIGKILL, by `deadline`.
+        One still starting got no STOP, and nothing it built is worth waiting for: SIGTERM
+        at once (it exits at once: worker._exit_on_sigterm)."""
         procs = [s.process for s in self.slots if s.process is not None]
+        for s in self.slots:
+            if s.process is not None and not s.ready and s.process.is_alive():
+                s.process.terminate()
         grace = time.monotonic() + min(3.0, max(0.0, deadline - time.monotonic()) / 2)
         for p in procs:
             p.join(max(0.0, grace - time.monotonic()))

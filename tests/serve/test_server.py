@@ -268,8 +268,8 @@ def _serve_cmd(name, model, store):
 
 
 def test_a_signal_while_workers_start_stops_the_server_at_once(tmp_path):
-    """SIGTERM while the workers are still building their models: the server stops within
-    seconds, not after start_timeout (180 s) with 'workers not ready'."""
+    """SIGTERM while the workers are still building their models: the server stops at once,
+    not after start_timeout (180 s) with 'workers not ready'."""
     env = _serve_env()
     cmd = _serve_cmd("slow", "_servables:slow_to_build", tmp_path)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -279,7 +279,9 @@ def test_a_signal_while_workers_start_stops_the_server_at_once(tmp_path):
         proc.send_signal(signal.SIGTERM)
         started = time.monotonic()
         code = proc.wait(30)
-        assert time.monotonic() - started < 15, proc.stderr.read()
+        # A worker still starting is sent SIGTERM at once (0.3 s here); it sat out the 3 s
+        # grace a ready worker gets after STOP, which it never got (5.1 s for an outside probe).
+        assert time.monotonic() - started < 2.5, proc.stderr.read()
         assert code == 0, proc.stderr.read()
         # The worker exited before its daemon closed: the front removed its socket files.
         from prefetchd.control.endpoints import runtime_dir

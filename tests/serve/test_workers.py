@@ -6,6 +6,7 @@ meanwhile; an `infer` argument the front does not know (`delay`) is refused, not
 One front with two real worker processes (spawned, each its own daemon and store); the tests
 run in file order and the last one shuts the front down.
 """
+import logging
 import os
 import secrets
 import signal
@@ -78,8 +79,9 @@ def test_a_killed_workers_store_is_removed_when_it_is_respawned(served):
     assert y.shape[:2] == (SPEC["batch"], SPEC["seq"]) and np.isfinite(y).all()
 
 
-def test_a_stopped_worker_is_found_by_its_heartbeat_and_routed_around(served):
+def test_a_stopped_worker_is_found_by_its_heartbeat_and_routed_around(served, caplog):
     front, root = served
+    caplog.set_level(logging.INFO, logger="prefetchd.serve")
     before = _workers(front)
     hung = before[1]
     hung_before = front.snapshot()["counters"].get("workers_hung", 0)
@@ -117,6 +119,11 @@ def test_a_stopped_worker_is_found_by_its_heartbeat_and_routed_around(served):
             pass
     after = _workers(front)
     assert after[1]["generation"] == hung["generation"] + 1
+    # Its death is logged as the kill of a hung worker, whose batches failed when it was
+    # replaced (it said "died (signal 9); 0 batches failed"), not as a start that failed.
+    deaths = [m for m in (r.getMessage() for r in caplog.records) if f"pid {hung['pid']})" in m]
+    assert any("killed as hung, ended (signal 9)" in m for m in deaths), deaths
+    assert not any("died" in m or "could not start" in m for m in deaths), deaths
     wait_until(lambda: f"worker-1-{hung['generation']}" not in _stores(root), 10)
 
 
