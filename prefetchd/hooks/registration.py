@@ -48,7 +48,7 @@ def register(daemon, model, params, tier, checkpoint):
         register_checkpoint(daemon, model, checkpoint=None if checkpoint is True else checkpoint)
         handles = {key: daemon.handle(p.name) for key, p in params.items()}
     else:
-        _refuse_taken_names(daemon, params.values())
+        _refuse_taken_names(daemon, model, params.values())
         if tier == "host":
             _refuse_beyond_the_host_budget(daemon, params.values())
         # All or none: a placement that fails (a full disk) leaves every parameter as it was.
@@ -78,7 +78,7 @@ def register_checkpoint(daemon, model, *, checkpoint=None):
     # Nothing reaches the live store before the file is known to fit the model: a name
     # another model of this daemon streams would be overwritten under it, and a file
     # that does not fit would replace good tensors and then be refused.
-    _refuse_taken_names(daemon, params)
+    _refuse_taken_names(daemon, model, params)
     if checkpoint is not None:
         _check_file(params, checkpoint)
         staging.stage_tensors(backend.store, staging.iter_checkpoint(checkpoint))
@@ -214,7 +214,7 @@ def _check_layout(p, shape, dtype_name, where):
                          f"(convert the checkpoint, or build the model in that dtype)")
 
 
-def _refuse_taken_names(daemon, params):
+def _refuse_taken_names(daemon, model, params):
     """Names are unique in one daemon: a clash is refused before any parameter is
     registered (one found midway left the earlier ones managed, and the model stuck).
     Models dropped unclosed give theirs back first."""
@@ -223,15 +223,17 @@ def _refuse_taken_names(daemon, params):
     taken = set(daemon.names())
     if any(p.name in taken for p in params) and _give_back_dropped(daemon, collect=True):
         taken = set(daemon.names())
-    seen = set()
+    seen = {}
     for p in params:
         if p.name in seen:
             raise DoubleRegisterError(
-                f"prefetchd.offload: two of this model's parameters are named {p.name!r} (names are unique "
-                f"in one daemon; MindSpore renames a parameter when a CellList holding it is sliced or "
-                f"extended, as `self.layers[:n]` in a construct does): give them their paths as names "
-                f"first, `for path, p in model.parameters_and_names(): p.name = path`; nothing was "
-                f"registered")
+                f"prefetchd.offload: two of this model's parameters are named {p.name!r}"
+                f"{_paths_of(model, seen[p.name], p)} (names are unique in one daemon; MindSpore renames a "
+                f"parameter when a CellList holding it is sliced or extended, as `self.layers[:n]` in a "
+                f"construct does, or when its cell is set as an attribute again, as "
+                f"`self.classifier = self.classifier.to_float(...)` does, which names the weight "
+                f"'classifier.weight'): give them their paths as names first, `for path, p in "
+                f"model.parameters_and_names(): p.name = path`; nothing was registered")
         if p.name in taken:
             raise DoubleRegisterError(
                 f"prefetchd.offload: a tensor named {p.name!r} is already registered (names are unique in "
@@ -239,13 +241,22 @@ def _refuse_taken_names(daemon, params):
                 f"same names its own daemon or a prefix, e.g. model.update_parameters_name('second.'); "
                 f"a loop whose `handle = prefetchd.offload(...)` still holds the last round's handle "
                 f"keeps that model: handle.close() or `del handle` first); nothing was registered")
-        seen.add(p.name)
+        seen[p.name] = p
         owner = managing_daemon(p)
         if owner is not None:
             raise DoubleRegisterError(
                 f"prefetchd.offload: parameter {p.name!r} is managed by prefetchd daemon {owner!r} (a "
                 f"model, or a Parameter it shares, is offloaded to one daemon at a time: close that "
                 f"handle first); nothing was registered")
+
+
+def _paths_of(model, *params):
+    """', at 'a.0.weight' and 'b.0.weight'': where in `model` the parameters are, or ''."""
+    paths = {}
+    for path, p in model.parameters_and_names():
+        paths.setdefault(id(p), path)
+    found = [paths[id(p)] for p in params if id(p) in paths]
+    return f", at {' and '.join(map(repr, found))}" if len(found) == len(params) else ""
 
 
 def _refuse_beyond_the_host_budget(daemon, params):

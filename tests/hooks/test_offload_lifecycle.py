@@ -374,13 +374,54 @@ def test_two_parameters_of_one_model_with_one_name_are_refused_with_the_rename_t
     names = [p.name for p in model.get_parameters()]
     assert len(set(names)) < len(names), names
     with prefetchd.Daemon(device_budget=budget(model, 0.5), store_dir=str(tmp_path / "s")) as daemon:
-        with pytest.raises(PrefetchdError, match=r"two of this model's parameters are named '0\.weight' .* "
+        with pytest.raises(PrefetchdError, match=r"two of this model's parameters are named '0\.weight', at "
+                                                 r"'a\.0\.weight' and 'b\.0\.weight' .* "
                                                  r"p\.name = path"):
             prefetchd.offload(model, daemon, lookahead=1)
         assert daemon.status()["tensors"] == 0
         for path, p in model.parameters_and_names():
             p.name = path
         prefetchd.offload(model, daemon, lookahead=1)
+        for _ in range(3):
+            np.testing.assert_array_equal(model(x).asnumpy(), want)
+
+
+def test_a_cell_set_again_in_its_construct_renames_and_the_refusal_says_where(ms, tmp_path, x):
+    """NLLB-MoE's router runs `self.classifier = self.classifier.to_float(...)` in its
+    construct: MindSpore names the weight 'classifier.weight' in both routers. The refusal
+    gave only CellList slicing as the cause; it names both paths and this cause too, and
+    the rename it gives streams (the construct's renames after offload() change nothing)."""
+    nn = ms.nn
+
+    class Router(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.classifier = nn.Dense(64, 64)
+
+        def construct(self, x):
+            self.classifier = self.classifier.to_float(ms.float32)
+            return self.classifier(x)
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.r1, self.r2 = Router(), Router()
+
+        def construct(self, x):
+            return self.r2(self.r1(x))
+
+    ms.set_seed(4)
+    model = Net()
+    want = model(x).asnumpy()
+    with prefetchd.Daemon(device_budget=budget(model, 0.75), store_dir=str(tmp_path / "s")) as daemon:
+        with pytest.raises(PrefetchdError) as refused:
+            prefetchd.offload(model, daemon, lookahead=0)
+        message = str(refused.value)
+        assert "named 'classifier.weight', at 'r1.classifier.weight' and 'r2.classifier.weight'" in message
+        assert "self.classifier = self.classifier.to_float(...)" in message, message
+        for path, p in model.parameters_and_names():
+            p.name = path
+        prefetchd.offload(model, daemon, lookahead=0)
         for _ in range(3):
             np.testing.assert_array_equal(model(x).asnumpy(), want)
 
