@@ -254,13 +254,13 @@ class WorkerPool:
         procs = [s.process for s in self.slots if s.process is not None]
         for s in self.slots:
             if s.process is not None and not s.ready and s.process.is_alive():
-                s.process.terminate()
+                _terminate(s.process)
         grace = time.monotonic() + min(3.0, max(0.0, deadline - time.monotonic()) / 2)
         for p in procs:
             p.join(max(0.0, grace - time.monotonic()))
         for p in procs:
             if p.is_alive():
-                p.terminate()              # SIGTERM: the worker closes its daemon and exits
+                _terminate(p)              # the worker closes its daemon and exits
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
@@ -279,6 +279,15 @@ class WorkerPool:
         for path in ipc_socket_files(slot.control):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def _terminate(process):
+    """SIGTERM, then SIGCONT: a stopped worker (SIGSTOP, a debugger let go) handles the
+    SIGTERM only once continued; without it, it sat out the whole deadline and was killed,
+    its daemon unclosed."""
+    process.terminate()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(process.pid, signal.SIGCONT)
 
 
 def _failure_of(slot):

@@ -6,6 +6,7 @@ meanwhile; an `infer` argument the front does not know (`delay`) is refused, not
 One front with two real worker processes (spawned, each its own daemon and store); the tests
 run in file order and the last one shuts the front down.
 """
+import contextlib
 import logging
 import os
 import secrets
@@ -162,6 +163,26 @@ def test_no_worker_store_is_left_after_a_clean_shutdown(served):
     front.close(15)
     assert not any(_alive(p) for p in pids)
     assert _stores(root) == []
+
+
+def test_a_stopped_worker_does_not_hold_up_the_shutdown(tmp_path):
+    """A worker stopped (SIGSTOP) when its front closes handled neither the STOP nor the
+    SIGTERM, so the close waited out its whole deadline (15-17 s for an outside probe) and
+    then killed it. The SIGTERM now comes with a SIGCONT: it exits after the STOP's grace."""
+    spec = ServeSpec(store_dir=str(tmp_path), **dict(SPEC, models=1))
+    front = Front(f"ipc://serve-stopped-{os.getpid()}-{secrets.token_hex(2)}.sock", workers=1, spec=spec,
+                  request_timeout=30.0, name=f"ss{os.getpid()}").start()
+    pid = _workers(front)[0]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        front.close(12)
+        took = time.monotonic() - started
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert not _alive(pid)
+    assert took < 8, took                    # the 3 s grace, then its own close
 
 
 def test_a_worker_whose_store_keeps_failing_is_picked_last():
