@@ -64,16 +64,20 @@ class PlannedUnit:
     params: list = field(default_factory=list)
     nbytes: int = 0
     size: object = param_nbytes                    # fn(Parameter) -> device bytes it reserves
+    # ids of `params`, kept beside it: rebuilt on every add_params, it was most of the time
+    # the budget hint's re-planning took (a 96-block model's refusal: 20 s)
+    _ids: set = field(default_factory=set, repr=False, compare=False)
 
     @property
     def param_names(self):
         return [p.name for p in self.params]
 
     def add_params(self, params):
-        seen = {id(p) for p in self.params}
+        if len(self._ids) != len(self.params):       # params given to the constructor
+            self._ids = {id(p) for p in self.params}
         for p in params:
-            if id(p) not in seen:
-                seen.add(id(p))
+            if id(p) not in self._ids:
+                self._ids.add(id(p))
                 self.params.append(p)
                 self.nbytes += self.size(p)
 
@@ -283,7 +287,7 @@ def _finish(model, units, all_params, high, lookahead, sizing, total, facts, exp
     root.add_params(p for p in all_params if id(p) not in in_units)
     # A unit's parameter that a construct running outside every unit reads directly
     # (a tied table read by the model's construct) is pinned by the root as well.
-    reads = [(expr, p) for cell in _outside_units(model, units) for expr, p in facts.direct_reads(cell)
+    reads = [(expr, p) for cell in _outside_units(model, units, facts) for expr, p in facts.direct_reads(cell)
              if id(p) in in_units]
     root.add_params(p for _, p in reads)
     share = max((high - root.nbytes) // (2 + sizing), 0)
@@ -291,10 +295,10 @@ def _finish(model, units, all_params, high, lookahead, sizing, total, facts, exp
                 root_reads=tuple(dict.fromkeys(expr for expr, _ in reads)))
 
 
-def _outside_units(model, units):
+def _outside_units(model, units, facts):
     """The cells whose constructs run outside every unit: the model and the cells above units."""
-    inside = {id(c) for u in units for _, cell in u.cells for _, c in cell.cells_and_names()}
-    return [cell for _, cell in model.cells_and_names() if id(cell) not in inside]
+    inside = {key for u in units for _, cell in u.cells for key in facts.subtree_ids(cell)}
+    return [cell for cell in facts.cells_of(model) if id(cell) not in inside]
 
 
 def _make_unit(name, cells, facts):
@@ -305,8 +309,7 @@ def _make_unit(name, cells, facts):
     # list attribute: `self._refs[0].weight`) runs while the unit is pinned: the weight is
     # pinned with it (a Parameter may be in several units, as a tied table is).
     for _, cell in cells:
-        for _, inner in cell.cells_and_names():
-            unit.add_params(p for _, p in facts.direct_reads(inner))
+        unit.add_params(facts.reads_within(cell))
     return unit
 
 

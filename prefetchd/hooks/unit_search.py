@@ -37,6 +37,7 @@ class Facts:
     def __init__(self, no_split, size, jit):
         self.no_split, self.size, self.jit = no_split, size, jit
         self._has_params, self._reads, self._params, self._nbytes = {}, {}, {}, {}
+        self._subtree, self._reads_within = {}, {}
 
     def has_params(self, cell):
         key = id(cell)
@@ -55,6 +56,23 @@ class Facts:
         if key not in self._reads:
             self._reads[key] = direct_reads(cell)
         return self._reads[key]
+
+    def cells_of(self, cell):
+        """`cell` and every cell under it, each once (cells_and_names' order)."""
+        key = id(cell)
+        if key not in self._subtree:
+            self._subtree[key] = [c for _, c in cell.cells_and_names()]
+        return self._subtree[key]
+
+    def subtree_ids(self, cell):
+        return [id(c) for c in self.cells_of(cell)]
+
+    def reads_within(self, cell):
+        """The Parameters that constructs of `cell` and the cells under it read directly."""
+        key = id(cell)
+        if key not in self._reads_within:
+            self._reads_within[key] = [p for inner in self.cells_of(cell) for _, p in self.direct_reads(inner)]
+        return self._reads_within[key]
 
     def reads_descendants(self, cell):
         """True if cell's construct reads a Parameter of one of its sub-cells directly."""
