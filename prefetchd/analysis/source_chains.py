@@ -57,6 +57,7 @@ _ITEM_ITERATORS = frozenset({"items", "values", "cells"})     # CellDict's, a Ce
 # Cell methods that yield its parameters (MindSpore's, and the torch spellings mindone keeps).
 _PARAM_ITERATORS = frozenset({"get_parameters", "trainable_params", "untrainable_params", "parameters_and_names",
                               "parameters_dict", "parameters", "named_parameters"})
+_NAMED_PARAM_ITERATORS = frozenset({"parameters_and_names", "named_parameters"})   # (name, parameter) pairs
 
 
 def is_passed(step):
@@ -173,6 +174,11 @@ class _Walker:
                 return None if inner is None else [set(), inner[0] if len(inner) == 1 else inner]
             if name in _PASS_ITEMS and node.args:
                 return self.items(node.args[0])
+        if self._is_param_iterator(node) and node.func.attr in _NAMED_PARAM_ITERATORS:
+            # (name, parameter): the name is a string. Bound to the parameters too, `m in name`
+            # (mindone.diffusers' get_parameter_dtype) read every weight of the model.
+            c = self.chain(node)
+            return None if c is None else [set(), {_item_of(x, ANY_ITEM) for x in c}]
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.args:
             # A cell container's own iterators: blocks.values() / .cells(), blocks.items() /
             # .name_cells().items() (name, cell), as a loop over the container's items.
