@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from .config_env import ENV_PREFIX, warn_unknown_env
 from .config_tables import check_tables
 from .errors import ConfigError
+from .limits import default_host_budget
 
 MAX_CONFIG_BYTES = 1 << 20  # a config file larger than this is not one
 
@@ -247,7 +248,7 @@ class Config:
     high_watermark: int | None = None     # reservations never exceed this (None -> 95% of budget)
     low_watermark: int | None = None      # eviction stops here (None -> 85% of the high watermark)
     host_budget: int | None = None        # bytes of host RAM (cache of the remote tier, host-tier
-                                          # tensors); None: auto, see _auto_host_budget
+                                          # tensors); None: auto, limits.default_host_budget
     store_dir: str | None = None          # remote tier directory (None -> a private temp dir)
     backend: str = "cpu"
     copy_streams: int = 2                 # 2: write-backs on a stream of their own; 1: one for both
@@ -387,7 +388,7 @@ class Config:
             raise ConfigError(f"rank: {self.rank} is outside the world of {self.world_size} ranks")
         object.__setattr__(self, "low_watermark", low)
         if self.host_budget is None:
-            object.__setattr__(self, "host_budget", _auto_host_budget(self))
+            object.__setattr__(self, "host_budget", default_host_budget(self.backend, self.device_budget))
 
     def replace(self, **changes):
         config = Config.from_dict({**self.as_dict(), **changes})
@@ -396,17 +397,6 @@ class Config:
 
     def as_dict(self):
         return dataclasses.asdict(self)
-
-
-def _auto_host_budget(config):
-    """The default host budget: half the memory this machine or its cgroup makes
-    available, less the device budget where the device tier is itself host RAM
-    (the cpu backend); never negative."""
-    from .limits import available_memory
-    half = available_memory().nbytes // 2
-    if config.backend == "cpu":
-        half -= config.device_budget
-    return max(0, half)
 
 
 _PARSERS = {}

@@ -98,6 +98,16 @@ def available_memory(proc="/proc", cgroup_root="/sys/fs/cgroup"):
     return best
 
 
+def default_host_budget(backend, device_budget):
+    """The host budget when none is set: half the memory this machine or its cgroup makes
+    available, less the device budget where the device tier is itself host RAM (the cpu
+    backend); never negative."""
+    half = available_memory().nbytes // 2
+    if backend == "cpu":
+        half -= device_budget
+    return max(0, half)
+
+
 def check_budgets(device_budget, host_budget, available=None):
     """Raise ConfigError (a ValueError) when device_budget + host_budget exceed what the process can be given.
 
