@@ -12,7 +12,11 @@ range(n)]`: its items, looped over or indexed, are the object itself; any other 
 of the list is a use of the object not followed), ending, where known, in how the
 object is used:
 
-- CALL: called here (`self.fc1(x)`, a method `self.embed(x)`);
+- CALL: called here (`self.fc1(x)`, a method `self.embed(x)`), then, for a method
+  whose result is itself called or returned (`self.get_input_embeddings()(ids)`),
+  CALL or RETURNED again: what happens to the result;
+- RETURNED: returned by the function (`return self.embed_tokens`): what the caller
+  does with it says whether it is read;
 - PASSED: a (PASSED, callee, slot) step: handed to a function, a method or a
   callable attribute as argument `slot` (a position or a keyword), where
   `callee` says how to find it: ("name", "helper"), ("dotted", ("mod", "fn")),
@@ -41,16 +45,9 @@ import functools
 import inspect
 import textwrap
 
-ANY_ITEM = "[*]"      # a chain step: any item (a loop over a container, a computed index)
-ANY_ATTR = ".*"       # a chain step: any attribute (getattr with a computed name)
-PARAMS = "<params>"   # a chain step: each parameter under the cell (cell.get_parameters())
-LISTED = "[...]"      # a chain step: a list or tuple of the object, built in the function
-SLICED = "[:]"        # a chain step: a slice of the container (its items, some of them, any order)
-SUPER = "super()"     # a chain's first step: super() in a method, the argument seen as its parent class
-CALL = "()"           # a chain step: the object is called here
-OPAQUE = "?"          # a chain step: the object is used in a way not followed (all its parameters)
-PASSED = "->"         # first item of a (PASSED, callee, slot) step: handed to a callee
-FORMATTED = "{}"      # a chain step: formatted into an f-string (a cell's repr reads no weights)
+from .chain_steps import (ANY_ATTR, ANY_ITEM, CALL, FORMATTED, LISTED, OPAQUE, PARAMS, PASSED, RETURNED, SLICED,
+                          SUPER, constant_index, item_of, union)
+
 _HARMLESS = frozenset({"len", "isinstance", "hasattr", "type", "id"})
 _PASS_ITEMS = frozenset({"reversed", "list", "tuple", "iter"})
 _ITEM_ITERATORS = frozenset({"items", "values", "cells"})     # CellDict's, a CellList's cells()
@@ -58,10 +55,6 @@ _ITEM_ITERATORS = frozenset({"items", "values", "cells"})     # CellDict's, a Ce
 _PARAM_ITERATORS = frozenset({"get_parameters", "trainable_params", "untrainable_params", "parameters_and_names",
                               "parameters_dict", "parameters", "named_parameters"})
 _NAMED_PARAM_ITERATORS = frozenset({"parameters_and_names", "named_parameters"})   # (name, parameter) pairs
-
-
-def is_passed(step):
-    return isinstance(step, tuple) and len(step) == 3 and step[0] == PASSED
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,7 +114,7 @@ class _Walker:
                 return None
             if isinstance(node.slice, ast.Slice):  # some of the container's items, renumbered
                 return {c if c and c[-1] in (LISTED, SLICED) else c + (SLICED,) for c in base}
-            return {_item_of(c, _constant_index(node.slice)) for c in base}
+            return {item_of(c, constant_index(node.slice)) for c in base}
         if self._is_getattr(node):
             base = self.chain(node.args[0])
             if base is None:
@@ -138,7 +131,7 @@ class _Walker:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "next" \
                 and len(node.args) == 1:
             per = self.items(node.args[0])
-            return None if per is None else _union(per)
+            return None if per is None else union(per)
         return None
 
     @staticmethod
@@ -178,7 +171,7 @@ class _Walker:
             # (name, parameter): the name is a string. Bound to the parameters too, `m in name`
             # (mindone.diffusers' get_parameter_dtype) read every weight of the model.
             c = self.chain(node)
-            return None if c is None else [set(), {_item_of(x, ANY_ITEM) for x in c}]
+            return None if c is None else [set(), {item_of(x, ANY_ITEM) for x in c}]
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.args:
             # A cell container's own iterators: blocks.values() / .cells(), blocks.items() /
             # .name_cells().items() (name, cell), as a loop over the container's items.
@@ -189,10 +182,10 @@ class _Walker:
                 return None if base is None else [set(), {c + (ANY_ATTR,) for c in base}]
             base = self.chain(owner) if method in _ITEM_ITERATORS else None
             if base is not None:
-                items = {_item_of(c, ANY_ITEM) for c in base}
+                items = {item_of(c, ANY_ITEM) for c in base}
                 return [set(), items] if method == "items" else [items]
         c = self.chain(node)
-        return None if c is None else [{_item_of(x, ANY_ITEM) for x in c}]
+        return None if c is None else [{item_of(x, ANY_ITEM) for x in c}]
 
     def listed(self, node):
         """The chains of the items of a list or tuple built of chains only (a display, or
@@ -226,7 +219,7 @@ class _Walker:
 
     def _bind_target(self, target, per):
         if isinstance(target, ast.Name):
-            chains = _union(per)
+            chains = union(per)
             if len(per) > 1:           # one name for a tuple of positions (`for pair in zip(a, b)`):
                 chains = {c + (LISTED,) for c in chains}     # pair[1] is any of them
             self.env.setdefault(target.id, set()).update(chains)
@@ -246,7 +239,7 @@ class _Walker:
                 continue
             if isinstance(node, ast.Name) and node.id in self.iterables:
                 if not self._is_loop_iter(node) and self._use(node) is not None:
-                    out |= {x + (OPAQUE,) for x in _union(self.iterables[node.id])}
+                    out |= {x + (OPAQUE,) for x in union(self.iterables[node.id])}
                 continue
             c = self.chain(node)
             if c is None or self._continued(node):
@@ -285,7 +278,7 @@ class _Walker:
             return ((PASSED, callee, parent.arg),)
         if isinstance(parent, ast.Call):
             if parent.func is node:
-                return (CALL,)
+                return (CALL,) + self._result_use(parent)
             if isinstance(parent.func, ast.Name) and parent.func.id in _HARMLESS:
                 return None
             if _is_iterating_call(parent) and self._is_loop_iter(parent):
@@ -304,10 +297,22 @@ class _Walker:
             return None                               # bound to a name; its uses count
         if self._is_bound_list_item(node, parent):
             return None                               # `layers = [self.a, self.b]`: the list's uses count
+        if isinstance(parent, ast.Return) and parent.value is node:
+            return (RETURNED,)
         if isinstance(parent, ast.Compare) and all(isinstance(op, (ast.Is, ast.IsNot)) for op in parent.ops):
             return None                               # `self.head is None` (`w[0] > 0` reads w)
         if self._only_tested(node):
             return None                               # `if self.downsample:`, `if self.a and self.b:`
+        return ()
+
+    def _result_use(self, call):
+        """(CALL,) if `call`'s result is called at once (`self.get_input_embeddings()(ids)`),
+        (RETURNED,) if it is returned, else ()."""
+        parent = self.parent.get(id(call))
+        if isinstance(parent, ast.Call) and parent.func is call:
+            return (CALL,)
+        if isinstance(parent, ast.Return) and parent.value is call:
+            return (RETURNED,)
         return ()
 
     def _only_tested(self, node):
@@ -417,31 +422,6 @@ def _is_iterating_call(node):
         and node.func.id in _PASS_ITEMS | {"zip", "enumerate"}
 
 
-def _union(per):
-    """Every chain of a loop target's positions (items()), nested ones included."""
-    return set().union(*[_union(p) if isinstance(p, list) else p for p in per])
-
-
 def _to_names(assign):
     """Whether an assignment binds its value to plain names only (`a = b = value`)."""
     return all(isinstance(t, ast.Name) for t in assign.targets)
-
-
-def _constant_index(index):
-    """A subscript's constant index (an int, negative ones included, or a str), else ANY_ITEM."""
-    if isinstance(index, ast.Constant) and isinstance(index.value, (int, str)) \
-            and not isinstance(index.value, bool):
-        return index.value
-    if isinstance(index, ast.UnaryOp) and isinstance(index.op, ast.USub) \
-            and isinstance(index.operand, ast.Constant) and type(index.operand.value) is int:
-        return -index.operand.value
-    return ANY_ITEM
-
-
-def _item_of(chain, step):
-    """The chain of an item (`step`: an index, or ANY_ITEM) of what `chain` stands for: of a
-    list the function built (LISTED), the object it was built of; of a slice (SLICED), any
-    item of the container it was taken of (its indexes are renumbered)."""
-    if chain and chain[-1] == SLICED:
-        chain, step = chain[:-1], ANY_ITEM
-    return chain[:-1] if chain and chain[-1] == LISTED else chain + (step,)

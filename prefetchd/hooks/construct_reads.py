@@ -44,8 +44,9 @@ import functools
 import inspect
 import types
 
-from ..analysis.source_chains import (ANY_ATTR, ANY_ITEM, CALL, FORMATTED, LISTED, OPAQUE, PARAMS, SLICED,
-                                      SUPER, chains, is_passed)
+from ..analysis.chain_steps import (ANY_ATTR, ANY_ITEM, CALL, FORMATTED, LISTED, OPAQUE, PARAMS, RETURNED, SLICED,
+                                    SUPER, is_passed)
+from ..analysis.source_chains import chains
 from ..backend import framework
 
 # Attributes and methods of a Parameter that read no bytes from its storage.
@@ -88,25 +89,28 @@ def _hook_reads(cell, hook, found, seen):
         found.setdefault(pid, (expr + where, p))
 
 
-def _collect(root, function, arg, prefix, found, depth, seen):
+def _collect(root, function, arg, prefix, found, depth, seen, result_called=False):
     """Resolve the chains of `function` from its argument `arg` (None: the first) bound to
-    `root`, each prefixed with `prefix`. False if its source cannot be read."""
-    key = (function, id(root), arg, prefix)
+    `root`, each prefixed with `prefix`. result_called: the caller calls what `function`
+    returns (a cell returned is then a call, its hooks fire). False if its source cannot be read."""
+    key = (function, id(root), arg, prefix, result_called)
     if key in seen:
         return True
     seen.add(key)
     steps = chains(function, arg)
     if steps is None:
         inner = _wrapped(function) if arg is None else None
-        return inner is not None and _collect(root, inner, arg, prefix, found, depth, seen)
+        return inner is not None and _collect(root, inner, arg, prefix, found, depth, seen, result_called)
     for chain in steps:
         for expr, obj, rest in resolve(root, prefix + chain, function):
-            _note(root, function, expr, obj, rest, found, depth, seen)
+            _note(root, function, expr, obj, rest, found, depth, seen, result_called)
     return True
 
 
-def _note(root, function, expr, obj, rest, found, depth, seen):
+def _note(root, function, expr, obj, rest, found, depth, seen, result_called=False):
     ms = framework.mindspore()
+    if rest and rest[0] == RETURNED and result_called and isinstance(obj, ms.nn.Cell):
+        return                                       # the caller calls it: its hooks fire
     if isinstance(obj, ms.Parameter):
         if not (rest and rest[0] in METADATA | {CALL}):
             found.setdefault(id(obj), (expr, obj))
@@ -115,7 +119,7 @@ def _note(root, function, expr, obj, rest, found, depth, seen):
             return                                   # its repr names its class, reads no weight
         if rest and is_passed(rest[0]):
             _follow_passed(root, function, expr, obj, rest[0], found, depth, seen)
-        elif not rest or rest[0] == OPAQUE:         # not called: what reads it is not known
+        elif not rest or rest[0] in (OPAQUE, RETURNED):   # not called: what reads it is not known
             _all_read(obj, f"{expr} (used other than called)", found)
     elif rest and rest[0] == CALL and inspect.ismethod(obj) and isinstance(obj.__self__, ms.nn.Cell):
         # A method of a cell called directly: its hooks do not run, so its body reads as ours.
@@ -126,8 +130,12 @@ def _note(root, function, expr, obj, rest, found, depth, seen):
         if depth >= MAX_INLINE:
             _all_read(owner, f"{expr}() (not followed deeper)", found)
             return
+        # `self.get_input_embeddings()(ids)`: what the method returns is called (or returned
+        # by a method whose result is called)
+        then = rest[1:2]
+        called = then == (CALL,) or (then == (RETURNED,) and result_called)
         inner = {}
-        if not _collect(owner, method, None, (), inner, depth + 1, seen):
+        if not _collect(owner, method, None, (), inner, depth + 1, seen, called):
             _all_read(owner, f"{expr}() (its source cannot be read)", found)
         for pid, (e, p) in inner.items():
             found.setdefault(pid, (base + e[len("self"):], p))
@@ -358,7 +366,7 @@ def resolve(root, chain, function=None):
     out = []
 
     def follow(obj, expr, i):
-        if isinstance(obj, ms.Parameter) or i == len(chain) or chain[i] in (CALL, OPAQUE, FORMATTED) \
+        if isinstance(obj, ms.Parameter) or i == len(chain) or chain[i] in (CALL, OPAQUE, FORMATTED, RETURNED) \
                 or is_passed(chain[i]):
             out.append((expr, obj, chain[i:]))
             return

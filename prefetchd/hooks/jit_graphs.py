@@ -20,7 +20,8 @@ so none of them, nor any cell under them, may carry a prefetchd hook.
 """
 import inspect
 
-from ..analysis.source_chains import CALL, chains
+from ..analysis.chain_steps import CALL
+from ..analysis.source_chains import chains
 from ..backend import framework
 from ..errors import PrefetchdError
 from .construct_reads import MAX_INLINE, is_framework, is_jit, resolve

@@ -3,8 +3,10 @@
 weights in place from its own construct). The planner kept such a cell whole, so a Whisper
 encoder or an RWKV body was one unit of most of the model and offload() was refused at
 budgets its cells fit. Now, where keeping it whole does not fit, the cell is split into its
-sub-cells' units and the root pins only the weights it reads. On real MindSpore models
-through a real daemon, every pass equals the resident model bit for bit."""
+sub-cells' units and the root pins only the weights it reads. And a cell a method returns,
+which the construct then calls (Llava's `self.get_input_embeddings()(input_ids)`), is a call,
+not a read. On real MindSpore models through a real daemon, every pass equals the resident
+model bit for bit."""
 import numpy as np
 
 import prefetchd
@@ -92,11 +94,11 @@ def classes(ms):
         def construct(self, ids):
             return self.head(self.rwkv(ids))
 
-    return SpeechToText, RescaledLM
+    return SpeechToText, RescaledLM, MLP
 
 
 def test_an_encoder_reading_its_position_table_is_split_and_the_table_pinned(ms, tmp_path):
-    SpeechToText, _ = classes(ms)
+    SpeechToText, *_ = classes(ms)
     rng = np.random.default_rng(0)
     features = ms.Tensor(rng.standard_normal((2, MELS, T)).astype(np.float32))
     ids = ms.Tensor(rng.integers(1, V, (2, 6)).astype(np.int32))
@@ -111,7 +113,7 @@ def test_a_model_rescaling_its_blocks_in_place_streams_and_writes_back(ms, tmp_p
     """The rescale runs in the offloaded model's first pass: the weights it writes are pinned
     in the root (read by the model's construct) and written back; passes and the weights
     afterwards equal a resident twin's."""
-    _, RescaledLM = classes(ms)
+    _, RescaledLM, _ = classes(ms)
 
     def build():
         ms.set_seed(1)
@@ -137,3 +139,68 @@ def test_a_model_rescaling_its_blocks_in_place_streams_and_writes_back(ms, tmp_p
             with daemon.use([q]):
                 np.testing.assert_array_equal(q.asnumpy(), p.asnumpy(), err_msg=name)
         handle.close()
+
+
+def test_an_embedding_a_method_returns_and_the_construct_calls_streams(ms, tmp_path):
+    """Llava's construct calls `self.get_input_embeddings()(input_ids)`, a chain of methods
+    each returning the next one's result, the last the embedding cell. The returned cell was
+    taken as used other than called: its table (28% of a tiny Llava) was pinned in the
+    root, refused at 50%, units= too (an outside probe). Called, its hooks fire (the root's
+    calls: prefetchd/hooks/root_calls.py), and it streams as a unit."""
+    from prefetchd.hooks.construct_reads import direct_reads
+    nn, ops = ms.nn, ms.ops
+    *_, MLP = classes(ms)
+
+    class TextModel(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(V, D)
+            self.layers = nn.CellList([MLP() for _ in range(2)])
+
+        def get_input_embeddings(self):
+            return self.embed_tokens
+
+        def construct(self, inputs_embeds):
+            x = inputs_embeds
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    class CausalLM(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.model, self.lm_head = TextModel(), nn.Dense(D, V, has_bias=False)
+
+        def get_input_embeddings(self):
+            return self.model.get_input_embeddings()
+
+        def construct(self, inputs_embeds):
+            return self.lm_head(self.model(inputs_embeds))
+
+    class Llava(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.vision, self.language_model = nn.Dense(48, D), CausalLM()
+
+        def get_input_embeddings(self):
+            return self.language_model.get_input_embeddings()
+
+        def construct(self, ids, pixels):
+            inputs_embeds = self.get_input_embeddings()(ids)
+            return self.language_model(inputs_embeds=ops.cat([self.vision(pixels), inputs_embeds], axis=1))
+
+    class Leaky(Llava):                  # the returned cell used other than called: all read
+        def construct(self, ids, pixels):
+            table = self.get_input_embeddings()
+            return self.language_model(inputs_embeds=ops.gather(table.embedding_table, ids, 0))
+
+    ms.set_seed(2)
+    model = Llava()
+    assert direct_reads(model) == []
+    leaked = [e for e, _ in direct_reads(Leaky())]
+    assert leaked == ["self.language_model.model.embed_tokens (used other than called)"], leaked
+    rng = np.random.default_rng(2)
+    inputs = (ms.Tensor(rng.integers(1, V, (2, 6)).astype(np.int32)),
+              ms.Tensor(rng.standard_normal((2, 3, 48)).astype(np.float32)))
+    plan, _ = stream_and_compare(model, [inputs], str(tmp_path / "s"), fraction=0.4, lookahead=0)
+    assert not plan.root.params and "language_model.model.embed_tokens" in [u.name for u in plan.units]
