@@ -7,6 +7,7 @@ Modules, by role (imports point down this list, never up):
     pass_boundaries  where a pass begins and ends: the model's own hooks
     handle_readings  what the handle tells its user: plan, trace, stats()
     reload           load_param_into_net: new values for an offloaded model, between its passes
+    replaced         Parameters the model replaced after offload(), said once
     registration     the planned parameters handed to the daemon, once; register_checkpoint
     passes           the recording pass and the streamed passes the hooks drive
     pass_turn        whose turn it is to run a pass (one thread at a time)

@@ -19,6 +19,7 @@ from .outer_calls import OuterCalls, outer_cells
 from .parts import PartProbes
 from .pass_boundaries import PassBoundaries
 from .pass_turn import PassTurn
+from .replaced import ReplacedParams
 from .passes import RecordingPass, StreamingPass
 from .root_calls import hook_root_cells
 from .planner import fitting_plan
@@ -95,6 +96,7 @@ class Offloaded(refusals.NotCopyable, PassBoundaries, HandleReadings):
                            [c for _, cell in planned.cells for _, c in cell.cells_and_names()])
                       for i, planned in enumerate(plan.units)]
         self._by_cell = {id(cell): unit for unit in self.units for cell in unit.cells}
+        self._replaced = ReplacedParams(self.model, params.values())
 
     def _install_hooks(self):
         model = self.model

@@ -68,6 +68,7 @@ class PassBoundaries:
         recording = self._pass.recording
         output = self._views.copied(self.root, cell, output, recording)
         self._pins.release_all(first_tensor(output))
+        self._replaced.check()            # a Parameter the pass replaced: said once
         if recording and self._ran == 0 and self.units:
             # A pass that ran none of the units (embeddings only, every block skipped) read
             # none of their weights and has no order to record: the next pass records it.

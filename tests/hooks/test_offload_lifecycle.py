@@ -1,6 +1,7 @@
 """What happens around an offload: a closed handle, a second offload of the same model
 or of its parameters, a closed daemon, a store_dir that is a file. Each must be a clear
 Python error that leaves the first offload working, never a read of unmapped pages."""
+import logging
 import sys
 
 import numpy as np
@@ -424,6 +425,28 @@ def test_a_cell_set_again_in_its_construct_renames_and_the_refusal_says_where(ms
         prefetchd.offload(model, daemon, lookahead=0)
         for _ in range(3):
             np.testing.assert_array_equal(model(x).asnumpy(), want)
+
+
+def test_a_parameter_replaced_after_offload_is_computed_with_and_said_once(ms, tmp_path, x, caplog):
+    """`cell.weight = Parameter(...)` after offload() (Speech2Text regrows its positions so in
+    its forward): the cell computes with the new one, which prefetchd does not manage (in
+    RAM, outside device_budget), while the old one still streamed. Nothing said so; now one
+    warning at the end of the pass that replaced it, naming it and what to do."""
+    resident, model = stack(ms), stack(ms)
+    new = np.full((64, 64), 0.01, np.float32)
+    with prefetchd.Daemon(device_budget=budget(model), store_dir=str(tmp_path / "s")) as daemon:
+        prefetchd.offload(model, daemon, lookahead=1)
+        model(x)
+        caplog.set_level(logging.WARNING, logger="prefetchd.hooks")
+        for net in (resident, model):
+            net[2][0].weight = ms.Parameter(ms.Tensor(new), name="2.0.weight")
+            net[4][0].has_bias, net[4][0].bias = False, None
+        for _ in range(3):
+            np.testing.assert_array_equal(model(x).asnumpy(), resident(x).asnumpy())
+    said = [r.getMessage() for r in caplog.records if "after offload()" in r.getMessage()]
+    assert len(said) == 2, said                  # once each, not once a pass
+    assert "'2.0.weight' was replaced by a Parameter prefetchd does not manage (16384 bytes" in said[0], said
+    assert "'4.0.bias' was set to None" in said[1], said
 
 
 def test_cells_replaced_after_offload_and_a_closed_daemon_are_named(ms, tmp_path, x, monkeypatch):
