@@ -108,12 +108,20 @@ def test_a_metrics_address_that_is_no_ip_address_is_refused_at_load(addr):
     ("tcp://[::g]:5555", r"'\[::g\]' in 'tcp://\[::g\]:5555' is not an IPv6 address"),
     ("tcp://127.0.0.1", "needs a port from 0 to 65535"),
     ("tcp://127.0.0.1:70000", "needs a port from 0 to 65535"),
+    ("tcp://127.0.0.1:\u0665\u0665\u0665\u0665", "needs a port from 0 to 65535"),   # Arabic-Indic 5555: isdigit()
     ("tcp://exa mple:5555", "is not an address or a host name"),
     ("udp://127.0.0.1:5555", "is neither ipc://"),
 ])
 def test_a_bad_endpoint_is_refused_at_load(endpoint, says):
     with pytest.raises(ConfigError, match="endpoint: .*" + says):
         Config.load(env={}, endpoint=endpoint)
+
+
+def test_a_client_refuses_a_port_of_non_ascii_digits_as_the_config_does():
+    from prefetchd.control.endpoints import resolve_endpoint
+    assert resolve_endpoint("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:5555"
+    with pytest.raises(ConfigError, match="the port must be a number from 0 to 65535"):
+        resolve_endpoint("tcp://127.0.0.1:\u0665\u0665\u0665\u0665")
 
 
 def test_ipv6_loopback_is_served_and_exported(store_dir, ms):
